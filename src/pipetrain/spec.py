@@ -7,9 +7,10 @@ Grammar (one string, no spaces needed)::
     PKG.MOD:FACTORY           factory imported by name       mypkg.nets:make_net
     PKG.MOD:FACTORY:k=v,...   factory with keyword options   mypkg.nets:make_net:width=64
 
-A spec is a factory reference when the text after the first ``:`` starts with an identifier that is
-not followed by ``=``; otherwise it is a built-in name with options. A module without a dot
-(``mymodule:factory``) is a factory reference too.
+A spec is a factory reference when its first part is not a built-in name and the text after the
+first ``:`` starts with an identifier that is not followed by ``=``; otherwise it is a built-in name
+with options. A module without a dot (``mymodule:factory``) is a factory reference too, unless it
+is spelled like a built-in (``mlp:depth`` is a malformed built-in spec, not module ``mlp``).
 
 Values are parsed in this order: ``true``/``false`` (any case) -> bool, ``none`` -> None, an integer,
 a float, a ``/``-separated list whose every item is a number (``64/128/256`` -> ``[64, 128, 256]``),
@@ -114,7 +115,8 @@ def parse_spec(text: str, *, builtins: Iterable[str] | None = None, kind: str = 
     head, colon, tail = text.partition(":")
     head = head.strip()
     first = re.split(r"[:,]", tail, maxsplit=1)[0] if colon else ""
-    is_factory = colon and "=" not in first and first.strip() != ""
+    known = builtins is not None and head in set(builtins)
+    is_factory = colon and not known and "=" not in first and first.strip() != ""
     if is_factory:
         factory, _, options = tail.partition(":")
         factory = factory.strip()

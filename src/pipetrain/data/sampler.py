@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -27,8 +28,12 @@ __all__ = ["BatchSampler", "epoch_seed"]
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
-    """Seed of the shuffling generator of ``epoch``: ``seed * 2**32 + epoch``."""
-    return seed * 2**32 + epoch
+    """Seed of the shuffling generator of ``epoch``, mixed from ``(seed, epoch)`` into 32 bits.
+
+    ``int(numpy.random.SeedSequence([seed, epoch]).generate_state(1)[0])``: torch's CPU generator
+    keeps only the low 32 bits of a seed, so a plain ``seed * 2**32 + epoch`` would ignore ``seed``.
+    """
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
 class BatchSampler:

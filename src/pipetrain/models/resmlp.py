@@ -37,7 +37,7 @@ def resmlp(
     num_classes: int,
     depth: int = 16,
     width: int = 64,
-    norm: str = "group",
+    norm: str | None = "group",
     groups: int = 8,
     act: str = "gelu",
     expansion: int = 1,
@@ -56,7 +56,7 @@ def resmlp(
     width = check_int("resmlp", "width", width, 1)
     groups = check_int("resmlp", "groups", groups, 1)
     expansion = check_int("resmlp", "expansion", expansion, 1)
-    norm = check_choice("resmlp", "norm", norm, ("group", "layer", "none"))
+    norm = check_choice("resmlp", "norm", "none" if norm is None else norm, ("group", "layer", "none"))
     act_type = _ACTIVATIONS[check_choice("resmlp", "act", act, tuple(_ACTIVATIONS))]
     shape, features = input_features(input_shape)
     stem = nn.Linear(features, width)
