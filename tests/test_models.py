@@ -100,7 +100,7 @@ def test_per_sample_arithmetic(spec):
     [
         ("mlp:depth=-1", "depth must be an integer >= 0"),
         ("mlp:width=2.5", "width"),
-        ("mlp:widht=3", "accepted: input_shape, num_classes, depth, width"),
+        ("mlp:widht=3", "accepted: depth, width. Did you mean 'width'"),
         ("resmlp:norm=batch", "norm must be one of group, layer, none"),
         ("resmlp:width=12,groups=8", "groups=8 must divide"),
         ("resmlp:act=tanh", "act"),

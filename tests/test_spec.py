@@ -185,3 +185,5 @@ def test_call_factory_extras_only_when_accepted():
     assert call_factory(wide, {}, extra=extra) == {"width": 1, "num_classes": 10}
     assert call_factory(anything, {"a": 1}, extra=extra) == {"a": 1, "num_classes": 10}
     assert call_factory(wide, {"num_classes": 3}, extra=extra)["num_classes"] == 3
+    with pytest.raises(ConfigError, match=r"accepted: width\."):
+        call_factory(wide, {"depth": 3}, extra=extra)

@@ -237,11 +237,12 @@ def call_factory(
         if not var_kw:
             unknown = [k for k in kwargs if k not in accepted]
             if unknown:
-                close = difflib.get_close_matches(unknown[0], accepted, n=1)
+                options = [a for a in accepted if a not in (extra or {})]  # extras come from pipetrain
+                close = difflib.get_close_matches(unknown[0], options, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(
                     f"{what} does not accept option {unknown[0]!r}; accepted: "
-                    f"{', '.join(accepted) if accepted else '(none)'}.{hint}"
+                    f"{', '.join(options) if options else '(none)'}.{hint}"
                 )
         try:
             signature.bind(**call_kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import numpy as np
@@ -69,8 +70,6 @@ def split_indices(n: int, test_fraction: float = DEFAULT_TEST_FRACTION) -> tuple
 
 
 def _accepts_split(factory: Callable[..., Any]) -> bool:
-    import inspect
-
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
