@@ -110,7 +110,9 @@ def simulate(h: float, momentum: float, delay: int, method: str, steps: int) -> 
     return out
 
 
-def simulate_optimizer(h: float, momentum: float, delay: int, method: str, steps: int) -> list[float]:
+def simulate_optimizer(
+    h: float, momentum: float, delay: int, method: str, steps: int
+) -> list[float]:
     """w_n of pipetrain's own SGD (lam = 1, lr = h): forward at version n-D, predicted with LWP."""
     import torch
 
@@ -180,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--momenta", default="0.9,0.999177")
     parser.add_argument("--delays", default="1,4,16,64")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "RESULTS-optim.md"),
-                        help="markdown file to write ('-' for none)")
+    default_out = os.path.join(os.path.dirname(__file__), "RESULTS-optim.md")
+    parser.add_argument("--out", default=default_out, help="markdown file to write ('-': none)")
     args = parser.parse_args(argv)
     momenta = [float(x) for x in args.momenta.split(",")]
     delays = [int(x) for x in args.delays.split(",")]
@@ -192,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     for momentum in momenta:
         lines.append(f"\nm = {momentum}  (no delay: h < 2(1+m) = {2 * (1 + momentum):.4g}; "
                      f"(1-m)/D shown for reference)\n")
-        lines.append("| D | (1-m)/D | none | sc | lwp | sc+lwp | sc/none | lwp/none | sc+lwp/none |")
+        lines.append(
+            "| D | (1-m)/D | none | sc | lwp | sc+lwp | sc/none | lwp/none | sc+lwp/none |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for delay in delays:
             h = {method: max_stable_h(momentum, delay, method) for method in METHODS}
@@ -214,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                       + _cross_check(momentum, delay, method, h_max))
     total = time.perf_counter() - start
 
-    command = "PYTHONPATH=src python benchmarks/quadratic.py" + (
-        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv))
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["PYTHONPATH=src python benchmarks/quadratic.py", *given])
     body = "\n".join(lines + checks + [""] + _summary(bounds))
     print(body)
     print(f"\ntable {table_seconds:.1f} s, total {total:.1f} s")

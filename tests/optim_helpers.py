@@ -1,4 +1,4 @@
-"""Shared helpers of the optim tests: a small model trained by torch.optim and by pipetrain.optim."""
+"""Helpers of the optim tests: one small model trained by torch.optim and by pipetrain.optim."""
 
 from __future__ import annotations
 

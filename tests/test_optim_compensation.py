@@ -31,8 +31,11 @@ def test_spike_coefficients():
         spike_coefficients(0.9, -1)
 
 
-@pytest.mark.parametrize("settings", [dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9,
-                                       weight_decay=1e-2), dict(lr=0.05, momentum=0.9, dampening=0.2)])
+@pytest.mark.parametrize("settings", [
+    dict(lr=0.05, momentum=0.9),
+    dict(lr=0.05, momentum=0.9, weight_decay=1e-2),
+    dict(lr=0.05, momentum=0.9, dampening=0.2),
+])
 def test_sc_delay_zero_is_torch_momentum_bitwise(settings):
     compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, **settings),
                        SGD(**settings, sc_delay=0))

@@ -53,7 +53,7 @@ def test_inputs_untouched_and_outputs_new_leaves():
 
 
 def test_autograd_saved_weights_survive_an_update():
-    """The reason the optimizer is functional: a backward after a step still sees the old weights."""
+    """Why the optimizer is functional: a backward after a step still sees the old weights."""
     model = small_model()
     params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
     x, y = next(batches(1))

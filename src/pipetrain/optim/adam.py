@@ -29,7 +29,8 @@ class Adam(StageOptimizer):
     Linear Weight Prediction uses the Adam step direction: :meth:`velocity` is the update of the
     latest step per unit learning rate, ``m_hat/(sqrt(s_hat) + eps)`` from the current moments
     (AdamW adds its decoupled decay, see :class:`AdamW`). Spike Compensation is defined for
-    momentum SGD only and is refused for Adam by :func:`~pipetrain.optim.spec.build_stage_optimizer`.
+    momentum SGD only and is refused for Adam by
+    :func:`~pipetrain.optim.spec.build_stage_optimizer`.
     """
 
     name = "adam"

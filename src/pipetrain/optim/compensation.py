@@ -9,7 +9,8 @@ weights D updates old (D = D_s = 2(S-1-s) for Pipelined Backpropagation).
   ``lr*(1, m, m**2, ...)``; with delay D the first D terms come too late, so SC applies their sum
   ``b`` at once as a spike and scales the tail by ``a``. The impulse response becomes the
   undelayed one shifted by D (lr=1, m=0.9, D=4: 4.0951, 4.6856, 5.2170, ... -> 10). D=0 is plain
-  momentum, D=1 is exactly Nesterov momentum. The update is done in :class:`~pipetrain.optim.sgd.SGD`.
+  momentum, D=1 is exactly Nesterov momentum. The update is done in
+  :class:`~pipetrain.optim.sgd.SGD`.
 * **Linear Weight Prediction (LWP)**: the forward pass reads ``w_hat = w - lr*T*v`` (horizon T,
   default D): a guess of the weights at the time the gradient will be applied. See
   :meth:`~pipetrain.optim.base.StageOptimizer.predict`.

@@ -56,7 +56,9 @@ def as_float(key: str, value: str) -> float:
     try:
         number = float(value)
     except ValueError:
-        raise ConfigError(f"option {key}={value!r} must be a number, for example {key}=0.1") from None
+        raise ConfigError(
+            f"option {key}={value!r} must be a number, for example {key}=0.1"
+        ) from None
     if not math.isfinite(number):
         raise ConfigError(f"option {key}={value!r} must be a finite number")
     return number
@@ -66,7 +68,9 @@ def as_count(key: str, value: str) -> int:
     """A whole number of samples; ``1e6`` and ``1_000_000`` are accepted."""
     number = as_float(key, value.replace("_", ""))
     if number != int(number) or number < 0:
-        raise ConfigError(f"option {key}={value!r} must be a whole number >= 0 (a count of samples)")
+        raise ConfigError(
+            f"option {key}={value!r} must be a whole number >= 0 (a count of samples)"
+        )
     return int(number)
 
 

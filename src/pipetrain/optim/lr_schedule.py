@@ -75,7 +75,7 @@ class ConstantLR(LRSchedule):
 
 @dataclass(frozen=True, kw_only=True)
 class StepLR(LRSchedule):
-    """Multiply by ``gamma`` at each milestone: factor ``gamma ** #(milestones <= samples_seen)``."""
+    """Multiply by ``gamma`` at each milestone: ``gamma ** #(milestones <= samples_seen)``."""
 
     milestones: tuple[int, ...] = ()
     gamma: float = 0.1

@@ -33,7 +33,7 @@ def translate_hyperparameters(
     *,
     target_batch_size: int = 1,
 ) -> TranslatedHyperparameters:
-    """Settings for ``target_batch_size`` (default 1) equivalent to (lr, momentum) at ``batch_size``.
+    """Settings for ``target_batch_size`` (default 1) equal in effect to (lr, momentum) at B.
 
     Keeps the momentum memory measured in samples (``m_b**(1/b) = m_B**(1/B)``) and the update
     size per sample in steady state (``lr_b/(b*(1 - m_b)) = lr_B/(B*(1 - m_B))``), for losses
