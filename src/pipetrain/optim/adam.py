@@ -62,7 +62,7 @@ class Adam(StageOptimizer):
         self.amsgrad = bool(amsgrad)
 
     @property
-    def state_slots(self) -> int:  # type: ignore[override]
+    def state_slots(self) -> int:
         return 3 if self.amsgrad else 2
 
     def _update(self, name: str, param: Tensor, grad: Tensor, lr: float) -> Tensor:

@@ -39,8 +39,6 @@ class StageOptimizer(ABC):
 
     #: Short name used in specs and state dicts (``"sgd"``, ``"adam"``, ``"adamw"``).
     name: ClassVar[str]
-    #: Parameter-sized state tensors kept per parameter (for memory models).
-    state_slots: ClassVar[int]
 
     def __init__(
         self, lr: float, *, lr_schedule: LRSchedule | None = None, lwp_horizon: float = 0.0
@@ -56,6 +54,11 @@ class StageOptimizer(ABC):
         self.steps = 0
         #: Per-parameter state: name -> {"buffer name": tensor or int}.
         self.state: dict[str, dict[str, Any]] = {}
+
+    @property
+    @abstractmethod
+    def state_slots(self) -> int:
+        """Parameter-sized state tensors kept per parameter (for memory models)."""
 
     # -- learning rate ---------------------------------------------------------------------------
 
@@ -106,7 +109,8 @@ class StageOptimizer(ABC):
         """The direction of the latest update per unit learning rate (``None`` before any update).
 
         Linear Weight Prediction extrapolates along it: for momentum SGD it is the momentum buffer
-        ``v`` (each update moves the weights by about ``-lr * v``).
+        ``v`` (each update moves the weights by about ``-lr * v``). The tensor may be the live
+        buffer that the next :meth:`step` updates in place: clone it to keep it.
         """
 
     def predict(

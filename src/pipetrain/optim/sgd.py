@@ -72,7 +72,7 @@ class SGD(StageOptimizer):
         self._keep_last_grad = self.momentum == 0.0 and self.lwp_horizon > 0.0
 
     @property
-    def state_slots(self) -> int:  # type: ignore[override]
+    def state_slots(self) -> int:
         return 1 if self.momentum != 0.0 or self._keep_last_grad else 0
 
     def _update(self, name: str, param: Tensor, grad: Tensor, lr: float) -> Tensor:
