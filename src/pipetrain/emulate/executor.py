@@ -9,6 +9,7 @@ same programs truly in parallel, computes the same numbers.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Sequence
 
@@ -56,6 +57,9 @@ class Emulator:
         self.executors = list(executors)
         self.data = data
         self.losses: dict[int, float] = {}
+        #: measured start and end (seconds from the start of :meth:`run`) of every action, by rank
+        self.starts: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
+        self.ends: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
         self._releases = [version_release_points(p) for p in schedule.programs]
 
     def run(self, on_unit: Callable[[int, float], None] | None = None) -> dict[int, float]:
@@ -79,6 +83,8 @@ class Emulator:
         pcs = [0] * len(programs)
         ready = deque(range(len(programs)))
         queued = [True] * len(programs)
+        clock = time.perf_counter
+        origin = clock()
 
         def deliver(key: tuple, value: tuple) -> None:
             mailbox[key] = value
@@ -94,9 +100,11 @@ class Emulator:
             stages = self.executors[rank]
             releases = self._releases[rank]
             pc = pcs[rank]
+            starts, ends = self.starts[rank], self.ends[rank]
             while pc < len(program):
                 action = program[pc]
                 kind, stage, k, version, _ = action
+                starts[pc] = clock() - origin
                 try:
                     if kind is F:
                         executor = stages[stage]
@@ -162,6 +170,7 @@ class Emulator:
                     raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
                 for release_stage, release_version in releases.get(pc, ()):
                     stages[release_stage].versions.release(release_version)
+                ends[pc] = clock() - origin
                 pc += 1
             pcs[rank] = pc
 

@@ -24,7 +24,7 @@ from pipetrain.errors import ScheduleError
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.ir import Action, Kind, Schedule
 
-__all__ = ["POLICIES", "assign_versions"]
+__all__ = ["POLICIES", "assign_versions", "staleness", "units_per_update"]
 
 POLICIES = ("flush", "stash", "vsync", "2bw", "latest", "predict")
 _STASHING = frozenset({"flush", "stash", "vsync", "2bw"})
@@ -88,3 +88,37 @@ def _stage0_tags(schedule: Schedule) -> dict[int, int]:
             elif action.kind is Kind.F:
                 tags[action.microbatch] = steps
     return tags
+
+
+def staleness(schedule: Schedule) -> list[int]:
+    """Per stage, the largest delay D_s in updates between the version a forward reads and the
+    version its gradient is applied to (0 for flushing schedules, W_s for PipeDream, 1 for 2BW,
+    2(S-1-s) for PB). Delay compensation (SC's D, LWP's T) defaults to it."""
+    delays = [0] * schedule.num_stages
+    for program in schedule.programs:
+        counts: dict[int, int] = {}
+        pending: dict[int, list[int]] = {}
+        forward_version: dict[tuple[int, int], int] = {}
+        for action in program:
+            kind, stage = action.kind, action.stage
+            if kind is Kind.F and action.version is not None:
+                forward_version[(stage, action.microbatch)] = action.version
+            elif kind is Kind.B or kind is Kind.W:
+                version = forward_version.get((stage, action.microbatch))
+                if version is not None:
+                    pending.setdefault(stage, []).append(version)
+            elif kind is Kind.STEP:
+                current = counts.get(stage, 0)
+                for version in pending.pop(stage, []):
+                    delays[stage] = max(delays[stage], current - version)
+                counts[stage] = current + 1
+    return delays
+
+
+def units_per_update(schedule: Schedule) -> list[float]:
+    """Per stage, the microbatches whose gradients one update applies (all replicas together)."""
+    result = []
+    for stage, ranks in enumerate(schedule.stage_ranks):
+        steps = sum(1 for a in schedule.programs[ranks[0]] if a.kind is Kind.STEP and a.stage == stage)
+        result.append(schedule.total_microbatches / steps if steps else 1.0)
+    return result
