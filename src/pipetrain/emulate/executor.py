@@ -165,7 +165,8 @@ class Emulator:
                                     ready.append(other)
                         sync_seen[rank][stage] = index + 1
                     elif kind is STEP:
-                        stages[stage].step()
+                        superseded = [v for st, v in releases.get(pc, ()) if st == stage]
+                        stages[stage].step(superseded)
                 except PipetrainError as error:
                     raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
                 for release_stage, release_version in releases.get(pc, ()):

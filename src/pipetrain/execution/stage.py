@@ -124,14 +124,20 @@ class StageExecutor:
         target: Tensor | None = None,
         loss_scale: float = 1.0,
         samples: int = 0,
+        params: Mapping[str, Tensor] | None = None,
     ) -> tuple:
         """Run the forward of ``microbatch`` on ``version``; returns the outputs to pass on (detached),
-        or on the last stage ``(loss,)`` with the unscaled mean loss."""
+        or on the last stage ``(loss,)`` with the unscaled mean loss.
+
+        ``params`` replaces the weights read (e.g. predictions made earlier); by default the
+        forward reads ``version``, extrapolated by the optimizer under the ``predict`` policy.
+        """
         if microbatch in self.in_flight:
             raise PipetrainError(f"stage {self.stage}: microbatch {microbatch} is already in flight")
-        params = self.versions[version]
-        if self.policy == "predict" and self.optimizer is not None:
-            params = self.optimizer.predict(params, self.samples_seen)
+        if params is None:
+            params = self.versions[version]
+            if self.policy == "predict" and self.optimizer is not None:
+                params = self.optimizer.predict(params, self.samples_seen)
         leaves = {n: t.detach().requires_grad_(n in self.trainable) for n, t in params.items()}
         inputs = tuple(
             x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
@@ -267,8 +273,12 @@ class StageExecutor:
 
     # -- update ----------------------------------------------------------------------------------
 
-    def step(self) -> int:
-        """Apply the accumulated gradient: a new weight version. Returns its number."""
+    def step(self, release: Sequence[int] = ()) -> int:
+        """Apply the accumulated gradient: a new weight version. Returns its number.
+
+        ``release`` lists versions no longer needed once this update is made (dropped before the
+        new version is stored, so a stage never holds more versions than its schedule says).
+        """
         grads = self.grads or {}
         if self.grad_scale != 1.0:
             grads = {n: g * self.grad_scale for n, g in grads.items()}
@@ -280,6 +290,8 @@ class StageExecutor:
         self.samples_seen += self.pending_samples
         self.pending_samples = 0
         self.grads = None
+        for version in release:
+            self.versions.release(version)
         return self.versions.push(new)
 
     # -- results ---------------------------------------------------------------------------------

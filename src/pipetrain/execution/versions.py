@@ -26,6 +26,7 @@ class VersionStore:
         self._versions: dict[int, Params] = {first: initial}
         self.current = first
         self.peak = 1
+        self._release_on_push = False
 
     def __getitem__(self, version: int) -> Params:
         try:
@@ -43,15 +44,20 @@ class VersionStore:
 
     def push(self, params: Params) -> int:
         """Store the next version and make it current; returns its number."""
+        if self._release_on_push:
+            self._versions.pop(self.current, None)
+            self._release_on_push = False
         self.current += 1
         self._versions[self.current] = params
         self.peak = max(self.peak, len(self._versions))
         return self.current
 
     def release(self, version: int) -> None:
-        """Drop ``version`` unless it is the current one."""
+        """Drop ``version``; the current version is kept until a newer one is pushed."""
         if version != self.current:
             self._versions.pop(version, None)
+        else:
+            self._release_on_push = True
 
     def held(self) -> list[int]:
         return sorted(self._versions)
