@@ -78,7 +78,7 @@ def test_vsync_uses_stage_zero_versions_everywhere():
     check(schedule)
     versions = versions_read(schedule)
     for stage in range(4):
-        assert [v for v in versions[stage]] == [[max(0, k - 3)] * 2 for k in range(10)]
+        assert [list(v) for v in versions[stage]] == [[max(0, k - 3)] * 2 for k in range(10)]
 
 
 def test_pb_delays_versions_and_samples_in_flight():
@@ -119,7 +119,7 @@ def test_2bw_reads_version_t_minus_one_and_keeps_two_versions():
     versions = versions_read(schedule)
     for stage in range(stages):
         for k in range(m * steps):
-            assert versions[stage][k] == [max(0, k // m - 1)] * 2
+            assert list(versions[stage][k]) == [max(0, k // m - 1)] * 2
     memory = memory_by_rank(schedule)
     assert all(max(mem.peak_versions.values()) <= 2 for mem in memory)
     assert max(memory[0].peak_versions.values()) == 2
@@ -175,5 +175,5 @@ def test_order_and_policy_are_independent():
     strip = lambda s: [[(a.kind, a.stage, a.microbatch) for a in p] for p in s.programs]  # noqa: E731
     assert strip(stash) == strip(latest)
     assert [a.version for a in base.programs[0]] == [None] * len(base.programs[0])
-    assert versions_read(latest)[0][5] == [3, 5]
-    assert versions_read(stash)[0][5] == [3, 3]
+    assert versions_read(latest)[0][5] == (3, 5)
+    assert versions_read(stash)[0][5] == (3, 3)

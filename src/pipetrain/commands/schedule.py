@@ -118,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json:
         payload = summaries[0] if len(summaries) == 1 else {"schedules": summaries}
-        json.dump(payload, sys.stdout)
-        sys.stdout.write("\n")
+        sys.stdout.write(json.dumps(payload) + "\n")
         return 0
     for index, (schedule, summary) in enumerate(zip(schedules, summaries)):
         if index:

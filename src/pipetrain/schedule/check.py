@@ -31,6 +31,10 @@ def check(schedule: Schedule, *, deadlock: bool = True) -> None:
         dry_run(schedule)
 
 
+class _TooMany(Exception):
+    """Enough problems found to stop looking."""
+
+
 def problems(schedule: Schedule) -> list[str]:
     """Every static rule violation, as one readable line each (empty when valid)."""
     with gc_paused():
@@ -54,11 +58,12 @@ def _problems(schedule: Schedule) -> list[str]:
     owners = [(ranks, len(ranks)) for ranks in schedule.stage_ranks]
     flush = schedule.policy == "flush"
     S = num_stages
-    # Keys: (k * S + stage) for a (stage, microbatch) pair; messages add direction and sender.
+    # Keys: k * S + stage names a (stage, microbatch) pair; a message is (key * 2 + forward) * R + rank.
+    R = num_ranks
     all_forwards: set[int] = set()
     all_backwards: set[int] = set()
-    sent: dict[tuple, int] = {}
-    received: dict[tuple, int] = {}
+    sent: dict[int, int] = {}
+    received: dict[int, int] = {}
 
     for rank, program in enumerate(schedule.programs):
         mine = set(held[rank])
@@ -74,28 +79,65 @@ def _problems(schedule: Schedule) -> list[str]:
 
         def bad(position: int, message: str) -> None:
             out.append(f"rank {rank} action #{position} {format_action(program[position])}: {message}")
+            if len(out) > 5 * _MAX_LISTED:
+                raise _TooMany
 
-        for position, action in enumerate(program):
-            kind, stage, k, version, peer = action
-            if stage not in mine:
-                if 0 <= stage < S:
-                    bad(position, f"rank {rank} does not hold stage {stage} (it holds {sorted(mine)})")
-                else:
-                    bad(position, f"stage {stage} does not exist (stages are 0..{S - 1})")
-                continue
-            if kind is STEP:
-                if stage in replicated and not synced[stage]:
-                    bad(position, f"stage {stage} is replicated, so each STEP needs a SYNC before it")
-                steps[stage] += 1
-                synced[stage] = False
-                continue
-            if kind is SYNC:
-                synced[stage] = True
-                continue
-            key = k * S + stage
-            if kind is F or kind is B or kind is I or kind is W:
+        try:
+            for position, action in enumerate(program):
+                kind, stage, k, version, peer = action
+                if stage not in mine:
+                    if 0 <= stage < S:
+                        bad(position, f"rank {rank} does not hold stage {stage} (it holds {sorted(mine)})")
+                    else:
+                        bad(position, f"stage {stage} does not exist (stages are 0..{S - 1})")
+                    continue
+                if kind is SEND_F or kind is SEND_B:
+                    forward = kind is SEND_F
+                    key = k * S + stage
+                    if key not in (fdone if forward else bdone):
+                        bad(position, "sends a result that this rank has not computed yet")
+                    target = stage + 1 if forward else stage - 1
+                    if not 0 <= target < S:
+                        bad(position, f"there is no stage {target} to send to")
+                        continue
+                    ranks, count = owners[target]
+                    if peer is not None and peer != ranks[k % count]:
+                        bad(position, f"microbatch {k} of stage {target} lives on rank {ranks[k % count]}")
+                    message = ((k * S + target) * 2 + forward) * R + rank
+                    if message in sent:
+                        sent[message] += 1
+                    else:
+                        sent[message] = 1
+                    continue
+                if kind is RECV_F or kind is RECV_B:
+                    forward = kind is RECV_F
+                    source = stage - 1 if forward else stage + 1
+                    if not 0 <= source < S:
+                        bad(position, f"there is no stage {source} to receive from")
+                        continue
+                    if peer is None:
+                        ranks, count = owners[source]
+                        peer = ranks[k % count]
+                    key = k * S + stage
+                    (recvf if forward else recvb).add(key)
+                    message = (key * 2 + forward) * R + peer
+                    if message in received:
+                        received[message] += 1
+                    else:
+                        received[message] = 1
+                    continue
+                if kind is STEP:
+                    if stage in replicated and not synced[stage]:
+                        bad(position, f"stage {stage} is replicated, so each STEP needs a SYNC before it")
+                    steps[stage] += 1
+                    synced[stage] = False
+                    continue
+                if kind is SYNC:
+                    synced[stage] = True
+                    continue
+                key = k * S + stage
                 ranks, count = owners[stage]
-                if ranks[k % count] != rank:
+                if count > 1 and ranks[k % count] != rank:
                     bad(position, f"microbatch {k} of stage {stage} is routed to rank {ranks[k % count]} "
                         f"(replica k mod {count})")
                 if version is not None:
@@ -106,72 +148,52 @@ def _problems(schedule: Schedule) -> list[str]:
                     elif flush and version != current:
                         bad(position, f"policy 'flush' keeps one weight version, but this reads version {version} "
                             f"while version {current} is current; use a stashing policy")
-            if kind is F:
-                if key in fdone:
-                    bad(position, f"microbatch {k} already ran its forward on stage {stage}")
-                if stage > 0 and key not in recvf and key - 1 not in fdone:
-                    bad(position, "its input was neither received (RECV_F) nor computed here before")
-                fdone.add(key)
-                all_forwards.add(key)
-            elif kind is B or kind is I:
-                if key not in fdone:
-                    bad(position, f"backward before the forward of microbatch {k} on this rank")
-                if key in bdone:
-                    bad(position, f"microbatch {k} already ran its backward on stage {stage}")
-                if stage < S - 1 and key not in recvb and key + 1 not in bdone:
-                    bad(position, "its output gradient was neither received (RECV_B) nor computed here before")
-                bdone.add(key)
-                if kind is I:
-                    idone.add(key)
-                all_backwards.add(key)
-            elif kind is W:
-                if key not in idone:
-                    bad(position, f"W before the I of microbatch {k} (W needs the input gradient pass)")
-                if key in wdone:
-                    bad(position, f"microbatch {k} already ran its W on stage {stage}")
-                wdone.add(key)
-            elif kind is SEND_F or kind is SEND_B:
-                forward = kind is SEND_F
-                if key not in (fdone if forward else bdone):
-                    bad(position, "sends a result that this rank has not computed yet")
-                target = stage + 1 if forward else stage - 1
-                if not 0 <= target < S:
-                    bad(position, f"there is no stage {target} to send to")
-                    continue
-                ranks, count = owners[target]
-                if peer is not None and peer != ranks[k % count]:
-                    bad(position, f"microbatch {k} of stage {target} lives on rank {ranks[k % count]}")
-                message = (forward, target, k, rank)
-                sent[message] = sent.get(message, 0) + 1
-            elif kind is RECV_F or kind is RECV_B:
-                forward = kind is RECV_F
-                source = stage - 1 if forward else stage + 1
-                if not 0 <= source < S:
-                    bad(position, f"there is no stage {source} to receive from")
-                    continue
-                if peer is None:
-                    ranks, count = owners[source]
-                    peer = ranks[k % count]
-                (recvf if forward else recvb).add(key)
-                message = (forward, stage, k, peer)
-                received[message] = received.get(message, 0) + 1
-            if len(out) > 5 * _MAX_LISTED:
-                return out
+                if kind is F:
+                    if key in fdone:
+                        bad(position, f"microbatch {k} already ran its forward on stage {stage}")
+                    if stage > 0 and key not in recvf and key - 1 not in fdone:
+                        bad(position, "its input was neither received (RECV_F) nor computed here before")
+                    fdone.add(key)
+                    all_forwards.add(key)
+                elif kind is W:
+                    if key not in idone:
+                        bad(position, f"W before the I of microbatch {k} (W needs the input gradient pass)")
+                    if key in wdone:
+                        bad(position, f"microbatch {k} already ran its W on stage {stage}")
+                    wdone.add(key)
+                else:  # B or I
+                    if key not in fdone:
+                        bad(position, f"backward before the forward of microbatch {k} on this rank")
+                    if key in bdone:
+                        bad(position, f"microbatch {k} already ran its backward on stage {stage}")
+                    if stage < S - 1 and key not in recvb and key + 1 not in bdone:
+                        bad(position, "its output gradient was neither received (RECV_B) nor computed here before")
+                    bdone.add(key)
+                    if kind is I:
+                        idone.add(key)
+                    all_backwards.add(key)
+        except _TooMany:
+            return out
         missing_w = idone - wdone
         for key in sorted(missing_w)[:_MAX_LISTED]:
             out.append(f"rank {rank}: stage {key % S}, microbatch {key // S} runs I but never W")
 
+    def unpack(message: int) -> tuple[bool, int, int, int]:
+        rest, rank = divmod(message, R)
+        key, forward = divmod(rest, 2)
+        return bool(forward), key % S, key // S, rank
+
     for message, count in sent.items():
         match = received.get(message, 0)
         if match != count:
-            forward, target, k, sender = message
+            forward, target, k, sender = unpack(message)
             ranks, n = owners[target]
             out.append(
                 f"rank {sender} has {count} {'SEND_F' if forward else 'SEND_B'} of microbatch {k} to stage {target} "
                 f"but rank {ranks[k % n]} has {match} matching {'RECV_F' if forward else 'RECV_B'}"
             )
     for message in received.keys() - sent.keys():
-        forward, stage, k, peer = message
+        forward, stage, k, peer = unpack(message)
         ranks, n = owners[stage]
         out.append(
             f"rank {ranks[k % n]} has {'RECV_F' if forward else 'RECV_B'} of microbatch {k} for stage {stage} "

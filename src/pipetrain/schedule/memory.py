@@ -36,10 +36,8 @@ def _rank_memory(rank: int, program) -> StageMemory:
     in_flight: dict[int, int] = {}
     peak: dict[int, int] = {}
     total = total_peak = 0
-    for action in program:
-        kind = action.kind
+    for kind, stage, _, _, _ in program:
         if kind is F:
-            stage = action.stage
             count = in_flight.get(stage, 0) + 1
             in_flight[stage] = count
             if count > peak.get(stage, 0):
@@ -48,7 +46,7 @@ def _rank_memory(rank: int, program) -> StageMemory:
             if total > total_peak:
                 total_peak = total
         elif kind is B or kind is I:
-            in_flight[action.stage] = in_flight.get(action.stage, 0) - 1
+            in_flight[stage] = in_flight.get(stage, 0) - 1
             total -= 1
     return StageMemory(rank, peak, _peak_versions(program), total_peak)
 
@@ -62,14 +60,15 @@ def _peak_versions(program) -> dict[int, int]:
     births: dict[int, list[int]] = {}
     last_read: dict[int, dict[int, int]] = {}
     STEP = Kind.STEP
-    for position, action in enumerate(program):
-        stage = action.stage
-        if action.kind is STEP:
+    for position, (kind, stage, _, version, _) in enumerate(program):
+        if kind is STEP:
             births.setdefault(stage, [-1]).append(position)
-        elif action.version is not None:
-            births.setdefault(stage, [-1])
-            reads = last_read.setdefault(stage, {})
-            reads[action.version] = position
+        elif version is not None:
+            reads = last_read.get(stage)
+            if reads is None:
+                births.setdefault(stage, [-1])
+                reads = last_read[stage] = {}
+            reads[version] = position
     peaks = {}
     for stage, born in births.items():
         reads = last_read.get(stage, {})

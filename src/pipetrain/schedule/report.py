@@ -17,19 +17,21 @@ from pipetrain.schedule.timeline import Timeline, positions
 __all__ = ["summarize", "versions_read", "format_summary"]
 
 
-def versions_read(schedule: Schedule) -> list[list[list[int | None]]]:
-    """``versions[stage][k] = [version read by F, version read by the backward (B or I)]``."""
+def versions_read(schedule: Schedule) -> list[list[tuple[int | None, int | None]]]:
+    """``versions[stage][k] = (version read by F, version read by the backward (B or I))``."""
     total = schedule.total_microbatches
-    table: list[list[list[int | None]]] = [[[None, None] for _ in range(total)] for _ in range(schedule.num_stages)]
+    forward = [[None] * total for _ in range(schedule.num_stages)]
+    backward = [[None] * total for _ in range(schedule.num_stages)]
     F, B, I = Kind.F, Kind.B, Kind.I
     for program in schedule.programs:
-        for action in program:
-            kind = action.kind
-            if kind is F or kind is B or kind is I:
-                k = action.microbatch
+        for kind, stage, k, version, _ in program:
+            if kind is F:
                 if k < total:
-                    table[action.stage][k][0 if kind is F else 1] = action.version
-    return table
+                    forward[stage][k] = version
+            elif kind is B or kind is I:
+                if k < total:
+                    backward[stage][k] = version
+    return [list(zip(f, b)) for f, b in zip(forward, backward)]
 
 
 def summarize(timeline: Timeline, *, include_versions: bool = True) -> dict[str, Any]:

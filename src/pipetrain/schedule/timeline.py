@@ -33,6 +33,7 @@ class Timeline:
     starts: list[list[float]]
     ends: list[list[float]]
     costs: StageCosts | None = None
+    busy_times: list[float] | None = None  # filled by the simulator; measured timelines sum spans
 
     @property
     def makespan(self) -> float:
@@ -40,6 +41,8 @@ class Timeline:
 
     def busy(self, rank: int) -> float:
         """Time the rank spends computing (F, B, I, W) and updating (STEP)."""
+        if self.busy_times is not None:
+            return self.busy_times[rank]
         total = 0.0
         for action, start, end in zip(self.schedule.programs[rank], self.starts[rank], self.ends[rank]):
             if action.kind in _COMPUTE_KINDS or action.kind is Kind.STEP:
@@ -81,6 +84,7 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
     ends = [[0.0] * len(p) for p in programs]
     pcs = [0] * n
     clocks = [0.0] * n
+    busy = [0.0] * n
     arrivals: dict[int, float] = {}
     waiting: dict[int, int] = {}
     syncs: dict[tuple[int, int], list] = {}
@@ -97,6 +101,7 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
         t = clocks[rank]
         st = starts[rank]
         en = ends[rank]
+        work = busy[rank]
         while pc < length:
             action = program[pc]
             kind = action[0]
@@ -104,15 +109,19 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
             if kind is F:
                 st[pc] = t
                 t += forward[stage]
+                work += forward[stage]
             elif kind is B:
                 st[pc] = t
                 t += full[stage]
+                work += full[stage]
             elif kind is I:
                 st[pc] = t
                 t += backward[stage]
+                work += backward[stage]
             elif kind is W:
                 st[pc] = t
                 t += weight[stage]
+                work += weight[stage]
             elif kind is SEND_F or kind is SEND_B:
                 st[pc] = t
                 t += send
@@ -160,15 +169,17 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
             elif kind is STEP:
                 st[pc] = t
                 t += step[stage]
+                work += step[stage]
             en[pc] = t
             pc += 1
         pcs[rank] = pc
         clocks[rank] = t
+        busy[rank] = work
 
     stuck = [r for r in range(n) if pcs[r] < len(programs[r])]
     if stuck:
         raise DeadlockError(_deadlock_message(schedule, stuck, pcs, syncs, sync_seen))
-    return Timeline(schedule, starts, ends, costs)
+    return Timeline(schedule, starts, ends, costs, busy)
 
 
 def dry_run(schedule: Schedule) -> None:
