@@ -185,7 +185,7 @@ def _dead_peer_worker():
     if env.rank == 0:
         m.send(torch.ones(2), 1, ACTIVATIONS)
         time.sleep(0.5)
-        os._exit(3)  # dies without a word
+        os._exit(5)  # dies without a word
     m.recv(0, ACTIVATIONS)
     start = time.monotonic()
     try:
@@ -197,7 +197,7 @@ def _dead_peer_worker():
 
 def test_dead_peer_is_reported_quickly():
     result = run(_dead_peer_worker, expect_ok=False)
-    assert result.exitcodes[0] == 3
+    assert result.exitcodes[0] == 5
     message, elapsed = result.results[1]
     assert "lost rank 0" in message and "RECV_B of microbatch 0 from rank 0" in message
     assert "died or exited" in message

@@ -207,7 +207,7 @@ def save_distributed(
 
     Each rank writes its files and publishes their records in ``store``; rank 0 waits for all ranks
     (at most ``timeout`` seconds), writes the manifest, and announces the commit, which the other
-    ranks wait for. A failure on any rank raises :class:`CheckpointError` on every rank.
+    ranks wait for (at most twice as long, to hear rank 0's verdict). A failure on any rank raises :class:`CheckpointError` on every rank.
     """
     n = _rounds[id(store)] = _rounds.get(id(store), 0) + 1
     prefix = f"pipetrain/checkpoint/{n}"
@@ -249,10 +249,11 @@ def save_distributed(
         store.set(commit, json.dumps({"ok": str(path)}))
         return path
     try:
-        store.wait([commit], td)
+        store.wait([commit], 2 * td)  # longer than rank 0 waits, to hear its verdict
     except RuntimeError:
         raise CheckpointError(
-            f"rank {rank} waited {timeout:g} s for rank 0 to commit the checkpoint of step {step}"
+            f"rank {rank} waited {2 * timeout:g} s for rank 0 to commit the checkpoint of step "
+            f"{step}: rank 0 is gone or stuck"
         ) from None
     answer = json.loads(store.get(commit))
     if "error" in answer:

@@ -36,7 +36,22 @@ from typing import Any, Callable, Mapping, Sequence
 from pipetrain.errors import PipetrainError
 from pipetrain.runtime.errors import LaunchError
 
-__all__ = ["DistEnv", "detect", "init_distributed", "launch", "LaunchResult", "plan_cores"]
+__all__ = [
+    "DistEnv",
+    "detect",
+    "init_distributed",
+    "launch",
+    "LaunchResult",
+    "plan_cores",
+    "EXIT_USER_ERROR",
+    "EXIT_PEER_FAILURE",
+]
+
+#: Exit status of a worker that stopped on a PipetrainError of its own (a user error).
+EXIT_USER_ERROR = 2
+#: Exit status of a worker that stopped because of another rank (lost peer, timeout): a secondary
+#: failure; the launcher names a primary failure first when it sees both.
+EXIT_PEER_FAILURE = 3
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -326,8 +341,11 @@ def _watch(
         if first is None:
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                first = failed[0]
+                # Peers of a dead rank exit within milliseconds of it: name the cause, not them.
+                first = min(failed, key=lambda rc: (rc[1] >= 0, rc[1] == EXIT_PEER_FAILURE, rc[0]))
                 message = f"worker rank {first[0]} {_describe_exit(first[1])}"
+                if first[1] == EXIT_PEER_FAILURE:
+                    message += " (it lost a peer or timed out waiting for one)"
                 say(f"{message}; stopping the other workers")
                 say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
                 stop_at = time.monotonic() + grace
@@ -416,8 +434,10 @@ def _worker_main() -> None:
                 pickle.dump(value, f)
             os.replace(tmp, os.path.join(os.path.dirname(entry), f"result-{rank}.pkl"))
     except PipetrainError as error:
+        from pipetrain.runtime.errors import CommunicationError
+
         print(f"pipetrain worker rank {rank}: error: {error}", file=sys.stderr, flush=True)
-        os._exit(2)
+        os._exit(EXIT_PEER_FAILURE if isinstance(error, CommunicationError) else EXIT_USER_ERROR)
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException:

@@ -74,9 +74,11 @@ class StatusBoard:
         keep: int = 8,
         interval: float = 0.25,
         prefix: str | None = None,
+        address: tuple[str, int] | None = None,
         start: bool = True,
     ) -> None:
         self.store = store
+        self.address = address
         self.rank = rank
         self.world_size = world_size
         self.interval = interval
@@ -98,8 +100,9 @@ class StatusBoard:
     def from_env(cls, **kwargs: Any) -> StatusBoard:
         """A board on the run's store (see :func:`env_store`), rank and world size from the
         environment that :func:`pipetrain.runtime.launch.init_distributed` read."""
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         return cls(
-            env_store(), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), **kwargs
+            env_store(), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), address=address, **kwargs
         )
 
     def start(self) -> None:
@@ -143,7 +146,7 @@ class StatusBoard:
 
     def publish(self) -> bool:
         """Write this rank's record to the store now; False if the store did not take it."""
-        if self._failures >= 3:  # the store is gone; stop trying
+        if self._failures:  # the store is gone (each failed call prints a C++ warning): stop trying
             return False
         try:
             data = json.dumps(self.record())
@@ -162,9 +165,20 @@ class StatusBoard:
 
     def report(self, timeout: float = 2.0) -> str:
         """Every rank's last published record, formatted; never blocks longer than ``timeout``."""
-        self.publish()
-        records = read_status(self.store, self.world_size, prefix=self.prefix, timeout=timeout, lock=self._lock)
+        if self.address is not None and not _reachable(self.address, min(timeout, 1.0)):
+            records = None  # skip the store client: on a dead server it prints C++ stack traces
+        else:
+            self.publish()
+            records = read_status(self.store, self.world_size, prefix=self.prefix, timeout=timeout, lock=self._lock)
         return format_status(records, self.world_size, stale_after=3 * self.interval + 1.0)
+
+
+def _reachable(address: tuple[str, int], timeout: float) -> bool:
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def read_status(
