@@ -188,7 +188,7 @@ class StageExecutor:
         for index, root in enumerate(record.roots):
             if isinstance(root, Tensor) and root.requires_grad:
                 roots.append(root)
-                grads.append(None if grad_outputs is None else grad_outputs[index])
+                grads.append(None if grad_outputs is None or index >= len(grad_outputs) else grad_outputs[index])
         if grad_outputs is None:
             grads = None
         elif any(g is None for g in grads):
