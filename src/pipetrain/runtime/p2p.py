@@ -33,6 +33,7 @@ import datetime
 import zlib
 from typing import Any, Protocol, Sequence, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -81,6 +82,18 @@ _DTYPES: tuple[torch.dtype, ...] = (
     torch.complex64, torch.complex128,
 )  # fmt: skip
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+# On CPU, packing and unpacking go through numpy views: a numpy call costs about a microsecond, a
+# torch call several, and a small message is all overhead. bfloat16 (no numpy type) uses torch.
+_NUMPY: dict[torch.dtype, Any] = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+    torch.uint8: np.uint8, torch.bool: np.bool_, torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}  # fmt: skip
+_CPU = torch.device("cpu")
+
+# (dtype, shape, byte offset in the message, byte count, numpy dtype or None) per tensor
+_Layout = list[tuple[torch.dtype, tuple[int, ...], int, int, Any]]
 
 
 class _Status(Protocol):
@@ -126,12 +139,12 @@ def _meta_words(tensors: Sequence[torch.Tensor], single: bool) -> list[int]:
     return words
 
 
-def _parse_meta(words: list[int]) -> tuple[bool, list[tuple[torch.dtype, tuple[int, ...], int, int]]]:
-    """Meta words -> (single, [(dtype, shape, offset, nbytes)])."""
+def _parse_meta(words: list[int]) -> tuple[bool, _Layout]:
+    """Payload description words -> (single tensor?, layout)."""
     single = words[0] == 0
     count = words[1]
     offset = (_PREFIX + len(words)) * 8
-    layout = []
+    layout: _Layout = []
     i = 2
     for _ in range(count):
         dtype = _DTYPES[words[i]]
@@ -142,18 +155,65 @@ def _parse_meta(words: list[int]) -> tuple[bool, list[tuple[torch.dtype, tuple[i
         for d in shape:
             numel *= d
         nbytes = numel * dtype.itemsize
-        layout.append((dtype, shape, offset, nbytes))
+        layout.append((dtype, shape, offset, nbytes, _NUMPY.get(dtype)))
         offset += _padded(nbytes)
     return single, layout
 
 
+_ZEROS = [0] * MAX_INFO
+
+
+def _pack(header: list[int], tensors: Sequence[torch.Tensor], layout: _Layout, total: int, device: torch.device) -> torch.Tensor:
+    """One message: the header words, then each tensor's bytes at its offset (padding left as is)."""
+    message = torch.empty(total, dtype=torch.uint8, device=device)
+    if device == _CPU:
+        array = message.numpy()
+        array[: len(header) * 8].view(np.int64)[:] = header
+        for t, (dtype, shape, offset, nbytes, np_dtype) in zip(tensors, layout):
+            if not nbytes:
+                continue
+            src = t.detach()
+            if np_dtype is not None:
+                if src.is_complex():
+                    src = src.resolve_conj().resolve_neg()
+                array[offset : offset + nbytes].view(np_dtype).reshape(shape)[...] = src.numpy()
+            else:
+                message[offset : offset + nbytes].view(dtype).view(shape).copy_(src)
+        return message
+    message[: len(header) * 8].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    for t, (dtype, shape, offset, nbytes, _) in zip(tensors, layout):
+        if nbytes:
+            message[offset : offset + nbytes].view(dtype).view(shape).copy_(t.detach())
+    return message
+
+
+def _header(buffer: torch.Tensor, array: Any, words: int) -> list[int]:
+    if array is not None:
+        return array[: words * 8].view(np.int64).tolist()
+    return buffer[: words * 8].view(torch.int64).tolist()
+
+
+def _unpack(buffer: torch.Tensor, array: Any, layout: _Layout) -> tuple[torch.Tensor, ...]:
+    """Views of the received message, one per tensor (no copy)."""
+    if array is not None:
+        return tuple(
+            torch.from_numpy(array[offset : offset + nbytes].view(np_dtype).reshape(shape))
+            if np_dtype is not None
+            else buffer[offset : offset + nbytes].view(dtype).view(shape)
+            for dtype, shape, offset, nbytes, np_dtype in layout
+        )
+    return tuple(
+        buffer[offset : offset + nbytes].view(dtype).view(shape) for dtype, shape, offset, nbytes, _ in layout
+    )
+
+
 class _SendState:
-    __slots__ = ("key", "words", "pads", "total", "hw", "seq", "peer_total", "peer_hw")
+    __slots__ = ("key", "words", "layout", "total", "hw", "seq", "peer_total", "peer_hw")
 
     def __init__(self) -> None:
         self.key: Any = None
         self.words: list[int] = []
-        self.pads: list[int] = []
+        self.layout: _Layout = []
         self.total = 0
         self.hw = 0
         self.seq = 0
@@ -170,7 +230,7 @@ class _RecvState:
         self.seq = 0
         self.words: list[int] | None = None
         self.single = True
-        self.layout: list[tuple[torch.dtype, tuple[int, ...], int, int]] = []
+        self.layout: _Layout = []
         self.last: RecvHandle | None = None
 
 
@@ -309,11 +369,9 @@ class Channel:
         key = (single, [(t.dtype, t.shape) for t in tensors])
         if key != st.key:
             words = _meta_words(tensors, single)
-            hw = _PREFIX + len(words)
-            pads = [_padded(n) - n for n in (t.numel() * t.element_size() for t in tensors)]
-            st.key, st.words, st.hw = key, words, hw
-            st.pads = pads
-            st.total = hw * 8 + sum(t.numel() * t.element_size() for t in tensors) + sum(pads)
+            st.layout = _parse_meta(words)[1]
+            st.key, st.words, st.hw = key, words, _PREFIX + len(words)
+            st.total = st.layout[-1][2] + _padded(st.layout[-1][3]) if st.layout else st.hw * 8
         ninfo = len(info)
         if ninfo > MAX_INFO:
             raise PipetrainError(f"a message carries at most {MAX_INFO} info integers, got {ninfo}")
@@ -323,23 +381,15 @@ class Channel:
         works = []
         buffers = []
         if st.total != st.peer_total or st.hw != st.peer_hw:
-            control = torch.empty(st.peer_total, dtype=torch.uint8, device=device)
+            control = torch.zeros(st.peer_total, dtype=torch.uint8, device=device)
             control[:32].view(torch.int64).copy_(
                 torch.tensor([_CONTROL, seq, st.total, st.hw], dtype=torch.int64)
             )
             buffers.append(control)
             works.append(self._pg.send([control], self._group_peer, self._tag))
             st.peer_total, st.peer_hw = st.total, st.hw
-        header = [_DATA, seq, st.total, st.hw, tag, ninfo, *info, *([0] * (MAX_INFO - ninfo)), *st.words]
-        parts = [torch.tensor(header, dtype=torch.int64, device=device).view(torch.uint8)]
-        for t, pad in zip(tensors, st.pads):
-            flat = t.detach().reshape(-1)
-            if flat.is_complex():
-                flat = flat.resolve_conj()
-            parts.append(flat.view(torch.uint8))
-            if pad:
-                parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-        message = torch.cat(parts) if len(parts) > 1 else parts[0]
+        header = [_DATA, seq, st.total, st.hw, tag, ninfo, *info, *_ZEROS[ninfo:], *st.words]
+        message = _pack(header, tensors, st.layout, st.total, device)
         buffers.append(message)
         try:
             works.append(self._pg.send([message], self._group_peer, self._tag))
@@ -388,13 +438,14 @@ class Channel:
 class SendHandle:
     """A send in flight. ``wait()`` before relying on the peer having received it."""
 
-    __slots__ = ("channel", "_works", "_buffers", "what")
+    __slots__ = ("channel", "_works", "_buffers", "what", "_error")
 
     def __init__(self, channel: Channel, works: list[Any], buffers: list[torch.Tensor], what: object):
         self.channel = channel
         self._works = works
         self._buffers = buffers  # kept alive until the send completes
         self.what = what
+        self._error: CommunicationError | None = None
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
@@ -402,11 +453,17 @@ class SendHandle:
     def wait(self, timeout: float | None = None) -> None:
         """Block until sent (gloo: until the receiver posted its receive); each message waits up
         to ``timeout`` seconds (default: the messenger's)."""
-        if self._works:
-            for work in self._works:
+        if self._error is not None:
+            raise self._error
+        # A gloo work must be waited on once only (a second wait never returns): take them out first.
+        works, self._works = self._works, []
+        try:
+            for work in works:
                 self.channel._wait(work, self.what, True, timeout)
-            self._works = []
-            self._buffers = []
+        except CommunicationError as error:
+            self._error = error
+            raise
+        self._buffers = []
 
 
 class RecvHandle:
@@ -424,7 +481,7 @@ class RecvHandle:
         self._buffer: torch.Tensor | None = None
         self._prev: RecvHandle | None = None
         self._result: Payload | None = None
-        self._error: ProtocolError | None = None
+        self._error: CommunicationError | None = None
 
     def _post(self) -> None:
         ch = self.channel
@@ -442,32 +499,46 @@ class RecvHandle:
     def wait(self, timeout: float | None = None) -> Payload:
         """Block until the payload arrived and return it (a tensor, or a tuple if a tuple was
         sent); each message waits up to ``timeout`` seconds (default: the messenger's)."""
-        if self._result is None:
-            self._finish(timeout)
         if self._error is not None:
             raise self._error
+        if self._result is None:
+            try:
+                self._finish(timeout)
+            except CommunicationError as error:  # never wait on the same gloo work twice
+                self._error = error
+                raise
+            if self._error is not None:
+                raise self._error
         return self._result  # type: ignore[return-value]
 
     def _finish(self, timeout: float | None) -> None:
         if self._result is not None:
             return
+        if self._error is not None:
+            raise self._error
         ch = self.channel
         st = ch._recv
         if self._prev is not None:
-            self._prev._finish(timeout)
-            self._prev = None
+            prev, self._prev = self._prev, None
+            try:
+                prev._finish(timeout)
+            except CommunicationError as error:
+                prev._error = error
+                raise
             self._post()
         ch._wait(self._work, self.what, False, timeout)
         buffer = self._buffer
         assert buffer is not None
-        words = buffer[: st.hw * 8].view(torch.int64).tolist()
+        array = buffer.numpy() if buffer.device == _CPU else None
+        words = _header(buffer, array, st.hw)
         if words[0] == _CONTROL:
             self._check_seq(words[1])
             st.total, st.hw = words[2], words[3]
             self._post()
             ch._wait(self._work, self.what, False, timeout)
             buffer = self._buffer
-            words = buffer[: st.hw * 8].view(torch.int64).tolist()
+            array = buffer.numpy() if buffer.device == _CPU else None
+            words = _header(buffer, array, st.hw)
         if words[0] != _DATA:
             raise ProtocolError(
                 f"rank {ch.messenger.rank} received a message it cannot read during "
@@ -483,10 +554,7 @@ class RecvHandle:
         if meta != st.words:
             st.single, st.layout = _parse_meta(meta)
             st.words = meta
-        tensors = tuple(
-            buffer[offset : offset + nbytes].view(dtype).view(shape)
-            for dtype, shape, offset, nbytes in st.layout
-        )
+        tensors = _unpack(buffer, array, st.layout)
         self._result = tensors[0] if st.single else tensors
         self._buffer = None
         self._work = None
