@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update (default 32)")
     train.add_argument("--steps", type=int, help="optimizer updates")
     train.add_argument("--epochs", type=float, help="passes over the training data (default 1 when --steps is absent)")
-    train.add_argument("--optimizer", default="sgd:lr=0.05,momentum=0.9", help="e.g. sgd:lr=0.1,momentum=0.9 or adam:lr=1e-3")
+    train.add_argument("--optimizer", default="sgd:lr=0.1,momentum=0.9", help="e.g. sgd:lr=0.1,momentum=0.9 or adam:lr=1e-3")
     train.add_argument("--lr-schedule", help="constant, step:milestones=a/b,gamma=.., cosine:total=.., end:total=..,fraction=..")
     train.add_argument("--compensation", default="none", help="none, sc, lwp or sc+lwp (delays from the schedule)")
     train.add_argument("--translate-from-batch", type=int, metavar="B",

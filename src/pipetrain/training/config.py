@@ -26,7 +26,7 @@ class TrainConfig:
     batch_size: int = 32
     steps: int | None = None
     epochs: float | None = None
-    optimizer: str = "sgd:lr=0.05,momentum=0.9"
+    optimizer: str = "sgd:lr=0.1,momentum=0.9"
     lr_schedule: str | None = None
     compensation: str = "none"
     executor: str = "distributed"
