@@ -63,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", help="draw the measured timeline next to the simulated one (PNG)")
     out.add_argument("--checkpoint-dir")
     out.add_argument("--checkpoint-every", type=int, default=0)
-    out.add_argument("--resume", action="store_true")
+    out.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+                     help="continue from the newest complete checkpoint in --checkpoint-dir, or from the named "
+                          "step directory (refused if it is incomplete or damaged)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -60,6 +60,9 @@ class _InFlight:
     roots: tuple[Tensor, ...]  # outputs (or the scaled loss) to differentiate
     leaves: dict[str, Tensor]  # trainable parameters of the version the forward read
     samples: int
+    version: int = 0
+    target: Any = None
+    loss_scale: float = 1.0
     grad_outputs: tuple | None = None
     storage: dict[int, str] = field(default_factory=dict)
 
@@ -145,7 +148,7 @@ class StageExecutor:
         )
         if self.stochastic:
             torch.manual_seed((self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch)
-        record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples)
+        record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale)
         if self.policy in _INCONSISTENT:
             record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
             with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
@@ -293,6 +296,60 @@ class StageExecutor:
         for version in release:
             self.versions.release(version)
         return self.versions.push(new)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: versions, optimizer, counters, accumulated
+        gradients, buffers, and the microbatches in flight (inputs and weights their forward read)."""
+        predicted = self.policy == "predict"
+        return {
+            "versions": {v: dict(p) for v, p in self.versions.state().items()},
+            "current": self.versions.current,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "samples_seen": self.samples_seen,
+            "pending_samples": self.pending_samples,
+            "grads": None if self.grads is None else {n: g.clone() for n, g in self.grads.items()},
+            "buffers": {n: b.clone() for n, b in self.buffers.items()},
+            "in_flight": [
+                {
+                    "microbatch": k,
+                    "version": r.version,
+                    "samples": r.samples,
+                    "inputs": tuple(x.detach() if isinstance(x, Tensor) else x for x in r.inputs),
+                    "target": r.target,
+                    "loss_scale": r.loss_scale,
+                    "params": {n: t.detach() for n, t in r.leaves.items()} if predicted else None,
+                }
+                for k, r in self.in_flight.items()
+            ],
+        }
+
+    def restore(self, state: dict[str, Any]) -> list[tuple[int, tuple]]:
+        """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
+        ``[(microbatch, outputs)]`` in their original order (for the messages that crossed)."""
+        self.versions = VersionStore.from_state(state["versions"], state["current"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.samples_seen = state["samples_seen"]
+        self.pending_samples = state["pending_samples"]
+        self.grads = state["grads"]
+        self.in_flight.clear()
+        replayed = []
+        for record in state["in_flight"]:
+            params = None
+            if record["params"] is not None:
+                params = {**self.versions[record["version"]], **record["params"]}
+            out = self.forward(
+                record["microbatch"], record["version"], record["inputs"], target=record["target"],
+                samples=record["samples"], params=params,
+                loss_scale=record["loss_scale"],
+            )
+            replayed.append((record["microbatch"], out))
+        with torch.no_grad():
+            for name, buffer in self.buffers.items():
+                buffer.copy_(state["buffers"][name])  # replay must not count running statistics twice
+        return replayed
 
     # -- results ---------------------------------------------------------------------------------
 

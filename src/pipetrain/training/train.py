@@ -11,6 +11,10 @@ __all__ = ["train", "write_outputs"]
 def train(config: TrainConfig) -> TrainResult | None:
     """Run training; returns the result (``None`` on distributed ranks other than 0)."""
     if config.executor == "emulate":
+        if config.checkpoint_dir or config.resume or config.checkpoint_every:
+            from pipetrain.errors import ConfigError
+
+            raise ConfigError("checkpoints are written by the distributed runtime: use --executor distributed")
         from pipetrain.emulate.train import train_emulated
         from pipetrain.training.setup import prepare
 
