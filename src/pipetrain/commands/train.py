@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     train.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every K updates (and at the end)")
     run_group = parser.add_argument_group("execution")
-    run_group.add_argument("--executor", default="emulate", choices=["distributed", "emulate"])
+    run_group.add_argument("--executor", default="distributed", choices=["distributed", "emulate"],
+                           help="distributed (one process per stage replica, the default) or emulate (one process)")
     run_group.add_argument("--workers", type=int, help="worker processes (default: one per stage replica)")
     run_group.add_argument("--threads-per-worker", type=int, default=1)
     run_group.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking wait may take")

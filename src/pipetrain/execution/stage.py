@@ -19,6 +19,7 @@ value for that tensor.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,6 +35,14 @@ __all__ = ["StageExecutor", "Gradients", "as_tuple"]
 Gradients = tuple[Tensor | None, ...]
 _INCONSISTENT = frozenset({"latest", "predict"})
 _STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+@functools.lru_cache(maxsize=None)
+def warm_up_autograd() -> None:
+    """The first ``torch.autograd.grad`` with explicit output gradients imports sympy (about a
+    second); pay that once when a stage is built, not inside the first timed backward."""
+    x = torch.zeros(1, requires_grad=True)
+    torch.autograd.grad(x * 2, (x,), (torch.ones(1),))
 
 
 def as_tuple(value: Any) -> tuple:
@@ -111,6 +120,7 @@ class StageExecutor:
         self.samples_seen = 0
         self.last_loss: Tensor | None = None
         self._backward_params: Mapping[str, Tensor] | None = None
+        warm_up_autograd()
 
     @property
     def is_last(self) -> bool:

@@ -295,6 +295,7 @@ def _assemble(run, gathered: list[dict], elapsed: float) -> TrainResult:
         stage_idle=[seconds - b for b in busy],
         evaluations=evaluations,
         timeline=timeline,
+        extra={"units_per_update": run.layout.units_per_update},
     )
     write_outputs(run.config, result, run.model.state_dict())
     return result

@@ -44,4 +44,5 @@ def write_outputs(config: TrainConfig, result: TrainResult, state_dict) -> None:
     if config.plot and result.timeline is not None:
         from pipetrain.training.timelines import plot_measured_and_simulated
 
-        plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})")
+        plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})",
+                                    units_per_update=result.extra.get("units_per_update", 1))
