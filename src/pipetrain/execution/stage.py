@@ -159,16 +159,19 @@ class StageExecutor:
         if self.stochastic:
             torch.manual_seed((self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch)
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale)
-        if self.policy in _INCONSISTENT:
-            record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
-            with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
+        try:
+            if self.policy in _INCONSISTENT:
+                record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
+                with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
+                    output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
+                    if self.is_last:
+                        loss = self.loss_fn(output, target)
+            else:
                 output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
                 if self.is_last:
                     loss = self.loss_fn(output, target)
-        else:
-            output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
-            if self.is_last:
-                loss = self.loss_fn(output, target)
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise self._forward_error(error, inputs, target) from None
         if self.is_last:
             self.last_loss = loss.detach()
             scaled = loss * loss_scale if loss_scale != 1.0 else loss
@@ -179,6 +182,21 @@ class StageExecutor:
         record.roots = outputs
         self.in_flight[microbatch] = record
         return tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+
+    def _forward_error(self, error: Exception, inputs: tuple, target: Any) -> PipetrainError:
+        """A failing forward, explained in terms of stages and shapes."""
+        shapes = ", ".join(
+            f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}" if isinstance(x, Tensor) else type(x).__name__
+            for x in inputs
+        )
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
+        message = f"stage {self.stage} cannot run on its input ({shapes}) from {origin}: {text}"
+        if self.stage > 0:
+            message += f"; the output of stage {self.stage - 1} must match what stage {self.stage} takes"
+        if self.is_last and target is not None:
+            message += f" (targets: {tuple(target.shape)})"
+        return PipetrainError(message)
 
     @staticmethod
     def _pack(storage: dict[int, str]):
