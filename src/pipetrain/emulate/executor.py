@@ -62,10 +62,18 @@ class Emulator:
         self.ends: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
         self._releases = [version_release_points(p) for p in schedule.programs]
 
-    def run(self, on_unit: Callable[[int, float], None] | None = None) -> dict[int, float]:
+    def run(
+        self,
+        on_unit: Callable[[int, float], None] | None = None,
+        *,
+        cuts: Sequence[tuple[Sequence[int], Callable[[], None]]] = (),
+    ) -> dict[int, float]:
         """Run every action; returns the mean loss of each unit (microbatch), by unit number.
 
-        ``on_unit(k, loss)`` is called when the last stage finishes the forward of unit k.
+        ``on_unit(k, loss)`` is called when the last stage finishes the forward of unit k. Each
+        ``(positions, callback)`` of ``cuts`` stops every rank r before its action
+        ``positions[r]`` (a consistent cut, see :mod:`pipetrain.runtime.cuts`) and calls
+        ``callback()`` once all have arrived: evaluation sees every stage as the runtime does.
         """
         schedule = self.schedule
         programs = schedule.programs
@@ -85,6 +93,12 @@ class Emulator:
         queued = [True] * len(programs)
         clock = time.perf_counter
         origin = clock()
+        pending_cuts = list(cuts)
+        cut_index = 0  # the cut every rank is heading for next
+        arrived: set[int] = set()
+
+        def cut_position(rank: int) -> int | None:
+            return pending_cuts[cut_index][0][rank] if cut_index < len(pending_cuts) else None
 
         def deliver(key: tuple, value: tuple) -> None:
             mailbox[key] = value
@@ -101,7 +115,22 @@ class Emulator:
             releases = self._releases[rank]
             pc = pcs[rank]
             starts, ends = self.starts[rank], self.ends[rank]
-            while pc < len(program):
+            while True:
+                stop = cut_position(rank)
+                if stop is not None and pc == stop:
+                    arrived.add(rank)
+                    if len(arrived) < len(programs):
+                        break
+                    pending_cuts[cut_index][1]()
+                    cut_index += 1
+                    arrived.clear()
+                    for other in range(len(programs)):
+                        if other != rank and not queued[other]:
+                            queued[other] = True
+                            ready.append(other)
+                    continue
+                if pc >= len(program):
+                    break
                 action = program[pc]
                 kind, stage, k, version, _ = action
                 starts[pc] = clock() - origin

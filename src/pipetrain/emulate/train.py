@@ -40,7 +40,7 @@ def train_emulated(run: Run) -> TrainResult:
     units = run.layout.units_per_update
     update_losses: list[float] = []
     evaluations: list[dict[str, float]] = []
-    held_out = eval_batches(run) if run.config.eval_every else []
+    held_out = eval_batches(run)
     progress = Progress(run.updates, run.config.progress, f"{schedule.name} (emulated)")
     pending: dict[int, float] = {}
     started = time.perf_counter()
@@ -52,14 +52,16 @@ def train_emulated(run: Run) -> TrainResult:
         if all(u in pending for u in range(first, first + units)):
             update_losses.append(sum(pending.pop(u) for u in range(first, first + units)))
             progress.update(1, update_losses[-1], run.layout.batch_size, time.perf_counter() - started)
-            done = len(update_losses)
-            every = run.config.eval_every
-            if held_out and every and (done % every == 0 or done == run.updates):
-                result = evaluate_chain(chain_forward(first_replicas), held_out, run.loss_fn)
-                evaluations.append({"step": done, **result})
 
+    def evaluate_at(step: int):
+        def callback() -> None:
+            evaluations.append({"step": step, **evaluate_chain(chain_forward(first_replicas), held_out, run.loss_fn)})
+
+        return callback
+
+    cuts = [(run.evaluation_cut(s).positions, evaluate_at(s)) for s in run.evaluation_steps()] if held_out else []
     try:
-        emulator.run(on_unit)
+        emulator.run(on_unit, cuts=cuts)
     finally:
         progress.close()
     seconds = time.perf_counter() - started

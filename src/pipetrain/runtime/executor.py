@@ -96,6 +96,7 @@ class RankRunner:
         self.program = schedule.programs[rank]
         self.last_stage = schedule.num_stages - 1
         self.losses: dict[int, float] = {}
+        self.evaluations: list[dict[str, float]] = []
         self.starts = [0.0] * len(self.program)
         self.ends = [0.0] * len(self.program)
         self._releases = version_release_points(self.program)
@@ -238,6 +239,52 @@ class RankRunner:
             self._sends.popleft().wait()
         return self.losses
 
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def evaluate(self, count: int, batch_at: Callable[[int], tuple], loss_fn) -> dict[str, float] | None:
+        """Forward-only passes of ``count`` held-out batches through the first replica of every
+        stage, on the current weights; returns the loss and accuracy on the rank of the last stage.
+
+        Every rank calls it at the same cut (between updates); ``batch_at(i)`` is called only where
+        stage 0 lives, and its labels travel to the last stage. Its own channels keep training
+        messages in flight undisturbed.
+        """
+        from pipetrain.training.evaluate import accuracy_counts
+
+        rank, last = self.rank, self.last_stage
+        owners = [ranks[0] for ranks in self.schedule.stage_ranks]
+        mine = [s for s in sorted(self.executors) if owners[s] == rank]
+        if not mine:
+            return None
+        sends = []
+        total, samples, correct, counted = 0.0, 0, 0, 0
+        for index in range(count):
+            value = labels = None
+            if owners[0] == rank:
+                value, labels = batch_at(index)
+                if owners[last] != rank:
+                    sends.append(self.messenger.isend(labels, owners[last], "eval-labels", tag=index))
+            for stage in mine:
+                if stage > 0 and owners[stage - 1] != rank:
+                    value = self.messenger.recv(owners[stage - 1], f"eval{stage}", expect_tag=index)
+                value = self.executors[stage].evaluate(value)
+                if stage < last and owners[stage + 1] != rank:
+                    sends.append(self.messenger.isend(value, owners[stage + 1], f"eval{stage + 1}", tag=index))
+            if last in mine:
+                if owners[0] != rank:
+                    labels = self.messenger.recv(owners[0], "eval-labels", expect_tag=index)
+                n = labels.shape[0]
+                total += float(loss_fn(value, labels)) * n
+                samples += n
+                right, seen = accuracy_counts(value, labels)
+                correct += right
+                counted += seen
+        for handle in sends:
+            handle.wait()
+        if last in mine:
+            return {"loss": total / max(samples, 1), "accuracy": correct / max(counted, 1)}
+        return None
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -247,6 +294,7 @@ class RankRunner:
         return {
             "stages": {stage: executor.snapshot() for stage, executor in self.executors.items()},
             "losses": dict(self.losses),
+            "evaluations": list(self.evaluations),
             "rng": capture_rng(),
         }
 

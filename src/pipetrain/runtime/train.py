@@ -61,6 +61,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
     from pipetrain.runtime.launch import init_distributed
     from pipetrain.runtime.p2p import Messenger
     from pipetrain.runtime.status import StatusBoard
+    from pipetrain.training.outputs import eval_batches
     from pipetrain.training.setup import prepare
 
     env = init_distributed("gloo", timeout=config.timeout)
@@ -88,6 +89,25 @@ def worker(config: TrainConfig) -> TrainResult | None:
     if resumed:
         runner.restore(resumed.state, resumed.cut)
     hooks = checkpoints.hooks(runner, after=resumed.step if resumed else 0)
+    held_out = eval_batches(run)
+    evaluations: list[dict] = list(resumed.state.get("evaluations", [])) if resumed else []
+
+    def evaluate_at(step: int):
+        def evaluate() -> None:
+            metrics = runner.evaluate(len(held_out), held_out.__getitem__, run.loss_fn)
+            if metrics is not None:
+                evaluations.append({"step": step, **metrics})
+                runner.evaluations = evaluations
+
+        return evaluate
+
+    if len(held_out):
+        for step in run.evaluation_steps():
+            if resumed and step <= resumed.step:
+                continue
+            position = run.evaluation_cut(step).positions[rank]
+            hook = evaluate_at(step)
+            hooks[position] = hook if position not in hooks else _both(hooks[position], hook)
     _inject_fault(rank, hooks)
     progress = _progress(run, held, config)
     _collective("the start barrier", dist.barrier)
@@ -99,6 +119,8 @@ def worker(config: TrainConfig) -> TrainResult | None:
             progress.close()
         status.close()
     seconds = time.perf_counter() - started
+    if len(held_out) and (not run.config.eval_every):
+        evaluate_at(run.updates)()
     _collective("the final barrier", dist.barrier)
     elapsed = time.perf_counter() - started
     for stage in held:
@@ -112,6 +134,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
         "ends": runner.ends,
         "seconds": seconds,
         "states": states,
+        "evaluations": evaluations,
     }
     gathered: list[Any] = [None] * env.world_size if rank == 0 else None
     _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
@@ -162,6 +185,7 @@ class Checkpoints:
         if config.resume is True and not self.directory:
             raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")
         self.every = config.checkpoint_every
+        self._store = None
         self.meta = {"config": config.fingerprint(), "workers": world_size, "schedule": run.schedule.name}
 
     def _cut(self, step: int):
@@ -199,9 +223,11 @@ class Checkpoints:
             from pipetrain.runtime.checkpoint import prune, save_distributed
             from pipetrain.runtime.status import env_store
 
+            if self._store is None:  # one store client for the whole run: save rounds must match across ranks
+                self._store = env_store(self.run.config.timeout)
             save_distributed(
                 self.directory, step, {f"rank-{self.rank}.pt": runner.snapshot()}, self.meta,
-                rank=self.rank, world_size=self.world_size, store=env_store(self.run.config.timeout),
+                rank=self.rank, world_size=self.world_size, store=self._store,
                 timeout=self.run.config.timeout,
             )
             if self.rank == 0:
@@ -250,11 +276,8 @@ def _rank() -> int:
 
 def _assemble(run, gathered: list[dict], elapsed: float) -> TrainResult:
     """Rank 0: the run's result from every rank's payload; writes the outputs."""
-    from pipetrain.emulate.train import chain_forward
     from pipetrain.schedule.ir import Kind
     from pipetrain.schedule.timeline import Timeline
-    from pipetrain.training.evaluate import evaluate_chain
-    from pipetrain.training.outputs import eval_batches
     from pipetrain.training.train import write_outputs
 
     schedule = run.schedule
@@ -275,13 +298,7 @@ def _assemble(run, gathered: list[dict], elapsed: float) -> TrainResult:
     work = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP)
     busy = [sum(e - s for a, s, e in timeline.spans(r) if a.kind in work) for r in range(schedule.num_ranks)]
     seconds = max(p["seconds"] for p in gathered)
-    evaluations = []
-    held_out = eval_batches(run)
-    if held_out:
-        from pipetrain.execution import StageExecutor
-
-        chain = [StageExecutor(s, module, None) for s, module in enumerate(run.staged.stages)]
-        evaluations.append({"step": run.updates, **evaluate_chain(chain_forward(chain), held_out, run.loss_fn)})
+    evaluations = max((p["evaluations"] for p in gathered), key=len)
     result = TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,

@@ -9,23 +9,36 @@ import torch
 
 from pipetrain.training.setup import Run
 
-__all__ = ["eval_batches", "save_state_dict", "Progress"]
+__all__ = ["EvalBatches", "eval_batches", "save_state_dict", "Progress"]
 
 
-def eval_batches(run: Run, batch_size: int | None = None) -> list[tuple[Any, torch.Tensor]]:
-    """The held-out set in fixed batches (no shuffling), in the run's dtype."""
-    from pipetrain.data import get_batch
+class EvalBatches:
+    """The held-out set in fixed batches (no shuffling), in the run's dtype, read on demand: every
+    rank knows how many there are, only the rank that holds stage 0 reads them."""
 
-    if run.test_set is None or len(run.test_set) == 0:
-        return []
-    size = batch_size or max(run.layout.batch_size, 64)
-    batches = []
-    for start in range(0, len(run.test_set), size):
-        x, y = get_batch(run.test_set, torch.arange(start, min(start + size, len(run.test_set))))
+    def __init__(self, run: Run, batch_size: int | None = None) -> None:
+        self.dataset = run.test_set
+        self.dtype = run.dtype
+        self.size = batch_size or max(run.layout.batch_size, 64)
+        self.total = 0 if self.dataset is None else len(self.dataset)
+
+    def __len__(self) -> int:
+        return -(-self.total // self.size)
+
+    def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
+        from pipetrain.data import get_batch
+
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = index * self.size
+        x, y = get_batch(self.dataset, torch.arange(start, min(start + self.size, self.total)))
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            x = x.to(run.dtype)
-        batches.append((x, y))
-    return batches
+            x = x.to(self.dtype)
+        return x, y
+
+
+def eval_batches(run: Run, batch_size: int | None = None) -> EvalBatches:
+    return EvalBatches(run, batch_size)
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:

@@ -61,6 +61,20 @@ class Run:
     def samples_per_update(self) -> int:
         return self.layout.batch_size
 
+    def evaluation_steps(self) -> list[int]:
+        """Updates after which ``--eval-every K`` evaluates (every K-th, and always the last)."""
+        every = self.config.eval_every
+        if not every:
+            return []
+        steps = list(range(every, self.updates, every))
+        return steps + [self.updates]
+
+    def evaluation_cut(self, step: int):
+        """Where each rank pauses for the evaluation after ``step`` updates: a consistent cut."""
+        from pipetrain.runtime.cuts import cut
+
+        return cut(self.schedule, step * self.layout.units_per_update)
+
     def unit_data(self) -> UnitData:
         def get_batch(dataset: Dataset, indices: Tensor):
             from pipetrain.data import get_batch as read
