@@ -1,7 +1,7 @@
 """One stage replica at work: forward and backward of microbatches on the weight version an action
 names, gradient accumulation, and updates that make new versions.
 
-The module's structure is used through ``torch.func.functional_call`` with the parameters of the
+The module's structure is called with the parameters of the
 version the action reads, so several versions can be in use at once and none is ever modified
 (the original PipeDream broke on PyTorch >= 1.5 by updating weights that autograd had saved).
 Buffers (BatchNorm running statistics) are the module's own and are not versioned.
@@ -25,7 +25,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from pipetrain.errors import PipetrainError
 from pipetrain.execution.versions import VersionStore
@@ -47,6 +46,29 @@ def warm_up_autograd() -> None:
 
 def as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
+
+
+class _Parameters:
+    """Calls a module with given parameter tensors in place of its own (like
+    ``torch.func.functional_call``, restricted to parameters and without its per-call overhead,
+    which matters at batch size 1 and small microbatches). Buffers stay the module's own."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.slots = []
+        for name, _ in module.named_parameters():
+            owner, _, attr = name.rpartition(".")
+            self.slots.append((module.get_submodule(owner)._parameters, attr, name))
+
+    def __call__(self, params: Mapping[str, Tensor], inputs: tuple) -> Any:
+        saved = [(table, attr, table[attr]) for table, attr, _ in self.slots]
+        try:
+            for table, attr, name in self.slots:
+                table[attr] = params[name]
+            return self.module(*inputs)
+        finally:
+            for table, attr, original in saved:
+                table[attr] = original
 
 
 class _ParamRef:
@@ -113,6 +135,7 @@ class StageExecutor:
         self.trainable = frozenset(n for n, p in named.items() if p.requires_grad)
         self.versions = VersionStore({n: p.detach().clone() for n, p in named.items()})
         self.buffers = dict(module.named_buffers())
+        self.call = _Parameters(module)
         self.stochastic = any(isinstance(m, _STOCHASTIC) and m.p > 0 for m in module.modules())
         self.in_flight: dict[int, _InFlight] = {}
         self.grads: dict[str, Tensor] | None = None
@@ -163,11 +186,11 @@ class StageExecutor:
             if self.policy in _INCONSISTENT:
                 record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
                 with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
-                    output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
+                    output = self.call(leaves, inputs)
                     if self.is_last:
                         loss = self.loss_fn(output, target)
             else:
-                output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
+                output = self.call(leaves, inputs)
                 if self.is_last:
                     loss = self.loss_fn(output, target)
         except (RuntimeError, TypeError, ValueError) as error:
@@ -387,7 +410,7 @@ class StageExecutor:
         self.module.eval()
         try:
             with torch.no_grad():
-                return functional_call(self.module, {**self.versions.latest, **self.buffers}, as_tuple(inputs))
+                return self.call(self.versions.latest, as_tuple(inputs))
         finally:
             self.module.train(was_training)
 
