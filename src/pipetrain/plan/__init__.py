@@ -1,0 +1,1 @@
+"""Planning: profiles, cut points, PipeDream's partitioning optimizer, baselines."""
