@@ -39,7 +39,7 @@ import numpy as np
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import check_schedule, format_bytes, stage_memory
-from pipetrain.plan.minmax import is_monotone, minmax_dense, minmax_monotone
+from pipetrain.plan.minmax import minmax_dense, minmax_hybrid, minmax_monotone, monotone_limit
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.topology import Topology
@@ -98,7 +98,8 @@ class _Memory:
 class _Level:
     """The DP table of one topology level, with the formulas it was built from."""
 
-    def __init__(self, solver: "_Solver", index: int, seg: Callable, monotone: bool) -> None:
+    def __init__(self, solver: "_Solver", index: int, seg: Callable,
+                 limit: np.ndarray | None = None) -> None:
         self.s = solver
         self.index = index
         self.n = solver.topology.machines[index]
@@ -106,7 +107,7 @@ class _Level:
         self.within = solver.topology.machines[index - 1] if index > 0 else 1
         self.final = index == solver.topology.levels - 1
         self.seg = seg
-        self.monotone = monotone
+        self.limit = limit              # chains: seg[1..limit[j], j] is non-increasing in k
         cuts = solver.cuts
         self.rows = np.array([0]) if self.final else np.arange(cuts.num_states - 1)
         self.memory = solver.memory if (self.final and solver.topology.levels == 1) else None
@@ -174,65 +175,117 @@ class _Level:
     def solve(self, mode: str = "time") -> np.ndarray:
         """Fill ``table[row, j, machines]`` for every row, cut ``j`` and machine count."""
         cuts = self.s.cuts
-        states = np.arange(cuts.num_states)
         table = np.full_like(self.table, np.inf)
-        cacheable = mode == "time" and not self._limited()
-        cache: dict[int, np.ndarray] = {}
-        if cuts.chain and self.monotone:
-            kernel = "monotone"
-        elif len(self.rows) == 1:
-            kernel = "sparse"
-            jj, kk = np.nonzero(cuts.ancestors[1:].T)     # all stages k -> j, grouped by j
-            kk = kk + 1
-            starts = np.flatnonzero(np.r_[True, jj[1:] != jj[:-1]])
-            groups = jj[starts]
+        if cuts.chain:
+            solve = self._solve_chain_rows if len(self.rows) > 1 else self._solve_chain_final
         else:
-            kernel = "dense"
+            solve = self._solve_dag
         for machines in range(1, self.n + 1):
             if self.s.straight and machines > 1:
                 best = np.full((len(self.rows), cuts.num_states), np.inf)
             else:
+                states = np.arange(cuts.num_states)
                 best = self.single(self.rows[:, None], states[None, :], machines, mode)
-            for m in self.replica_choices(machines):
-                prefix = table[:, :, machines - m]
-                finite = np.isfinite(prefix).any(axis=0)
-                if not finite.any():
-                    continue
-                a = np.maximum(prefix, self.tin(states, m, mode)[None, :])
-                if kernel == "monotone":
-                    def cost(k, j, m=m, machines=machines):
-                        return self.split(k, j, m, machines, mode)
-
-                    cand = minmax_monotone(a, cost, self.rows)
-                elif kernel == "sparse":
-                    if cacheable and m in cache:
-                        stage = cache[m]
-                    else:
-                        stage = self.stage(kk, jj, m, machines, mode)
-                        if cacheable:
-                            cache[m] = stage
-                    values = np.maximum(a[0, kk], stage)
-                    cand = np.full((1, cuts.num_states), np.inf)
-                    cand[0, groups] = np.minimum.reduceat(values, starts)
-                    np.maximum(cand, self.tout(states, m, mode)[None, :], out=cand)
-                else:
-                    ks = np.flatnonzero(finite[1:]) + 1
-                    if cacheable and m in cache:
-                        stage = cache[m][ks]
-                    else:
-                        full = self.stage(states[:, None], states[None, :], m, machines, mode)
-                        if cacheable and len(cache) * full.size < 30_000_000:
-                            cache[m] = full
-                        stage = full[ks]
-                    cand = minmax_dense(a[:, ks], stage)
-                    np.maximum(cand, self.tout(states, m, mode)[None, :], out=cand)
-                np.minimum(best, cand, out=best)
+            choices = [m for m in self.replica_choices(machines)
+                       if np.isfinite(table[:, :, machines - m]).any()]
+            if choices:
+                np.minimum(best, solve(table, machines, choices, mode), out=best)
             if self.s.fewer and machines > 1:
                 np.minimum(best, table[:, :, machines - 1], out=best)
             table[:, :, machines] = best
         if mode == "time":
             self.table = table
+        self._cache = {}
         return table
+
+    def _prefix(self, table, machines, m, mode):
+        states = np.arange(self.s.cuts.num_states)
+        return np.maximum(table[:, :, machines - m], self.tin(states, m, mode)[None, :])
+
+    def _solve_chain_final(self, table, machines, choices, mode):
+        """Row 0 of a chain: one binary search per (replica count, cut), all at once."""
+        ms = np.array(choices)
+        a = np.stack([self._prefix(table, machines, m, mode)[0] for m in choices])
+        starts = np.zeros(len(choices), dtype=np.int64)
+
+        def cost(p, k, j):
+            return self.split(k, j, ms[p], machines, mode)
+
+        if self.limit is None:
+            cand = minmax_monotone(a, starts, cost)
+        else:
+            cand = minmax_hybrid(a, starts, cost, self.limit)
+        return cand.min(axis=0, keepdims=True)
+
+    def _dense(self, m, machines, mode, key=""):
+        """The (cut, cut) matrix of last-stage costs with out terms, cached per replica count."""
+        cacheable = mode == "time" and not self._limited()
+        cache = self.__dict__.setdefault("_cache", {})
+        if cacheable and (m, key) in cache:
+            return cache[(m, key)]
+        states = np.arange(self.s.cuts.num_states)
+        full = self.split(states[:, None], states[None, :], m, machines, mode)
+        if cacheable:
+            if sum(v.size for v in cache.values()) > 40_000_000:
+                cache.clear()
+            cache[(m, key)] = full
+        return full
+
+    def _solve_chain_rows(self, table, machines, choices, mode):
+        """Every row of a chain (inner levels): a 2-D binary search per replica count."""
+        best = np.full((len(self.rows), self.s.cuts.num_states), np.inf)
+        for m in choices:
+            a = self._prefix(table, machines, m, mode)
+            full = self._dense(m, machines, mode).ravel()
+            width = self.s.cuts.num_states
+
+            def cost(p, k, j, flat=full):
+                return flat[k * width + j]
+
+            if self.limit is None:
+                cand = minmax_monotone(a, self.rows, cost)
+            else:
+                cand = minmax_hybrid(a, self.rows, cost, self.limit)
+            np.minimum(best, cand, out=best)
+        return best
+
+    def _solve_dag(self, table, machines, choices, mode):
+        cuts = self.s.cuts
+        states = np.arange(cuts.num_states)
+        best = np.full((len(self.rows), cuts.num_states), np.inf)
+        sparse = len(self.rows) == 1
+        if sparse and not hasattr(self, "_pairs"):
+            jj, kk = np.nonzero(cuts.ancestors[1:].T)     # all stages k -> j, grouped by j
+            kk = kk + 1
+            starts = np.flatnonzero(np.r_[True, jj[1:] != jj[:-1]])
+            self._pairs = (kk, jj, starts, jj[starts])
+        cacheable = mode == "time" and not self._limited()
+        cache = self.__dict__.setdefault("_cache", {})
+        for m in choices:
+            a = self._prefix(table, machines, m, mode)
+            if sparse:
+                kk, jj, starts, groups = self._pairs
+                if cacheable and (m, "pairs") in cache:
+                    stage = cache[(m, "pairs")]
+                else:
+                    stage = self.stage(kk, jj, m, machines, mode)
+                    if cacheable:
+                        cache[(m, "pairs")] = stage
+                values = np.maximum(a[0, kk], stage)
+                cand = np.full((1, cuts.num_states), np.inf)
+                cand[0, groups] = np.minimum.reduceat(values, starts)
+            else:
+                ks = np.flatnonzero(np.isfinite(a).any(axis=0)[1:]) + 1
+                if cacheable and (m, "stage") in cache:
+                    full = cache[(m, "stage")]
+                else:
+                    full = self.stage(states[:, None], states[None, :], m, machines, mode)
+                    if cacheable:
+                        cache[(m, "stage")] = full
+                cand = minmax_dense(a[:, ks], full[ks])
+            np.maximum(cand, self.tout(states, m, mode)[None, :], out=cand)
+            np.minimum(best, cand, out=best)
+        return best
 
     # traceback ----------------------------------------------------------------------------
     def choose(self, r: int, j: int, machines: int) -> tuple:
@@ -286,15 +339,15 @@ class _Solver:
             return compute[j] - compute[k]
 
         seg: Callable = seg_compute
-        monotone = True
+        limit = None
         for index in range(self.topology.levels):
-            level = _Level(self, index, seg, monotone)
+            level = _Level(self, index, seg, limit)
             level.solve()
             self.levels.append(level)
             if not level.final:
                 full = np.full((cuts.num_states, cuts.num_states), np.inf)
                 full[:-1] = level.table[:, :, level.n]
-                monotone = cuts.chain and is_monotone(full)
+                limit = monotone_limit(full) if cuts.chain else None
                 seg = (lambda k, j, full=full: full[k, j])
         last = self.levels[-1]
         return float(last.table[0, cuts.num_states - 1, last.n])
@@ -352,12 +405,25 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
         topology = Topology.flat(int(topology))
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
-    memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
-    solver = _Solver(cuts, topology, cost_model, straight, fewer_machines, memory)
-    best = solver.solve()
-    if not math.isfinite(best):
-        _explain_infeasible(solver, cuts, topology, straight, fewer_machines, memory_limit,
-                            schedule)
+    if memory_limit is not None and fewer_machines and topology.levels == 1:
+        # idle workers change every stage's in-flight count: solve each worker count exactly
+        solvers = [_Solver(cuts, Topology.flat(n, topology.bandwidths[0]), cost_model, straight,
+                           False, _Memory(memory_limit, schedule, int(microbatches), n))
+                   for n in range(1, topology.workers + 1)]
+        times = [solver.solve() for solver in solvers]
+        pick = int(np.argmin(times))
+        solver, best = solvers[pick], times[pick]
+        if not math.isfinite(best):
+            smallest = min(s.smallest_memory() for s in solvers)
+            _explain_infeasible(solver, cuts, topology, straight, True, memory_limit, schedule,
+                                smallest)
+    else:
+        memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
+        solver = _Solver(cuts, topology, cost_model, straight, fewer_machines, memory)
+        best = solver.solve()
+        if not math.isfinite(best):
+            _explain_infeasible(solver, cuts, topology, straight, fewer_machines, memory_limit,
+                                schedule)
     flat = solver.stages()
     solve_seconds = time.perf_counter() - started
     stages = _describe(solver, flat)
@@ -381,10 +447,12 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
 
 
 def _explain_infeasible(solver: _Solver, cuts: Cuts, topology: Topology, straight: bool,
-                        fewer: bool, memory_limit: float | None, schedule: str) -> None:
+                        fewer: bool, memory_limit: float | None, schedule: str,
+                        smallest: float | None = None) -> None:
     layers = cuts.num_states - 1
     if memory_limit is not None and topology.levels == 1:
-        smallest = solver.smallest_memory()
+        if smallest is None:
+            smallest = solver.smallest_memory()
         if math.isfinite(smallest):
             raise PipetrainError(
                 f"no plan over {topology.workers} workers fits in {format_bytes(memory_limit)} "
