@@ -52,10 +52,28 @@ class Cuts:
     chain: bool
     inputs: list[str]
     tails: dict[str, list[str]]  # removed __getitem__ sink -> its producers
+    layer_activations: np.ndarray | None = None  # per planned layer
+    successors: np.ndarray | None = None  # (layer, layer) adjacency, DAGs only
+    augment: np.ndarray | None = None     # (layer, layer): p joins a's augmented antichain
 
     @property
     def num_states(self) -> int:
         return len(self.compute)
+
+    def output_of(self, members: np.ndarray) -> np.ndarray:
+        """Bytes sent across the cuts given as rows of a (cuts, layers) membership matrix.
+
+        Any down-closed set of layers (a prefix of a topological order, for example) is a cut.
+        """
+        members = np.atleast_2d(members).astype(bool)
+        if self.chain:
+            count = members.sum(axis=1)
+            acts = np.concatenate([[0.0], self.layer_activations])
+            return acts[count]
+        m32 = members.astype(np.float32)
+        maximal = members & ~((m32 @ self.successors.T) > 0)
+        augmented = maximal | ((maximal.astype(np.float32) @ self.augment) > 0)
+        return augmented.astype(np.float64) @ self.layer_activations
 
     def stage_layers(self, k: int, j: int) -> list[str]:
         """Names of the planned layers of stage ``k -> j``, in topological order."""
@@ -125,13 +143,14 @@ def build_cuts(profile: Profile) -> Cuts:
 
     chain = all(len(p) <= 1 for p in pred_idx) and all(len(s) <= 1 for s in succ_idx) and \
         sum(1 for p in pred_idx if not p) == 1
+    succ = extra = None
     if chain:
         # keep is topological, so along a chain it is the path order
         members = np.tri(n + 1, n, -1, dtype=bool)
         ancestors = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
         output = np.concatenate([[0.0], acts])
     else:
-        members, ancestors, output = _dag_states(n, pred_idx, succ_idx, acts)
+        members, ancestors, output, succ, extra = _dag_states(n, pred_idx, succ_idx, acts)
 
     def sums(values: np.ndarray) -> np.ndarray:
         if chain:
@@ -140,11 +159,12 @@ def build_cuts(profile: Profile) -> Cuts:
 
     return Cuts(profile=profile, nodes=keep, members=members, compute=sums(compute),
                 params=sums(params), optimizer=sums(optim), activations=sums(acts),
-                output=output, ancestors=ancestors, chain=chain, inputs=inputs, tails=tails)
+                output=output, ancestors=ancestors, chain=chain, inputs=inputs, tails=tails,
+                layer_activations=acts, successors=succ, augment=extra)
 
 
 def _dag_states(n: int, pred_idx: list[list[int]], succ_idx: list[list[int]],
-                acts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                acts: np.ndarray) -> tuple[np.ndarray, ...]:
     down = [0] * n                      # node and all its ancestors, as bit masks
     for v in range(n):                  # indices are in topological order
         mask = 1 << v
@@ -212,4 +232,4 @@ def _dag_states(n: int, pred_idx: list[list[int]], succ_idx: list[list[int]],
                 extra[a, p] = 1.0
     augmented = maximal | ((maximal.astype(np.float32) @ extra) > 0)
     output = augmented.astype(np.float64) @ acts
-    return members, ancestors, output
+    return members, ancestors, output, succ, extra
