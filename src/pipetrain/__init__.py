@@ -1,6 +1,20 @@
-"""pipetrain: pipeline-parallel training for PyTorch."""
+"""pipetrain: pipeline-parallel training for PyTorch.
+
+The public face: :class:`Pipeline` (train a model with any schedule in one process),
+:mod:`pipetrain.schedule` (the schedule IR, generators, validation and simulation) and the
+`pipetrain` command.
+"""
 
 from pipetrain.errors import PipetrainError
 
-__all__ = ["PipetrainError"]
+__all__ = ["Pipeline", "PipetrainError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Pipeline imports PyTorch; load it on first use so `pipetrain schedule` starts fast.
+    if name == "Pipeline":
+        from pipetrain.pipeline import Pipeline
+
+        return Pipeline
+    raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")

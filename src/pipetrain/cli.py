@@ -20,6 +20,7 @@ __all__ = ["main"]
 # not import every command module (and PyTorch with them).
 COMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("pipetrain.commands.schedule", "generate, validate, simulate and draw a schedule"),
+    "train": ("pipetrain.commands.train", "train a model with a pipeline schedule (emulated or distributed)"),
     "plan": ("pipetrain.commands.plan", "partition a profiled model into stages and replicas"),
 }
 

@@ -1,0 +1,242 @@
+"""Largest stable step on a quadratic with delayed gradients: plain momentum, SC, LWP, SC+LWP.
+
+The model problem of Kosson et al. (MLSys 2021): f(w) = lam*w**2/2, and update n applies the
+gradient taken at the forward weights of version n-D (D updates old; version 0 for n < D). With
+y = lr*v and h = lr*lam, one update of pipetrain's SGD (PyTorch-style momentum, SC coefficients
+(a, b), LWP horizon T) is the linear recurrence
+
+    u_k     = w_k - T*y_k                      forward weights of version k (LWP: predicted)
+    y_{n+1} = m*y_n + h*u_{n-D}
+    w_{n+1} = w_n - a*y_{n+1} - b*h*u_{n-D}
+
+with state (w_n, y_n, u_{n-1}, ..., u_{n-D}). It is stable iff the spectral radius of its
+companion matrix is below 1; the largest stable h (the first instability above h = 0) is found
+by a geometric scan and bisection. A few cells are cross-checked by long runs of the scalar
+recurrence (written separately, with a ring buffer) and by pipetrain's SGD itself.
+
+Usage:  PYTHONPATH=src python benchmarks/quadratic.py [--out benchmarks/RESULTS-optim.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+import time
+from collections import deque
+
+import numpy as np
+
+from pipetrain.optim import build_stage_optimizer, spike_coefficients
+
+__all__ = [
+    "METHODS",
+    "coefficients",
+    "companion_matrix",
+    "spectral_radius",
+    "max_stable_h",
+    "simulate",
+    "simulate_optimizer",
+    "grows",
+]
+
+METHODS = ("none", "sc", "lwp", "sc+lwp")
+
+
+def coefficients(method: str, momentum: float, delay: int) -> tuple[float, float, float]:
+    """(a, b, T) of the update for a compensation method at delay D (SC's D and LWP's T = D)."""
+    a, b = spike_coefficients(momentum, delay) if "sc" in method else (1.0, 0.0)
+    horizon = float(delay) if "lwp" in method else 0.0
+    return a, b, horizon
+
+
+def companion_matrix(h: float, momentum: float, delay: int, method: str) -> np.ndarray:
+    a, b, horizon = coefficients(method, momentum, delay)
+    size = 2 + delay
+    matrix = np.zeros((size, size))
+    # u_{n-D} as a row vector over the state
+    source = np.zeros(size)
+    if delay == 0:
+        source[0], source[1] = 1.0, -horizon
+    else:
+        source[size - 1] = 1.0
+    matrix[0, 0] = 1.0
+    matrix[0, 1] = -a * momentum
+    matrix[0] += -(a + b) * h * source
+    matrix[1, 1] = momentum
+    matrix[1] += h * source
+    if delay > 0:
+        matrix[2, 0], matrix[2, 1] = 1.0, -horizon
+        for i in range(1, delay):
+            matrix[2 + i, 1 + i] = 1.0
+    return matrix
+
+
+def spectral_radius(h: float, momentum: float, delay: int, method: str) -> float:
+    return float(np.max(np.abs(np.linalg.eigvals(companion_matrix(h, momentum, delay, method)))))
+
+
+def max_stable_h(momentum: float, delay: int, method: str, rel_tol: float = 1e-7) -> float:
+    """The first h > 0 at which the recurrence becomes unstable (spectral radius reaches 1)."""
+    stable = lambda h: spectral_radius(h, momentum, delay, method) < 1.0  # noqa: E731
+    low = 1e-7
+    if not stable(low):
+        return 0.0
+    high = low * 1.05
+    while stable(high):
+        low, high = high, high * 1.05
+        if high > 1e3:
+            return math.inf
+    while high - low > rel_tol * low:
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if stable(mid) else (low, mid)
+    return low
+
+
+def simulate(h: float, momentum: float, delay: int, method: str, steps: int) -> list[float]:
+    """|w_n| of the scalar recurrence from w_0 = 1, v_0 = 0, written as the optimizer runs it."""
+    a, b, horizon = coefficients(method, momentum, delay)
+    w, y = 1.0, 0.0
+    versions: deque[float] = deque([w] * (delay + 1), maxlen=delay + 1)  # u_{n-D} .. u_n
+    out = []
+    for _ in range(steps):
+        q = h * versions[0]
+        y = momentum * y + q
+        w = w - a * y - b * q
+        versions.append(w - horizon * y)
+        out.append(abs(w))
+    return out
+
+
+def simulate_optimizer(
+    h: float, momentum: float, delay: int, method: str, steps: int
+) -> list[float]:
+    """w_n of pipetrain's own SGD (lam = 1, lr = h): forward at version n-D, predicted with LWP."""
+    import torch
+
+    optimizer = build_stage_optimizer(
+        f"sgd:lr={h!r},momentum={momentum!r}", stage_delay=delay, compensation=method
+    )
+    params = {"w": torch.ones(1, dtype=torch.float64)}
+    forward = deque([optimizer.predict(params, 0)["w"]] * (delay + 1), maxlen=delay + 1)
+    out = []
+    for n in range(steps):
+        params = optimizer.step(params, {"w": forward[0]}, samples_seen=n)  # gradient lam*u
+        forward.append(optimizer.predict(params, samples_seen=n + 1)["w"])
+        out.append(params["w"].item())
+    return out
+
+
+def grows(trajectory: list[float]) -> bool:
+    """Whether the envelope of the last tenth exceeds that of the tenth before the middle."""
+    tenth = max(1, len(trajectory) // 10)
+    middle = len(trajectory) // 2
+    return max(trajectory[-tenth:]) > max(trajectory[middle - tenth : middle])
+
+
+def _cross_check(momentum: float, delay: int, method: str, h_max: float) -> str:
+    verdicts = []
+    for factor in (0.97, 1.03):
+        rho = spectral_radius(factor * h_max, momentum, delay, method)
+        steps = int(min(3e6, max(2000, 12 / abs(math.log(rho)))))
+        unstable = grows(simulate(factor * h_max, momentum, delay, method, steps))
+        verdicts.append(f"{factor:.2f}h*: {'grows' if unstable else 'decays'} ({steps} steps)")
+    return "; ".join(verdicts)
+
+
+def _summary(bounds: dict[tuple[float, int], dict[str, float]]) -> list[str]:
+    """Sentences read off the table: gains of each method over plain delayed momentum."""
+    out = ["Reading:", ""]
+    for momentum in sorted({m for m, _ in bounds}):
+        cells = {d: h for (m, d), h in bounds.items() if m == momentum}
+        plain = [h["none"] * d / (1 - momentum) for d, h in cells.items()]
+        gains = {
+            method: [h[method] / h["none"] for h in cells.values()] for method in METHODS[1:]
+        }
+        worse = sorted(f"{method} at D={d}" for d, h in cells.items() for method in METHODS[1:]
+                       if h[method] < h["none"])
+        out.append(
+            f"* m={momentum}: plain delayed momentum reaches {min(plain):.2f}-{max(plain):.2f} "
+            "times (1-m)/D; gain over plain: "
+            + ", ".join(f"{method} x{min(g):.2f}-{max(g):.2f}" for method, g in gains.items())
+            + (f"; below plain (over-compensation): {', '.join(worse)}" if worse else "")
+            + "."
+        )
+    return out
+
+
+def _machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next(l.split(":", 1)[1].strip() for l in handle if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores, " \
+           f"Python {platform.python_version()}, numpy {np.__version__}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--momenta", default="0.9,0.999177")
+    parser.add_argument("--delays", default="1,4,16,64")
+    default_out = os.path.join(os.path.dirname(__file__), "RESULTS-optim.md")
+    parser.add_argument("--out", default=default_out, help="markdown file to write ('-': none)")
+    args = parser.parse_args(argv)
+    momenta = [float(x) for x in args.momenta.split(",")]
+    delays = [int(x) for x in args.delays.split(",")]
+
+    start = time.perf_counter()
+    lines = []
+    bounds: dict[tuple[float, int], dict[str, float]] = {}
+    for momentum in momenta:
+        lines.append(f"\nm = {momentum}  (no delay: h < 2(1+m) = {2 * (1 + momentum):.4g}; "
+                     f"(1-m)/D shown for reference)\n")
+        lines.append(
+            "| D | (1-m)/D | none | sc | lwp | sc+lwp | sc/none | lwp/none | sc+lwp/none |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for delay in delays:
+            h = {method: max_stable_h(momentum, delay, method) for method in METHODS}
+            bounds[momentum, delay] = h
+            lines.append(
+                f"| {delay} | {(1 - momentum) / delay:.3g} | "
+                + " | ".join(f"{h[method]:.4g}" for method in METHODS)
+                + " | " + " | ".join(f"{h[method] / h['none']:.2f}" for method in METHODS[1:])
+                + " |"
+            )
+    table_seconds = time.perf_counter() - start
+
+    checks = ["", "Cross-checks (long runs of the scalar recurrence at 0.97 and 1.03 times the "
+                  "spectral-radius bound):", ""]
+    for momentum, delay, method in [(0.9, 4, "none"), (0.9, 16, "sc+lwp"), (0.999177, 16, "sc"),
+                                    (0.999177, 64, "lwp")]:
+        h_max = max_stable_h(momentum, delay, method)
+        checks.append(f"* m={momentum}, D={delay}, {method}: h*={h_max:.4g}; "
+                      + _cross_check(momentum, delay, method, h_max))
+    total = time.perf_counter() - start
+
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["PYTHONPATH=src python benchmarks/quadratic.py", *given])
+    body = "\n".join(lines + checks + [""] + _summary(bounds))
+    print(body)
+    print(f"\ntable {table_seconds:.1f} s, total {total:.1f} s")
+    if args.out != "-":
+        with open(args.out, "w") as handle:
+            handle.write(
+                "# Delay compensation on a quadratic: largest stable h = lr*lam\n\n"
+                "f = lam*w^2/2, gradient at the forward weights of D updates ago (PyTorch-style "
+                "momentum, pipetrain's SC coefficients, LWP horizon T = D). Largest h before the "
+                "first instability, from the companion-matrix spectral radius (bisection to "
+                "relative 1e-7).\n\n"
+                f"Command: `{command}`  \nMachine: {_machine()}  \n"
+                f"Time: table {table_seconds:.1f} s, with cross-checks {total:.1f} s\n"
+                + body + "\n"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

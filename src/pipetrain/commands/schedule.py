@@ -1,0 +1,144 @@
+"""`pipetrain schedule`: generate (or load), validate, simulate and draw schedules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pipetrain.errors import ScheduleError
+
+__all__ = ["add_arguments", "run"]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 3,1; got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", help="schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb")
+    parser.add_argument("--stages", type=int, help="pipeline stages S (ranks for interleaved); default 4")
+    parser.add_argument("--microbatches", type=int, default=8,
+                        help="microbatches per step; for pipedream and pb the number of units, each its own update")
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps (synchronous schedules and 2bw)")
+    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
+    parser.add_argument("--replicas", type=_int_list, help="replicas per stage, e.g. 3,1 (gpipe, 1f1b, pipedream, 2bw)")
+    parser.add_argument("--policy", help="weight-version policy replacing the preset's: stash, vsync, latest, predict")
+    parser.add_argument("--update-every", type=int, default=1, help="pipedream/pb: units accumulated per update")
+    parser.add_argument("--costs", default="", help="F=1,B=2,W=0[,latency=..,bandwidth=..,bytes=..,step=..,sync=..]")
+    parser.add_argument("--costs-file", help='JSON with per-stage lists, e.g. {"F": [1, 1, 2, 1], "B": [2, 2, 4, 2]}')
+    parser.add_argument("--load", metavar="FILE", help="read the schedule from a CSV/text file instead of generating it")
+    parser.add_argument("--compare", help="comma-separated schedules to draw one under another")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart (the comparison with --compare)")
+    parser.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    parser.add_argument("--csv", metavar="FILE", help="write the schedule's programs as CSV text")
+    parser.add_argument("--show", action="store_true", help="print every rank's program")
+
+
+def _costs(args: argparse.Namespace):
+    from pipetrain.schedule import load_costs, parse_costs
+
+    if args.costs_file and args.costs:
+        raise ScheduleError("give either --costs or --costs-file, not both")
+    if args.costs_file:
+        return load_costs(args.costs_file)
+    return parse_costs(args.costs)
+
+
+def _stages(args: argparse.Namespace) -> int:
+    if args.stages is not None:
+        return args.stages
+    return len(args.replicas) if args.replicas else 4
+
+
+def _generate(name: str, args: argparse.Namespace, *, comparing: bool = False):
+    from pipetrain.schedule import ASYNCHRONOUS, build, resolve_name
+
+    name = resolve_name(name)
+    chunks = args.chunks if name == "interleaved" else 1
+    if comparing and name == "interleaved" and chunks == 1:
+        chunks = 2
+    microbatches, steps = args.microbatches, args.steps
+    if name in ASYNCHRONOUS and name != "2bw":
+        microbatches, steps = microbatches * steps, 1
+    replicas = args.replicas if name in ("gpipe", "1f1b", "pipedream", "2bw") or not comparing else None
+    return build(
+        name, _stages(args), microbatches, steps=steps, chunks=chunks, replicas=replicas,
+        policy=args.policy if not comparing else None,
+        update_every=args.update_every if name in ("pipedream", "pb") else 1,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipetrain.schedule import check, dump, load, simulate
+    from pipetrain.schedule.report import format_summary, summarize
+
+    costs = _costs(args)
+    if args.compare:
+        if args.name or args.load:
+            raise ScheduleError("--compare takes the schedule names itself; drop the NAME argument / --load")
+        names = [n.strip() for n in args.compare.split(",") if n.strip()]
+        if not names:
+            raise ScheduleError("--compare needs schedule names, e.g. --compare gpipe,1f1b,zb-h1,pipedream")
+        schedules = [_generate(n, args, comparing=True) for n in names]
+    elif args.load:
+        schedules = [load(args.load)]
+    elif args.name:
+        schedules = [_generate(args.name, args)]
+    else:
+        raise ScheduleError("name a schedule (e.g. pipetrain schedule 1f1b), or use --compare or --load FILE")
+
+    timelines, summaries = [], []
+    for schedule in schedules:
+        check(schedule, deadlock=False)
+        timeline = simulate(schedule, costs)  # also the dry run: raises DeadlockError if stuck
+        timelines.append(timeline)
+        summaries.append(summarize(timeline, include_versions=args.json))
+
+    if args.csv:
+        if len(schedules) != 1:
+            raise ScheduleError("--csv writes one schedule; drop --compare")
+        dump(schedules[0], args.csv)
+    if args.trace:
+        from pipetrain.schedule.trace import write_trace
+
+        write_trace(args.trace, *timelines, names=[s.name for s in schedules])
+    if args.plot:
+        from pipetrain.schedule.plot import plot_comparison, plot_timeline
+
+        titles = [_title(s) for s in summaries]
+        if len(timelines) == 1:
+            plot_timeline(timelines[0], args.plot, title=titles[0])
+        else:
+            plot_comparison(timelines, titles, args.plot)
+
+    if args.json:
+        payload = summaries[0] if len(summaries) == 1 else {"schedules": summaries}
+        sys.stdout.write(json.dumps(payload) + "\n")
+        return 0
+    for index, (schedule, summary) in enumerate(zip(schedules, summaries)):
+        if index:
+            print()
+        print(format_summary(summary))
+        if args.show:
+            print()
+            for rank, program in enumerate(schedule.programs):
+                print(f"  rank {rank}: " + " ".join(str(a) for a in program))
+    for flag, path in (("plot", args.plot), ("trace", args.trace), ("csv", args.csv)):
+        if path:
+            print(f"wrote {flag}: {path}")
+    return 0
+
+
+def _title(summary: dict) -> str:
+    peak_act = max(s["peak_activations"] for s in summary["stages"])
+    peak_ver = max(s["peak_versions"] for s in summary["stages"])
+    return (
+        f"{summary['schedule']}  (policy {summary['policy']}):  makespan {summary['makespan']:.4g},  "
+        f"bubble {100 * summary['bubble_fraction']:.1f} %,  peak activations {peak_act},  peak versions {peak_ver}"
+    )
+

@@ -1,0 +1,24 @@
+"""Example data sets (`digits`, `synthetic`, user factories) and the deterministic batch sampler."""
+
+from pipetrain.data.digits import DIGITS_TEST_SIZE, load_digits
+from pipetrain.data.info import DataInfo, dataset_info, get_batch
+from pipetrain.data.registry import DATASETS, load_dataset, load_train_test, split_indices
+from pipetrain.data.sampler import BatchSampler, epoch_seed
+from pipetrain.data.synthetic import load_synthetic
+from pipetrain.data.tensors import ClassificationTensors
+
+__all__ = [
+    "BatchSampler",
+    "ClassificationTensors",
+    "DATASETS",
+    "DIGITS_TEST_SIZE",
+    "DataInfo",
+    "dataset_info",
+    "epoch_seed",
+    "get_batch",
+    "load_dataset",
+    "load_digits",
+    "load_synthetic",
+    "load_train_test",
+    "split_indices",
+]

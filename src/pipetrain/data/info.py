@@ -1,0 +1,93 @@
+"""What a model needs to know about a data set: input shape, class count, and batches."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+from torch.utils.data import Dataset, Subset
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["DataInfo", "dataset_info", "get_batch", "check_sample"]
+
+
+class DataInfo(NamedTuple):
+    """Sizes a model takes from its data: one sample's ``input_shape`` and ``num_classes``."""
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    @property
+    def in_features(self) -> int:
+        """Number of input features once a sample is flattened."""
+        return math.prod(self.input_shape)
+
+
+def check_sample(sample: object, where: str = "data set") -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(x, y)`` of one sample as tensors, or explain what a sample must look like."""
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise ConfigError(
+            f"{where}: a sample must be a pair (x, y) of a feature tensor and an integer label, "
+            f"got {type(sample).__name__}"
+            + (f" of length {len(sample)}" if isinstance(sample, (tuple, list)) else "")
+        )
+    x, y = sample
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+    y = torch.as_tensor(y)
+    if y.dtype.is_floating_point or y.dtype == torch.bool or y.dim() != 0:
+        raise ConfigError(
+            f"{where}: y must be an integer class label (a Python int or a 0-d integer tensor), "
+            f"got a {tuple(y.shape)} tensor of {y.dtype}"
+        )
+    return x, y
+
+
+def dataset_info(dataset: Dataset) -> DataInfo:
+    """Input shape of one sample and the class count of ``dataset``.
+
+    The class count is ``dataset.num_classes`` when the data set has it (built-ins do), else one
+    more than the largest label (read from ``dataset.targets`` when present, else by visiting
+    every sample).
+    """
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError as error:
+        raise ConfigError("data set has no len(): pipetrain needs a map-style Dataset") from error
+    if n == 0:
+        raise ConfigError("data set is empty")
+    x, _ = check_sample(dataset[0])
+    num_classes = getattr(dataset, "num_classes", None)
+    if num_classes is None and isinstance(dataset, Subset):
+        num_classes = getattr(dataset.dataset, "num_classes", None)
+    if num_classes is None:
+        targets = getattr(dataset, "targets", None)
+        if targets is not None:
+            labels = torch.as_tensor(targets)
+        elif hasattr(dataset, "tensors") and len(dataset.tensors) == 2:  # type: ignore[attr-defined]
+            labels = dataset.tensors[1]  # type: ignore[attr-defined]
+        else:
+            labels = torch.stack([check_sample(dataset[i])[1] for i in range(n)])
+        if labels.numel() and int(labels.min()) < 0:
+            raise ConfigError("data set has a negative class label; labels must be 0..C-1")
+        num_classes = int(labels.max()) + 1
+    return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
+
+
+def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack the samples ``indices`` of ``dataset`` into ``(x, y)`` with a leading batch dimension.
+
+    A data set of two tensors (built-ins, TensorDataset) is indexed in one operation; any other is
+    read sample by sample. Labels come back as int64.
+    """
+    index = torch.as_tensor(indices, dtype=torch.int64)
+    while isinstance(dataset, Subset):
+        index = torch.as_tensor(dataset.indices, dtype=torch.int64)[index]
+        dataset = dataset.dataset
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(tensors, tuple) and len(tensors) == 2:
+        return tensors[0][index], tensors[1][index].to(torch.int64)
+    pairs = [check_sample(dataset[int(i)]) for i in index]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]).to(torch.int64)

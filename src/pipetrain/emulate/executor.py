@@ -1,0 +1,182 @@
+"""Running the programs of all ranks in one process, in a valid global order.
+
+Ranks take turns: each runs its program until it needs a message that has not been sent, or a
+SYNC its replicas have not reached, and the ranks it was waiting for wake it when they get there.
+Every stage replica's state is touched only by its own rank's actions, and messages carry exact
+tensors, so the result does not depend on the interleaving: the distributed runtime, running the
+same programs truly in parallel, computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+import torch
+
+from pipetrain.errors import DeadlockError, PipetrainError
+from pipetrain.execution.data import UnitData
+from pipetrain.execution.stage import StageExecutor
+from pipetrain.execution.versions import version_release_points
+from pipetrain.schedule.ir import Kind, Schedule, format_action
+
+__all__ = ["Emulator", "all_reduce_sum"]
+
+
+def all_reduce_sum(replicas: Sequence[StageExecutor]) -> None:
+    """SYNC: every replica gets the sum (in replica order) of all replicas' accumulated gradients
+    and sample counts. The update then divides as the loss scaling prescribes."""
+    names = set()
+    for replica in replicas:
+        names.update((replica.grads or {}).keys())
+    total: dict[str, torch.Tensor] = {}
+    for name in sorted(names):
+        parts = [r.grads[name] for r in replicas if r.grads and name in r.grads]
+        acc = parts[0].clone()
+        for part in parts[1:]:
+            acc.add_(part)
+        total[name] = acc
+    samples = sum(r.pending_samples for r in replicas)
+    for replica in replicas:
+        replica.grads = {n: t.clone() for n, t in total.items()} if replica is not replicas[0] else total
+        replica.pending_samples = samples
+
+
+class Emulator:
+    """Executes a schedule on stage executors (one per stage replica) in one process.
+
+    Args:
+        schedule: a validated schedule with versions assigned.
+        executors: ``executors[rank][stage]``, the replica of ``stage`` held by ``rank``.
+        data: the samples of each unit (microbatch); stage 0 reads inputs, the last stage targets.
+    """
+
+    def __init__(self, schedule: Schedule, executors: Sequence[dict[int, StageExecutor]], data: UnitData) -> None:
+        self.schedule = schedule
+        self.executors = list(executors)
+        self.data = data
+        self.losses: dict[int, float] = {}
+        #: measured start and end (seconds from the start of :meth:`run`) of every action, by rank
+        self.starts: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
+        self.ends: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
+        self._releases = [version_release_points(p) for p in schedule.programs]
+
+    def run(self, on_unit: Callable[[int, float], None] | None = None) -> dict[int, float]:
+        """Run every action; returns the mean loss of each unit (microbatch), by unit number.
+
+        ``on_unit(k, loss)`` is called when the last stage finishes the forward of unit k.
+        """
+        schedule = self.schedule
+        programs = schedule.programs
+        last_stage = schedule.num_stages - 1
+        layout = self.data.layout
+        F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+        SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
+            Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
+        )
+        mailbox: dict[tuple, tuple] = {}
+        outbox: dict[tuple, tuple] = {}
+        waiting: dict[tuple, int] = {}
+        syncs: dict[tuple[int, int], list] = {}
+        sync_seen = [dict() for _ in programs]
+        pcs = [0] * len(programs)
+        ready = deque(range(len(programs)))
+        queued = [True] * len(programs)
+        clock = time.perf_counter
+        origin = clock()
+
+        def deliver(key: tuple, value: tuple) -> None:
+            mailbox[key] = value
+            waiter = waiting.pop(key, None)
+            if waiter is not None and not queued[waiter]:
+                queued[waiter] = True
+                ready.append(waiter)
+
+        while ready:
+            rank = ready.popleft()
+            queued[rank] = False
+            program = programs[rank]
+            stages = self.executors[rank]
+            releases = self._releases[rank]
+            pc = pcs[rank]
+            starts, ends = self.starts[rank], self.ends[rank]
+            while pc < len(program):
+                action = program[pc]
+                kind, stage, k, version, _ = action
+                starts[pc] = clock() - origin
+                try:
+                    if kind is F:
+                        executor = stages[stage]
+                        if stage == 0:
+                            inputs, target = self.data.unit(k)
+                        else:
+                            inputs = mailbox.pop(("F", stage, k))
+                            target = self.data.unit(k)[1] if stage == last_stage else None
+                        _, start, stop = layout.bounds(k)
+                        out = executor.forward(
+                            k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=stop - start
+                        )
+                        if stage == last_stage:
+                            loss = float(out[0])
+                            self.losses[k] = loss
+                            if on_unit is not None:
+                                on_unit(k, loss)
+                        elif schedule.rank_of(stage + 1, k) == rank:
+                            deliver(("F", stage + 1, k), out)
+                        else:
+                            outbox[("F", stage, k)] = out
+                    elif kind is B or kind is I:
+                        executor = stages[stage]
+                        grad_out = None if stage == last_stage else mailbox.pop(("B", stage, k))
+                        if kind is B:
+                            grads = executor.backward(k, version, grad_out)
+                        else:
+                            grads = executor.backward_input(k, version, grad_out)
+                        if stage > 0:
+                            if schedule.rank_of(stage - 1, k) == rank:
+                                deliver(("B", stage - 1, k), grads)
+                            else:
+                                outbox[("B", stage, k)] = grads
+                    elif kind is W:
+                        stages[stage].backward_weight(k, version)
+                    elif kind is SEND_F:
+                        deliver(("F", stage + 1, k), outbox.pop(("F", stage, k)))
+                    elif kind is SEND_B:
+                        deliver(("B", stage - 1, k), outbox.pop(("B", stage, k)))
+                    elif kind is RECV_F or kind is RECV_B:
+                        key = ("F" if kind is RECV_F else "B", stage, k)
+                        if key not in mailbox:
+                            waiting[key] = rank
+                            break
+                    elif kind is SYNC:
+                        index = sync_seen[rank].get(stage, 0)
+                        state = syncs.setdefault((stage, index), [set(), False])
+                        if not state[1]:
+                            state[0].add(rank)
+                            replicas = schedule.stage_ranks[stage]
+                            if len(state[0]) < len(replicas):
+                                break
+                            all_reduce_sum([self.executors[r][stage] for r in replicas])
+                            state[1] = True
+                            for other in replicas:
+                                if other != rank and not queued[other]:
+                                    queued[other] = True
+                                    ready.append(other)
+                        sync_seen[rank][stage] = index + 1
+                    elif kind is STEP:
+                        superseded = [v for st, v in releases.get(pc, ()) if st == stage]
+                        stages[stage].step(superseded)
+                except PipetrainError as error:
+                    raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
+                for release_stage, release_version in releases.get(pc, ()):
+                    stages[release_stage].versions.release(release_version)
+                ends[pc] = clock() - origin
+                pc += 1
+            pcs[rank] = pc
+
+        stuck = [r for r in range(len(programs)) if pcs[r] < len(programs[r])]
+        if stuck:
+            detail = ", ".join(f"rank {r} at {format_action(programs[r][pcs[r]])}" for r in stuck[:8])
+            raise DeadlockError(f"the emulator cannot proceed: {detail}; run `pipetrain schedule --load` to find why")
+        return self.losses

@@ -1,0 +1,81 @@
+"""Which training samples each pipeline unit (microbatch) carries, and its share of the loss.
+
+Update t consumes the B samples the batch sampler gives for t. Those are split into U units (the
+microbatches of a synchronous step, or the minibatches accumulated into one asynchronous update)
+the way ``torch.tensor_split`` splits, so unit ``k`` is part ``k mod U`` of update ``k // U``.
+Each unit's loss is its mean loss times ``n_k / B``: summed over the units of an update this is
+exactly the mean over the whole batch, the reduction of non-pipelined training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import Dataset
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["UnitLayout", "UnitData"]
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """``batch_size`` samples per update, split into ``units_per_update`` units."""
+
+    batch_size: int
+    units_per_update: int
+
+    def __post_init__(self) -> None:
+        if self.batch_size < self.units_per_update:
+            raise ConfigError(
+                f"a batch of {self.batch_size} samples cannot be split into {self.units_per_update} microbatches; "
+                f"use --batch-size {self.units_per_update} or more, or fewer --microbatches"
+            )
+
+    def bounds(self, unit: int) -> tuple[int, int, int]:
+        """``(update, start, stop)``: unit ``unit`` is samples ``start:stop`` of that update's batch."""
+        update, part = divmod(unit, self.units_per_update)
+        base, extra = divmod(self.batch_size, self.units_per_update)
+        start = part * base + min(part, extra)
+        stop = start + base + (1 if part < extra else 0)
+        return update, start, stop
+
+    def loss_scale(self, unit: int) -> float:
+        _, start, stop = self.bounds(unit)
+        return (stop - start) / self.batch_size
+
+
+class UnitData:
+    """Inputs and targets of each unit, read through the batch sampler (cached per update)."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        layout: UnitLayout,
+        indices_of_update: Callable[[int], torch.Tensor],
+        get_batch: Callable[[Dataset, Any], tuple[Any, torch.Tensor]] | None = None,
+    ) -> None:
+        from pipetrain.data import get_batch as default_get_batch
+
+        self.dataset = dataset
+        self.layout = layout
+        self.indices_of_update = indices_of_update
+        self.get_batch = get_batch or default_get_batch
+        self._cached: tuple[int, Any, torch.Tensor] | None = None
+
+    def batch(self, update: int) -> tuple[Any, torch.Tensor]:
+        if self._cached is None or self._cached[0] != update:
+            x, y = self.get_batch(self.dataset, self.indices_of_update(update))
+            self._cached = (update, x, y)
+        return self._cached[1], self._cached[2]
+
+    def unit(self, unit: int) -> tuple[Any, torch.Tensor]:
+        update, start, stop = self.layout.bounds(unit)
+        x, y = self.batch(update)
+        if start == 0 and stop == self.layout.batch_size:
+            return x, y
+        if isinstance(x, tuple):
+            return tuple(t[start:stop] for t in x), y[start:stop]
+        return x[start:stop], y[start:stop]

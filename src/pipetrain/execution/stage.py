@@ -1,0 +1,313 @@
+"""One stage replica at work: forward and backward of microbatches on the weight version an action
+names, gradient accumulation, and updates that make new versions.
+
+The module's structure is used through ``torch.func.functional_call`` with the parameters of the
+version the action reads, so several versions can be in use at once and none is ever modified
+(the original PipeDream broke on PyTorch >= 1.5 by updating weights that autograd had saved).
+Buffers (BatchNorm running statistics) are the module's own and are not versioned.
+
+Inconsistent backward (``latest`` and ``predict`` policies, Pipelined Backpropagation): the
+forward runs under saved-tensor hooks that record any saved tensor sharing storage with a
+parameter as a reference (name, size, stride, offset); when the backward runs, the reference is
+resolved against the version the backward action names. So the error propagates through the
+weights current at backward time while weight gradients use the activations stored at forward
+time, for every layer whose backward reads the parameter tensor itself or a view of it (Linear,
+Conv, embeddings, norm affine parameters, attention projections). A layer that saves a tensor
+*computed* from a parameter (e.g. weight normalisation's ``g * v / |v|``) keeps the forward-time
+value for that tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from pipetrain.errors import PipetrainError
+from pipetrain.execution.versions import VersionStore
+
+__all__ = ["StageExecutor", "Gradients", "as_tuple"]
+
+Gradients = tuple[Tensor | None, ...]
+_INCONSISTENT = frozenset({"latest", "predict"})
+_STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+class _ParamRef:
+    """A saved tensor that is (a view of) a parameter, resolved at backward time."""
+
+    __slots__ = ("name", "size", "stride", "offset")
+
+    def __init__(self, name: str, tensor: Tensor) -> None:
+        self.name = name
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+
+
+@dataclass
+class _InFlight:
+    """What a microbatch leaves on a stage between its forward and its backward."""
+
+    inputs: tuple  # the stage inputs as autograd leaves (or raw values)
+    roots: tuple[Tensor, ...]  # outputs (or the scaled loss) to differentiate
+    leaves: dict[str, Tensor]  # trainable parameters of the version the forward read
+    samples: int
+    grad_outputs: tuple | None = None
+    storage: dict[int, str] = field(default_factory=dict)
+
+
+class StageExecutor:
+    """A stage replica: module, weight versions, optimizer, accumulated gradients, in-flight work.
+
+    Args:
+        stage: the stage index (for messages and random seeds).
+        module: the stage's module; its parameters become version 0.
+        optimizer: a functional :class:`~pipetrain.optim.StageOptimizer` (``None``: no updates).
+        loss_fn: on the last stage, ``loss_fn(output, target)`` (a mean over the samples).
+        policy: the schedule's version policy; ``latest``/``predict`` turn on inconsistent backward,
+            ``predict`` makes forwards read ``optimizer.predict`` of their version.
+        grad_scale: factor applied to the accumulated gradient at each update (1 unless replicated
+            stages update over different numbers of units, see :mod:`pipetrain.execution.data`).
+        seed: base of the per-microbatch random seed used when the stage has dropout.
+    """
+
+    def __init__(
+        self,
+        stage: int,
+        module: nn.Module,
+        optimizer: Any,
+        *,
+        loss_fn: Callable[[Any, Tensor], Tensor] | None = None,
+        policy: str = "flush",
+        grad_scale: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.stage = stage
+        self.module = module
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.policy = policy
+        self.grad_scale = grad_scale
+        self.seed = seed
+        named = dict(module.named_parameters())
+        self.trainable = frozenset(n for n, p in named.items() if p.requires_grad)
+        self.versions = VersionStore({n: p.detach().clone() for n, p in named.items()})
+        self.buffers = dict(module.named_buffers())
+        self.stochastic = any(isinstance(m, _STOCHASTIC) and m.p > 0 for m in module.modules())
+        self.in_flight: dict[int, _InFlight] = {}
+        self.grads: dict[str, Tensor] | None = None
+        self.pending_samples = 0
+        self.samples_seen = 0
+        self.last_loss: Tensor | None = None
+        self._backward_params: Mapping[str, Tensor] | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.loss_fn is not None
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        microbatch: int,
+        version: int,
+        inputs: Any,
+        *,
+        target: Tensor | None = None,
+        loss_scale: float = 1.0,
+        samples: int = 0,
+        params: Mapping[str, Tensor] | None = None,
+    ) -> tuple:
+        """Run the forward of ``microbatch`` on ``version``; returns the outputs to pass on (detached),
+        or on the last stage ``(loss,)`` with the unscaled mean loss.
+
+        ``params`` replaces the weights read (e.g. predictions made earlier); by default the
+        forward reads ``version``, extrapolated by the optimizer under the ``predict`` policy.
+        """
+        if microbatch in self.in_flight:
+            raise PipetrainError(f"stage {self.stage}: microbatch {microbatch} is already in flight")
+        if params is None:
+            params = self.versions[version]
+            if self.policy == "predict" and self.optimizer is not None:
+                params = self.optimizer.predict(params, self.samples_seen)
+        leaves = {n: t.detach().requires_grad_(n in self.trainable) for n, t in params.items()}
+        inputs = tuple(
+            x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
+            for x in as_tuple(inputs)
+        )
+        if self.stochastic:
+            torch.manual_seed((self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch)
+        record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples)
+        if self.policy in _INCONSISTENT:
+            record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
+            with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
+                output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
+                if self.is_last:
+                    loss = self.loss_fn(output, target)
+        else:
+            output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
+            if self.is_last:
+                loss = self.loss_fn(output, target)
+        if self.is_last:
+            self.last_loss = loss.detach()
+            scaled = loss * loss_scale if loss_scale != 1.0 else loss
+            record.roots = (scaled,)
+            self.in_flight[microbatch] = record
+            return (self.last_loss,)
+        outputs = as_tuple(output)
+        record.roots = outputs
+        self.in_flight[microbatch] = record
+        return tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+
+    @staticmethod
+    def _pack(storage: dict[int, str]):
+        def pack(tensor: Tensor):
+            name = storage.get(tensor.untyped_storage().data_ptr())
+            return tensor if name is None else _ParamRef(name, tensor)
+
+        return pack
+
+    def _unpack(self, saved):
+        if isinstance(saved, _ParamRef):
+            current = self._backward_params[saved.name]
+            return current.as_strided(saved.size, saved.stride, saved.offset)
+        return saved
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _differentiable(self, record: _InFlight, grad_outputs: Sequence | None):
+        roots, grads = [], []
+        for index, root in enumerate(record.roots):
+            if isinstance(root, Tensor) and root.requires_grad:
+                roots.append(root)
+                grads.append(None if grad_outputs is None or index >= len(grad_outputs) else grad_outputs[index])
+        if grad_outputs is None:
+            grads = None
+        elif any(g is None for g in grads):
+            missing = [i for i, g in enumerate(grads) if g is None]
+            raise PipetrainError(f"stage {self.stage}: no gradient arrived for outputs {missing}")
+        return roots, grads
+
+    def _grad(self, record: _InFlight, version: int, targets: list[Tensor], grad_outputs, retain: bool):
+        roots, grads = self._differentiable(record, grad_outputs)
+        if not roots or not targets:
+            return [None] * len(targets)
+        if self.policy in _INCONSISTENT:
+            self._backward_params = self.versions[version]
+        try:
+            return torch.autograd.grad(roots, targets, grads, retain_graph=retain, allow_unused=True)
+        finally:
+            self._backward_params = None
+
+    def _input_targets(self, record: _InFlight) -> list[int]:
+        return [i for i, x in enumerate(record.inputs) if isinstance(x, Tensor) and x.requires_grad]
+
+    def backward(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
+        """Full backward: returns gradients for the stage inputs (None where an input has none) and
+        accumulates the weight gradients."""
+        record = self._pop(microbatch)
+        positions = self._input_targets(record)
+        names = list(record.leaves)
+        targets = [record.inputs[i] for i in positions] + [record.leaves[n] for n in names]
+        results = self._grad(record, version, targets, grad_outputs, retain=False)
+        self._accumulate(names, results[len(positions):], record.samples)
+        return self._input_grads(record, positions, results[: len(positions)])
+
+    def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
+        """Input-gradient half of a split backward (I); the weight half (W) runs later."""
+        record = self._get(microbatch)
+        record.grad_outputs = None if grad_outputs is None else tuple(grad_outputs)
+        positions = self._input_targets(record)
+        if not positions:
+            return self._input_grads(record, positions, [])
+        results = self._grad(record, version, [record.inputs[i] for i in positions], grad_outputs, retain=True)
+        return self._input_grads(record, positions, results)
+
+    def backward_weight(self, microbatch: int, version: int) -> None:
+        """Weight-gradient half of a split backward (W)."""
+        record = self._pop(microbatch)
+        names = list(record.leaves)
+        results = self._grad(record, version, [record.leaves[n] for n in names], record.grad_outputs, retain=False)
+        self._accumulate(names, results, record.samples)
+
+    def _get(self, microbatch: int) -> _InFlight:
+        try:
+            return self.in_flight[microbatch]
+        except KeyError:
+            raise PipetrainError(
+                f"stage {self.stage}: backward of microbatch {microbatch}, whose forward has not run here"
+            ) from None
+
+    def _pop(self, microbatch: int) -> _InFlight:
+        record = self._get(microbatch)
+        del self.in_flight[microbatch]
+        return record
+
+    @staticmethod
+    def _input_grads(record: _InFlight, positions: list[int], grads: Sequence) -> Gradients:
+        out: list[Tensor | None] = [None] * len(record.inputs)
+        for position, grad in zip(positions, grads):
+            out[position] = grad
+        return tuple(out)
+
+    def _accumulate(self, names: list[str], grads: Sequence, samples: int) -> None:
+        self.pending_samples += samples
+        if self.grads is None:
+            self.grads = {}
+        accumulated = self.grads
+        for name, grad in zip(names, grads):
+            if grad is None:
+                continue
+            if name in accumulated:
+                accumulated[name].add_(grad)
+            else:
+                accumulated[name] = grad
+
+    # -- update ----------------------------------------------------------------------------------
+
+    def step(self, release: Sequence[int] = ()) -> int:
+        """Apply the accumulated gradient: a new weight version. Returns its number.
+
+        ``release`` lists versions no longer needed once this update is made (dropped before the
+        new version is stored, so a stage never holds more versions than its schedule says).
+        """
+        grads = self.grads or {}
+        if self.grad_scale != 1.0:
+            grads = {n: g * self.grad_scale for n, g in grads.items()}
+        current = self.versions.latest
+        if self.optimizer is None:
+            new = dict(current)
+        else:
+            new = self.optimizer.step(current, grads, self.samples_seen)
+        self.samples_seen += self.pending_samples
+        self.pending_samples = 0
+        self.grads = None
+        for version in release:
+            self.versions.release(version)
+        return self.versions.push(new)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def evaluate(self, inputs: Any) -> Any:
+        """Forward-only pass on the current weights (module in eval mode), for held-out data."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                return functional_call(self.module, {**self.versions.latest, **self.buffers}, as_tuple(inputs))
+        finally:
+            self.module.train(was_training)
+
+    def write_back(self) -> None:
+        """Copy the current version into the module's own parameters (for saving or inspection)."""
+        with torch.no_grad():
+            for name, param in self.module.named_parameters():
+                param.copy_(self.versions.latest[name])

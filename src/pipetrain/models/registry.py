@@ -1,0 +1,70 @@
+"""`--model` specs to modules: built-ins (`mlp`, `resmlp`, `resnet-gn`) and `PKG.MOD:FACTORY`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from pipetrain.errors import ConfigError
+from pipetrain.models.common import input_features
+from pipetrain.models.mlp import mlp
+from pipetrain.models.resmlp import resmlp
+from pipetrain.models.resnet import resnet_gn
+from pipetrain.spec import Spec, call_factory, parse_spec, resolve_factory
+
+__all__ = ["MODELS", "build_model"]
+
+#: built-in model name -> builder ``(input_shape, num_classes, **options) -> nn.Sequential``.
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": mlp,
+    "resmlp": resmlp,
+    "resnet-gn": resnet_gn,
+}
+
+
+def build_model(
+    spec: str | Spec,
+    *,
+    input_shape: Sequence[int] | int,
+    num_classes: int,
+    seed: int | None = None,
+) -> nn.Module:
+    """The model named by ``spec``, sized for samples of ``input_shape`` and ``num_classes``.
+
+    A ``PKG.MOD:FACTORY`` is called with the spec's options, plus ``input_shape`` (a tuple),
+    ``in_features`` (its product) and ``num_classes`` for those of these parameter names it
+    declares (or all, if it takes ``**kwargs``). It may return an ``nn.Module`` or a list of
+    modules, which becomes an ``nn.Sequential`` of them (one pipeline unit each).
+
+    With ``seed``, parameters are initialised under ``torch.manual_seed(seed)`` without touching
+    the caller's random state; without, from the current global state.
+    """
+    if not isinstance(spec, Spec):
+        spec = parse_spec(spec, builtins=MODELS, kind="model")
+    shape, features = input_features(input_shape)
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise ConfigError(f"num_classes must be a positive integer, got {num_classes!r}")
+    if spec.is_builtin:
+        builder = MODELS[spec.name]  # type: ignore[index]
+        extra: dict[str, Any] = {"input_shape": shape, "num_classes": num_classes}
+        what = f"model {spec.name!r}"
+    else:
+        builder = resolve_factory(spec, kind="model")
+        extra = {"input_shape": shape, "in_features": features, "num_classes": num_classes}
+        what = f"model factory {spec.label}"
+    if seed is None:
+        model = call_factory(builder, spec.kwargs, extra=extra, what=what)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = call_factory(builder, spec.kwargs, extra=extra, what=what)
+    if isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
+        return nn.Sequential(*model)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"{what} returned a {type(model).__name__}; it must return an nn.Module or a list of "
+            f"nn.Module stages"
+        )
+    return model

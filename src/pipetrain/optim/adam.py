@@ -1,0 +1,157 @@
+"""Adam and AdamW as in torch.optim.Adam/AdamW (single-tensor path, bitwise), out of place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipetrain.errors import ConfigError
+from pipetrain.optim.base import StageOptimizer
+from pipetrain.optim.lr_schedule import LRSchedule
+
+__all__ = ["Adam", "AdamW"]
+
+
+class Adam(StageOptimizer):
+    """``torch.optim.Adam`` (``foreach=False``) as an out-of-place stage optimizer.
+
+    Per parameter, with step count t (counted per parameter, as torch does):
+    ``g = grad + weight_decay*w`` (coupled decay; AdamW instead multiplies ``w`` by
+    ``1 - lr*weight_decay``), ``m <- lerp(m, g, 1 - beta1)``, ``s <- beta2*s + (1 - beta2)*g*g``,
+    ``w <- w - lr/(1 - beta1**t) * m / (sqrt(s)/sqrt(1 - beta2**t) + eps)``; with ``amsgrad``
+    the running maximum of ``s`` replaces ``s`` in the denominator.
+
+    The step count is a Python int where torch keeps a float32 tensor: identical up to 2**24
+    steps, after which torch's counter stops growing and this one stays exact.
+
+    Linear Weight Prediction uses the Adam step direction: :meth:`velocity` is the update of the
+    latest step per unit learning rate, ``m_hat/(sqrt(s_hat) + eps)`` from the current moments
+    (AdamW adds its decoupled decay, see :class:`AdamW`). Spike Compensation is defined for
+    momentum SGD only and is refused for Adam by
+    :func:`~pipetrain.optim.spec.build_stage_optimizer`.
+    """
+
+    name = "adam"
+    decoupled_weight_decay = False
+
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        lwp_horizon: float = 0.0,
+        lr_schedule: LRSchedule | None = None,
+    ) -> None:
+        super().__init__(lr, lr_schedule=lr_schedule, lwp_horizon=lwp_horizon)
+        beta1, beta2 = betas
+        for index, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"betas[{index}]={beta} must lie in [0, 1), e.g. betas=0.9/0.999")
+        if not eps >= 0.0:
+            raise ConfigError(f"eps={eps} must be >= 0")
+        if not weight_decay >= 0.0:
+            raise ConfigError(f"weight_decay={weight_decay} must be >= 0")
+        self.betas = (float(beta1), float(beta2))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.amsgrad = bool(amsgrad)
+
+    @property
+    def state_slots(self) -> int:
+        return 3 if self.amsgrad else 2
+
+    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float) -> Tensor:
+        beta1, beta2 = self.betas
+        slots = self.state.get(name)
+        if slots is None:
+            slots = {
+                "step": 0,
+                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            }
+            if self.amsgrad:
+                slots["max_exp_avg_sq"] = torch.zeros_like(
+                    param, memory_format=torch.preserve_format
+                )
+            self.state[name] = slots
+        slots["step"] += 1
+        step = float(slots["step"])
+
+        if self.weight_decay != 0:
+            if self.decoupled_weight_decay:
+                param = param.mul(1 - lr * self.weight_decay)
+            else:
+                grad = grad.add(param, alpha=self.weight_decay)
+
+        exp_avg, exp_avg_sq = slots["exp_avg"], slots["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+        step_size = lr / (1 - beta1**step)
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        second = exp_avg_sq
+        if self.amsgrad:
+            second = slots["max_exp_avg_sq"]
+            torch.maximum(second, exp_avg_sq, out=second)
+        denom = (second.sqrt() / bias_correction2_sqrt).add_(self.eps)
+        return torch.addcdiv(param, exp_avg, denom, value=-step_size)
+
+    def velocity(self, name: str) -> Tensor | None:
+        slots = self.state.get(name)
+        if slots is None:
+            return None
+        beta1, beta2 = self.betas
+        step = float(slots["step"])
+        second = slots["max_exp_avg_sq"] if self.amsgrad else slots["exp_avg_sq"]
+        denom = (second.sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
+        return torch.div(slots["exp_avg"], denom).div_(1 - beta1**step)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "betas": self.betas,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "amsgrad": self.amsgrad,
+            "lwp_horizon": self.lwp_horizon,
+            "lr_schedule": repr(self.lr_schedule),
+        }
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW``: Adam with decoupled weight decay ``w <- w*(1 - lr*weight_decay)``.
+
+    Its prediction extrapolates that decay linearly as well:
+    ``w_hat = w*(1 - lr*T*weight_decay) - lr*T*velocity``.
+    """
+
+    name = "adamw"
+    decoupled_weight_decay = True
+
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        lwp_horizon: float = 0.0,
+        lr_schedule: LRSchedule | None = None,
+    ) -> None:
+        super().__init__(
+            lr, betas, eps, weight_decay, amsgrad, lwp_horizon=lwp_horizon, lr_schedule=lr_schedule
+        )
+
+    def _predict_one(self, name: str, param: Tensor, lr_horizon: float) -> Tensor | None:
+        velocity = self.velocity(name)
+        if velocity is None:
+            return None
+        if self.weight_decay != 0:
+            param = param.mul(1 - lr_horizon * self.weight_decay)
+        return torch.add(param, velocity, alpha=-lr_horizon)

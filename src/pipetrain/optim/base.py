@@ -1,0 +1,196 @@
+"""The functional per-stage optimizer interface shared by the emulator and the runtime."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import Tensor
+
+from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.optim.lr_schedule import ConstantLR, LRSchedule
+
+__all__ = ["StageOptimizer", "Params", "Grads"]
+
+Params = Mapping[str, Tensor]
+Grads = Mapping[str, "Tensor | None"]
+
+
+class StageOptimizer(ABC):
+    """Turns one stage's weights and gradients into *new* weights, never touching the old ones.
+
+    Why functional: a pipeline stage keeps several weight versions alive at once (stashed versions
+    for backwards still in flight, the predicted weights of Linear Weight Prediction, the version
+    a replica is about to send), and autograd may have saved any of those tensors for a backward
+    that has not run yet. An in-place ``param.add_()`` would corrupt those versions (PyTorch
+    raises "modified by an inplace operation", or worse, silently computes with the new values:
+    the original PipeDream broke on PyTorch >= 1.5 exactly this way). So :meth:`step` returns new
+    tensors and the caller decides which version to keep. The optimizer's own state (momentum
+    buffers, Adam moments) is never seen by autograd and is updated in place.
+
+    Every update uses the learning rate ``lr_at(samples_seen)`` of the schedule, and each subclass
+    repeats the arithmetic of the corresponding ``torch.optim`` class (single-tensor path) op for
+    op, so results are bitwise reproducible across processes and equal to PyTorch's.
+
+    Returned tensors are plain leaf tensors with ``requires_grad`` copied from the input
+    parameter; a parameter whose gradient is ``None`` (or absent) is returned as the same object.
+    """
+
+    #: Short name used in specs and state dicts (``"sgd"``, ``"adam"``, ``"adamw"``).
+    name: ClassVar[str]
+
+    def __init__(
+        self, lr: float, *, lr_schedule: LRSchedule | None = None, lwp_horizon: float = 0.0
+    ) -> None:
+        if not lr >= 0.0:
+            raise ConfigError(f"learning rate lr={lr} must be >= 0")
+        if not lwp_horizon >= 0.0:
+            raise ConfigError(f"lwp_horizon={lwp_horizon} must be >= 0 (0 disables prediction)")
+        self.lr = float(lr)
+        self.lr_schedule: LRSchedule = lr_schedule if lr_schedule is not None else ConstantLR()
+        self.lwp_horizon = float(lwp_horizon)
+        #: Number of :meth:`step` calls so far.
+        self.steps = 0
+        #: Per-parameter state: name -> {"buffer name": tensor or int}.
+        self.state: dict[str, dict[str, Any]] = {}
+
+    @property
+    @abstractmethod
+    def state_slots(self) -> int:
+        """Parameter-sized state tensors kept per parameter (for memory models)."""
+
+    # -- learning rate ---------------------------------------------------------------------------
+
+    def lr_at(self, samples_seen: int) -> float:
+        """The learning rate in force after ``samples_seen`` training samples."""
+        return self.lr_schedule.lr_at(samples_seen, self.lr)
+
+    # -- update ----------------------------------------------------------------------------------
+
+    def step(self, params: Params, grads: Grads, samples_seen: int) -> dict[str, Tensor]:
+        """Apply one update; returns new parameter tensors (``params`` and ``grads`` are unchanged).
+
+        ``samples_seen`` counts the samples applied by earlier updates and selects the learning
+        rate. Parameters whose gradient is ``None`` or missing keep their tensor and their state.
+        """
+        unknown = [name for name in grads if name not in params]
+        if unknown:
+            raise PipetrainError(
+                f"gradients for unknown parameters {unknown}; the stage's parameters are "
+                f"{list(params)}"
+            )
+        lr = self.lr_at(samples_seen)
+        updated: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for name, param in params.items():
+                grad = grads.get(name)
+                if grad is None:
+                    updated[name] = param
+                    continue
+                if grad.shape != param.shape:
+                    raise PipetrainError(
+                        f"gradient of {name!r} has shape {tuple(grad.shape)} but the parameter "
+                        f"has shape {tuple(param.shape)}"
+                    )
+                new = self._update(name, param.detach(), grad.detach(), lr)
+                updated[name] = new.requires_grad_(True) if param.requires_grad else new
+        self.steps += 1
+        return updated
+
+    @abstractmethod
+    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float) -> Tensor:
+        """One parameter's update; must return a new tensor and may change ``self.state[name]``."""
+
+    # -- Linear Weight Prediction ----------------------------------------------------------------
+
+    @abstractmethod
+    def velocity(self, name: str) -> Tensor | None:
+        """The direction of the latest update per unit learning rate (``None`` before any update).
+
+        Linear Weight Prediction extrapolates along it: for momentum SGD it is the momentum buffer
+        ``v`` (each update moves the weights by about ``-lr * v``). The tensor may be the live
+        buffer that the next :meth:`step` updates in place: clone it to keep it.
+        """
+
+    def predict(
+        self, params: Params, samples_seen: int, horizon: float | None = None
+    ) -> dict[str, Tensor]:
+        """Linear Weight Prediction: ``w_hat = w - lr * T * velocity`` for the forward pass.
+
+        ``T = horizon`` (default: this stage's ``lwp_horizon``) and ``lr = lr_at(samples_seen)``,
+        the rate in force when the forward runs. ``T = 0`` returns the same tensors. Backward,
+        update, evaluation and checkpoints use the true weights ``w``, never ``w_hat``.
+        """
+        horizon = self.lwp_horizon if horizon is None else float(horizon)
+        if not horizon >= 0.0:
+            raise ConfigError(f"prediction horizon {horizon} must be >= 0")
+        if horizon == 0.0:
+            return dict(params)
+        self._check_can_predict()
+        step = self.lr_at(samples_seen) * horizon
+        predicted: dict[str, Tensor] = {}
+        with torch.no_grad():
+            for name, param in params.items():
+                new = self._predict_one(name, param.detach(), step)
+                if new is None:
+                    predicted[name] = param
+                else:
+                    predicted[name] = new.requires_grad_(True) if param.requires_grad else new
+        return predicted
+
+    def _predict_one(self, name: str, param: Tensor, lr_horizon: float) -> Tensor | None:
+        velocity = self.velocity(name)
+        return None if velocity is None else torch.add(param, velocity, alpha=-lr_horizon)
+
+    def _check_can_predict(self) -> None:
+        """Raise if this optimizer keeps no velocity to predict with."""
+
+    # -- description and checkpoints -------------------------------------------------------------
+
+    @abstractmethod
+    def hyperparameters(self) -> dict[str, Any]:
+        """The settings of this optimizer as plain values (also written into state dicts)."""
+
+    def state_bytes(self) -> int:
+        """Bytes held by the optimizer's state tensors right now."""
+        return sum(
+            value.numel() * value.element_size()
+            for slots in self.state.values()
+            for value in slots.values()
+            if isinstance(value, Tensor)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly: step count and all buffers (cloned)."""
+        return {
+            "optimizer": self.name,
+            "steps": self.steps,
+            "hyperparameters": self.hyperparameters(),
+            "state": {
+                name: {key: _copy(value) for key, value in slots.items()}
+                for name, slots in self.state.items()
+            },
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; hyper-parameters stay those of this object."""
+        kind = state_dict.get("optimizer") if isinstance(state_dict, Mapping) else None
+        if kind != self.name:
+            raise ConfigError(
+                f"cannot load a {kind!r} optimizer state into a {self.name!r} optimizer; resume "
+                f"with the optimizer the checkpoint was written with"
+            )
+        self.steps = int(state_dict["steps"])
+        self.state = {
+            name: {key: _copy(value) for key, value in slots.items()}
+            for name, slots in state_dict["state"].items()
+        }
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
+        return f"{type(self).__name__}({settings})"
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, Tensor) else value

@@ -1,0 +1,125 @@
+"""SGD with momentum, dampening, Nesterov and weight decay as in torch.optim.SGD, plus SC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipetrain.errors import ConfigError
+from pipetrain.optim.base import StageOptimizer
+from pipetrain.optim.compensation import spike_coefficients
+from pipetrain.optim.lr_schedule import LRSchedule
+
+__all__ = ["SGD"]
+
+
+class SGD(StageOptimizer):
+    """``torch.optim.SGD`` (single-tensor path, bitwise) as an out-of-place stage optimizer.
+
+    With ``g = grad + weight_decay * w`` and buffer ``v`` (set to ``g`` on the first update, then
+    ``v <- momentum*v + (1 - dampening)*g``) the update is ``w <- w - lr*d`` with direction
+
+    * ``d = v`` (plain momentum), ``d = g + momentum*v`` (``nesterov=True``), ``d = g`` (no
+      momentum);
+    * Spike Compensation with delay ``sc_delay = D > 0``: ``d = a*v + (1 - dampening)*b*g`` with
+      ``(a, b) = spike_coefficients(momentum, D)``. Weight decay is part of ``g`` (as in torch's
+      Nesterov); dampening scales the spike like every other term of the momentum response, so
+      the spike is still the sum of the D missing terms. D=1 (no dampening) is computed with the
+      very same operations as ``nesterov=True``, so the two agree bitwise.
+
+    Without momentum no buffer is kept; :meth:`velocity` is then the last gradient if
+    ``lwp_horizon > 0`` (``v = g`` is the ``m = 0`` case of ``v <- m*v + g``), else unavailable.
+    """
+
+    name = "sgd"
+
+    def __init__(
+        self,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        sc_delay: float = 0.0,
+        lwp_horizon: float = 0.0,
+        lr_schedule: LRSchedule | None = None,
+    ) -> None:
+        super().__init__(lr, lr_schedule=lr_schedule, lwp_horizon=lwp_horizon)
+        if not momentum >= 0.0:
+            raise ConfigError(f"momentum={momentum} must be >= 0")
+        if not weight_decay >= 0.0:
+            raise ConfigError(f"weight_decay={weight_decay} must be >= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ConfigError("nesterov=true needs momentum > 0 and dampening=0")
+        if sc_delay and nesterov:
+            raise ConfigError(
+                "spike compensation replaces Nesterov momentum (SC with delay 1 *is* Nesterov); "
+                "use nesterov=false with compensation sc"
+            )
+        if sc_delay and momentum > 1.0:
+            raise ConfigError(f"spike compensation needs momentum <= 1, got {momentum}")
+        self.momentum = float(momentum)
+        self.dampening = float(dampening)
+        self.weight_decay = float(weight_decay)
+        self.nesterov = bool(nesterov)
+        self.sc_delay = float(sc_delay)
+        a, b = spike_coefficients(self.momentum, self.sc_delay) if self.sc_delay else (1.0, 0.0)
+        self._spike_a = a
+        self._spike_b = b * (1.0 - self.dampening)
+        self._keep_last_grad = self.momentum == 0.0 and self.lwp_horizon > 0.0
+
+    @property
+    def state_slots(self) -> int:
+        return 1 if self.momentum != 0.0 or self._keep_last_grad else 0
+
+    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float) -> Tensor:
+        if self.weight_decay != 0:
+            grad = grad.add(param, alpha=self.weight_decay)
+        if self.momentum == 0:
+            if self._keep_last_grad:
+                self.state[name] = {"momentum_buffer": grad.clone()}
+            return torch.add(param, grad, alpha=-lr)
+
+        slots = self.state.setdefault(name, {})
+        buf = slots.get("momentum_buffer")
+        if buf is None:
+            buf = grad.clone()
+            slots["momentum_buffer"] = buf
+        else:
+            buf.mul_(self.momentum).add_(grad, alpha=1 - self.dampening)
+
+        if self.nesterov:
+            direction = grad.add(buf, alpha=self.momentum)
+        elif self.sc_delay == 0.0:  # plain momentum (SC with D = 0 is the same)
+            direction = buf
+        elif self._spike_b == 1.0:  # same ops as Nesterov when D = 1
+            direction = grad.add(buf, alpha=self._spike_a)
+        else:
+            direction = grad.mul(self._spike_b).add_(buf, alpha=self._spike_a)
+        return torch.add(param, direction, alpha=-lr)
+
+    def velocity(self, name: str) -> Tensor | None:
+        slots = self.state.get(name)
+        return None if slots is None else slots.get("momentum_buffer")
+
+    def _check_can_predict(self) -> None:
+        if self.momentum == 0.0 and not self._keep_last_grad:
+            raise ConfigError(
+                "this SGD has no momentum and keeps no velocity to predict with; build it with "
+                "lwp_horizon > 0 (compensation lwp) so that it keeps the last gradient"
+            )
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "dampening": self.dampening,
+            "weight_decay": self.weight_decay,
+            "nesterov": self.nesterov,
+            "sc_delay": self.sc_delay,
+            "lwp_horizon": self.lwp_horizon,
+            "lr_schedule": repr(self.lr_schedule),
+        }

@@ -1,0 +1,159 @@
+"""Optimizer spec strings (``sgd:lr=0.1,momentum=0.9``) and building one optimizer per stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from pipetrain.errors import ConfigError
+from pipetrain.optim.adam import Adam, AdamW
+from pipetrain.optim.base import StageOptimizer
+from pipetrain.optim.compensation import parse_compensation
+from pipetrain.optim.keyvalue import as_bool, as_float, as_float_pair, parse_options, split_spec
+from pipetrain.optim.lr_schedule import LRSchedule, parse_lr_schedule
+from pipetrain.optim.sgd import SGD
+
+__all__ = [
+    "OPTIMIZERS",
+    "OptimizerSpec",
+    "parse_optimizer_spec",
+    "build_stage_optimizer",
+    "build_stage_optimizers",
+]
+
+_ADAM_OPTIONS: dict[str, Callable[[str, str], Any]] = {
+    "lr": as_float,
+    "betas": as_float_pair,
+    "eps": as_float,
+    "weight_decay": as_float,
+    "amsgrad": as_bool,
+}
+
+#: spec name -> (class, option parsers). Defaults are those of the classes (torch's).
+OPTIMIZERS: dict[str, tuple[type[StageOptimizer], dict[str, Callable[[str, str], Any]]]] = {
+    "sgd": (
+        SGD,
+        {
+            "lr": as_float,
+            "momentum": as_float,
+            "dampening": as_float,
+            "weight_decay": as_float,
+            "nesterov": as_bool,
+        },
+    ),
+    "adam": (Adam, _ADAM_OPTIONS),
+    "adamw": (AdamW, _ADAM_OPTIONS),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A parsed optimizer spec: the optimizer's name and its typed options (unset = default)."""
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(
+                f"unknown optimizer {self.name!r}; valid names: {', '.join(sorted(OPTIMIZERS))}"
+            )
+        valid = OPTIMIZERS[self.name][1]
+        unknown = sorted(set(self.options) - set(valid))
+        if unknown:
+            raise ConfigError(
+                f"unknown option {unknown[0]!r} for optimizer {self.name!r}; valid options: "
+                f"{', '.join(sorted(valid))}"
+            )
+
+    def __str__(self) -> str:
+        """The canonical spec string; :func:`parse_optimizer_spec` reads it back."""
+        parts = [f"{key}={_format(value)}" for key, value in self.options.items()]
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "/".join(_format(item) for item in value)
+    return repr(value)
+
+
+def parse_optimizer_spec(text: str | OptimizerSpec) -> OptimizerSpec:
+    """Parse ``sgd:lr=0.1,momentum=0.9,nesterov=true,weight_decay=1e-4,dampening=0``,
+    ``adam:lr=1e-3,betas=0.9/0.999,eps=1e-8,weight_decay=0,amsgrad=false`` or ``adamw:...``."""
+    if isinstance(text, OptimizerSpec):
+        return text
+    name, raw = split_spec(text, "optimizer", OPTIMIZERS)
+    return OptimizerSpec(name, parse_options(name, raw, OPTIMIZERS[name][1], "optimizer"))
+
+
+def build_stage_optimizer(
+    spec: str | OptimizerSpec,
+    *,
+    stage_delay: float = 0.0,
+    compensation: str | Iterable[str] | None = None,
+    sc_delay: float | None = None,
+    lwp_horizon: float | None = None,
+    lr_schedule: str | LRSchedule | None = None,
+) -> StageOptimizer:
+    """The optimizer of one pipeline stage whose gradients arrive ``stage_delay`` updates late.
+
+    ``compensation`` is ``"none"``, ``"sc"``, ``"lwp"``, ``"sc+lwp"`` or a set of those names.
+    Spike Compensation uses delay ``sc_delay`` and LWP horizon ``lwp_horizon``; each defaults to
+    ``stage_delay`` and may be given only when its compensation is on.
+    """
+    parsed = parse_optimizer_spec(spec)
+    methods = parse_compensation(compensation)
+    for name, value in (("sc", sc_delay), ("lwp", lwp_horizon)):
+        if value is not None and name not in methods:
+            raise ConfigError(
+                f"{'sc_delay' if name == 'sc' else 'lwp_horizon'}={value} is set but compensation "
+                f"{name!r} is off; add {name} to the compensation (e.g. sc+lwp) or drop the setting"
+            )
+    if not stage_delay >= 0:
+        raise ConfigError(f"stage_delay={stage_delay} must be >= 0")
+    schedule = parse_lr_schedule(lr_schedule) if isinstance(lr_schedule, str) else lr_schedule
+    kwargs: dict[str, Any] = dict(parsed.options)
+    kwargs["lr_schedule"] = schedule
+    if "lwp" in methods:
+        kwargs["lwp_horizon"] = stage_delay if lwp_horizon is None else lwp_horizon
+    if "sc" in methods:
+        if parsed.name != "sgd":
+            raise ConfigError(
+                f"spike compensation is defined for momentum SGD only, not {parsed.name!r}; use "
+                "--optimizer sgd:momentum=... with sc, or lwp alone with Adam (it predicts along "
+                "the Adam step)"
+            )
+        kwargs["sc_delay"] = stage_delay if sc_delay is None else sc_delay
+    cls = OPTIMIZERS[parsed.name][0]
+    return cls(**kwargs)
+
+
+def build_stage_optimizers(
+    spec: str | OptimizerSpec,
+    stage_delays: Sequence[float],
+    *,
+    compensation: str | Iterable[str] | None = None,
+    sc_delays: Sequence[float] | None = None,
+    lwp_horizons: Sequence[float] | None = None,
+    lr_schedule: str | LRSchedule | None = None,
+) -> list[StageOptimizer]:
+    """One optimizer per stage; ``stage_delays[s]`` is D_s (e.g. ``2*(S-1-s)`` for PB)."""
+    count = len(stage_delays)
+    for label, values in (("sc_delays", sc_delays), ("lwp_horizons", lwp_horizons)):
+        if values is not None and len(values) != count:
+            raise ConfigError(f"{label} has {len(values)} entries but there are {count} stages")
+    schedule = parse_lr_schedule(lr_schedule) if isinstance(lr_schedule, str) else lr_schedule
+    return [
+        build_stage_optimizer(
+            spec,
+            stage_delay=stage_delays[s],
+            compensation=compensation,
+            sc_delay=None if sc_delays is None else sc_delays[s],
+            lwp_horizon=None if lwp_horizons is None else lwp_horizons[s],
+            lr_schedule=schedule,
+        )
+        for s in range(count)
+    ]

@@ -1,0 +1,481 @@
+"""Atomic, verified checkpoints: one file per stage, and a manifest written last that vouches for them.
+
+Layout::
+
+    DIR/step-000120/stage-0.pt        torch.save of stage 0's state (weights, optimizer, versions...)
+    DIR/step-000120/stage-1.pt
+    DIR/step-000120/manifest.json     {"format", "step", "files": [{name, size, sha256}], "meta"}
+
+Every file is written under a temporary name, flushed, fsynced and renamed, then the directory is
+fsynced; the manifest comes last, so a step directory without a manifest is not a checkpoint (the
+run stopped while writing it). Loading checks every file's size and SHA-256 against the manifest
+before reading anything, so a truncated or corrupted checkpoint is refused (when named) or skipped
+with a warning in favour of the previous complete one (when looking for the latest), never
+half-loaded. The manifest's ``meta`` (model spec, schedule, stages, replicas, a config fingerprint)
+lets :func:`check_compatible` refuse a resume into a different run, naming the difference.
+
+With several ranks, :func:`save_distributed` is called by every rank at the same step: each writes
+its own file(s) and publishes their size and hash through the run's store; rank 0 waits for all of
+them (with a timeout), writes the manifest, and tells the others it committed. The directory must be
+one that every rank sees (one machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable, Mapping
+
+import torch
+
+from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError
+
+__all__ = [
+    "MANIFEST",
+    "Checkpoint",
+    "step_dir",
+    "stage_file",
+    "save_shard",
+    "write_manifest",
+    "save_checkpoint",
+    "save_distributed",
+    "open_checkpoint",
+    "list_checkpoints",
+    "find_latest",
+    "resolve",
+    "prune",
+    "check_compatible",
+    "fingerprint",
+    "capture_rng",
+    "restore_rng",
+]
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
+    """``DIR/step-000120`` for step 120."""
+    return Path(directory) / f"step-{step:06d}"
+
+
+def stage_file(stage: int) -> str:
+    """The conventional file name of a stage's state: ``stage-3.pt``."""
+    return f"stage-{stage}.pt"
+
+
+class _HashingWriter:
+    """A file wrapper that hashes and counts what torch.save writes through it."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(target: Path, write: Any) -> Any:
+    """Write ``target`` through ``write(file)`` under a temporary name, fsync, rename."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            value = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+    return value
+
+
+def _check_name(name: str) -> None:
+    if not name or name == MANIFEST or "/" in name or "\\" in name or name.startswith("."):
+        raise CheckpointError(f"invalid checkpoint file name {name!r}: use a plain name such as 'stage-0.pt'")
+
+
+def save_shard(directory: str | os.PathLike[str], step: int, name: str, state: Any) -> dict[str, Any]:
+    """Write ``state`` (anything torch.save takes) as file ``name`` of step ``step``, atomically.
+
+    Returns its manifest record ``{"name", "size", "sha256"}``, computed while writing.
+    """
+    _check_name(name)
+    d = step_dir(directory, step)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+
+        def write(f: BinaryIO) -> _HashingWriter:
+            w = _HashingWriter(f)
+            torch.save(state, w)  # type: ignore[arg-type]
+            return w
+
+        w = _atomic_write(d / name, write)
+    except OSError as error:
+        raise CheckpointError(f"cannot write checkpoint file {d / name}: {error}") from None
+    return {"name": name, "size": w.size, "sha256": w.sha.hexdigest()}
+
+
+def write_manifest(
+    directory: str | os.PathLike[str], step: int, files: Iterable[Mapping[str, Any]], meta: Mapping[str, Any]
+) -> Path:
+    """Write the manifest of step ``step`` listing ``files`` (records from :func:`save_shard`):
+    the commit point of the checkpoint. Checks first that every file is there with its size."""
+    d = step_dir(directory, step)
+    records = sorted((dict(r) for r in files), key=lambda r: r["name"])
+    for r in records:
+        path = d / r["name"]
+        if not path.is_file():
+            raise CheckpointError(
+                f"cannot commit checkpoint {d}: {r['name']} is missing here; every rank must write "
+                "to a directory all ranks see (one machine, or a shared file system)"
+            )
+        if path.stat().st_size != r["size"]:
+            raise CheckpointError(f"cannot commit checkpoint {d}: {r['name']} changed size while saving")
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "created": time.time(),
+        "files": records,
+        "meta": dict(meta),
+    }
+    text = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
+    try:
+        _atomic_write(d / MANIFEST, lambda f: f.write(text))
+    except OSError as error:
+        raise CheckpointError(f"cannot write {d / MANIFEST}: {error}") from None
+    return d
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str], step: int, shards: Mapping[str, Any], meta: Mapping[str, Any]
+) -> Path:
+    """One process writes a whole checkpoint: every ``name -> state`` of ``shards``, then the
+    manifest. Returns the step directory."""
+    records = [save_shard(directory, step, name, state) for name, state in shards.items()]
+    return write_manifest(directory, step, records, meta)
+
+
+_rounds: dict[int, int] = {}
+
+
+def save_distributed(
+    directory: str | os.PathLike[str],
+    step: int,
+    shards: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    store: Any,
+    timeout: float = 300.0,
+) -> Path:
+    """Collective checkpoint: every rank calls it at the same step with its own ``shards``
+    (``{stage_file(s): state}``, or ``{}`` for a rank that saves nothing, such as a second replica).
+
+    Each rank writes its files and publishes their records in ``store``; rank 0 waits for all ranks
+    (at most ``timeout`` seconds), writes the manifest, and announces the commit, which the other
+    ranks wait for (at most twice as long, to hear rank 0's verdict). A failure on any rank raises :class:`CheckpointError` on every rank.
+    """
+    n = _rounds[id(store)] = _rounds.get(id(store), 0) + 1
+    prefix = f"pipetrain/checkpoint/{n}"
+    td = timedelta(seconds=timeout)
+    try:
+        records = [save_shard(directory, step, name, state) for name, state in shards.items()]
+        store.set(f"{prefix}/{rank}", json.dumps({"files": records}))
+    except CheckpointError as error:
+        store.set(f"{prefix}/{rank}", json.dumps({"error": str(error)}))
+        raise
+    commit = f"{prefix}/commit"
+    if rank == 0:
+        keys = [f"{prefix}/{r}" for r in range(world_size)]
+        try:
+            store.wait(keys, td)
+        except RuntimeError:
+            late = [r for r, k in enumerate(keys) if not store.check([k])]
+            reason = f"ranks {late} did not finish their checkpoint files of step {step} within {timeout:g} s"
+            store.set(commit, json.dumps({"error": reason}))
+            raise CheckpointError(reason) from None
+        all_records: list[dict[str, Any]] = []
+        errors = []
+        for r, k in enumerate(keys):
+            answer = json.loads(store.get(k))
+            if "error" in answer:
+                errors.append(f"rank {r}: {answer['error']}")
+            else:
+                all_records.extend(answer["files"])
+        try:
+            if errors:
+                raise CheckpointError(f"checkpoint of step {step} failed on " + "; ".join(errors))
+            names = [r["name"] for r in all_records]
+            if len(set(names)) != len(names):
+                raise CheckpointError(f"two ranks wrote the same checkpoint file: {sorted(names)}")
+            path = write_manifest(directory, step, all_records, meta)
+        except CheckpointError as error:
+            store.set(commit, json.dumps({"error": str(error)}))
+            raise
+        store.set(commit, json.dumps({"ok": str(path)}))
+        return path
+    try:
+        store.wait([commit], 2 * td)  # longer than rank 0 waits, to hear its verdict
+    except RuntimeError:
+        raise CheckpointError(
+            f"rank {rank} waited {2 * timeout:g} s for rank 0 to commit the checkpoint of step "
+            f"{step}: rank 0 is gone or stuck"
+        ) from None
+    answer = json.loads(store.get(commit))
+    if "error" in answer:
+        raise CheckpointError(answer["error"])
+    return Path(answer["ok"])
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete, verified checkpoint: its directory, step, metadata and file records."""
+
+    path: Path
+    step: int
+    meta: dict[str, Any]
+    files: dict[str, dict[str, Any]]
+
+    def load(self, name: str, map_location: Any = "cpu", *, weights_only: bool = True) -> Any:
+        """The state saved as ``name``, after checking its size and SHA-256 once more.
+
+        ``weights_only`` (torch.load's safe mode) accepts tensors and plain containers of numbers
+        and strings: save RNG states with :func:`capture_rng`, not as numpy objects.
+        """
+        record = self.files.get(name)
+        if record is None:
+            raise CheckpointError(
+                f"checkpoint {self.path} has no file {name!r}; it holds {sorted(self.files)}"
+            )
+        data = _read_verified(self.path, record)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+
+
+def _read_verified(d: Path, record: Mapping[str, Any]) -> bytes:
+    path = d / record["name"]
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {d} is incomplete: cannot read {record['name']} ({error.strerror})") from None
+    if len(data) != record["size"]:
+        raise CheckpointError(
+            f"checkpoint {d} is damaged: {record['name']} has {len(data)} bytes, the manifest says "
+            f"{record['size']} (truncated or overwritten)"
+        )
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise CheckpointError(f"checkpoint {d} is damaged: {record['name']} does not match its SHA-256")
+    return data
+
+
+def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint:
+    """The checkpoint in step directory ``path`` (or its manifest file), verified.
+
+    Raises :class:`CheckpointError` if it has no manifest (not a checkpoint: the run stopped
+    while writing it), or a file is missing, truncated or does not match its checksum. With
+    ``verify=False`` only presence and sizes are checked.
+    """
+    d = Path(path)
+    if d.name == MANIFEST:
+        d = d.parent
+    if not d.is_dir():
+        raise CheckpointError(f"no checkpoint at {d}: not a directory")
+    manifest_path = d / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{d} is not a complete checkpoint: it has no {MANIFEST} (the run stopped while saving "
+            "it, or this is not a checkpoint directory)"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        step = int(manifest["step"])
+        files = {r["name"]: r for r in manifest["files"]}
+        meta = dict(manifest.get("meta", {}))
+        fmt = int(manifest.get("format", 0))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"checkpoint {d} has an unreadable {MANIFEST}: {error}") from None
+    if fmt > FORMAT:
+        raise CheckpointError(
+            f"checkpoint {d} has format {fmt}, newer than this pipetrain understands ({FORMAT}): upgrade pipetrain"
+        )
+    for record in files.values():
+        if verify:
+            _read_verified(d, record)
+        else:
+            p = d / record["name"]
+            if not p.is_file() or p.stat().st_size != record["size"]:
+                raise CheckpointError(f"checkpoint {d} is incomplete or damaged: {record['name']}")
+    return Checkpoint(path=d, step=step, meta=meta, files=files)
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Every ``step-N`` directory under ``directory`` (complete or not), oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and child.is_dir():
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def find_latest(directory: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint | None:
+    """The newest complete checkpoint under ``directory``, or None. Newer step directories that are
+    incomplete or damaged are skipped with a warning that says why."""
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            return open_checkpoint(path, verify=verify)
+        except CheckpointError as error:
+            warnings.warn(f"skipping {path}: {error}; trying an older checkpoint", stacklevel=2)
+    return None
+
+
+def resolve(path: str | os.PathLike[str]) -> Checkpoint:
+    """What ``--resume PATH`` means: a step directory (or its manifest) is loaded as named, and
+    refused if broken; a checkpoint root directory gives its newest complete checkpoint."""
+    p = Path(path)
+    if p.name == MANIFEST or _STEP_DIR.match(p.name) or (p / MANIFEST).exists():
+        return open_checkpoint(p)
+    if not p.is_dir():
+        raise CheckpointError(f"cannot resume from {p}: no such directory")
+    latest = find_latest(p)
+    if latest is None:
+        raise CheckpointError(f"cannot resume from {p}: it holds no complete checkpoint (step-N directory with a {MANIFEST})")
+    return latest
+
+
+def prune(directory: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete step directories
+    older than the newest complete one (newer ones may still be being written). Returns the
+    deleted paths. The manifest goes first, so an interrupted deletion leaves no false checkpoint."""
+    if keep < 1:
+        raise CheckpointError(f"keep at least one checkpoint, got keep={keep}")
+    entries = list_checkpoints(directory)
+    complete = []
+    for step, path in entries:
+        try:
+            open_checkpoint(path, verify=False)
+            complete.append(step)
+        except CheckpointError:
+            pass
+    if not complete:
+        return []
+    kept = set(complete[-keep:])
+    newest = complete[-1]
+    removed = []
+    for step, path in entries:
+        if step in kept or step > newest:
+            continue
+        (path / MANIFEST).unlink(missing_ok=True)
+        _fsync_dir(path)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+_NOT_SET = "<not recorded>"
+
+
+def check_compatible(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    keys: Iterable[str] | None = None,
+    *,
+    where: str = "the checkpoint",
+) -> None:
+    """Refuse to resume a run whose ``current`` metadata differs from the ``saved`` one on
+    ``keys`` (default: every key of ``current``), naming each difference."""
+    diffs = []
+    for key in (keys if keys is not None else current.keys()):
+        old = saved.get(key, _NOT_SET)
+        new = current.get(key, _NOT_SET)
+        if _canonical(old) != _canonical(new):
+            diffs.append(f"{key}: {old!r} in {where}, {new!r} in this run")
+    if diffs:
+        raise CheckpointMismatchError(
+            f"cannot resume from {where}: it was written by a different run ("
+            + "; ".join(diffs)
+            + "). Resume with the same settings, or start from scratch with another checkpoint directory"
+        )
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def fingerprint(config: Mapping[str, Any]) -> str:
+    """A short stable hash of a configuration (JSON with sorted keys): equal configs, equal prints."""
+    return hashlib.sha256(_canonical(config).encode()).hexdigest()[:16]
+
+
+def capture_rng() -> dict[str, Any]:
+    """The state of every random number generator a run uses (torch CPU and CUDA, Python's random,
+    numpy's global one), in a form that loads with ``weights_only=True``."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Put back what :func:`capture_rng` returned."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state(
+            (s["kind"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached_gaussian"])
+        )

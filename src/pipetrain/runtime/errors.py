@@ -1,0 +1,44 @@
+"""Errors of the distributed runtime: lost or silent peers, protocol mismatches, bad checkpoints."""
+
+from __future__ import annotations
+
+from pipetrain.errors import PipetrainError
+
+__all__ = [
+    "CommunicationError",
+    "PeerTimeoutError",
+    "PeerLostError",
+    "ProtocolError",
+    "LaunchError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+]
+
+
+class CommunicationError(PipetrainError):
+    """A transfer between two ranks failed; the message names the action that was waiting."""
+
+
+class PeerTimeoutError(CommunicationError):
+    """A peer sent nothing within the timeout: it hangs, is slower than the timeout, or its program
+    never posts the matching send. Fatal: gloo closes the connection after a timeout."""
+
+
+class PeerLostError(CommunicationError):
+    """The connection to a peer closed: the peer process died or exited early."""
+
+
+class ProtocolError(CommunicationError):
+    """Two ranks disagree about what is sent next (their programs do not match)."""
+
+
+class LaunchError(PipetrainError):
+    """Workers could not be started, or the distributed environment is incomplete."""
+
+
+class CheckpointError(PipetrainError):
+    """A checkpoint is missing, incomplete or corrupted, or could not be written."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint was written for a different model, schedule or configuration than this run."""

@@ -1,0 +1,299 @@
+"""Running one rank's program over torch.distributed.
+
+The same stage executors as the emulator (:class:`~pipetrain.execution.StageExecutor`) do the
+arithmetic; this module moves tensors between ranks. Activations, gradients and labels travel as
+point-to-point messages (:class:`~pipetrain.runtime.p2p.Messenger`), one channel per receiving
+stage and direction, so messages of a channel arrive in the order the programs send them. Each
+channel always has its next receive posted ahead of time, so transfers overlap compute; sends
+are asynchronous and checked for completion as the program goes on. SYNC all-reduces the
+accumulated gradients of a stage's replicas (a process group per replicated stage).
+
+Every wait is bounded by the run's timeout: a dead or stuck peer ends the run with a message that
+names the action this rank was waiting for and the last actions of every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.errors import PipetrainError
+from pipetrain.execution.data import UnitData, UnitLayout
+from pipetrain.execution.stage import StageExecutor
+from pipetrain.execution.versions import version_release_points
+from pipetrain.runtime.errors import CommunicationError
+from pipetrain.runtime.p2p import Messenger, RecvHandle
+from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
+
+__all__ = ["RankRunner", "sync_groups"]
+
+_F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+_SEND_F, _RECV_F, _SEND_B, _RECV_B, _SYNC, _STEP = (
+    Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
+)
+
+
+def sync_groups(schedule: Schedule) -> dict[int, Any]:
+    """A process group for every replicated stage (every rank must call this, in the same order)."""
+    groups = {}
+    for stage, ranks in enumerate(schedule.stage_ranks):
+        if len(ranks) > 1:
+            groups[stage] = dist.new_group(ranks=sorted(ranks))
+    return groups
+
+
+class _Waiting:
+    """What a rank is waiting for, described lazily for error messages and the status board."""
+
+    __slots__ = ("action", "peer")
+
+    def __init__(self, action: Action, peer: int | None) -> None:
+        self.action, self.peer = action, peer
+
+    def __str__(self) -> str:
+        text = format_action(self.action)
+        return f"{text} (from rank {self.peer})" if self.peer is not None else text
+
+
+class RankRunner:
+    """Executes the program of ``rank`` with its stage executors.
+
+    Args:
+        schedule: the whole schedule (every rank builds the same one).
+        rank: this process's rank.
+        executors: ``{stage: StageExecutor}`` for the stages this rank holds.
+        data: the unit data (read only on ranks that hold stage 0); ``layout`` gives every rank
+            the unit sizes and loss scales.
+        messenger: point-to-point transport; ``groups``: :func:`sync_groups`.
+        status: an optional status board (recent actions, current wait).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        executors: dict[int, StageExecutor],
+        data: UnitData | None,
+        layout: UnitLayout,
+        messenger: Messenger,
+        groups: dict[int, Any],
+        status: Any = None,
+    ) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self.executors = executors
+        self.data = data
+        self.layout = layout
+        self.messenger = messenger
+        self.groups = groups
+        self.status = status
+        self.program = schedule.programs[rank]
+        self.last_stage = schedule.num_stages - 1
+        self.losses: dict[int, float] = {}
+        self.starts = [0.0] * len(self.program)
+        self.ends = [0.0] * len(self.program)
+        self._releases = version_release_points(self.program)
+        self._local: dict[tuple, Any] = {}
+        self._sends: deque = deque()
+        self._posted: dict[tuple[int, str], RecvHandle] = {}
+        self._queues: dict[tuple[int, str], deque] = {}
+        self._label_queues: dict[int, deque] = {}
+        self._plan_receives()
+
+    # -- receives posted ahead of need ----------------------------------------------------------
+
+    def _plan_receives(self) -> None:
+        """Queue every receive of the program per channel, in program order, and post the first."""
+        schedule = self.schedule
+        for action in self.program:
+            kind = action.kind
+            if kind is _RECV_F or kind is _RECV_B:
+                peer = action.peer
+                if peer is None:
+                    source = action.stage - 1 if kind is _RECV_F else action.stage + 1
+                    peer = schedule.rank_of(source, action.microbatch)
+                channel = (peer, ("act" if kind is _RECV_F else "grad") + str(action.stage))
+                self._queues.setdefault(channel, deque()).append(action)
+            elif kind is _F and action.stage == self.last_stage:
+                source = schedule.rank_of(0, action.microbatch)
+                if source != self.rank:
+                    self._queues.setdefault((source, "labels"), deque()).append(action)
+        for channel in self._queues:
+            self._post_next(channel)
+
+    def _post_next(self, channel: tuple[int, str]) -> None:
+        queue = self._queues[channel]
+        if queue:
+            action = queue.popleft()
+            self._posted[channel] = self.messenger.irecv(
+                channel[0], channel[1], what=_Waiting(action, channel[0]), expect_tag=action.microbatch
+            )
+
+    def _receive(self, channel: tuple[int, str]):
+        handle = self._posted.pop(channel)
+        payload = handle.wait()
+        self._post_next(channel)
+        return payload, handle
+
+    # -- sending -----------------------------------------------------------------------------------
+
+    def _send(self, payload, peer: int, kind: str, microbatch: int, action: Action, info=()) -> None:
+        self._sends.append(self.messenger.isend(payload, peer, kind, tag=microbatch, info=info, what=_Waiting(action, None)))
+
+    def _reap_sends(self) -> None:
+        sends = self._sends
+        while sends and sends[0].is_completed():
+            sends.popleft().wait()
+
+    # -- the program ---------------------------------------------------------------------------
+
+    def run(self, on_loss: Callable[[int, float], None] | None = None, origin: float | None = None) -> dict[int, float]:
+        """Run the whole program; returns the losses of the units whose last stage ran here."""
+        schedule = self.schedule
+        executors = self.executors
+        layout = self.layout
+        last = self.last_stage
+        rank = self.rank
+        local = self._local
+        releases = self._releases
+        starts, ends = self.starts, self.ends
+        done = self.status.done if self.status is not None else None
+        clock = time.perf_counter
+        origin = clock() if origin is None else origin
+        for pc, action in enumerate(self.program):
+            kind, stage, k, version, peer = action
+            starts[pc] = clock() - origin
+            try:
+                if kind is _F:
+                    self._forward(action, executors[stage], on_loss)
+                elif kind is _B or kind is _I:
+                    executor = executors[stage]
+                    grad_out = None if stage == last else local.pop(("B", stage, k))
+                    if kind is _B:
+                        grads = executor.backward(k, version, grad_out)
+                    else:
+                        grads = executor.backward_input(k, version, grad_out)
+                    if stage > 0:
+                        local[("B", stage - 1, k)] = grads
+                elif kind is _W:
+                    executors[stage].backward_weight(k, version)
+                elif kind is _SEND_F:
+                    payload = local.pop(("F", stage + 1, k))
+                    self._send(payload, peer if peer is not None else schedule.rank_of(stage + 1, k),
+                               "act" + str(stage + 1), k, action)
+                elif kind is _SEND_B:
+                    grads = local.pop(("B", stage - 1, k))
+                    mask = sum(1 << i for i, g in enumerate(grads) if g is not None)
+                    present = tuple(g for g in grads if g is not None)
+                    self._send(present, peer if peer is not None else schedule.rank_of(stage - 1, k),
+                               "grad" + str(stage - 1), k, action, info=(mask,))
+                elif kind is _RECV_F:
+                    source = peer if peer is not None else schedule.rank_of(stage - 1, k)
+                    payload, _ = self._receive((source, "act" + str(stage)))
+                    local[("F", stage, k)] = payload if isinstance(payload, tuple) else (payload,)
+                elif kind is _RECV_B:
+                    source = peer if peer is not None else schedule.rank_of(stage + 1, k)
+                    payload, handle = self._receive((source, "grad" + str(stage)))
+                    local[("B", stage, k)] = _unmask(payload, handle.info[0] if handle.info else None)
+                elif kind is _SYNC:
+                    self._all_reduce(stage)
+                elif kind is _STEP:
+                    executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
+            except CommunicationError:
+                raise
+            except PipetrainError as error:
+                raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
+            except RuntimeError as error:
+                raise _runtime_error(rank, action, error) from None
+            for release_stage, release_version in releases.get(pc, ()):
+                executors[release_stage].versions.release(release_version)
+            if done is not None:
+                done(action)
+            if self._sends:
+                self._reap_sends()
+            ends[pc] = clock() - origin
+        while self._sends:
+            self._sends.popleft().wait()
+        return self.losses
+
+    def _forward(self, action: Action, executor: StageExecutor, on_loss) -> None:
+        kind, stage, k, version, _ = action
+        schedule, layout, local = self.schedule, self.layout, self._local
+        target = None
+        if stage == 0:
+            inputs, labels = self.data.unit(k)
+            last_rank = schedule.rank_of(self.last_stage, k)
+            if self.last_stage == 0:
+                target = labels
+            elif last_rank == self.rank:
+                local[("labels", k)] = labels
+            else:
+                self._send(labels, last_rank, "labels", k, action)
+        else:
+            inputs = local.pop(("F", stage, k))
+        if stage == self.last_stage and stage != 0:
+            source = schedule.rank_of(0, k)
+            target = local.pop(("labels", k)) if source == self.rank else self._receive((source, "labels"))[0]
+        _, start, stop = layout.bounds(k)
+        out = executor.forward(k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=stop - start)
+        if stage == self.last_stage:
+            loss = float(out[0])
+            self.losses[k] = loss
+            if on_loss is not None:
+                on_loss(k, loss)
+        else:
+            for value in out:
+                if not isinstance(value, torch.Tensor):
+                    raise PipetrainError(
+                        f"stage {stage} returned a {type(value).__name__}; stages must pass tensors (or tuples of "
+                        "tensors) to the next stage"
+                    )
+            local[("F", stage + 1, k)] = out
+
+    def _all_reduce(self, stage: int) -> None:
+        """SYNC: sum the accumulated gradients and sample counts of the stage's replicas."""
+        executor = self.executors[stage]
+        group = self.groups.get(stage)
+        if group is None:
+            return
+        names = sorted(executor.trainable)
+        params = executor.versions.latest
+        grads = executor.grads or {}
+        parts = [grads[n] if n in grads else torch.zeros_like(params[n]) for n in names]
+        flat = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0)
+        counts = torch.tensor([executor.pending_samples], dtype=torch.int64)
+        dist.all_reduce(flat, group=group)
+        dist.all_reduce(counts, group=group)
+        total, offset = {}, 0
+        for name, part in zip(names, parts):
+            size = part.numel()
+            total[name] = flat[offset: offset + size].view_as(part)
+            offset += size
+        executor.grads = total
+        executor.pending_samples = int(counts[0])
+
+
+def _unmask(payload, mask: int | None) -> tuple:
+    values = payload if isinstance(payload, tuple) else (payload,)
+    if mask is None:
+        return values
+    out, it = [], iter(values)
+    position = 0
+    while mask >> position:
+        out.append(next(it) if (mask >> position) & 1 else None)
+        position += 1
+    return tuple(out)
+
+
+def _runtime_error(rank: int, action: Action, error: RuntimeError) -> PipetrainError:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if "shape" in text or "size" in text or "mat1 and mat2" in text:
+        return PipetrainError(
+            f"rank {rank}, action {format_action(action)}: stage {action.stage} cannot take what it was given "
+            f"({text}); check that the output of stage {action.stage - 1} matches the input of stage {action.stage}"
+        )
+    return PipetrainError(f"rank {rank}, action {format_action(action)} failed: {text}")

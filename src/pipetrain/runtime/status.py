@@ -1,0 +1,248 @@
+"""What every rank is doing, published a few times a second, so that a failure can say where each rank was.
+
+When a rank dies or hangs, its peers only see a receive that never completes. To print something
+better than "timed out", every rank keeps its last few completed actions in memory (a deque append
+on the hot path, nothing else) and a background thread publishes them, together with the action it
+is waiting for, to a key-value store (the c10d TCPStore of the run) a few times a second. A rank
+that fails, or the launcher that sees a worker die, reads every rank's record with a short timeout
+and prints them::
+
+    status of every rank (most recent action last):
+      rank 0: waiting 5.1 s for RECV_B of microbatch 1 from rank 1; done: F0 F1 F2 B0; seen 0.2 s ago
+      rank 1: busy (not communicating); done: F0 F1 B0 F2; seen 0.1 s ago
+      rank 2: silent for 6.3 s (dead or frozen); last done: F0 B0; was waiting for RECV_F ...
+
+A rank stuck in computation still publishes (the thread runs while the main thread computes or
+sleeps), so "busy" with an old last action means it hangs in compute; a silent rank is dead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["StatusBoard", "read_status", "format_status", "env_store", "default_prefix"]
+
+_PREFIX = "pipetrain/status"
+
+
+def _key(prefix: str, rank: int) -> str:
+    return f"{prefix}/{rank}"
+
+
+def default_prefix() -> str:
+    """Key prefix of this run: torchrun restarts reuse the store, so the restart count is part of it."""
+    return f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def env_store(timeout: float = 10.0) -> Any:
+    """A client of the TCPStore at MASTER_ADDR:MASTER_PORT (the launcher's or torchrun's store,
+    or the one rank 0 hosts). A separate connection, so status traffic never queues behind the
+    process group's own store operations."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+
+
+class StatusBoard:
+    """This rank's recent actions and current wait, published to a store in the background.
+
+    Hot path: ``board.done(action)`` (a bound ``deque.append``: the action object is stored, its
+    ``str()`` taken only when published) and ``board.waiting = what`` (set and cleared by the
+    :class:`~pipetrain.runtime.p2p.Messenger` around every wait). ``board.note`` is free text
+    (for example ``"step 12"``). :meth:`report` reads every rank's record.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        *,
+        keep: int = 8,
+        interval: float = 0.25,
+        prefix: str | None = None,
+        address: tuple[str, int] | None = None,
+        start: bool = True,
+    ) -> None:
+        self.store = store
+        self.address = address
+        self.rank = rank
+        self.world_size = world_size
+        self.interval = interval
+        self.prefix = prefix if prefix is not None else default_prefix()
+        self.recent: deque[object] = deque(maxlen=keep)
+        self.done: Callable[[object], None] = self.recent.append
+        self.waiting: object = None
+        self.note: str = ""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._seen_waiting: object = None
+        self._waiting_since = 0.0
+        self._failures = 0
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> StatusBoard:
+        """A board on the run's store (see :func:`env_store`), rank and world size from the
+        environment that :func:`pipetrain.runtime.launch.init_distributed` read."""
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        return cls(
+            env_store(), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), address=address, **kwargs
+        )
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"pipetrain-status-{self.rank}", daemon=True
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        """Publish one last time and stop the background thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval + 1.0)
+            self._thread = None
+        self.publish()
+
+    def __enter__(self) -> StatusBoard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def record(self) -> dict[str, Any]:
+        """This rank's record as published."""
+        now = time.monotonic()
+        waiting = self.waiting
+        if waiting is not self._seen_waiting:
+            self._seen_waiting = waiting
+            self._waiting_since = now
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "time": time.time(),
+            "done": [str(a) for a in list(self.recent)],
+            "waiting": None if waiting is None else str(waiting),
+            "waiting_s": round(now - self._waiting_since, 3) if waiting is not None else 0.0,
+            "note": self.note,
+        }
+
+    def publish(self) -> bool:
+        """Write this rank's record to the store now; False if the store did not take it."""
+        if self._failures:  # the store is gone (each failed call prints a C++ warning): stop trying
+            return False
+        try:
+            data = json.dumps(self.record())
+            with self._lock:
+                self.store.set(_key(self.prefix, self.rank), data)
+            self._failures = 0
+            return True
+        except Exception:
+            self._failures += 1
+            return False
+
+    def _run(self) -> None:
+        self.publish()
+        while not self._stop.wait(self.interval):
+            self.publish()
+
+    def report(self, timeout: float = 2.0) -> str:
+        """Every rank's last published record, formatted; never blocks longer than ``timeout``."""
+        if self.address is not None and not _reachable(self.address, min(timeout, 1.0)):
+            records = None  # skip the store client: on a dead server it prints C++ stack traces
+        else:
+            self.publish()
+            records = read_status(self.store, self.world_size, prefix=self.prefix, timeout=timeout, lock=self._lock)
+        return format_status(records, self.world_size, stale_after=3 * self.interval + 1.0)
+
+
+def _reachable(address: tuple[str, int], timeout: float) -> bool:
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def read_status(
+    store: Any,
+    world_size: int,
+    *,
+    prefix: str | None = None,
+    timeout: float = 2.0,
+    lock: threading.Lock | None = None,
+) -> dict[int, dict[str, Any]] | None:
+    """Every rank's published record (missing ranks left out), or None if the store did not answer
+    within ``timeout`` seconds (it may be gone with the process that hosted it)."""
+    prefix = prefix if prefix is not None else default_prefix()
+    result: dict[int, dict[str, Any]] = {}
+    finished = threading.Event()
+
+    def read() -> None:
+        try:
+            for rank in range(world_size):
+                key = _key(prefix, rank)
+                if lock is not None:
+                    with lock:
+                        present = store.check([key])
+                        data = store.get(key) if present else None
+                else:
+                    present = store.check([key])
+                    data = store.get(key) if present else None
+                if data is not None:
+                    result[rank] = json.loads(data)
+            finished.set()
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=read, name="pipetrain-status-read", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return dict(result) if finished.is_set() else None
+
+
+def format_status(
+    records: dict[int, dict[str, Any]] | None, world_size: int, *, stale_after: float = 2.0
+) -> str:
+    """Human-readable lines, one per rank, from :func:`read_status`'s records."""
+    if records is None:
+        return "status of the other ranks: unavailable (the store did not answer; its host may be gone)"
+    now = time.time()
+    lines = ["status of every rank (most recent action last):"]
+    for rank in range(world_size):
+        rec = records.get(rank)
+        if rec is None:
+            lines.append(f"  rank {rank}: no status published (not started, or died before its first report)")
+            continue
+        age = max(0.0, now - rec["time"])
+        done = " ".join(rec["done"]) if rec["done"] else "(nothing yet)"
+        note = f" [{rec['note']}]" if rec.get("note") else ""
+        if rec["waiting"] is not None:
+            doing = f"waiting {rec['waiting_s']:.1f} s for {rec['waiting']}"
+        else:
+            doing = "busy (not communicating)"
+        if age > stale_after:
+            lines.append(
+                f"  rank {rank}{note}: silent for {age:.1f} s (dead or frozen); last done: {done}; "
+                f"was {doing}"
+            )
+        else:
+            lines.append(f"  rank {rank}{note}: {doing}; done: {done}; seen {age:.1f} s ago")
+    return "\n".join(lines)

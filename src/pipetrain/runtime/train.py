@@ -1,0 +1,195 @@
+"""`pipetrain train --executor distributed`: one process per stage replica.
+
+Started plainly, the command spawns its local workers itself (``--workers N``, one thread each
+unless ``--threads-per-worker``). Started by torchrun, every process is already a worker and reads
+torchrun's environment, so the same command runs across machines::
+
+    pipetrain train --model mlp --schedule pipedream --stages 2            # 2 local workers
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 -m pipetrain.cli train --executor distributed --stages 2 ...
+
+Every worker prepares the same run (:func:`~pipetrain.training.setup.prepare`), builds executors
+for its own stages, runs its program (:class:`~pipetrain.runtime.executor.RankRunner`) and sends
+its results to rank 0, which writes the outputs and reports.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.training.config import TrainConfig
+from pipetrain.training.result import TrainResult
+
+__all__ = ["train_distributed", "worker"]
+
+
+def train_distributed(config: TrainConfig) -> TrainResult | None:
+    """Train with the runtime: as a worker if a launcher set the environment, else spawn them."""
+    from pipetrain.runtime.launch import detect, launch
+
+    if detect() is not None:
+        return worker(config)
+    from pipetrain.training.setup import prepare
+
+    run = prepare(replace(config, progress=False))  # checks the configuration before spawning
+    workers = run.schedule.num_ranks
+    result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
+                    timeout=None)
+    if result.returncode != 0:
+        raise _WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
+    return result.results[0]
+
+
+class _WorkersFailed(PipetrainError):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def worker(config: TrainConfig) -> TrainResult | None:
+    """One worker's whole run; rank 0 returns the result, the others ``None``."""
+    import torch
+    import torch.distributed as dist
+
+    from pipetrain.execution import UnitData
+    from pipetrain.runtime.executor import RankRunner, sync_groups
+    from pipetrain.runtime.launch import init_distributed
+    from pipetrain.runtime.p2p import Messenger
+    from pipetrain.runtime.status import StatusBoard
+    from pipetrain.training.setup import prepare
+
+    env = init_distributed("gloo", timeout=config.timeout)
+    if "PIPETRAIN_THREADS" not in os.environ:
+        torch.set_num_threads(config.threads_per_worker)
+    run = prepare(config)
+    schedule = run.schedule
+    if env.world_size != schedule.num_ranks:
+        raise ConfigError(
+            f"{env.world_size} workers were started but the {schedule.name} schedule with {len(run.staged.stages)} "
+            f"stages{' and replicas ' + str(schedule.replicas) if any(r > 1 for r in schedule.replicas) else ''} "
+            f"uses {schedule.num_ranks}; start {schedule.num_ranks} workers or change --stages/--replicas"
+        )
+    rank = env.rank
+    groups = sync_groups(schedule)
+    held = schedule.rank_stages()[rank]
+    executors = {stage: run.make_executor(rank, stage) for stage in held}
+    data = run.unit_data() if 0 in held else None
+    status = StatusBoard.from_env()
+    messenger = Messenger(timeout=config.timeout, status=status)
+    runner = RankRunner(schedule, rank, executors, data, run.layout, messenger, groups, status)
+    progress = _progress(run, held, config)
+    dist.barrier()
+    started = time.perf_counter()
+    try:
+        runner.run(progress.on_loss if progress else None, origin=started)
+    finally:
+        if progress:
+            progress.close()
+        status.close()
+    seconds = time.perf_counter() - started
+    dist.barrier()
+    elapsed = time.perf_counter() - started
+    for stage in held:
+        if schedule.replica_of(rank, stage) == 0:
+            executors[stage].write_back()
+    states = {stage: executors[stage].module.state_dict() for stage in held if schedule.replica_of(rank, stage) == 0}
+    payload = {
+        "rank": rank,
+        "losses": runner.losses,
+        "starts": runner.starts,
+        "ends": runner.ends,
+        "seconds": seconds,
+        "states": states,
+    }
+    gathered: list[Any] = [None] * env.world_size if rank == 0 else None
+    dist.gather_object(payload, gathered, dst=0)
+    if rank != 0:
+        return None
+    return _assemble(run, gathered, elapsed)
+
+
+def _progress(run, held, config):
+    """The rank that computes the loss of unit 0 shows the progress bar."""
+    if not config.progress or run.schedule.rank_of(run.num_stages - 1, 0) != _rank():
+        return None
+    from pipetrain.training.outputs import Progress
+
+    units = run.layout.units_per_update
+    bar = Progress(run.updates, True, f"{run.schedule.name} ({run.schedule.num_ranks} workers)")
+    pending: dict[int, float] = {}
+    started = time.perf_counter()
+
+    class _Tracker:
+        def on_loss(self, k: int, loss: float) -> None:
+            update = k // units
+            pending[k] = loss * run.layout.loss_scale(k)
+            first = update * units
+            if all(u in pending for u in range(first, first + units)):
+                value = sum(pending.pop(u) for u in range(first, first + units))
+                bar.update(1, value, run.layout.batch_size, time.perf_counter() - started)
+
+        def close(self) -> None:
+            bar.close()
+
+    return _Tracker()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _assemble(run, gathered: list[dict], elapsed: float) -> TrainResult:
+    """Rank 0: the run's result from every rank's payload; writes the outputs."""
+    from pipetrain.emulate.train import chain_forward
+    from pipetrain.schedule.ir import Kind
+    from pipetrain.schedule.timeline import Timeline
+    from pipetrain.training.evaluate import evaluate_chain
+    from pipetrain.training.outputs import eval_batches
+    from pipetrain.training.train import write_outputs
+
+    schedule = run.schedule
+    losses: dict[int, float] = {}
+    stage_states: dict[int, dict] = {}
+    for payload in gathered:
+        losses.update(payload["losses"])
+        stage_states.update(payload["states"])
+    units = run.layout.units_per_update
+    update_losses = [
+        sum(losses[k] * run.layout.loss_scale(k) for k in range(t * units, (t + 1) * units))
+        for t in range(run.updates)
+    ]
+    # the unsplit model with the trained weights of every stage
+    for stage, state in stage_states.items():
+        run.staged.stages[stage].load_state_dict(state)
+    timeline = Timeline(schedule, [p["starts"] for p in gathered], [p["ends"] for p in gathered])
+    work = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP)
+    busy = [sum(e - s for a, s, e in timeline.spans(r) if a.kind in work) for r in range(schedule.num_ranks)]
+    seconds = max(p["seconds"] for p in gathered)
+    evaluations = []
+    held_out = eval_batches(run)
+    if held_out:
+        from pipetrain.execution import StageExecutor
+
+        chain = [StageExecutor(s, module, None) for s, module in enumerate(run.staged.stages)]
+        evaluations.append({"step": run.updates, **evaluate_chain(chain_forward(chain), held_out, run.loss_fn)})
+    result = TrainResult(
+        schedule=schedule.name,
+        stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,
+        workers=schedule.num_ranks,
+        executor="distributed",
+        updates=run.updates,
+        samples=run.updates * run.layout.batch_size,
+        seconds=seconds,
+        update_losses=update_losses,
+        stage_busy=busy,
+        stage_idle=[seconds - b for b in busy],
+        evaluations=evaluations,
+        timeline=timeline,
+    )
+    write_outputs(run.config, result, run.model.state_dict())
+    return result

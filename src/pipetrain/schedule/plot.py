@@ -1,0 +1,115 @@
+"""Pictures of timelines: a Gantt chart per schedule, and schedules stacked for comparison.
+
+One row per rank, one colour per action kind, microbatch numbers written in the bars when they
+fit; a RECV that waits is left blank (that blank is the bubble). Matplotlib is imported only here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from pipetrain.schedule.ir import Kind
+from pipetrain.schedule.timeline import Timeline
+
+__all__ = ["COLOURS", "draw_timeline", "plot_timeline", "plot_comparison"]
+
+COLOURS = {
+    Kind.F: "#4C78A8",
+    Kind.B: "#54A24B",
+    Kind.I: "#72B7B2",
+    Kind.W: "#B279A2",
+    Kind.STEP: "#9D755D",
+    Kind.SYNC: "#F58518",
+}
+_LABELS = {Kind.F: "F forward", Kind.B: "B backward", Kind.I: "I input grad", Kind.W: "W weight grad",
+           Kind.STEP: "STEP update", Kind.SYNC: "SYNC all-reduce"}
+_MAX_LABELLED_BARS = 1500
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_timeline(ax, timeline: Timeline, *, title: str | None = None, labels: bool = True) -> set:
+    """Draw ``timeline`` on a matplotlib axis; returns the action kinds drawn (for a legend)."""
+    schedule = timeline.schedule
+    makespan = timeline.makespan or 1.0
+    bars = sum(1 for p in schedule.programs for a in p if a.kind in COLOURS)
+    write = labels and bars <= _MAX_LABELLED_BARS
+    drawn = set()
+    for rank in range(schedule.num_ranks):
+        by_kind: dict[Kind, list[tuple[float, float]]] = {}
+        for action, start, end in timeline.spans(rank):
+            if action.kind not in COLOURS or end <= start:
+                continue
+            by_kind.setdefault(action.kind, []).append((start, end - start))
+            if write and action.microbatch is not None and (end - start) / makespan > 0.012:
+                text = str(action.microbatch)
+                if schedule.chunks > 1:
+                    text += f".{action.stage // schedule.num_ranks}"
+                ax.text(start + (end - start) / 2, rank, text, ha="center", va="center", fontsize=6, color="white")
+        for kind, spans in by_kind.items():
+            ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=COLOURS[kind], edgecolor="white", linewidth=0.3)
+            drawn.add(kind)
+    ax.set_ylim(schedule.num_ranks - 0.5, -0.5)
+    ax.set_yticks(range(schedule.num_ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(schedule.num_ranks)], fontsize=7)
+    ax.set_xlim(0, makespan)
+    if title:
+        ax.set_title(title, fontsize=9, loc="left")
+    return drawn
+
+
+def _legend(fig, kinds: set) -> None:
+    from matplotlib.patches import Patch
+
+    order = [k for k in COLOURS if k in kinds]
+    handles = [Patch(facecolor=COLOURS[k], label=_LABELS[k]) for k in order]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+
+
+def _save(fig, path: str) -> None:
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=130)
+
+
+def plot_timeline(timeline: Timeline, path: str, *, title: str | None = None, time_unit: str = "time") -> None:
+    """Write a Gantt chart of one timeline to ``path`` (PNG)."""
+    plt = _pyplot()
+    ranks = timeline.schedule.num_ranks
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.35 * ranks))
+    kinds = draw_timeline(ax, timeline, title=title)
+    ax.set_xlabel(time_unit)
+    _legend(fig, kinds)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    _save(fig, path)
+    plt.close(fig)
+
+
+def plot_comparison(timelines: Sequence[Timeline], titles: Sequence[str], path: str, *, time_unit: str = "time") -> None:
+    """Several timelines one under another on a shared time axis (the picture to choose by)."""
+    plt = _pyplot()
+    heights = [0.9 + 0.32 * t.schedule.num_ranks for t in timelines]
+    fig, axes = plt.subplots(
+        len(timelines), 1, figsize=(12, sum(heights) + 0.8), sharex=True,
+        gridspec_kw={"height_ratios": heights}, squeeze=False,
+    )
+    kinds: set = set()
+    horizon = max(t.makespan for t in timelines)
+    for ax, timeline, title in zip(axes[:, 0], timelines, titles):
+        kinds |= draw_timeline(ax, timeline, title=title)
+        ax.axvline(timeline.makespan, color="black", linewidth=0.8, linestyle=":")
+    axes[-1, 0].set_xlim(0, horizon)
+    axes[-1, 0].set_xlabel(time_unit)
+    _legend(fig, kinds)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    _save(fig, path)
+    plt.close(fig)

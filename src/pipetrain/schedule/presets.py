@@ -1,0 +1,110 @@
+"""Named schedules: each a preset of an action order and a weight-version policy.
+
+=============  ===============================================  ==========  ============
+name           order                                            policy      flushes
+=============  ===============================================  ==========  ============
+gpipe          all forwards, then all backwards                 flush       every step
+1f1b           warm-up S-1-s, then one forward / one backward   flush       every step
+interleaved    1F1B over v model chunks per rank (Megatron)     flush       every step
+zb-h1          1F1B with the backward split into I and W        flush       every step
+pipedream      1F1B with NOAM warm-up, update per minibatch     stash       never
+2bw            1F1B over batches of m >= S, update per batch    2bw         never
+pb             tick order, warm-up 2(S-1-s), update per sample  latest      never
+=============  ===============================================  ==========  ============
+
+:func:`build` makes the order, assigns versions (any policy of :mod:`~pipetrain.schedule.versions`
+may replace the preset's) and adds communication.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Sequence
+
+from pipetrain.errors import ScheduleError
+from pipetrain.schedule._gc import gc_paused
+from pipetrain.schedule.flush import gpipe, one_f_one_b, zb_h1
+from pipetrain.schedule.interleaved import interleaved
+from pipetrain.schedule.ir import Schedule
+from pipetrain.schedule.lower import add_communication
+from pipetrain.schedule.pb import pb
+from pipetrain.schedule.pipedream import pipedream, two_bw
+from pipetrain.schedule.versions import POLICIES, assign_versions
+
+__all__ = ["SCHEDULES", "ASYNCHRONOUS", "build", "order", "resolve_name"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw", "pb")
+#: Schedules that never flush: each of their pipeline units is its own update (2bw: each batch).
+ASYNCHRONOUS = frozenset({"pipedream", "2bw", "pb"})
+_ALIASES = {"pipedream-flush": "1f1b", "1F1B": "1f1b", "zbh1": "zb-h1", "zb": "zb-h1", "pipedream-2bw": "2bw"}
+
+
+def resolve_name(name: str) -> str:
+    """The canonical schedule name, or a ScheduleError suggesting the closest ones."""
+    name = _ALIASES.get(name, name)
+    if name in SCHEDULES:
+        return name
+    close = difflib.get_close_matches(name, SCHEDULES, n=2, cutoff=0.4)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    raise ScheduleError(f"unknown schedule {name!r}{hint}; choose one of {', '.join(SCHEDULES)}")
+
+
+def order(
+    name: str,
+    stages: int,
+    microbatches: int,
+    *,
+    steps: int = 1,
+    chunks: int = 1,
+    replicas: Sequence[int] | None = None,
+    update_every: int = 1,
+) -> Schedule:
+    """The compute-only order of a named schedule (versions unassigned, no communication)."""
+    name = resolve_name(name)
+    if chunks != 1 and name != "interleaved":
+        raise ScheduleError(f"--chunks applies to the interleaved schedule only, not to {name}")
+    if update_every != 1 and name not in ("pipedream", "pb"):
+        raise ScheduleError(f"--update-every applies to pipedream and pb only; {name} updates once per step")
+    if name in ("pipedream", "pb") and steps != 1:
+        raise ScheduleError(
+            f"{name} has no steps: every pipeline unit is its own update, so --microbatches counts all of them; "
+            "drop --steps"
+        )
+    makers: dict[str, Callable[[], Schedule]] = {
+        "gpipe": lambda: gpipe(stages, microbatches, steps, replicas),
+        "1f1b": lambda: one_f_one_b(stages, microbatches, steps, replicas),
+        "interleaved": lambda: interleaved(stages, microbatches, steps, chunks, replicas),
+        "zb-h1": lambda: zb_h1(stages, microbatches, steps, replicas),
+        "pipedream": lambda: pipedream(stages, microbatches, replicas, update_every),
+        "2bw": lambda: two_bw(stages, microbatches, steps, replicas),
+        "pb": lambda: pb(stages, microbatches, update_every, replicas),
+    }
+    return makers[name]()
+
+
+def build(
+    name: str,
+    stages: int,
+    microbatches: int,
+    *,
+    steps: int = 1,
+    chunks: int = 1,
+    replicas: Sequence[int] | None = None,
+    policy: str | None = None,
+    update_every: int = 1,
+    communication: bool = True,
+) -> Schedule:
+    """A complete schedule: order, versions under ``policy`` (default: the preset's), communication."""
+    if policy is not None and policy not in POLICIES:
+        raise ScheduleError(f"unknown version policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    with gc_paused():
+        schedule = order(
+            name, stages, microbatches, steps=steps, chunks=chunks, replicas=replicas, update_every=update_every
+        )
+    if policy is not None and policy != schedule.policy:
+        if policy == "2bw" or schedule.policy == "2bw":
+            raise ScheduleError("the 2bw policy goes with the 2bw order only (it reads version t-1 of batch t)")
+        if schedule.policy == "flush" and policy != "flush":
+            policy = "flush" if policy in ("stash",) else policy
+    schedule = assign_versions(schedule, policy)
+    return add_communication(schedule) if communication else schedule

@@ -1,0 +1,19 @@
+"""Cutting models into pipeline stages and mapping stage state dicts back to the whole model."""
+
+from pipetrain.stages.partition import balance_by_params, check_balance, parameter_counts, partition_min_max
+from pipetrain.stages.split import balance_from_split_at, from_stages, split_model
+from pipetrain.stages.staged import StagedModel, StageSequential, call_stage, run_stages
+
+__all__ = [
+    "StageSequential",
+    "StagedModel",
+    "balance_by_params",
+    "balance_from_split_at",
+    "call_stage",
+    "check_balance",
+    "from_stages",
+    "parameter_counts",
+    "partition_min_max",
+    "run_stages",
+    "split_model",
+]

@@ -1,0 +1,110 @@
+"""A model cut into stages, the tensor convention at stage boundaries, and state-dict mapping.
+
+Boundary convention: a stage receives what the previous stage returned. A tensor is passed as the
+one argument; a tuple of tensors is unpacked into positional arguments, ``stage(*outputs)``. The
+first stage receives the model input. A stage cut from an ``nn.Sequential`` (a
+:class:`StageSequential`) packs several arguments back into one tuple for its first module, so a
+Sequential whose modules hand tuples to each other computes the same when cut anywhere.
+(A 1-tuple reaches the next stage as a bare tensor: return tensors, or tuples of two or more.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["StageSequential", "StagedModel", "call_stage", "run_stages"]
+
+
+class StageSequential(nn.Sequential):
+    """Consecutive modules of an ``nn.Sequential`` under their original names.
+
+    Keeping the names ("3", "4", ...) makes this stage's state-dict keys equal to the unsplit
+    model's keys, and ``forward(*inputs)`` follows the boundary convention of this module.
+    """
+
+    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
+        x = inputs[0] if len(inputs) == 1 else inputs
+        for module in self:
+            x = module(x)
+        return x
+
+
+def call_stage(stage: nn.Module, inputs: Any) -> Any:
+    """Run ``stage`` on what the previous stage returned: ``stage(*inputs)`` for a tuple."""
+    return stage(*inputs) if isinstance(inputs, tuple) else stage(inputs)
+
+
+def run_stages(stages: Sequence[nn.Module], *inputs: Any) -> Any:
+    """Run ``stages`` one after the other on ``inputs``: equals the unsplit model's forward."""
+    x: Any = inputs[0] if len(inputs) == 1 else inputs
+    for stage in stages:
+        x = call_stage(stage, x)
+    return x
+
+
+@dataclass
+class StagedModel:
+    """Stage modules plus the mapping of their state-dict keys to the unsplit model's.
+
+    ``key_map[s]`` maps each key of ``stages[s].state_dict()`` to the unsplit model's key;
+    ``model_keys`` lists the unsplit state dict's keys in order; ``aliases`` maps each further
+    key of a tensor the unsplit model holds under several names (tied weights) to the key it
+    shares it with. ``balance`` is the module count per stage when cut from an ``nn.Sequential``.
+    Stages share their modules with the model they were cut from (nothing is copied).
+    """
+
+    stages: list[nn.Module]
+    key_map: list[dict[str, str]]
+    model_keys: list[str]
+    balance: list[int] | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return run_stages(self.stages, *inputs)
+
+    def parameter_counts(self) -> list[int]:
+        """Parameter elements per stage."""
+        return [sum(p.numel() for p in stage.parameters()) for stage in self.stages]
+
+    def merge_state_dict(self, stage_state_dicts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One state dict, loadable with ``strict=True`` by the unsplit model, from one per stage.
+
+        Each input holds a stage's keys (``stages[s].state_dict()`` keys); tensors are not copied.
+        """
+        if len(stage_state_dicts) != len(self.stages):
+            raise ConfigError(
+                f"merge_state_dict got {len(stage_state_dicts)} state dicts for {len(self.stages)} stages"
+            )
+        merged: dict[str, torch.Tensor] = {}
+        for s, (state, mapping) in enumerate(zip(stage_state_dicts, self.key_map)):
+            missing = [k for k in mapping if k not in state]
+            unexpected = [k for k in state if k not in mapping]
+            if missing or unexpected:
+                raise ConfigError(
+                    f"state dict of stage {s} does not match the stage: missing {missing[:3]}, "
+                    f"unexpected {unexpected[:3]}"
+                )
+            for key, value in state.items():
+                merged[mapping[key]] = value
+        for key, target in self.aliases.items():
+            merged[key] = merged[target]
+        return {key: merged[key] for key in self.model_keys}
+
+    def split_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The inverse of :meth:`merge_state_dict`: one state dict per stage, stage keys."""
+        missing = [k for k in self.model_keys if k not in state_dict]
+        if missing:
+            raise ConfigError(
+                f"state dict lacks {len(missing)} key(s) of the model, e.g. {missing[:3]}: it was "
+                f"saved from a different model or options"
+            )
+        return [{key: state_dict[target] for key, target in mapping.items()} for mapping in self.key_map]

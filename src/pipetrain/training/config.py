@@ -1,0 +1,58 @@
+"""The options of a training run, with the defaults of `pipetrain train` in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs to be reproduced (the `pipetrain train` options)."""
+
+    model: str = "mlp"
+    data: str = "digits"
+    test_data: str | None = None
+    schedule: str = "1f1b"
+    stages: int | None = None
+    balance: list[int] | None = None
+    split_at: list[str] | None = None
+    plan: str | None = None
+    replicas: list[int] | None = None
+    chunks: int = 1
+    policy: str | None = None
+    microbatches: int | None = None
+    batch_size: int = 32
+    steps: int | None = None
+    epochs: float | None = None
+    optimizer: str = "sgd:lr=0.1,momentum=0.9"
+    lr_schedule: str | None = None
+    compensation: str = "none"
+    executor: str = "distributed"
+    workers: int | None = None
+    threads_per_worker: int = 1
+    timeout: float = 60.0
+    seed: int = 0
+    shuffle: bool = True
+    dtype: str = "float32"
+    eval_every: int = 0
+    save: str | None = None
+    report_json: str | None = None
+    trace: str | None = None
+    plot: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    progress: bool = True
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def fingerprint(self) -> dict[str, object]:
+        """What a checkpoint must agree on to be resumed by this run."""
+        return {
+            "model": self.model, "data": self.data, "schedule": self.schedule, "stages": self.stages,
+            "balance": self.balance, "split_at": self.split_at, "replicas": self.replicas, "chunks": self.chunks,
+            "policy": self.policy, "microbatches": self.microbatches, "batch_size": self.batch_size,
+            "optimizer": self.optimizer, "lr_schedule": self.lr_schedule, "compensation": self.compensation,
+            "seed": self.seed, "shuffle": self.shuffle, "dtype": self.dtype,
+        }

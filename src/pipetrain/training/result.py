@@ -1,0 +1,70 @@
+"""What a training run reports: losses, throughput, evaluation, per-stage busy and idle time."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["TrainResult", "write_json_atomic"]
+
+
+@dataclass
+class TrainResult:
+    """The outcome of a run, on any executor."""
+
+    schedule: str
+    stages: int
+    workers: int
+    executor: str
+    updates: int
+    samples: int
+    seconds: float
+    update_losses: list[float]
+    stage_busy: list[float]
+    stage_idle: list[float]
+    evaluations: list[dict[str, float]] = field(default_factory=list)
+    timeline: Any = None  # a pipetrain.schedule.Timeline of measured times, when recorded
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def final_loss(self) -> float:
+        return self.update_losses[-1] if self.update_losses else float("nan")
+
+    def report(self) -> dict[str, Any]:
+        """The `--report-json` object."""
+        data = {
+            "schedule": self.schedule,
+            "stages": self.stages,
+            "workers": self.workers,
+            "executor": self.executor,
+            "steps": self.updates,
+            "samples": self.samples,
+            "seconds": self.seconds,
+            "samples_per_s": self.samples_per_s,
+            "final_loss": self.final_loss,
+            "losses": self.update_losses,
+            "stage_busy_seconds": self.stage_busy,
+            "stage_idle_seconds": self.stage_idle,
+            "evaluations": self.evaluations,
+        }
+        if self.evaluations:
+            data["final_eval"] = self.evaluations[-1]
+        data.update(self.extra)
+        return data
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Write JSON to ``path`` via a temporary file and a rename (never a half-written file)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1)
+        handle.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,217 @@
+"""Set-up of a training run, identical on every executor and every rank.
+
+From a :class:`TrainConfig`: the data and the fixed batch order, the model (initialised under the
+seed) cut into stages, the schedule of the whole run (versions assigned, validated), the optimizer
+of each stage (with the schedule's delays for SC and LWP), and the mapping from units to samples.
+Every rank of the distributed runtime calls :func:`prepare` with the same configuration and gets
+the same run; it then builds executors only for the stages it holds.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from pipetrain.errors import ConfigError
+from pipetrain.execution import StageExecutor, UnitData, UnitLayout
+from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
+from pipetrain.training.config import TrainConfig
+
+__all__ = ["Run", "prepare", "default_loss", "EXECUTORS"]
+
+EXECUTORS = ("distributed", "emulate")
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def default_loss(output: Tensor, target: Tensor) -> Tensor:
+    """Cross entropy, the mean over samples (and positions, for sequence outputs)."""
+    if output.dim() == target.dim() + 1 and output.dim() > 2:
+        return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
+    return nn.functional.cross_entropy(output, target)
+
+
+@dataclass
+class Run:
+    """A prepared training run (see the module docstring)."""
+
+    config: TrainConfig
+    train_set: Dataset
+    test_set: Dataset | None
+    model: nn.Module
+    staged: Any  # pipetrain.stages.StagedModel
+    schedule: Schedule
+    layout: UnitLayout
+    sampler: Any  # pipetrain.data.BatchSampler
+    loss_fn: Callable[[Any, Tensor], Tensor]
+    delays: list[int]
+    grad_scales: list[float]
+    updates: int
+    dtype: torch.dtype
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @property
+    def samples_per_update(self) -> int:
+        return self.layout.batch_size
+
+    def unit_data(self) -> UnitData:
+        def get_batch(dataset: Dataset, indices: Tensor):
+            from pipetrain.data import get_batch as read
+
+            x, y = read(dataset, indices)
+            if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+                x = x.to(self.dtype)
+            return x, y
+
+        return UnitData(self.train_set, self.layout, self.sampler.indices, get_batch)
+
+    def make_executor(self, rank: int, stage: int) -> StageExecutor:
+        """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies)."""
+        from pipetrain.optim import build_stage_optimizer
+
+        replica = self.schedule.replica_of(rank, stage)
+        module = self.staged.stages[stage]
+        if replica > 0:
+            module = copy.deepcopy(module)
+        config = self.config
+        optimizer = build_stage_optimizer(
+            config.optimizer,
+            stage_delay=self.delays[stage],
+            compensation=config.compensation,
+            lr_schedule=config.lr_schedule,
+        )
+        return StageExecutor(
+            stage,
+            module,
+            optimizer,
+            loss_fn=self.loss_fn if stage == self.num_stages - 1 else None,
+            policy=self.schedule.policy,
+            grad_scale=self.grad_scales[stage],
+            seed=config.seed,
+        )
+
+    def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
+        """``executors[rank][stage]`` for the given ranks (default: all; others stay empty)."""
+        wanted = set(range(self.schedule.num_ranks) if ranks is None else ranks)
+        held = self.schedule.rank_stages()
+        return [
+            {stage: self.make_executor(rank, stage) for stage in held[rank]} if rank in wanted else {}
+            for rank in range(self.schedule.num_ranks)
+        ]
+
+
+def _stage_count(config: TrainConfig, name: str) -> int:
+    if config.replicas:
+        if config.stages is not None and config.stages != len(config.replicas):
+            raise ConfigError(f"--replicas gives {len(config.replicas)} stages but --stages is {config.stages}")
+        stages = len(config.replicas)
+    elif config.stages is not None:
+        stages = config.stages
+    elif config.balance:
+        stages = len(config.balance)
+    elif config.split_at:
+        stages = len(config.split_at) + 1
+    else:
+        stages = config.workers or 2
+    if name == "interleaved" and config.balance and len(config.balance) != stages * config.chunks:
+        stages = len(config.balance) // max(config.chunks, 1)
+    workers = (sum(config.replicas) if config.replicas else stages)
+    if config.workers is not None and config.workers != workers:
+        raise ConfigError(
+            f"--workers {config.workers} does not match the plan: {stages} stages"
+            + (f" with replicas {config.replicas}" if config.replicas else "")
+            + f" use {workers} workers; change --workers or --stages/--replicas"
+        )
+    return stages
+
+
+def prepare(config: TrainConfig) -> Run:
+    """Build everything the run needs from ``config`` (deterministic)."""
+    from pipetrain.data import BatchSampler, dataset_info, load_dataset, load_train_test
+    from pipetrain.models import build_model, refuse_batchnorm
+    from pipetrain.stages import split_model
+
+    name = resolve_name(config.schedule)
+    if config.executor not in EXECUTORS:
+        raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
+    if config.dtype not in _DTYPES:
+        raise ConfigError(f"unknown --dtype {config.dtype!r}; choose float32 or float64")
+    dtype = _DTYPES[config.dtype]
+    if config.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
+    stages = _stage_count(config, name)
+
+    if config.test_data:
+        train_set, test_set = load_dataset(config.data), load_dataset(config.test_data)
+    else:
+        train_set, test_set = load_train_test(config.data)
+    info = dataset_info(train_set)
+    model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed)
+    model = model.to(dtype)
+
+    pieces = stages * (config.chunks if name == "interleaved" else 1)
+    if config.chunks != 1 and name != "interleaved":
+        raise ConfigError(f"--chunks applies to the interleaved schedule only, not to {name}")
+    if config.balance:
+        staged = split_model(model, balance=config.balance)
+    elif config.split_at:
+        staged = split_model(model, split_at=config.split_at)
+    else:
+        staged = split_model(model, stages=pieces)
+    if len(staged.stages) != pieces:
+        raise ConfigError(
+            f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
+            + (f" ({stages} ranks x {config.chunks} chunks)" if name == "interleaved" else "")
+        )
+
+    asynchronous = name in ASYNCHRONOUS and name != "2bw"
+    units = config.microbatches if config.microbatches is not None else (1 if asynchronous else min(4, config.batch_size))
+    if units < 1:
+        raise ConfigError(f"--microbatches must be at least 1, got {units}")
+    layout = UnitLayout(config.batch_size, units)
+    sampler = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle)
+    if config.steps is not None and config.epochs is not None:
+        raise ConfigError("give either --steps or --epochs, not both")
+    if config.steps is not None:
+        updates = config.steps
+    else:
+        updates = sampler.steps_for_epochs(config.epochs if config.epochs is not None else 1.0)
+    if updates < 1:
+        raise ConfigError(f"the run must make at least one update; got {updates} (--steps / --epochs)")
+
+    compensation = (config.compensation or "none").replace(" ", "")
+    policy = config.policy
+    if "lwp" in compensation.split("+") and policy is None:
+        policy = "predict"
+    if asynchronous:
+        schedule = build(name, stages, updates * units, replicas=config.replicas, policy=policy, update_every=units)
+    else:
+        schedule = build(
+            name, stages, units, steps=updates, chunks=config.chunks, replicas=config.replicas, policy=policy
+        )
+    check(schedule)
+    if schedule.policy in ("latest", "predict") or name == "pb":
+        refuse_batchnorm(model, context=f"the {name} schedule with the {schedule.policy} version policy")
+
+    delays = staleness(schedule)
+    per_update = units_per_update(schedule)
+    grad_scales = [per_update[-1] / u for u in per_update]
+    loss_fn = getattr(model, "pipeline_loss", None) or default_loss
+    from pipetrain.optim import build_stage_optimizer
+
+    # build one optimizer now so that a bad --optimizer/--compensation fails before any work
+    build_stage_optimizer(
+        config.optimizer, stage_delay=max(delays), compensation=compensation, lr_schedule=config.lr_schedule
+    )
+    return Run(
+        config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
+        layout=layout, sampler=sampler, loss_fn=loss_fn, delays=delays, grad_scales=grad_scales,
+        updates=updates, dtype=dtype,
+    )

@@ -1,0 +1,88 @@
+"""`pipetrain schedule`: the summary table, JSON contract, files written, and clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pipetrain.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table(capsys):
+    code, out, _ = run(capsys, "schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--costs", "F=1,B=2")
+    assert code == 0
+    assert "makespan             33" in out
+    assert "27.3 % of total time" in out
+
+
+def test_json_contract(capsys):
+    code, out, _ = run(capsys, "schedule", "pipedream", "--stages", "4", "--microbatches", "8", "--json",
+                       "--costs", "F=1,B=2")
+    assert code == 0
+    data = json.loads(out)
+    for key in ("makespan", "bubble_fraction", "time_per_microbatch", "stages", "versions"):
+        assert key in data
+    assert [s["peak_versions"] for s in data["stages"]] == [4, 3, 2, 1]
+    assert [s["peak_activations"] for s in data["stages"]] == [4, 3, 2, 1]
+    assert set(data["stages"][0]) >= {"busy", "idle", "peak_activations", "peak_versions"}
+    assert data["versions"][0] == [[0, 0], [0, 0], [0, 0], [0, 0], [1, 1], [2, 2], [3, 3], [4, 4]]
+
+
+def test_replicas_imply_stages(capsys):
+    code, out, _ = run(capsys, "schedule", "pipedream", "--replicas", "3,1", "--microbatches", "12", "--json")
+    data = json.loads(out)
+    assert data["replicas"] == [3, 1] and data["num_ranks"] == 4
+
+
+def test_files_and_compare(capsys, tmp_path):
+    plot, trace, csv = tmp_path / "t.png", tmp_path / "t.json", tmp_path / "s.csv"
+    code, out, _ = run(capsys, "schedule", "zb-h1", "--stages", "3", "--microbatches", "6", "--costs", "F=1,B=1,W=1",
+                       "--plot", str(plot), "--trace", str(trace), "--csv", str(csv))
+    assert code == 0 and plot.stat().st_size > 10_000
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("name") == "0F0@v0" and e["ph"] == "X" for e in events)
+    # the CSV loads back and simulates to the same numbers
+    code, out2, _ = run(capsys, "schedule", "--load", str(csv), "--costs", "F=1,B=1,W=1", "--json")
+    assert json.loads(out2)["makespan"] == 6 * 3 + 2
+    compare = tmp_path / "c.png"
+    code, out, _ = run(capsys, "schedule", "--compare", "gpipe,1f1b,zb-h1,pipedream", "--stages", "4",
+                       "--microbatches", "8", "--plot", str(compare), "--json")
+    data = json.loads(out)
+    assert [s["schedule"] for s in data["schedules"]] == ["gpipe", "1f1b", "zb-h1", "pipedream"]
+    assert compare.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["schedule", "pipedrem"], "did you mean pipedream"),
+        (["schedule", "1f1b", "--costs", "F=one"], "must be a number"),
+        (["schedule", "2bw", "--stages", "4", "--microbatches", "2"], "m >= S"),
+        (["schedule"], "name a schedule"),
+    ],
+)
+def test_bad_input_exits_2_with_one_message(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_deadlocking_csv_exits_2(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text(
+        "0, 0F0, 0SEND_F0>1, 0RECV_B0<1, 0B0, 0F1, 0SEND_F1>1, 0RECV_B1<1, 0B1, 0STEP\n"
+        "1, 1RECV_F0<0, 1F0, 1RECV_F1<0, 1F1, 1B0, 1SEND_B0>0, 1B1, 1SEND_B1>0, 1STEP\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pipetrain.cli", "schedule", "--load", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "deadlocks" in result.stderr and "wait cycle" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,223 @@
+"""Tests of pipetrain.data: digits, synthetic, user factories, data info and batches."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, Subset, TensorDataset
+
+from pipetrain.data import (
+    DIGITS_TEST_SIZE,
+    DataInfo,
+    dataset_info,
+    get_batch,
+    load_dataset,
+    load_digits,
+    load_train_test,
+    split_indices,
+)
+from pipetrain.data.digits import digits_split_indices
+from pipetrain.errors import ConfigError
+
+_counter = itertools.count()
+
+
+def write_module(tmp_path, monkeypatch, source: str) -> str:
+    name = f"pt_data_mod_{next(_counter)}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    return name
+
+
+def test_digits_splits():
+    train, test, full = load_digits("train"), load_dataset("digits:split=test"), load_dataset("digits:split=all")
+    assert (len(train), len(test), len(full)) == (1437, DIGITS_TEST_SIZE, 1797)
+    assert len(load_dataset("digits")) == 1437
+    for data in (train, test):
+        assert data.features.dtype == torch.float32 and data.features.shape[1] == 64
+        assert data.labels.dtype == torch.int64
+        assert float(data.features.min()) == 0.0 and float(data.features.max()) == 1.0
+        assert data.num_classes == 10
+    train_index, test_index = digits_split_indices("train"), digits_split_indices("test")
+    assert not set(train_index) & set(test_index)
+    assert sorted([*train_index, *test_index]) == list(range(1797))
+    assert torch.equal(full.features[torch.from_numpy(test_index)], test.features)
+    assert torch.equal(full.labels[torch.from_numpy(train_index)], train.labels)
+
+
+def test_digits_split_is_the_documented_one():
+    expected = np.sort(np.random.RandomState(0).permutation(1797)[:360])
+    assert np.array_equal(digits_split_indices("test"), expected)
+    assert np.bincount(load_digits("test").labels.numpy()).tolist() == [27, 35, 36, 29, 30, 40, 44, 39, 39, 41]
+    from sklearn.datasets import load_digits as sk
+
+    raw = sk()
+    assert torch.equal(load_digits("all").features, torch.from_numpy((raw.data / 16).astype(np.float32)))
+
+
+def test_digits_bad_split():
+    with pytest.raises(ConfigError, match="train, test, all"):
+        load_dataset("digits:split=valid")
+
+
+def test_train_test_digits():
+    train, test = load_train_test("digits")
+    assert (len(train), len(test)) == (1437, 360)
+    with pytest.raises(ConfigError, match="drop the split"):
+        load_train_test("digits:split=test")
+
+
+def test_synthetic_shapes_and_determinism():
+    a = load_dataset("synthetic:features=7,classes=3,samples=30,seed=4")
+    b = load_dataset("synthetic:features=7,classes=3,samples=30,seed=4")
+    c = load_dataset("synthetic:features=7,classes=3,samples=30,seed=5")
+    assert a.features.shape == (30, 7) and a.features.dtype == torch.float32
+    assert a.labels.dtype == torch.int64 and np.bincount(a.labels.numpy()).tolist() == [10, 10, 10]
+    assert torch.equal(a.features, b.features) and torch.equal(a.labels, b.labels)
+    assert not torch.equal(a.features, c.features)
+    assert dataset_info(a) == DataInfo((7,), 3)
+
+
+def test_synthetic_is_learnable_and_test_split_shares_centres():
+    train, test = load_train_test("synthetic:features=16,classes=5,samples=500")
+    assert not torch.equal(train.features, test.features)
+    centres = torch.stack([train.features[train.labels == c].mean(0) for c in range(5)])
+    predicted = torch.cdist(test.features, centres).argmin(1)
+    assert (predicted == test.labels).float().mean() > 0.9
+
+
+@pytest.mark.parametrize(
+    "spec, word",
+    [
+        ("synthetic:features=0", "features"),
+        ("synthetic:classes=1", "classes"),
+        ("synthetic:samples=2.5", "samples"),
+        ("synthetic:seed=-1", "seed"),
+        ("synthetic:split=dev", "split"),
+        ("synthetic:featurs=3", "featurs"),
+    ],
+)
+def test_synthetic_errors(spec, word):
+    with pytest.raises(ConfigError, match=word):
+        load_dataset(spec)
+
+
+def test_unknown_data_set_suggests():
+    with pytest.raises(ConfigError, match="Did you mean 'digits'"):
+        load_dataset("digit")
+
+
+FACTORY = """
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+def make(samples=10, features=3):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(samples, features, generator=g), torch.arange(samples) % 4)
+
+def with_split(split="train", samples=8):
+    n = samples if split == "train" else 2
+    return TensorDataset(torch.zeros(n, 2), torch.zeros(n, dtype=torch.long))
+
+class Pairs(Dataset):
+    def __len__(self):
+        return 6
+    def __getitem__(self, i):
+        return torch.full((2, 3), float(i)), i % 3
+
+def pairs():
+    return Pairs()
+
+def not_a_dataset():
+    return 42
+
+def triples():
+    return [(torch.zeros(2), 1, 2)]
+
+def float_labels():
+    return [(torch.zeros(2), 0.5)]
+"""
+
+
+def test_user_factory(tmp_path, monkeypatch):
+    name = write_module(tmp_path, monkeypatch, FACTORY)
+    data = load_dataset(f"{name}:make:samples=12")
+    assert len(data) == 12 and dataset_info(data) == DataInfo((3,), 4)
+    pairs = load_dataset(f"{name}:pairs")
+    assert dataset_info(pairs) == DataInfo((2, 3), 3)
+    x, y = get_batch(pairs, [4, 1])
+    assert x.shape == (2, 2, 3) and float(x[0, 0, 0]) == 4.0 and y.tolist() == [1, 1]
+
+
+def test_user_factory_train_test(tmp_path, monkeypatch):
+    name = write_module(tmp_path, monkeypatch, FACTORY)
+    train, test = load_train_test(f"{name}:with_split:samples=5")
+    assert (len(train), len(test)) == (5, 2)
+    train, test = load_train_test(f"{name}:make:samples=10")
+    assert isinstance(train, Subset) and (len(train), len(test)) == (8, 2)
+    assert sorted([*train.indices, *test.indices]) == list(range(10))
+
+
+@pytest.mark.parametrize(
+    "factory, word",
+    [("not_a_dataset", "not a map-style"), ("triples", "pair"), ("float_labels", "integer class label")],
+)
+def test_user_factory_errors(tmp_path, monkeypatch, factory, word):
+    name = write_module(tmp_path, monkeypatch, FACTORY)
+    with pytest.raises(ConfigError, match=word):
+        load_dataset(f"{name}:{factory}")
+
+
+def test_user_factory_unknown_option(tmp_path, monkeypatch):
+    name = write_module(tmp_path, monkeypatch, FACTORY)
+    with pytest.raises(ConfigError, match="accepted: samples, features"):
+        load_dataset(f"{name}:make:size=3")
+
+
+def test_split_indices():
+    train, test = split_indices(10)
+    assert len(test) == 2 and sorted(train + test) == list(range(10))
+    assert split_indices(10) == (train, test)
+    assert len(split_indices(2)[1]) == 1
+    with pytest.raises(ConfigError):
+        split_indices(1)
+
+
+def test_dataset_info_scans_labels_and_subsets():
+    data = TensorDataset(torch.zeros(5, 2, 2), torch.tensor([0, 3, 1, 1, 2]))
+    assert dataset_info(data) == DataInfo((2, 2), 4)
+    assert dataset_info(data).in_features == 4
+    digits = load_digits("test")
+    assert dataset_info(Subset(digits, [0, 1])) == DataInfo((64,), 10)
+
+    class Targets(Dataset):
+        targets = [0, 6]
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return torch.zeros(1), self.targets[i]
+
+    assert dataset_info(Targets()).num_classes == 7
+
+
+def test_dataset_info_rejects_empty_and_negative():
+    with pytest.raises(ConfigError, match="empty"):
+        dataset_info(TensorDataset(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)))
+    with pytest.raises(ConfigError, match="negative"):
+        dataset_info(TensorDataset(torch.zeros(2, 2), torch.tensor([0, -1])))
+
+
+def test_get_batch_tensor_and_subset():
+    digits = load_digits("train")
+    x, y = get_batch(digits, torch.tensor([5, 0, 5]))
+    assert torch.equal(x, digits.features[[5, 0, 5]]) and torch.equal(y, digits.labels[[5, 0, 5]])
+    sub = Subset(Subset(digits, list(range(100, 200))), [3, 1])
+    x, y = get_batch(sub, [0, 1])
+    assert torch.equal(x, digits.features[[103, 101]])

@@ -1,0 +1,127 @@
+import math
+
+import pytest
+import torch
+
+from optim_helpers import compare_with_torch
+from pipetrain.errors import ConfigError
+from pipetrain.optim import SGD, CosineLR, parse_compensation, spike_coefficients
+
+
+def _impulse_response(optimizer, steps, impulse_step=0):
+    """Cumulative displacement -w after each update for a unit gradient at ``impulse_step``."""
+    w = {"w": torch.zeros(1, dtype=torch.float64)}
+    out = []
+    for step in range(steps):
+        g = torch.full((1,), 1.0 if step == impulse_step else 0.0, dtype=torch.float64)
+        w = optimizer.step(w, {"w": g}, step)
+        out.append(-w["w"].item())
+    return out
+
+
+def test_spike_coefficients():
+    assert spike_coefficients(0.9, 0) == (1.0, 0.0)
+    assert spike_coefficients(0.9, 1) == (0.9, 1.0)
+    a, b = spike_coefficients(0.9, 4)
+    assert a == pytest.approx(0.6561, abs=1e-15) and b == pytest.approx(3.439, abs=1e-13)
+    a, b = spike_coefficients(0.5, 2.5)
+    assert a == 0.5**2.5 and b == pytest.approx((1 - 0.5**2.5) / 0.5)
+    assert spike_coefficients(1.0, 3) == (1.0, 3.0)
+    with pytest.raises(ConfigError, match="delay"):
+        spike_coefficients(0.9, -1)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(lr=0.05, momentum=0.9),
+    dict(lr=0.05, momentum=0.9, weight_decay=1e-2),
+    dict(lr=0.05, momentum=0.9, dampening=0.2),
+])
+def test_sc_delay_zero_is_torch_momentum_bitwise(settings):
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, **settings),
+                       SGD(**settings, sc_delay=0))
+
+
+@pytest.mark.parametrize("settings", [dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.99,
+                                       weight_decay=1e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sc_delay_one_is_torch_nesterov_bitwise(settings, dtype):
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, nesterov=True, **settings),
+                       SGD(**settings, sc_delay=1), dtype=dtype)
+
+
+def test_unit_impulse_response_is_the_undelayed_one_shifted_by_d():
+    response = _impulse_response(SGD(lr=1.0, momentum=0.9, sc_delay=4), 400)
+    assert [round(r, 4) for r in response[:4]] == [4.0951, 4.6856, 5.2170, 5.6953]
+    assert response[-1] == pytest.approx(10.0, abs=1e-12)
+    plain = _impulse_response(SGD(lr=1.0, momentum=0.9), 60)
+    assert response[:56] == pytest.approx(plain[4:], rel=1e-13)
+
+
+def test_fractional_delay_interpolates():
+    response = _impulse_response(SGD(lr=1.0, momentum=0.9, sc_delay=2.5), 3)
+    assert response[0] == pytest.approx((1 - 0.9**3.5) / 0.1, rel=1e-14)
+    assert response[1] == pytest.approx((1 - 0.9**4.5) / 0.1, rel=1e-14)
+
+
+def test_sc_with_dampening_spikes_the_damped_response():
+    # the impulse comes at update 1: torch's first update sets the buffer to g without dampening
+    damped = _impulse_response(SGD(lr=1.0, momentum=0.9, dampening=0.5, sc_delay=3), 300, 1)
+    plain = _impulse_response(SGD(lr=1.0, momentum=0.9, dampening=0.5), 300, 1)
+    assert damped[0] == 0.0
+    assert damped[1:50] == pytest.approx(plain[4:53], rel=1e-13)
+    assert damped[-1] == pytest.approx(0.5 / 0.1, rel=1e-12)
+
+
+def test_sc_without_momentum_is_plain_sgd_and_refuses_nesterov():
+    assert _impulse_response(SGD(lr=1.0, sc_delay=5), 3) == [1.0, 1.0, 1.0]
+    with pytest.raises(ConfigError, match="replaces Nesterov"):
+        SGD(lr=0.1, momentum=0.9, nesterov=True, sc_delay=2)
+
+
+def test_prediction_formula_uses_the_lr_at_forward_time():
+    schedule = CosineLR(total=100)
+    optimizer = SGD(lr=0.2, momentum=0.9, lwp_horizon=6, lr_schedule=schedule)
+    w = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)}
+    for step, g in enumerate(([1.0, -1.0], [0.5, 0.25])):
+        w = optimizer.step(w, {"w": torch.tensor(g, dtype=torch.float64)}, step)
+    v = optimizer.velocity("w")
+    assert v.tolist() == pytest.approx([0.9 * 1.0 + 0.5, 0.9 * -1.0 + 0.25])
+    predicted = optimizer.predict(w, samples_seen=50)
+    lr = 0.2 * 0.5 * (1 + math.cos(math.pi * 0.5))
+    torch.testing.assert_close(predicted["w"], w["w"] - lr * 6 * v, rtol=0, atol=1e-14)
+    assert predicted["w"].requires_grad and predicted["w"].is_leaf
+    assert torch.equal(w["w"], optimizer.predict(w, 50, horizon=0)["w"])
+    other = optimizer.predict(w, samples_seen=0, horizon=2)
+    torch.testing.assert_close(other["w"], w["w"] - 0.2 * 2 * v, rtol=0, atol=1e-14)
+
+
+def test_zero_horizon_returns_the_same_tensors():
+    optimizer = SGD(lr=0.1, momentum=0.9)
+    w = {"a": torch.ones(2), "b": torch.zeros(3)}
+    optimizer.step(w, {"a": torch.ones(2), "b": None}, 0)
+    predicted = optimizer.predict(w, 10)
+    assert all(predicted[n] is w[n] for n in w)
+
+
+def test_prediction_before_the_first_update_is_the_identity():
+    w = {"a": torch.ones(2)}
+    assert SGD(lr=0.1, momentum=0.9, lwp_horizon=3).predict(w, 0)["a"] is w["a"]
+
+
+def test_prediction_without_momentum():
+    optimizer = SGD(lr=0.1, lwp_horizon=2)
+    w = optimizer.step({"a": torch.zeros(1, dtype=torch.float64)},
+                       {"a": torch.ones(1, dtype=torch.float64)}, 0)
+    assert optimizer.predict(w, 1)["a"].item() == pytest.approx(-0.1 - 0.2)
+    with pytest.raises(ConfigError, match="keeps no velocity"):
+        SGD(lr=0.1).predict(w, 1, horizon=2)
+
+
+def test_parse_compensation():
+    assert parse_compensation("none") == frozenset()
+    assert parse_compensation(None) == frozenset()
+    assert parse_compensation("sc+lwp") == {"sc", "lwp"}
+    assert parse_compensation("LWP") == {"lwp"}
+    assert parse_compensation({"sc"}) == {"sc"}
+    with pytest.raises(ConfigError, match="valid: none, sc, lwp, sc\\+lwp"):
+        parse_compensation("sc+nag")

@@ -1,0 +1,40 @@
+"""Checks of benchmarks/quadratic.py: the stability bounds against independent long runs."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "quadratic.py"
+_SPEC = importlib.util.spec_from_file_location("pipetrain_bench_quadratic", _PATH)
+quadratic = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(quadratic)
+
+
+def test_known_bounds():
+    # no delay: heavy-ball momentum is stable for h < 2(1+m); delay 1 without momentum: h < 1
+    assert quadratic.max_stable_h(0.9, 0, "none") == pytest.approx(3.8, rel=1e-6)
+    assert quadratic.max_stable_h(0.0, 1, "none") == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("method", quadratic.METHODS)
+def test_recurrence_is_what_pipetrain_sgd_does(method):
+    ours = quadratic.simulate_optimizer(0.03, 0.9, 4, method, 300)
+    recurrence = quadratic.simulate(0.03, 0.9, 4, method, 300)
+    assert [abs(w) for w in ours] == pytest.approx(recurrence, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("momentum, delay, method", [(0.9, 4, "none"), (0.9, 4, "sc+lwp"),
+                                                     (0.9, 16, "sc")])
+def test_bound_against_long_runs(momentum, delay, method):
+    h_max = quadratic.max_stable_h(momentum, delay, method)
+    assert not quadratic.grows(quadratic.simulate(0.97 * h_max, momentum, delay, method, 20000))
+    assert quadratic.grows(quadratic.simulate(1.03 * h_max, momentum, delay, method, 20000))
+
+
+def test_heavy_momentum_shape():
+    momentum, delay = 0.999177, 16
+    h = {m: quadratic.max_stable_h(momentum, delay, m) for m in quadratic.METHODS}
+    assert h["none"] == pytest.approx((1 - momentum) / delay, rel=0.05)
+    assert h["sc"] > 5 * h["none"] and h["lwp"] > 5 * h["none"]
+    assert h["sc+lwp"] > max(h["sc"], h["lwp"])

@@ -1,0 +1,220 @@
+"""Local worker processes and torchrun (pipetrain.runtime.launch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pipetrain.runtime.errors import LaunchError
+from pipetrain.runtime.launch import detect, init_distributed, launch, plan_cores
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+LIMIT = 60
+
+
+def _env_worker():
+    import torch
+
+    env = init_distributed("gloo", timeout=LIMIT)
+    return {
+        "env": env,
+        "threads": torch.get_num_threads(),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "world": torch.distributed.get_world_size(),
+    }
+
+
+def test_workers_get_ranks_threads_and_disjoint_cores():
+    result = launch(_env_worker, (), 2, threads_per_worker=1, timeout=LIMIT, quiet=True)
+    assert result.returncode == 0 and result.exitcodes == [0, 0]
+    envs = [r["env"] for r in result.results]
+    assert [e.rank for e in envs] == [0, 1] and [e.local_rank for e in envs] == [0, 1]
+    assert all(e.world_size == 2 and e.launcher == "pipetrain" for e in envs)
+    assert all(r["threads"] == 1 and r["world"] == 2 for r in result.results)
+    if len(os.sched_getaffinity(0)) >= 2:
+        cpus = [r["cpus"] for r in result.results]
+        assert len(cpus[0]) == 1 and len(cpus[1]) == 1 and cpus[0] != cpus[1]
+
+
+def test_plan_cores():
+    assert plan_cores(2, 2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
+    assert plan_cores(3, 1, [5, 3, 4]) == [[3], [4], [5]]
+    assert plan_cores(3, 2, [0, 1, 2, 3]) is None  # too few cores: no pinning
+
+
+def _fail_worker(how):
+    import torch.distributed  # noqa: F401  (same start-up cost as a real worker)
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        time.sleep(0.3)
+        if how == "raise":
+            raise ValueError("boom in rank 1")
+        if how == "user-error":
+            from pipetrain.errors import ConfigError
+
+            raise ConfigError("bad option in rank 1")
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # the others would run on: the launcher must stop them
+
+
+@pytest.mark.parametrize(
+    "how, code, text",
+    [
+        ("raise", 1, "ValueError: boom in rank 1"),
+        ("user-error", 2, "pipetrain worker rank 1: error: bad option in rank 1"),
+        ("kill", 128 + 9, "worker rank 1 was killed by SIGKILL"),
+    ],
+)
+def test_a_failing_worker_stops_the_others(how, code, text, capfd):
+    start = time.monotonic()
+    result = launch(_fail_worker, (how,), 3 if how == "kill" else 2, grace=1.0, timeout=LIMIT)
+    elapsed = time.monotonic() - start
+    assert result.returncode == code
+    assert result.exitcodes[1] != 0 and result.exitcodes[0] == -signal.SIGTERM
+    assert elapsed < 20, "the launcher must stop the other workers soon after a failure"
+    err = capfd.readouterr().err
+    assert text in err
+    assert "stopping the other workers" in err
+
+
+def _sleep_worker(pidfile):
+    with open(f"{pidfile}.{os.environ['RANK']}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def test_overall_timeout_terminates_everything(tmp_path):
+    result = launch(_sleep_worker, (str(tmp_path / "pid"),), 2, timeout=3.0, quiet=True)
+    assert result.returncode == 124
+    assert all(c is not None and c != 0 for c in result.exitcodes)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie awaiting its reaper counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_stops_every_worker_and_returns_130(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys, time, os
+            from pipetrain.runtime.launch import launch
+            def sleeper(pidfile):
+                with open(pidfile + "." + os.environ["RANK"], "w") as f:
+                    f.write(str(os.getpid()))
+                time.sleep(60)
+            if __name__ == "__main__":
+                sys.exit(launch(sleeper, ({str(tmp_path / "pid")!r},), 2, timeout={LIMIT}).returncode)
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        pidfiles = [tmp_path / f"pid.{r}" for r in range(2)]
+        while not all(p.exists() and p.read_text() for p in pidfiles):
+            assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in pidfiles]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted" in err
+    time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_detect_reads_the_environment():
+    assert detect({}) is None
+    env = detect({"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "29500",
+                  "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                  "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "2"})  # fmt: skip
+    assert env is not None
+    assert (env.rank, env.world_size, env.local_rank, env.node_rank) == (1, 4, 0, 1)
+    assert env.launcher == "torchrun" and env.restart == 2
+    with pytest.raises(LaunchError, match="MASTER_PORT missing"):
+        detect({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"})
+    with pytest.raises(LaunchError, match="outside"):
+        detect({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+
+
+def test_init_distributed_without_environment_says_how_to_launch(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(LaunchError, match="torchrun"):
+        init_distributed()
+
+
+TORCHRUN_WORKER = """
+import torch
+from pipetrain.runtime.launch import init_distributed
+from pipetrain.runtime.p2p import Messenger
+
+env = init_distributed("gloo", timeout=60)
+m = Messenger(timeout=60)
+if env.rank == 0:
+    m.send((torch.arange(6.0).reshape(2, 3), torch.tensor([env.rank])), 1, "act")
+    print("rank 0 got", m.recv(1, "grad").tolist(), env.launcher, flush=True)
+else:
+    x, r = m.recv(0, "act")
+    m.send(x.sum(0) * 2, 0, "grad")
+    print("rank 1 done", env.launcher, flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_meet_at_the_rendezvous(tmp_path):
+    """The multi-machine path on one machine: two torchrun agents, one worker each, c10d rendezvous."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(TORCHRUN_WORKER)
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=SRC)
+    procs = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pipetrain-test",
+            "--rdzv-conf", f"is_host={1 - node},join_timeout=60", "--max-restarts", "0", str(worker),
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
+    text = "\n".join(outs)
+    assert "rank 0 got [6.0, 10.0, 14.0] torchrun" in text
+    assert "rank 1 done torchrun" in text

@@ -1,0 +1,204 @@
+"""Point-to-point transfer between real gloo processes (pipetrain.runtime.p2p)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from pipetrain.runtime.launch import init_distributed, launch
+from pipetrain.runtime.p2p import ACTIVATIONS, GRADIENTS, LABELS, Messenger
+
+LIMIT = 60  # seconds: the launcher kills every worker after this, so no test can hang
+
+
+def run(fn, *args, nprocs=2, expect_ok=True):
+    result = launch(fn, args, nprocs, timeout=LIMIT, grace=2.0, quiet=True)
+    if expect_ok:
+        assert result.returncode == 0, result
+    return result
+
+
+def payloads():
+    """What rank 0 sends, in order: every dtype, odd shapes, tuples, shape changes, repeats."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        out.append(torch.randn(3, 5, generator=g).to(dtype))
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        out.append(torch.randint(-100 if dtype != torch.uint8 else 0, 100, (7,), generator=g).to(dtype))
+    out.append(torch.rand(4, 4, generator=g) > 0.5)
+    out.append(torch.randn(2, 3, generator=g, dtype=torch.complex64))
+    out.append(torch.randn(5, generator=g, dtype=torch.complex128).conj())  # conjugate view
+    out.append(torch.tensor(3.25))  # 0-dim
+    out.append(torch.empty(0, 4))  # empty
+    out.append(torch.randn(4, 6, generator=g).t())  # not contiguous
+    out.append(torch.randn(2, 3, 4, 5, generator=g, requires_grad=True))  # requires grad
+    out.append((torch.randn(32, 16, generator=g), torch.arange(32)))  # tuple
+    out.append((torch.randn(1, generator=g),))  # 1-tuple stays a tuple
+    out.append(())  # empty tuple
+    for rows in (32, 32, 32, 7, 7, 32, 1):  # same shape repeated, shrink, grow
+        out.append(torch.randn(rows, 8, generator=g))
+    out.append(torch.randn(128, 1024, generator=g))  # 512 KiB
+    out.append(torch.randn(2, 2, generator=g))  # and back to tiny
+    return out
+
+
+def _roundtrip_worker():
+    env = init_distributed("gloo", timeout=LIMIT)
+    m = Messenger(timeout=30)
+    sent = payloads()
+    if env.rank == 0:
+        handles = [m.isend(p, 1, ACTIVATIONS, tag=i, info=(i, -i, 2**40)) for i, p in enumerate(sent)]
+        m.send(torch.ones(3), 1, LABELS)
+        m.send(torch.full((2,), 9.0), 1, GRADIENTS)
+        for h in handles:
+            h.wait()
+        return None
+    # Receive labels and gradients first, posted before the activations they follow on the wire:
+    # channels of different kinds are independent.
+    grads = m.irecv(0, GRADIENTS)
+    labels = m.irecv(0, LABELS)
+    # Post several receives of one channel ahead of waiting (later ones are chained).
+    handles = [m.irecv(0, ACTIVATIONS, expect_tag=i, what=f"RECV_F {i}") for i in range(len(sent))]
+    got = []
+    for h in handles:
+        x = h.wait()
+        got.append((x, h.tag, h.info))
+    return got, labels.wait(), grads.wait()
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.detach().resolve_conj(), b)
+        )
+    return isinstance(b, tuple) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+def test_roundtrip_every_dtype_shape_and_tuple():
+    result = run(_roundtrip_worker)
+    got, labels, grads = result.results[1]
+    sent = payloads()
+    assert len(got) == len(sent)
+    for i, (p, (x, tag, info)) in enumerate(zip(sent, got)):
+        assert _same(p, x), (i, p, x)
+        assert tag == i and info == (i, -i, 2**40)
+    assert torch.equal(labels, torch.ones(3))
+    assert torch.equal(grads, torch.full((2,), 9.0))
+
+
+def _chain_worker(sizes):
+    """Three stages: activations 0 -> 1 -> 2, gradients 2 -> 1 -> 0, microbatches of changing size."""
+    env = init_distributed("gloo", timeout=LIMIT)
+    rank = env.rank
+    m = Messenger(timeout=30)
+    results = []
+    pending = []
+    for k, rows in enumerate(sizes):
+        if rank == 0:
+            pending.append(m.isend(torch.full((rows, 4), float(k)), 1, ACTIVATIONS, tag=k))
+        else:
+            x = m.irecv(rank - 1, ACTIVATIONS, expect_tag=k).wait()
+            if rank == 1:
+                pending.append(m.isend((x + 1, x.sum().reshape(1)), 2, ACTIVATIONS, tag=k))
+            else:
+                a, s = x
+                results.append((a.clone(), s.clone()))
+    for k, rows in enumerate(sizes):
+        if rank == 2:
+            pending.append(m.isend(torch.full((rows, 4), -float(k), dtype=torch.float64), 1, GRADIENTS, tag=k))
+        else:
+            g = m.irecv(rank + 1, GRADIENTS, expect_tag=k).wait()
+            if rank == 1:
+                pending.append(m.isend(g * 2, 0, GRADIENTS, tag=k))
+            else:
+                results.append(g.clone())
+    for h in pending:
+        h.wait()
+    return results
+
+
+def test_three_stage_chain_with_changing_microbatch_sizes():
+    sizes = [4, 4, 4, 3, 4, 1, 1]
+    result = run(_chain_worker, sizes, nprocs=3)
+    last, first = result.results[2], result.results[0]
+    for k, rows in enumerate(sizes):
+        a, s = last[k]
+        assert torch.equal(a, torch.full((rows, 4), k + 1.0))
+        assert torch.equal(s, torch.tensor([rows * 4.0 * k]))
+        assert torch.equal(first[k], torch.full((rows, 4), -2.0 * k, dtype=torch.float64))
+
+
+def _timeout_worker():
+    from pipetrain.errors import PipetrainError
+    from pipetrain.runtime.errors import PeerTimeoutError, ProtocolError
+
+    env = init_distributed("gloo", timeout=LIMIT)
+    m = Messenger(timeout=30)
+    if env.rank == 0:
+        m.send(torch.ones(2), 1, ACTIVATIONS, tag=5)
+        try:
+            m.send([torch.ones(1), 3], 1, ACTIVATIONS)
+        except PipetrainError as error:
+            bad_payload = str(error)
+        try:
+            m.send(torch.ones(2, dtype=torch.float8_e4m3fn), 1, ACTIVATIONS)
+        except PipetrainError as error:
+            bad_dtype = str(error)
+        time.sleep(3)  # never sends what rank 1 waits for next; outlives its timeout
+        return bad_payload, bad_dtype
+    try:
+        m.irecv(0, ACTIVATIONS, expect_tag=4, what="RECV_F of microbatch 4 from rank 0").wait()
+    except ProtocolError as error:
+        mismatch = str(error)
+    start = time.monotonic()
+    try:
+        m.irecv(0, ACTIVATIONS, what="RECV_F of microbatch 3 from rank 0").wait(timeout=1.0)
+    except PeerTimeoutError as error:
+        return mismatch, str(error), time.monotonic() - start
+    return mismatch, "no timeout", 0.0
+
+
+def test_timeout_names_the_action_and_mismatches_are_caught():
+    result = run(_timeout_worker)
+    bad_payload, bad_dtype = result.results[0]
+    assert "tensor or a tuple of tensors" in bad_payload and "int" in bad_payload
+    assert "float8_e4m3fn" in bad_dtype and "supported" in bad_dtype
+    mismatch, message, elapsed = result.results[1]
+    assert "expected tag 4" in mismatch and "sent tag 5" in mismatch
+    assert "RECV_F of microbatch 3 from rank 0" in message
+    assert "timed out after 1 s" in message and "rank 1" in message
+    assert 0.9 < elapsed < 5.0
+
+
+def _dead_peer_worker():
+    from pipetrain.runtime.errors import PeerLostError
+
+    env = init_distributed("gloo", timeout=LIMIT)
+    m = Messenger(timeout=30)
+    if env.rank == 0:
+        m.send(torch.ones(2), 1, ACTIVATIONS)
+        time.sleep(0.5)
+        os._exit(5)  # dies without a word
+    m.recv(0, ACTIVATIONS)
+    start = time.monotonic()
+    try:
+        m.recv(0, GRADIENTS, what="RECV_B of microbatch 0 from rank 0")
+    except PeerLostError as error:
+        return str(error), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_dead_peer_is_reported_quickly():
+    result = run(_dead_peer_worker, expect_ok=False)
+    assert result.exitcodes[0] == 5
+    message, elapsed = result.results[1]
+    assert "lost rank 0" in message and "RECV_B of microbatch 0 from rank 0" in message
+    assert "died or exited" in message
+    assert elapsed < 10.0  # far below the 30 s timeout

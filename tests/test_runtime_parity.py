@@ -1,0 +1,65 @@
+"""The distributed runtime ends with the emulator's parameters, bitwise, for every schedule.
+
+Workers are real processes talking over gloo. Comparisons are bitwise: both executors run the
+same stage arithmetic in the same order per rank and messages carry exact bytes; a SYNC of two
+replicas adds two tensors, which is commutative, so replicated layouts of two replicas are exact
+too (three or more replicas may round differently inside gloo's all-reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from pipetrain.runtime.launch import launch
+from pipetrain.runtime.train import worker
+from pipetrain.training import TrainConfig
+from pipetrain.training.train import train
+
+
+def run_all(configs):
+    """Worker entry: run several configurations in one process group (saves each model)."""
+    for config in configs:
+        worker(config)
+
+
+BASE = dict(model="mlp:depth=5,width=16", data="synthetic:features=8,classes=3,samples=96", batch_size=12,
+            steps=4, optimizer="sgd:lr=0.05,momentum=0.9", progress=False, timeout=60.0)
+
+CASES = {
+    2: [
+        ("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved", {"chunks": 2, "microbatches": 4}),
+        ("pipedream", {}), ("pipedream", {"policy": "vsync"}), ("2bw", {"microbatches": 3}),
+        ("pb", {"batch_size": 1, "steps": 24}), ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp"}),
+    ],
+    3: [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("pipedream", {}), ("2bw", {"microbatches": 3}),
+        ("pb", {"batch_size": 1, "steps": 20}), ("1f1b", {"replicas": [2, 1], "microbatches": 4}),
+        ("pipedream", {"replicas": [2, 1], "steps": 6})],
+}
+
+
+def configs_for(workers, tmp_path):
+    out = []
+    for index, (schedule, extra) in enumerate(CASES[workers]):
+        options = {**BASE, **extra}
+        stages = len(extra["replicas"]) if "replicas" in extra else workers
+        config = TrainConfig(schedule=schedule, stages=stages, executor="distributed", **options)
+        out.append(dataclasses.replace(config, save=str(tmp_path / f"w{workers}-{index}-distributed.pt")))
+    return out
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_distributed_equals_emulated(tmp_path, workers):
+    configs = configs_for(workers, tmp_path)
+    result = launch(run_all, (configs,), nprocs=workers, timeout=240, quiet=True)
+    assert result.returncode == 0, result.message
+    for config in configs:
+        emulated = dataclasses.replace(config, executor="emulate", save=config.save.replace("distributed", "emulated"))
+        train(emulated)
+        a, b = torch.load(config.save), torch.load(emulated.save)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (config.schedule, key)

@@ -1,0 +1,140 @@
+"""Status boards and fault reports (pipetrain.runtime.status), with real processes that hang or die."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from pipetrain.runtime.launch import EXIT_PEER_FAILURE, init_distributed, launch
+from pipetrain.runtime.p2p import ACTIVATIONS, GRADIENTS, Messenger
+from pipetrain.runtime.status import StatusBoard, format_status, read_status
+
+LIMIT = 60
+
+
+def _store_pair():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore(
+        "127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )  # fmt: skip
+    return server, client
+
+
+def test_board_publishes_recent_actions_and_waits(capfd):
+    server, client = _store_pair()
+    a = StatusBoard(client, 0, 3, keep=3, interval=0.05, prefix="t", address=("127.0.0.1", server.port))
+    b = StatusBoard(client, 1, 3, keep=3, interval=0.05, prefix="t", start=False)
+    try:
+        for action in ("F0", "F1", "F2", "B0", "F3"):
+            a.done(action)
+        a.waiting = "RECV_B of microbatch 1 from rank 1"
+        a.note = "step 4"
+        b.done("F0")
+        b.publish()
+        time.sleep(0.3)  # the background thread publishes a's record meanwhile
+        records = read_status(client, 3, prefix="t")
+        assert records is not None and set(records) == {0, 1}
+        assert records[0]["done"] == ["F2", "B0", "F3"]  # the last 3 only
+        assert records[0]["waiting"] == "RECV_B of microbatch 1 from rank 1"
+        assert records[0]["waiting_s"] > 0.1
+        text = a.report()
+        assert re.search(r"rank 0 \[step 4\]: waiting \d+\.\d s for RECV_B of microbatch 1 from rank 1; done: F2 B0 F3", text)
+        assert "rank 1: busy (not communicating); done: F0" in text
+        assert "rank 2: no status published" in text
+        # a record that stopped updating is flagged
+        old = dict(records[1], time=time.time() - 30)
+        assert "rank 1: silent for 30" in format_status({1: old}, 2)
+    finally:
+        a.close()
+    del server  # the store goes away with the process that hosted it
+    time.sleep(0.2)
+    start = time.monotonic()
+    text = a.report(timeout=2.0)
+    assert time.monotonic() - start < 3.0
+    assert "unavailable" in text
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def _pipeline_worker(fault, timeout):
+    """A three-stage pipeline that runs a few microbatches, then one rank hangs or dies."""
+    env = init_distributed("gloo", timeout=LIMIT)
+    rank = env.rank
+    board = StatusBoard.from_env(interval=0.1)
+    m = Messenger(timeout=timeout, status=board)
+    x = torch.ones(4, 8)
+    sends = []  # waited on at the end, so that no rank blocks in a send
+    for k in range(3):
+        if rank > 0:
+            x = m.recv(rank - 1, ACTIVATIONS, what=f"RECV_F of microbatch {k} from rank {rank - 1}")
+        board.done(f"F{k}")
+        if rank < 2:
+            sends.append(m.isend(x, rank + 1, ACTIVATIONS))
+    for k in range(3):
+        if rank == 1 and k == 1:
+            time.sleep(0.3)  # let the board publish what rank 1 did last
+            if fault == "hang":
+                time.sleep(60)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if rank < 2:
+            m.recv(rank + 1, GRADIENTS, what=f"RECV_B of microbatch {k} from rank {rank + 1}")
+        board.done(f"B{k}")
+        if rank > 0:
+            sends.append(m.isend(x, rank - 1, GRADIENTS))
+    # rank 2 runs ahead into the next step and waits for rank 1 there
+    if rank == 2:
+        m.recv(1, ACTIVATIONS, what="RECV_F of microbatch 3 from rank 1")
+    for h in sends:
+        h.wait()
+    board.close()
+
+
+def _worker_errors(err: str) -> dict[int, str]:
+    """Each worker's error block (its message and the status table below it)."""
+    blocks = re.split(r"(?=pipetrain worker rank \d: error:)", err)
+    out = {}
+    for block in blocks:
+        m = re.match(r"pipetrain worker rank (\d): error:", block)
+        if m:
+            out[int(m.group(1))] = block
+    return out
+
+
+def test_a_hanging_rank_is_reported_by_every_other_rank_within_the_timeout(capfd):
+    start = time.monotonic()
+    result = launch(_pipeline_worker, ("hang", 2.0), 3, grace=1.0, timeout=LIMIT)
+    elapsed = time.monotonic() - start
+    assert result.returncode == EXIT_PEER_FAILURE
+    assert result.exitcodes[0] == EXIT_PEER_FAILURE and result.exitcodes[2] == EXIT_PEER_FAILURE
+    assert result.exitcodes[1] == -signal.SIGTERM  # the hung rank, stopped by the launcher
+    assert elapsed < 30
+    errors = _worker_errors(capfd.readouterr().err)
+    assert set(errors) == {0, 2}
+    assert "rank 0 timed out after 2 s waiting for RECV_B of microbatch 1 from rank 1" in errors[0]
+    assert "rank 2 timed out after 2 s waiting for RECV_F of microbatch 3 from rank 1" in errors[2]
+    for text in errors.values():
+        # the hung rank is alive (it publishes) but busy, and the table shows what it did last
+        assert re.search(r"rank 1: busy \(not communicating\); done: F0 F1 F2 B0;", text), text
+        assert re.search(r"rank 0: waiting \d+\.\d s for RECV_B of microbatch 1 from rank 1; done: F0 F1 F2 B0", text), text
+
+
+def test_a_killed_rank_is_named_by_the_launcher_and_its_peers(capfd):
+    start = time.monotonic()
+    result = launch(_pipeline_worker, ("kill", 30.0), 3, grace=5.0, timeout=LIMIT)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 128 + signal.SIGKILL
+    assert result.exitcodes == [EXIT_PEER_FAILURE, -signal.SIGKILL, EXIT_PEER_FAILURE]
+    assert elapsed < 20  # far below the 30 s timeout: a dead peer is noticed at once
+    err = capfd.readouterr().err
+    assert "pipetrain launch: worker rank 1 was killed by SIGKILL" in err
+    errors = _worker_errors(err)
+    assert "rank 0 lost rank 1 while waiting for RECV_B of microbatch 1 from rank 1" in errors[0]
+    assert "rank 2 lost rank 1 while waiting for RECV_F of microbatch 3 from rank 1" in errors[2]
+    assert re.search(r"rank 1: .*done: F0 F1 F2 B0", errors[0])
