@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipetrain.plan.graph import build_cuts
     from pipetrain.plan.memory import parse_bytes
-    from pipetrain.plan.planner import compare_baselines, make_plan
+    from pipetrain.plan.planner import compare_baselines, make_plan, training_hints
     from pipetrain.plan.profile import load_profile
     from pipetrain.plan.topology import Topology
 
@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         microbatches=plan.microbatches)
     data = plan.to_json()
     data["profile"] = str(args.profile)
+    data.update(training_hints(plan, profile))
     data["baselines"] = [{"method": b.method, "predicted_time_per_minibatch":
                           b.predicted_time_per_minibatch, "replicas": b.replicas,
                           "peak_memory_bytes": max(s.memory_bytes or 0.0 for s in b.stages),

@@ -14,7 +14,7 @@ from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology
 
-__all__ = ["make_plan", "compare_baselines"]
+__all__ = ["make_plan", "compare_baselines", "training_hints"]
 
 
 def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "pipedream",
@@ -75,3 +75,20 @@ def compare_baselines(profile: Profile | Cuts, topology: Topology, *,
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
     return [baseline(method, cuts, topology, cost_model=cost_model, schedule=schedule,
                      microbatches=microbatches) for method in BASELINES]
+
+
+def training_hints(plan: Plan, profile: Profile) -> dict:
+    """``balance`` (units per stage) and ``split_at`` (first module of each later stage).
+
+    These are what ``pipetrain train --balance / --split-at`` take, when the profile came from
+    ``pipetrain profile`` of the same model (units are its top-level children or fx modules).
+    """
+    inputs = {layer.name for layer in profile.layers if layer.input}
+    modules = profile.meta.get("modules") or {}
+    balance = [sum(1 for name in stage.layers if name not in inputs) for stage in plan.stages]
+    split_at = []
+    for stage in plan.stages[1:]:
+        first = next((name for name in stage.layers if name not in inputs), None)
+        if first is not None:
+            split_at.append(modules.get(first, first))
+    return {"balance": balance, "split_at": split_at}

@@ -85,16 +85,18 @@ def _kind(module: nn.Module) -> str:
 
 class _Unit:
     def __init__(self, name: str, kind: str, run: Callable[..., Any], inputs: list[str],
-                 parameters: list[torch.Tensor], is_input: bool = False) -> None:
+                 parameters: list[torch.Tensor], is_input: bool = False,
+                 module: str | None = None) -> None:
         self.name, self.kind, self.run, self.inputs = name, kind, run, inputs
-        self.parameters, self.is_input = parameters, is_input
+        self.parameters, self.is_input, self.module = parameters, is_input, module
 
 
 def _sequential_units(model: nn.Sequential) -> tuple[list[_Unit], Callable[[dict], Any]]:
     units = [_Unit("input", "Input", lambda x: x, [], [], is_input=True)]
     previous = "input"
     for name, child in model.named_children():
-        units.append(_Unit(name, _kind(child), child, [previous], list(child.parameters())))
+        units.append(_Unit(name, _kind(child), child, [previous], list(child.parameters()),
+                           module=name))
         previous = name
     if len(units) == 1:
         raise ConfigError("the nn.Sequential to profile has no layers")
@@ -144,7 +146,7 @@ def _fx_units(model: nn.Module) -> tuple[list[_Unit], Callable[[dict], Any]]:
             kind = getattr(node.target, "__name__", str(node.target))
             params = []
         units.append(_Unit(node.name, kind, _node_runner(fn, node.args, node.kwargs), inputs,
-                           params))
+                           params, module=node.target if node.op == "call_module" else None))
     return units, output
 
 
@@ -235,7 +237,8 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
     batch = inputs[0].shape[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None
     info = {"model": type(model).__name__, "device": str(device), "iterations": iterations,
             "warmup": warmup, "optimizer_states": optimizer_states,
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "modules": {u.name: u.module for u in units if u.module is not None}}
     info.update(meta or {})
     return Profile(layers=layers, edges=edges, batch_size=batch, meta=info)
 
