@@ -341,3 +341,15 @@ def test_long_chain_uses_fast_kernel_and_matches_dense():
     plan = optimize(profile, topology)
     expected = naive_hierarchical(compute, params, acts, (3, 4), (1e10, 1e9))
     assert plan.predicted_time_per_minibatch == pytest.approx(expected, rel=1e-12)
+
+
+def test_three_levels_on_a_longer_chain_match_naive_recurrence():
+    rng = np.random.default_rng(3)
+    n = 26
+    compute = list(rng.uniform(0.001, 0.01, n))
+    params = list(rng.uniform(0, 8e7, n))
+    acts = list(rng.uniform(0, 2e7, n))
+    machines, bandwidths = (2, 2, 3), (1e10, 1e9, 1e8)
+    plan = optimize(chain(compute, params, acts), Topology(machines, bandwidths))
+    expected = naive_hierarchical(compute, params, acts, machines, bandwidths)
+    assert plan.predicted_time_per_minibatch == pytest.approx(expected, rel=1e-12)

@@ -208,14 +208,38 @@ class _Level:
         a = np.stack([self._prefix(table, machines, m, mode)[0] for m in choices])
         starts = np.zeros(len(choices), dtype=np.int64)
 
-        def cost(p, k, j):
-            return self.split(k, j, ms[p], machines, mode)
+        if mode == "time" and not self._limited():
+            seg, pseg = self._flat_matrices()
+            width = self.s.cuts.num_states
+            out, end = self.s.cuts.output, self._end
+
+            def cost(p, k, j):
+                index = k * width + j
+                m = ms[p]
+                value = _stage_time(self.s.model, seg[index], pseg[index], m, self.bandwidth)
+                return np.maximum(value, _transfer_out(self.s.model, out[j], m, self.bandwidth,
+                                                       end[j]))
+        else:
+            def cost(p, k, j):
+                return self.split(k, j, ms[p], machines, mode)
 
         if self.limit is None:
             cand = minmax_monotone(a, starts, cost)
         else:
             cand = minmax_hybrid(a, starts, cost, self.limit)
         return cand.min(axis=0, keepdims=True)
+
+    def _flat_matrices(self) -> tuple[np.ndarray, np.ndarray]:
+        """Base times (``inf`` where ``k -> j`` is no stage) and parameter bytes, flattened."""
+        if not hasattr(self, "_flat"):
+            cuts = self.s.cuts
+            states = np.arange(cuts.num_states)
+            valid = cuts.ancestors & (states[:, None] >= 1)
+            seg = np.where(valid, self.seg(states[:, None], states[None, :]), np.inf)
+            pseg = cuts.params[None, :] - cuts.params[:, None]
+            self._flat = (seg.ravel(), pseg.ravel())
+            self._end = states == cuts.num_states - 1
+        return self._flat
 
     def _dense(self, m, machines, mode, key=""):
         """The (cut, cut) matrix of last-stage costs with out terms, cached per replica count."""
@@ -302,18 +326,16 @@ class _Level:
             values.append(float(self.table[row, j, machines - 1]))
         ks = np.flatnonzero(cuts.ancestors[r] & cuts.ancestors[:, j])
         ks = ks[ks >= 1]
-        if ks.size:
-            for m in self.replica_choices(machines):
-                value = np.maximum(self.table[row, ks, machines - m], self.tin(ks, m))
-                value = np.maximum(value, self.split(ks, j, m, machines))
-                for k, v in zip(ks.tolist(), value.tolist()):
-                    options.append(("split", k, m))
-                    values.append(v)
-        # first minimum in the order single, fewer, then by cut k, then by replicas m
-        order = sorted(range(len(options)),
-                       key=lambda i: (options[i][0] == "split", options[i][1:]))
-        options = [options[i] for i in order]
-        values = [values[i] for i in order]
+        ms = np.array(list(self.replica_choices(machines)), dtype=np.int64)
+        if ks.size and ms.size:
+            # (k, m) grid in k-major order: first minimum = smallest cut, then fewest replicas
+            kk, mm = ks[:, None], ms[None, :]
+            grid = np.maximum(self.table[row, kk, machines - mm], self.tin(kk, mm))
+            grid = np.maximum(grid, self.split(kk, j, mm, machines))
+            flat = int(np.argmin(grid))
+            options.append(("split", int(ks[flat // ms.size]), int(ms[flat % ms.size])))
+            values.append(float(grid.ravel()[flat]))
+        # first minimum in the order single, fewer, split
         best = int(np.argmin(values)) if values else -1
         if best < 0 or not math.isfinite(values[best]):
             raise PipetrainError("internal: no finite decision while tracing the plan back")
