@@ -155,7 +155,7 @@ def build_cuts(profile: Profile) -> Cuts:
     def sums(values: np.ndarray) -> np.ndarray:
         if chain:
             return np.concatenate([[0.0], np.cumsum(values)])
-        return members.astype(np.float64) @ values
+        return np.where(members, values[None, :], 0.0).sum(axis=1)
 
     return Cuts(profile=profile, nodes=keep, members=members, compute=sums(compute),
                 params=sums(params), optimizer=sums(optim), activations=sums(acts),
@@ -163,8 +163,22 @@ def build_cuts(profile: Profile) -> Cuts:
                 layer_activations=acts, successors=succ, augment=extra)
 
 
+def _pack(masks: list[int], bits: int) -> np.ndarray:
+    """Python-int bit masks as rows of 64-bit words."""
+    words = max(1, (bits + 63) // 64)
+    raw = b"".join(m.to_bytes(words * 8, "little") for m in masks)
+    return np.frombuffer(raw, dtype="<u8").reshape(len(masks), words)
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    as_bytes = packed.astype("<u8").view(np.uint8).reshape(packed.shape[0], -1)
+    return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :bits].astype(bool)
+
+
 def _dag_states(n: int, pred_idx: list[list[int]], succ_idx: list[list[int]],
                 acts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """States, ancestor relation and cut bytes with bit masks (no BLAS: small products are slow
+    with threaded BLAS on a busy machine)."""
     down = [0] * n                      # node and all its ancestors, as bit masks
     for v in range(n):                  # indices are in topological order
         mask = 1 << v
@@ -172,64 +186,71 @@ def _dag_states(n: int, pred_idx: list[list[int]], succ_idx: list[list[int]],
             mask |= down[p]
         down[v] = mask
     succ_mask = [sum(1 << s for s in succ_idx[v]) for v in range(n)]
+    succ_down = [0] * n                 # successors of a node and of all its ancestors
+    for v in range(n):
+        mask = succ_mask[v]
+        for p in pred_idx[v]:
+            mask |= succ_down[p]
+        succ_down[v] = mask
     sources = [v for v in range(n) if not pred_idx[v]]
     start = down[sources[0]]
-    seen = {start: 0}
-    states = [start]
+    # each ideal with the successors of its layers: the frontier is their difference
+    seen = {start: succ_down[sources[0]]}
+    parents: dict[int, list[int]] = {start: []}
     queue = [start]
     limit = 200_000
-    while queue:
-        ideal = queue.pop(0)
-        frontier = 0
-        bits = ideal
-        while bits:
-            low = bits & -bits
-            frontier |= succ_mask[low.bit_length() - 1]
-            bits ^= low
-        frontier &= ~ideal
-        bits = frontier
+    head = 0
+    while head < len(queue):
+        ideal = queue[head]
+        head += 1
+        reach = seen[ideal]
+        bits = reach & ~ideal
         while bits:
             low = bits & -bits
             bits ^= low
-            nxt = ideal | down[low.bit_length() - 1]
+            v = low.bit_length() - 1
+            nxt = ideal | down[v]
             if nxt not in seen:
-                seen[nxt] = len(states)
-                states.append(nxt)
+                seen[nxt] = reach | succ_down[v]
+                parents[nxt] = []
                 queue.append(nxt)
-                if len(states) > limit:
+                if len(queue) > limit:
                     raise ConfigError(
                         f"the layer graph has more than {limit} cut points (too many parallel "
                         "branches); merge branches into single layers in the profile")
+            parents[nxt].append(ideal)
     full = (1 << n) - 1
     if full not in seen:
         raise ConfigError("some layers of the profile are not connected to the first layer; "
                           "a profile must describe one connected model")
-    states.sort(key=lambda mask: bin(mask).count("1"))
-    states = [0] + states
-    nbytes = (n + 7) // 8
-    raw = np.frombuffer(b"".join(m.to_bytes(nbytes, "little") for m in states), dtype=np.uint8)
-    members = np.unpackbits(raw.reshape(len(states), nbytes), axis=1,
-                            bitorder="little")[:, :n].astype(bool)
-    m32 = members.astype(np.float32)
-    outside = (1.0 - m32).T
-    not_subset = m32 @ outside          # layers of k not in j
-    ancestors = (not_subset == 0) & ~np.eye(len(states), dtype=bool)
+    states = [0] + sorted(queue, key=int.bit_count)
+    index = {mask: i for i, mask in enumerate(states)}
+    # a reachable ideal is a subset of another exactly when a path of single steps joins them
+    below = [0] * len(states)
+    for i, mask in enumerate(states[1:], start=1):
+        acc = 1                         # the empty cut precedes everything
+        for parent in parents[mask]:
+            p = index[parent]
+            acc |= below[p] | (1 << p)
+        below[i] = acc
+    ancestors = _unpack(_pack(below, len(states)), len(states)).T.copy()
+    members_packed = _pack(states, n)
+    members = _unpack(members_packed, n)
+    succ_packed = _pack(succ_mask, n)
+    # maximal layers of each ideal: no successor inside it
+    inside = (members_packed[:, None, :] & succ_packed[None, :, :]).any(axis=2)
+    maximal = members & ~inside
+    # extra[a, p]: p, an ancestor of a, feeds a layer that is neither a nor an ancestor of a, so
+    # it joins a's augmented antichain (PipeDream's definition)
+    closure_packed = _pack(down, n)
+    strict = _unpack(closure_packed, n) & ~np.eye(n, dtype=bool)
+    leaving = (succ_packed[:, None, :] & ~closure_packed[None, :, :]).any(axis=2)   # (p, a)
+    extra = strict & leaving.T
+    extra_packed = _pack([int(sum(1 << int(p) for p in np.flatnonzero(row))) for row in extra], n)
+    joined = np.where(maximal[:, :, None], extra_packed[None, :, :], np.uint64(0))
+    augmented = maximal | _unpack(np.bitwise_or.reduce(joined, axis=1), n)
+    output = np.where(augmented, acts[None, :], 0.0).sum(axis=1)
     succ = np.zeros((n, n), dtype=np.float32)
     for v in range(n):
         succ[v, succ_idx[v]] = 1.0
-    has_succ_inside = (m32 @ succ.T) > 0    # (state, v): some successor of v is in the ideal
-    maximal = members & ~has_succ_inside
-    extra = np.zeros((n, n), dtype=np.float32)  # extra[a, p]: p joins a's augmented antichain
-    for a in range(n):
-        anc = down[a] & ~(1 << a)
-        keep_in = anc | (1 << a)
-        bits = anc
-        while bits:
-            low = bits & -bits
-            bits ^= low
-            p = low.bit_length() - 1
-            if succ_mask[p] & ~keep_in:
-                extra[a, p] = 1.0
-    augmented = maximal | ((maximal.astype(np.float32) @ extra) > 0)
-    output = augmented.astype(np.float64) @ acts
-    return members, ancestors, output, succ, extra
+    return members, ancestors, output, succ, extra.astype(np.float32)

@@ -279,22 +279,26 @@ class _Level:
         best = np.full((len(self.rows), cuts.num_states), np.inf)
         sparse = len(self.rows) == 1
         if sparse and not hasattr(self, "_pairs"):
-            jj, kk = np.nonzero(cuts.ancestors[1:].T)     # all stages k -> j, grouped by j
+            anc = np.ascontiguousarray(cuts.ancestors[1:].T)
+            jj, kk = np.nonzero(anc)                      # all stages k -> j, grouped by j
             kk = kk + 1
             starts = np.flatnonzero(np.r_[True, jj[1:] != jj[:-1]])
-            self._pairs = (kk, jj, starts, jj[starts])
+            seg = self.seg(kk, jj)
+            pseg = cuts.params[jj] - cuts.params[kk]
+            self._pairs = (kk, jj, starts, jj[starts], seg, pseg)
         cacheable = mode == "time" and not self._limited()
         cache = self.__dict__.setdefault("_cache", {})
         for m in choices:
             a = self._prefix(table, machines, m, mode)
             if sparse:
-                kk, jj, starts, groups = self._pairs
+                kk, jj, starts, groups, seg, pseg = self._pairs
                 if cacheable and (m, "pairs") in cache:
                     stage = cache[(m, "pairs")]
+                elif cacheable:
+                    stage = cache[(m, "pairs")] = _stage_time(self.s.model, seg, pseg, m,
+                                                                self.bandwidth)
                 else:
                     stage = self.stage(kk, jj, m, machines, mode)
-                    if cacheable:
-                        cache[(m, "pairs")] = stage
                 values = np.maximum(a[0, kk], stage)
                 cand = np.full((1, cuts.num_states), np.inf)
                 cand[0, groups] = np.minimum.reduceat(values, starts)
