@@ -72,7 +72,8 @@ def test_schedule_auto_under_memory(capsys):
 @pytest.mark.parametrize("argv,match", [
     (["--workers", "8", "--topology", "4x4"], "topology 4x4 has 16 workers"),
     (["--workers", "4", "--memory", "1GB"], "smallest memory limit that fits is"),
-    (["--workers", "4", "--memory", "1GB", "--schedule", "auto"], "smallest limit that fits"),
+    (["--workers", "4", "--memory", "100MB", "--schedule", "auto"],
+     "smallest memory limit that fits"),
     (["--workers", "4", "--schedule", "wavy"], "unknown schedule"),
     (["--workers", "64", "--straight"], "straight pipeline over 64 workers"),
 ])

@@ -139,16 +139,35 @@ def format_table(plan, baselines, source: str) -> str:
                  f"({plan.data_parallel_time:.6f} s); solved in {plan.solve_seconds:.3f} s")
     candidates = plan.extra.get("schedule_candidates")
     if candidates:
-        lines.append("schedules tried: " + "; ".join(
-            f"{c['schedule']} {c['time_per_minibatch_with_bubble']:.6f} s"
-            if "error" not in c else f"{c['schedule']} does not fit" for c in candidates))
+        lines.append(f"schedule chosen by simulation: {plan.schedule} with {plan.microbatches} "
+                     f"microbatch(es), {plan.extra['simulated_time_per_minibatch']:.6f} s per "
+                     f"minibatch simulated (bubble "
+                     f"{plan.extra['simulated_bubble_fraction'] * 100:.1f} %)")
+        table = [("schedule", "m", "replicas", "simulated s", "peak memory", "fits")]
+        for c in candidates:
+            if "error" in c:
+                from pipetrain.plan.planner import smallest_fitting
+
+                need = smallest_fitting([c["error"]])
+                why = f"no (needs {need[1]})" if need else "no: " + c["error"].split(";")[0][:60]
+                table.append((c["schedule"], str(c["microbatches"]), "-", "-", "-", why))
+            else:
+                table.append((c["schedule"], str(c["microbatches"]),
+                              "-".join(map(str, c["replicas"])),
+                              f"{c['simulated_time_per_minibatch']:.6f}",
+                              format_bytes(c["peak_memory_bytes"]),
+                              "yes" if c["fits"] else "no"))
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     if baselines:
         lines.append("")
         lines.append("comparison, same cost model (baselines: straight pipelines, slowest "
                      "bandwidth)")
         table = [("method", "time/minibatch s", "vs this plan", "replicas")]
         for p in [plan] + list(baselines):
-            table.append((p.method, f"{p.predicted_time_per_minibatch:.6f}",
+            table.append((f"this plan ({p.method})" if p is plan else p.method,
+                          f"{p.predicted_time_per_minibatch:.6f}",
                           f"{p.predicted_time_per_minibatch / t:.2f}x",
                           "-".join(map(str, p.replicas))))
         table.append((f"data parallel ({plan.workers})", f"{plan.data_parallel_time:.6f}",

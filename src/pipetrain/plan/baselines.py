@@ -106,7 +106,9 @@ def evaluate_straight(cuts: Cuts, bounds: list[int], topology: Topology, method:
                             parameter_bytes=float(params[hi] - params[lo]),
                             optimizer_bytes=float(optim[hi] - optim[lo]),
                             activation_bytes=float(acts[hi] - acts[lo]),
-                            input_transfer_s=tin, replicas_per_level=(1,)))
+                            input_transfer_s=tin, replicas_per_level=(1,),
+                            input_bytes=float(crossing[s]) if s > 0 else 0.0,
+                            input_bandwidth=bandwidth if s > 0 else 0.0))
         worst_times.append(worst)
     predicted = max(worst_times)
     attach_inputs_and_memory(cuts, stages, schedule, microbatches)

@@ -509,19 +509,20 @@ def _describe(solver: _Solver, flat: list) -> list[Stage]:
             pseg = float(cuts.params[end] - cuts.params[start])
             t = float(_stage_time(model, t, pseg, m, bandwidth, within, single=kind == "single"))
             replicas *= m
-        tin = 0.0
+        tin = bandwidth_in = 0.0
         if a > 0:
             for index, (m, kind, start, end) in enumerate(path):
                 if kind == "split" and start == a:
-                    tin = float(_transfer_in(model, cuts.output[a], m,
-                                             topology.bandwidths[index]))
+                    bandwidth_in = topology.bandwidths[index]
+                    tin = float(_transfer_in(model, cuts.output[a], m, bandwidth_in))
                     break
         layers = cuts.stage_layers(a, b)
         stages.append(Stage(layers=layers, replicas=replicas, compute_s=compute, time_s=t,
                             parameter_bytes=float(cuts.params[b] - cuts.params[a]),
                             optimizer_bytes=float(cuts.optimizer[b] - cuts.optimizer[a]),
                             activation_bytes=float(cuts.activations[b] - cuts.activations[a]),
-                            input_transfer_s=tin,
+                            input_transfer_s=tin, input_bytes=float(cuts.output[a]),
+                            input_bandwidth=bandwidth_in,
                             replicas_per_level=tuple(m for m, *_ in path)))
     attach_inputs_and_memory(cuts, stages, solver.memory.schedule, solver.memory.microbatches)
     return stages

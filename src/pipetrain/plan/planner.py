@@ -5,67 +5,54 @@ from __future__ import annotations
 import re
 import time
 
-from pipetrain.errors import PipetrainError
 from pipetrain.plan.baselines import BASELINES, baseline
 from pipetrain.plan.graph import Cuts, build_cuts
-from pipetrain.plan.memory import SCHEDULES, check_schedule
+from pipetrain.plan.memory import check_schedule
 from pipetrain.plan.pipedream import optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology
 
-__all__ = ["make_plan", "compare_baselines", "training_hints"]
+__all__ = ["make_plan", "compare_baselines", "training_hints", "smallest_fitting"]
 
 
 def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "pipedream",
               cost_model: str = "pipedream-code", straight: bool = False,
               fewer_machines: bool = False, memory_limit: float | None = None,
               microbatches: int | None = None) -> Plan:
-    """PipeDream's optimizer for one schedule, or for each with ``schedule="auto"``.
+    """PipeDream's optimizer for one schedule, or a simulated search with ``schedule="auto"``.
 
-    ``auto`` keeps the schedule with the least time per minibatch (pipeline bubble included for
-    the schedules that flush) among those whose plan fits ``memory_limit``. ``microbatches``
-    defaults to the worker count for the schedules that use microbatches.
+    ``auto`` (:func:`pipetrain.plan.search.search`) tries every schedule and microbatch count
+    (only ``microbatches`` if given), scores each plan with the timeline simulator and keeps the
+    fastest that fits ``memory_limit``. Otherwise ``microbatches`` defaults to the worker count
+    for the schedules that use microbatches.
     """
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
-    names = list(SCHEDULES) if schedule == "auto" else [check_schedule(schedule)]
-    plans: list[Plan] = []
-    errors: list[tuple[str, PipetrainError]] = []
-    for name in names:
-        m = 1 if name == "pipedream" else (microbatches or topology.workers)
-        try:
-            plans.append(optimize(cuts, topology, cost_model=cost_model, straight=straight,
-                                  fewer_machines=fewer_machines, memory_limit=memory_limit,
-                                  schedule=name, microbatches=m))
-        except PipetrainError as error:
-            if schedule != "auto":
-                raise
-            errors.append((name, error))
-    if not plans:
-        smallest = _smallest(errors)
-        raise PipetrainError(
-            f"no schedule ({', '.join(names)}) fits a plan in the memory limit"
-            + (f"; the smallest limit that fits any of them is {smallest}" if smallest else "")
-            + ": raise --memory or add workers")
-    best = min(plans, key=lambda p: p.time_per_minibatch_with_bubble)
     if schedule == "auto":
-        best.extra["schedule_candidates"] = [
-            {"schedule": p.schedule, "time_per_minibatch_with_bubble":
-             p.time_per_minibatch_with_bubble, "replicas": p.replicas,
-             "peak_memory_bytes": max(s.memory_bytes or 0.0 for s in p.stages)} for p in plans
-        ] + [{"schedule": name, "error": str(error)} for name, error in errors]
-    best.solve_seconds = time.perf_counter() - started
-    return best
+        from pipetrain.plan.search import search
+
+        return search(cuts.profile, topology, memory_limit=memory_limit,
+                      microbatches=[microbatches] if microbatches else None,
+                      cost_model=cost_model, straight=straight, fewer_machines=fewer_machines,
+                      cuts=cuts)
+    name = check_schedule(schedule)
+    m = 1 if name == "pipedream" else (microbatches or topology.workers)
+    plan = optimize(cuts, topology, cost_model=cost_model, straight=straight,
+                    fewer_machines=fewer_machines, memory_limit=memory_limit, schedule=name,
+                    microbatches=m)
+    plan.solve_seconds = time.perf_counter() - started
+    return plan
 
 
-def _smallest(errors: list[tuple[str, PipetrainError]]) -> str | None:
+def smallest_fitting(messages: list[str]) -> tuple[float, str] | None:
+    """The smallest "smallest memory limit that fits" among error messages, with its text."""
     found = []
-    for name, error in errors:
-        match = re.search(r"smallest memory limit that fits is ([^(]+)\((\d+) bytes\)", str(error))
+    for text in messages:
+        match = re.search(r"smallest memory limit that fits is ([^(]+)\((\d+) bytes\)", text)
         if match:
-            found.append((int(match.group(2)), f"{match.group(1).strip()} with {name}"))
-    return min(found)[1] if found else None
+            found.append((float(match.group(2)), match.group(1).strip()))
+    return min(found) if found else None
 
 
 def compare_baselines(profile: Profile | Cuts, topology: Topology, *,

@@ -23,12 +23,14 @@ class Stage:
     input_transfer_s: float = 0.0  # receiving its input activations (and sending gradients back)
     memory_bytes: float | None = None
     replicas_per_level: tuple[int, ...] = ()
+    input_bytes: float = 0.0      # activation bytes crossing the cut into this stage, per minibatch
+    input_bandwidth: float = 0.0  # bandwidth of the topology level that cut crosses
 
     def to_json(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "replicas": self.replicas,
                 "replicas_per_level": list(self.replicas_per_level),
                 "compute_s": self.compute_s, "time_s": self.time_s,
-                "input_transfer_s": self.input_transfer_s,
+                "input_transfer_s": self.input_transfer_s, "input_bytes": self.input_bytes,
                 "parameter_bytes": self.parameter_bytes, "optimizer_bytes": self.optimizer_bytes,
                 "activation_bytes": self.activation_bytes, "memory_bytes": self.memory_bytes}
 
