@@ -226,29 +226,35 @@ def _dag_states(n: int, pred_idx: list[list[int]], succ_idx: list[list[int]],
     states = [0] + sorted(queue, key=int.bit_count)
     index = {mask: i for i, mask in enumerate(states)}
     # a reachable ideal is a subset of another exactly when a path of single steps joins them
-    below = [0] * len(states)
+    children: list[list[int]] = [[] for _ in states]
     for i, mask in enumerate(states[1:], start=1):
-        acc = 1                         # the empty cut precedes everything
         for parent in parents[mask]:
-            p = index[parent]
-            acc |= below[p] | (1 << p)
-        below[i] = acc
-    ancestors = _unpack(_pack(below, len(states)), len(states)).T.copy()
-    members_packed = _pack(states, n)
-    members = _unpack(members_packed, n)
-    succ_packed = _pack(succ_mask, n)
+            children[index[parent]].append(i)
+    above = [0] * len(states)
+    for i in range(len(states) - 1, 0, -1):
+        acc = 0
+        for c in children[i]:
+            acc |= above[c] | (1 << c)
+        above[i] = acc
+    above[0] = ((1 << len(states)) - 1) & ~1   # the empty cut precedes everything
+    ancestors = _unpack(_pack(above, len(states)), len(states))
+    members = _unpack(_pack(states, n), n)
     # maximal layers of each ideal: no successor inside it
-    inside = (members_packed[:, None, :] & succ_packed[None, :, :]).any(axis=2)
+    inside = np.zeros_like(members)
+    for v in range(n):
+        if succ_idx[v]:
+            inside[:, v] = members[:, succ_idx[v]].any(axis=1)
     maximal = members & ~inside
     # extra[a, p]: p, an ancestor of a, feeds a layer that is neither a nor an ancestor of a, so
     # it joins a's augmented antichain (PipeDream's definition)
     closure_packed = _pack(down, n)
+    succ_packed = _pack(succ_mask, n)
     strict = _unpack(closure_packed, n) & ~np.eye(n, dtype=bool)
     leaving = (succ_packed[:, None, :] & ~closure_packed[None, :, :]).any(axis=2)   # (p, a)
     extra = strict & leaving.T
-    extra_packed = _pack([int(sum(1 << int(p) for p in np.flatnonzero(row))) for row in extra], n)
-    joined = np.where(maximal[:, :, None], extra_packed[None, :, :], np.uint64(0))
-    augmented = maximal | _unpack(np.bitwise_or.reduce(joined, axis=1), n)
+    augmented = maximal.copy()
+    for a in np.flatnonzero(extra.any(axis=1)):
+        augmented |= maximal[:, a:a + 1] & extra[a][None, :]
     output = np.where(augmented, acts[None, :], 0.0).sum(axis=1)
     succ = np.zeros((n, n), dtype=np.float32)
     for v in range(n):
