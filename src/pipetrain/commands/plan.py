@@ -23,7 +23,8 @@ HELP = "partition a profiled model into stages and replicas (PipeDream's optimiz
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("profile", metavar="PROFILE",
-                        help="a pipetrain JSON profile (pipetrain profile) or a PipeDream graph.txt")
+                        help="a pipetrain JSON profile (pipetrain profile) or a PipeDream "
+                             "graph.txt")
     parser.add_argument("--workers", type=int, default=None,
                         help="number of workers (default: the product of --topology)")
     parser.add_argument("--topology", default=None, metavar="AxB[xC]",

@@ -2,7 +2,8 @@
 
 One line per node, then one tab-indented line per edge::
 
-    node4 -- Conv2d(3, 64, ...) -- forward_compute_time=4.2, backward_compute_time=7.1, activation_size=822083584.0, parameter_size=7168.0
+    node4 -- Conv2d(3, 64, ...) -- forward_compute_time=4.2, backward_compute_time=7.1, \
+        activation_size=822083584.0, parameter_size=7168.0      (one line in the file)
     \tnode1 -- node4
 
 Times are milliseconds per minibatch (converted to seconds here), sizes are bytes. An activation

@@ -2,7 +2,8 @@
 
 What a worker of stage ``s`` holds at its peak (DESIGN 3.2, 3.3), with ``w`` the stage's parameter
 bytes, ``o`` its optimizer-state bytes, ``a`` the activation bytes of all its layers for one
-minibatch, ``m`` microbatches per minibatch and ``d_s = ceil(workers from stage s to the end / r_s)``
+minibatch, ``m`` microbatches per minibatch and
+``d_s = ceil(workers from stage s to the end / r_s)``
 (for PipeDream ``d_s = W_s + 1``, ``W_s`` the warm-up depth; for a straight pipeline ``S - s``):
 
 ============  ===============  ======================================
@@ -27,8 +28,8 @@ import numpy as np
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["SCHEDULES", "in_flight", "weight_versions", "stage_memory", "parse_bytes",
-           "format_bytes"]
+__all__ = ["SCHEDULES", "check_schedule", "is_flush", "in_flight", "weight_versions",
+           "stage_memory", "parse_bytes", "format_bytes"]
 
 SCHEDULES = ("pipedream", "2bw", "1f1b", "zb-h1", "gpipe")
 _FLUSH = {"1f1b", "zb-h1", "gpipe"}

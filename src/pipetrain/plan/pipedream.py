@@ -384,7 +384,7 @@ class _Solver:
         return float(table[0, self.cuts.num_states - 1, level.n])
 
     def stages(self) -> list[tuple[int, int, list[tuple[int, str, int, int]]]]:
-        """Flattened stages: (start cut, end cut, [(replicas, kind, k, j) per level, inner first])."""
+        """Flattened stages: (start, end, [(replicas, kind, k, j) per level, inner first])."""
         top = len(self.levels) - 1
         return self._expand(top, 0, self.cuts.num_states - 1, self.levels[top].n)
 

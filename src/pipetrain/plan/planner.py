@@ -1,4 +1,4 @@
-"""The planner's front door: a plan for a profile, a schedule choice, and the baselines beside it."""
+"""The planner's front door: a plan for a profile, a schedule choice, the baselines beside it."""
 
 from __future__ import annotations
 

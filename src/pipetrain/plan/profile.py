@@ -74,7 +74,8 @@ class Profile:
         seen: set[str] = set()
         for name in names:
             if name in seen:
-                raise ConfigError(f"profile layer name {name!r} appears twice; names must be unique")
+                raise ConfigError(f"profile layer name {name!r} appears twice; names must be "
+                                  "unique")
             seen.add(name)
         if self.edges is not None:
             for a, b in self.edges:

@@ -16,7 +16,7 @@ class Stage:
     layers: list[str]
     replicas: int
     compute_s: float              # forward + backward of its layers on one worker, one minibatch
-    time_s: float                 # predicted time per minibatch, replication and all-reduce included
+    time_s: float                 # predicted time per minibatch, replicas and all-reduce included
     parameter_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     activation_bytes: float = 0.0
