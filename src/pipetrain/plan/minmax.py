@@ -91,7 +91,8 @@ def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
     log2 = _log2_table(n)
     step = max(1, (1 << 18) // (levels * n))  # keep the table in cache
     cols = np.arange(n)
-    for first in range(0, n_rows, step):
+
+    def block(first: int) -> None:
         a_blk = a[first:first + step]
         nb = a_blk.shape[0]
         table = np.empty((levels, nb, n))
@@ -105,7 +106,7 @@ def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
         r = starts[first:first + nb]
         ii, jj = np.nonzero(cols[None, :] >= r[:, None] + 2)
         if ii.size == 0:
-            continue
+            return
         pp = ii + first
         rr = r[ii]
         base_row = ii * n
@@ -143,6 +144,9 @@ def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
         v1 = np.where(left >= rr + 1, cost(pp, np.maximum(left, 1), jj), np.inf)
         v2 = np.where(lo <= last, range_min(np.minimum(lo, last), last, base_row), np.inf)
         out[pp, jj] = np.minimum(v1, v2)
+
+    for first in range(0, n_rows, step):
+        block(first)
     return out
 
 
