@@ -353,3 +353,18 @@ def test_three_levels_on_a_longer_chain_match_naive_recurrence():
     plan = optimize(chain(compute, params, acts), Topology(machines, bandwidths))
     expected = naive_hierarchical(compute, params, acts, machines, bandwidths)
     assert plan.predicted_time_per_minibatch == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("name,machines,bandwidths,time", [
+    ("gnmt", (2, 4), (10e9, 1e9), 0.017954),
+    ("gnmt", (4, 2), (10e9, 1e9), 0.017125),
+    ("resnet18", (2, 2, 2), (1e10, 1e9, 1e8), 0.087452524),
+    ("alexnet", (2, 2), (10e9, 1e9), 0.0391418784),
+    ("vgg16", (2, 8), (10e9, 1e9), 0.06256844184489795),
+    ("resnet50", (4, 4), (10e9, 1.25e9), 0.043208469199999995),
+])
+def test_hierarchical_dags_match_reference(name, machines, bandwidths, time):
+    """Values of the public optimizer (a Python 3 run of it, activation compression ratio 1)."""
+    plan = optimize(load(name), Topology(machines, bandwidths))
+    assert plan.predicted_time_per_minibatch == pytest.approx(time, rel=1e-9)
+    assert plan.workers_used == math.prod(machines)

@@ -128,15 +128,16 @@ def format_table(plan, baselines, source: str) -> str:
     for row in rows:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     t = plan.predicted_time_per_minibatch
+    ratio = (lambda a: f"{a / t:.3f}x") if t > 0 else (lambda a: "-")
     lines.append(f"predicted time per minibatch: {t:.9f} s (slowest stage, communication "
                  f"included); replicas {'-'.join(map(str, plan.replicas))}; NOAM {plan.noam}; "
                  f"workers used {plan.workers_used} of {plan.workers}")
     if plan.time_per_minibatch_with_bubble != t:
         lines.append(f"with the pipeline bubble of {plan.schedule}: "
                      f"{plan.time_per_minibatch_with_bubble:.9f} s per minibatch")
-    lines.append(f"speedup: {plan.single_worker_time / t:.3f}x vs 1 worker "
+    lines.append(f"speedup: {ratio(plan.single_worker_time)} vs 1 worker "
                  f"({plan.single_worker_time:.6f} s), "
-                 f"{plan.data_parallel_time / t:.3f}x vs {plan.workers}-way data parallelism "
+                 f"{ratio(plan.data_parallel_time)} vs {plan.workers}-way data parallelism "
                  f"({plan.data_parallel_time:.6f} s); solved in {plan.solve_seconds:.3f} s")
     candidates = plan.extra.get("schedule_candidates")
     if candidates:
@@ -169,10 +170,10 @@ def format_table(plan, baselines, source: str) -> str:
         for p in [plan] + list(baselines):
             table.append((f"this plan ({p.method})" if p is plan else p.method,
                           f"{p.predicted_time_per_minibatch:.6f}",
-                          f"{p.predicted_time_per_minibatch / t:.2f}x",
+                          ratio(p.predicted_time_per_minibatch),
                           "-".join(map(str, p.replicas))))
         table.append((f"data parallel ({plan.workers})", f"{plan.data_parallel_time:.6f}",
-                      f"{plan.data_parallel_time / t:.2f}x", str(plan.workers)))
+                      ratio(plan.data_parallel_time), str(plan.workers)))
         widths = [max(len(row[i]) for row in table) for i in range(4)]
         for row in table:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
