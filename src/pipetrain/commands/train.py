@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     train.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every K updates (and at the end)")
     run_group = parser.add_argument_group("execution")
-    run_group.add_argument("--executor", default="emulate", choices=["distributed", "emulate"])
+    run_group.add_argument("--executor", default="distributed", choices=["distributed", "emulate"],
+                           help="distributed (one process per stage replica, the default) or emulate (one process)")
     run_group.add_argument("--workers", type=int, help="worker processes (default: one per stage replica)")
     run_group.add_argument("--threads-per-worker", type=int, default=1)
     run_group.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking wait may take")
@@ -63,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", help="draw the measured timeline next to the simulated one (PNG)")
     out.add_argument("--checkpoint-dir")
     out.add_argument("--checkpoint-every", type=int, default=0)
-    out.add_argument("--resume", action="store_true")
+    out.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
+                     help="continue from the newest complete checkpoint in --checkpoint-dir, or from the named "
+                          "step directory (refused if it is incomplete or damaged)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -82,6 +82,7 @@ def train_emulated(run: Run) -> TrainResult:
         stage_idle=[seconds - b for b in busy],
         evaluations=evaluations,
         timeline=timeline,
+        extra={"units_per_update": run.layout.units_per_update},
     )
 
 

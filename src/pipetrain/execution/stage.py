@@ -19,6 +19,7 @@ value for that tensor.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -34,6 +35,14 @@ __all__ = ["StageExecutor", "Gradients", "as_tuple"]
 Gradients = tuple[Tensor | None, ...]
 _INCONSISTENT = frozenset({"latest", "predict"})
 _STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+@functools.lru_cache(maxsize=None)
+def warm_up_autograd() -> None:
+    """The first ``torch.autograd.grad`` with explicit output gradients imports sympy (about a
+    second); pay that once when a stage is built, not inside the first timed backward."""
+    x = torch.zeros(1, requires_grad=True)
+    torch.autograd.grad(x * 2, (x,), (torch.ones(1),))
 
 
 def as_tuple(value: Any) -> tuple:
@@ -60,6 +69,9 @@ class _InFlight:
     roots: tuple[Tensor, ...]  # outputs (or the scaled loss) to differentiate
     leaves: dict[str, Tensor]  # trainable parameters of the version the forward read
     samples: int
+    version: int = 0
+    target: Any = None
+    loss_scale: float = 1.0
     grad_outputs: tuple | None = None
     storage: dict[int, str] = field(default_factory=dict)
 
@@ -108,6 +120,7 @@ class StageExecutor:
         self.samples_seen = 0
         self.last_loss: Tensor | None = None
         self._backward_params: Mapping[str, Tensor] | None = None
+        warm_up_autograd()
 
     @property
     def is_last(self) -> bool:
@@ -145,17 +158,20 @@ class StageExecutor:
         )
         if self.stochastic:
             torch.manual_seed((self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch)
-        record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples)
-        if self.policy in _INCONSISTENT:
-            record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
-            with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
+        record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale)
+        try:
+            if self.policy in _INCONSISTENT:
+                record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
+                with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
+                    output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
+                    if self.is_last:
+                        loss = self.loss_fn(output, target)
+            else:
                 output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
                 if self.is_last:
                     loss = self.loss_fn(output, target)
-        else:
-            output = functional_call(self.module, {**leaves, **self.buffers}, inputs)
-            if self.is_last:
-                loss = self.loss_fn(output, target)
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise self._forward_error(error, inputs, target) from None
         if self.is_last:
             self.last_loss = loss.detach()
             scaled = loss * loss_scale if loss_scale != 1.0 else loss
@@ -166,6 +182,21 @@ class StageExecutor:
         record.roots = outputs
         self.in_flight[microbatch] = record
         return tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+
+    def _forward_error(self, error: Exception, inputs: tuple, target: Any) -> PipetrainError:
+        """A failing forward, explained in terms of stages and shapes."""
+        shapes = ", ".join(
+            f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}" if isinstance(x, Tensor) else type(x).__name__
+            for x in inputs
+        )
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
+        message = f"stage {self.stage} cannot run on its input ({shapes}) from {origin}: {text}"
+        if self.stage > 0:
+            message += f"; the output of stage {self.stage - 1} must match what stage {self.stage} takes"
+        if self.is_last and target is not None:
+            message += f" (targets: {tuple(target.shape)})"
+        return PipetrainError(message)
 
     @staticmethod
     def _pack(storage: dict[int, str]):
@@ -293,6 +324,60 @@ class StageExecutor:
         for version in release:
             self.versions.release(version)
         return self.versions.push(new)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: versions, optimizer, counters, accumulated
+        gradients, buffers, and the microbatches in flight (inputs and weights their forward read)."""
+        predicted = self.policy == "predict"
+        return {
+            "versions": {v: dict(p) for v, p in self.versions.state().items()},
+            "current": self.versions.current,
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "samples_seen": self.samples_seen,
+            "pending_samples": self.pending_samples,
+            "grads": None if self.grads is None else {n: g.clone() for n, g in self.grads.items()},
+            "buffers": {n: b.clone() for n, b in self.buffers.items()},
+            "in_flight": [
+                {
+                    "microbatch": k,
+                    "version": r.version,
+                    "samples": r.samples,
+                    "inputs": tuple(x.detach() if isinstance(x, Tensor) else x for x in r.inputs),
+                    "target": r.target,
+                    "loss_scale": r.loss_scale,
+                    "params": {n: t.detach() for n, t in r.leaves.items()} if predicted else None,
+                }
+                for k, r in self.in_flight.items()
+            ],
+        }
+
+    def restore(self, state: dict[str, Any]) -> list[tuple[int, tuple]]:
+        """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
+        ``[(microbatch, outputs)]`` in their original order (for the messages that crossed)."""
+        self.versions = VersionStore.from_state(state["versions"], state["current"])
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.samples_seen = state["samples_seen"]
+        self.pending_samples = state["pending_samples"]
+        self.grads = state["grads"]
+        self.in_flight.clear()
+        replayed = []
+        for record in state["in_flight"]:
+            params = None
+            if record["params"] is not None:
+                params = {**self.versions[record["version"]], **record["params"]}
+            out = self.forward(
+                record["microbatch"], record["version"], record["inputs"], target=record["target"],
+                samples=record["samples"], params=params,
+                loss_scale=record["loss_scale"],
+            )
+            replayed.append((record["microbatch"], out))
+        with torch.no_grad():
+            for name, buffer in self.buffers.items():
+                buffer.copy_(state["buffers"][name])  # replay must not count running statistics twice
+        return replayed
 
     # -- results ---------------------------------------------------------------------------------
 

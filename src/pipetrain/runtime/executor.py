@@ -25,6 +25,7 @@ from pipetrain.errors import PipetrainError
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.versions import version_release_points
+from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
 from pipetrain.runtime.p2p import Messenger, RecvHandle
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
@@ -82,6 +83,7 @@ class RankRunner:
         messenger: Messenger,
         groups: dict[int, Any],
         status: Any = None,
+        start: int = 0,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -101,15 +103,16 @@ class RankRunner:
         self._sends: deque = deque()
         self._posted: dict[tuple[int, str], RecvHandle] = {}
         self._queues: dict[tuple[int, str], deque] = {}
-        self._label_queues: dict[int, deque] = {}
-        self._plan_receives()
+        self.start = start
+        self._plan_receives(start)
 
     # -- receives posted ahead of need ----------------------------------------------------------
 
-    def _plan_receives(self) -> None:
-        """Queue every receive of the program per channel, in program order, and post the first."""
+    def _plan_receives(self, start: int) -> None:
+        """Queue every receive of the program from ``start`` on per channel, in program order, and
+        post the first of each channel."""
         schedule = self.schedule
-        for action in self.program:
+        for action in self.program[start:]:
             kind = action.kind
             if kind is _RECV_F or kind is _RECV_B:
                 peer = action.peer
@@ -151,8 +154,16 @@ class RankRunner:
 
     # -- the program ---------------------------------------------------------------------------
 
-    def run(self, on_loss: Callable[[int, float], None] | None = None, origin: float | None = None) -> dict[int, float]:
-        """Run the whole program; returns the losses of the units whose last stage ran here."""
+    def run(
+        self,
+        on_loss: Callable[[int, float], None] | None = None,
+        origin: float | None = None,
+        *,
+        at_positions: dict[int, Callable[[], None]] | None = None,
+    ) -> dict[int, float]:
+        """Run the program from the runner's start position; returns the losses of the units whose last
+        stage ran here. ``at_positions[p]()`` runs before the action at position ``p`` (or at the
+        end, for ``p == len(program)``): checkpoints are taken there."""
         schedule = self.schedule
         executors = self.executors
         layout = self.layout
@@ -164,7 +175,12 @@ class RankRunner:
         done = self.status.done if self.status is not None else None
         clock = time.perf_counter
         origin = clock() if origin is None else origin
-        for pc, action in enumerate(self.program):
+        hooks = at_positions or {}
+        program = self.program
+        for pc in range(self.start, len(program)):
+            if pc in hooks:
+                hooks[pc]()
+            action = program[pc]
             kind, stage, k, version, peer = action
             starts[pc] = clock() - origin
             try:
@@ -216,9 +232,51 @@ class RankRunner:
             if self._sends:
                 self._reap_sends()
             ends[pc] = clock() - origin
+        if len(program) in hooks:
+            hooks[len(program)]()
         while self._sends:
             self._sends.popleft().wait()
         return self.losses
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """This rank's state at its cut (see :mod:`pipetrain.runtime.cuts`). Sends still under way
+        are not waited for: a message that crosses the cut is received only after the receiver's
+        own cut, and a resumed run sends it again."""
+        return {
+            "stages": {stage: executor.snapshot() for stage, executor in self.executors.items()},
+            "losses": dict(self.losses),
+            "rng": capture_rng(),
+        }
+
+    def restore(self, state: dict[str, Any], cut) -> int:
+        """Load this rank's state at ``cut``, replay the forwards in flight and re-send what
+        crossed the cut; returns the program position to continue from."""
+        schedule, rank, program = self.schedule, self.rank, self.program
+        position = cut.positions[rank]
+        self.losses = dict(state["losses"])
+        restore_rng(state["rng"])
+        crossing = {(program[p].stage, program[p].microbatch): program[p] for p in cut.crossing_sends[rank]}
+        later_forwards = {(a.stage, a.microbatch) for a in program[position:] if a.kind is _F}
+        for stage in sorted(self.executors):
+            replayed = self.executors[stage].restore(state["stages"][stage])
+            for k, out in replayed:
+                if stage == self.last_stage:
+                    continue
+                if schedule.rank_of(stage + 1, k) == rank:
+                    if (stage + 1, k) in later_forwards:
+                        self._local[("F", stage + 1, k)] = out
+                elif (stage, k) in crossing:
+                    action = crossing[(stage, k)]
+                    peer = action.peer if action.peer is not None else schedule.rank_of(stage + 1, k)
+                    self._send(out, peer, "act" + str(stage + 1), k, action)
+                if stage == 0 and schedule.rank_of(self.last_stage, k) == rank and (self.last_stage, k) in later_forwards:
+                    self._local[("labels", k)] = self.data.unit(k)[1]
+        for k in cut.crossing_labels[rank]:
+            action = next(a for a in program if a.kind is _F and a.stage == 0 and a.microbatch == k)
+            self._send(self.data.unit(k)[1], schedule.rank_of(self.last_stage, k), "labels", k, action)
+        return position
 
     def _forward(self, action: Action, executor: StageExecutor, on_loss) -> None:
         kind, stage, k, version, _ = action

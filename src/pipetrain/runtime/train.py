@@ -81,18 +81,25 @@ def worker(config: TrainConfig) -> TrainResult | None:
     data = run.unit_data() if 0 in held else None
     status = StatusBoard.from_env()
     messenger = Messenger(timeout=config.timeout, status=status)
-    runner = RankRunner(schedule, rank, executors, data, run.layout, messenger, groups, status)
+    checkpoints = Checkpoints(run, rank, env.world_size)
+    resumed = checkpoints.resume_point()
+    runner = RankRunner(schedule, rank, executors, data, run.layout, messenger, groups, status,
+                        start=resumed.cut.positions[rank] if resumed else 0)
+    if resumed:
+        runner.restore(resumed.state, resumed.cut)
+    hooks = checkpoints.hooks(runner, after=resumed.step if resumed else 0)
+    _inject_fault(rank, hooks)
     progress = _progress(run, held, config)
-    dist.barrier()
+    _collective("the start barrier", dist.barrier)
     started = time.perf_counter()
     try:
-        runner.run(progress.on_loss if progress else None, origin=started)
+        runner.run(progress.on_loss if progress else None, origin=started, at_positions=hooks)
     finally:
         if progress:
             progress.close()
         status.close()
     seconds = time.perf_counter() - started
-    dist.barrier()
+    _collective("the final barrier", dist.barrier)
     elapsed = time.perf_counter() - started
     for stage in held:
         if schedule.replica_of(rank, stage) == 0:
@@ -107,10 +114,108 @@ def worker(config: TrainConfig) -> TrainResult | None:
         "states": states,
     }
     gathered: list[Any] = [None] * env.world_size if rank == 0 else None
-    dist.gather_object(payload, gathered, dst=0)
+    _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
     if rank != 0:
         return None
     return _assemble(run, gathered, elapsed)
+
+
+def _collective(what: str, call) -> Any:
+    """A collective call whose failure (a peer died) becomes one clear message."""
+    from pipetrain.runtime.errors import PeerLostError
+
+    try:
+        return call()
+    except RuntimeError as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PeerLostError(f"rank {_rank()}: {what} failed because a peer is gone or stuck ({first})") from None
+
+
+def _inject_fault(rank: int, hooks: dict) -> None:
+    """Testing aid: PIPETRAIN_FAULT_INJECT=RANK:POSITION kills that rank (SIGKILL) right before
+    the action at POSITION of its program, a real crash at a chosen point."""
+    spec = os.environ.get("PIPETRAIN_FAULT_INJECT")
+    if not spec:
+        return
+    target, _, position = spec.partition(":")
+    if int(target) == rank:
+        import signal
+
+        hooks[int(position)] = lambda: os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Resumed:
+    def __init__(self, step: int, cut, state) -> None:
+        self.step, self.cut, self.state = step, cut, state
+
+
+class Checkpoints:
+    """Where this rank checkpoints (its cut after every ``--checkpoint-every`` updates) and how a
+    run resumes from the newest complete checkpoint."""
+
+    def __init__(self, run, rank: int, world_size: int) -> None:
+        self.run, self.rank, self.world_size = run, rank, world_size
+        config = run.config
+        self.directory = config.checkpoint_dir
+        if config.checkpoint_every and not self.directory:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
+        if config.resume is True and not self.directory:
+            raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")
+        self.every = config.checkpoint_every
+        self.meta = {"config": config.fingerprint(), "workers": world_size, "schedule": run.schedule.name}
+
+    def _cut(self, step: int):
+        from pipetrain.runtime.cuts import cut
+
+        return cut(self.run.schedule, step * self.run.layout.units_per_update)
+
+    def resume_point(self) -> _Resumed | None:
+        if not self.run.config.resume:
+            return None
+        from pipetrain.runtime.checkpoint import check_compatible, resolve
+
+        named = self.run.config.resume
+        checkpoint = resolve(named if isinstance(named, str) else self.directory)
+        check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
+        state = checkpoint.load(f"rank-{self.rank}.pt", weights_only=False)
+        return _Resumed(checkpoint.step, self._cut(checkpoint.step), state)
+
+    def hooks(self, runner, after: int) -> dict[int, Any]:
+        hooks: dict[int, Any] = {}
+        if not self.every:
+            return hooks
+        updates = self.run.updates
+        for step in range(self.every, updates, self.every):
+            if step <= after:
+                continue
+            position = self._cut(step).positions[self.rank]
+            previous = hooks.get(position)
+            save = self._saver(runner, step)
+            hooks[position] = save if previous is None else _both(previous, save)
+        return hooks
+
+    def _saver(self, runner, step: int):
+        def save() -> None:
+            from pipetrain.runtime.checkpoint import prune, save_distributed
+            from pipetrain.runtime.status import env_store
+
+            save_distributed(
+                self.directory, step, {f"rank-{self.rank}.pt": runner.snapshot()}, self.meta,
+                rank=self.rank, world_size=self.world_size, store=env_store(self.run.config.timeout),
+                timeout=self.run.config.timeout,
+            )
+            if self.rank == 0:
+                prune(self.directory, keep=2)
+
+        return save
+
+
+def _both(first, second):
+    def call() -> None:
+        first()
+        second()
+
+    return call
 
 
 def _progress(run, held, config):
@@ -190,6 +295,7 @@ def _assemble(run, gathered: list[dict], elapsed: float) -> TrainResult:
         stage_idle=[seconds - b for b in busy],
         evaluations=evaluations,
         timeline=timeline,
+        extra={"units_per_update": run.layout.units_per_update},
     )
     write_outputs(run.config, result, run.model.state_dict())
     return result

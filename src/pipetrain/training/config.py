@@ -43,7 +43,7 @@ class TrainConfig:
     plot: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    resume: bool = False
+    resume: bool | str = False
     progress: bool = True
     extra: dict[str, str] = field(default_factory=dict)
 

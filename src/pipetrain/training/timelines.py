@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from statistics import median
 
 from pipetrain.schedule.costs import Costs
@@ -37,15 +38,43 @@ def simulated_counterpart(measured: Timeline) -> Timeline:
     return simulate(measured.schedule, measured_costs(measured))
 
 
-def plot_measured_and_simulated(measured: Timeline, path: str, title: str) -> None:
-    """One picture: the measured timeline above the simulated one, on a shared time axis (s)."""
+def crop(timeline: Timeline, first: int, stop: int) -> Timeline:
+    """The part of ``timeline`` that works on units ``first .. stop-1`` (and the updates between
+    them), shifted to start at time 0."""
+    schedule = timeline.schedule
+    spans = []
+    for rank in range(schedule.num_ranks):
+        mine = [(a, s, e) for a, s, e in timeline.spans(rank) if a.microbatch is not None and first <= a.microbatch < stop]
+        spans.append(mine)
+    begin = min((s for rank in spans for _, s, _ in rank), default=0.0)
+    end = max((e for rank in spans for _, _, e in rank), default=0.0)
+    programs, starts, ends = [], [], []
+    for rank in range(schedule.num_ranks):
+        kept = [(a, s, e) for a, s, e in timeline.spans(rank)
+                if s >= begin and e <= end and (a.microbatch is None or first <= a.microbatch < stop)]
+        programs.append([a for a, _, _ in kept])
+        starts.append([s - begin for _, s, _ in kept])
+        ends.append([e - begin for _, _, e in kept])
+    return Timeline(replace(schedule, programs=programs), starts, ends)
+
+
+def plot_measured_and_simulated(measured: Timeline, path: str, title: str, units_per_update: int = 1,
+                                updates_shown: int = 6) -> None:
+    """One picture: a window of the measured timeline above the same window simulated with the
+    measured median action times (a whole run has too many actions to read)."""
     from pipetrain.schedule.plot import plot_comparison
 
     simulated = simulated_counterpart(measured)
+    total = measured.schedule.total_microbatches
+    shown = min(total, updates_shown * units_per_update)
+    first = max(0, (total - shown) // 2 // units_per_update * units_per_update)
+    window = (crop(measured, first, first + shown), crop(simulated, first, first + shown))
+    label = f"units {first}..{first + shown - 1} of {total}"
     plot_comparison(
-        [measured, simulated],
-        [f"{title}: measured (makespan {measured.makespan:.3g} s)",
-         f"simulated with the measured median action times (makespan {simulated.makespan:.3g} s)"],
+        list(window),
+        [f"{title}, {label}: measured ({window[0].makespan * 1e3:.3g} ms; whole run {measured.makespan:.3g} s)",
+         f"simulated with the measured median action times ({window[1].makespan * 1e3:.3g} ms; "
+         f"whole run {simulated.makespan:.3g} s)"],
         path,
         time_unit="seconds",
     )

@@ -11,6 +11,10 @@ __all__ = ["train", "write_outputs"]
 def train(config: TrainConfig) -> TrainResult | None:
     """Run training; returns the result (``None`` on distributed ranks other than 0)."""
     if config.executor == "emulate":
+        if config.checkpoint_dir or config.resume or config.checkpoint_every:
+            from pipetrain.errors import ConfigError
+
+            raise ConfigError("checkpoints are written by the distributed runtime: use --executor distributed")
         from pipetrain.emulate.train import train_emulated
         from pipetrain.training.setup import prepare
 
@@ -40,4 +44,5 @@ def write_outputs(config: TrainConfig, result: TrainResult, state_dict) -> None:
     if config.plot and result.timeline is not None:
         from pipetrain.training.timelines import plot_measured_and_simulated
 
-        plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})")
+        plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})",
+                                    units_per_update=result.extra.get("units_per_update", 1))

@@ -1,0 +1,104 @@
+"""Consistent cuts of a schedule: where each rank stops to checkpoint after the first c units.
+
+Rank r's cut for unit count c lies right after the action that finishes the backward (B, or W
+when split) of its last microbatch below c, together with the SYNC and STEP that immediately
+follow. Asynchronous schedules never flush, so at a cut some microbatches are still in flight
+(forward done, backward not) and some messages have been sent but not yet received. A cut is
+*consistent* when nothing a rank receives before its cut was sent after the sender's cut; then
+resuming is exact if every rank replays the forwards of its in-flight microbatches from their
+saved inputs and re-sends the messages that crossed the cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipetrain.errors import ConfigError
+from pipetrain.schedule.ir import Kind, Schedule
+
+__all__ = ["Cut", "cut"]
+
+
+@dataclass
+class Cut:
+    """Per rank: the program position to resume at, and what crossed the cut."""
+
+    units: int
+    positions: list[int]
+    #: per rank, positions of its SEND actions (before its cut) whose receive is after the peer's cut
+    crossing_sends: list[list[int]] = field(default_factory=list)
+    #: per rank, microbatches whose labels this rank sent before its cut and the last stage reads after
+    crossing_labels: list[list[int]] = field(default_factory=list)
+
+
+def _position(schedule: Schedule, rank: int, units: int) -> int:
+    program = schedule.programs[rank]
+    last = -1
+    for position, action in enumerate(program):
+        kind = action.kind
+        if action.microbatch is not None and action.microbatch < units and kind in (Kind.B, Kind.W):
+            last = position
+    position = last + 1
+    while position < len(program) and program[position].kind in (Kind.SEND_B, Kind.SYNC, Kind.STEP):
+        position += 1
+    return position
+
+
+def cut(schedule: Schedule, units: int) -> Cut:
+    """The cut after ``units`` units, or a ConfigError if it is not consistent or leaves a split
+    backward half done."""
+    positions = [_position(schedule, rank, units) for rank in range(schedule.num_ranks)]
+    receive_at: dict[tuple, int] = {}  # (direction, receiving stage, microbatch) -> position
+    forward_at: dict[tuple[int, int], tuple[int, int]] = {}  # (stage, microbatch) -> (rank, position)
+    for rank, program in enumerate(schedule.programs):
+        for position, action in enumerate(program):
+            if action.kind is Kind.RECV_F:
+                receive_at[("F", action.stage, action.microbatch)] = position
+            elif action.kind is Kind.RECV_B:
+                receive_at[("B", action.stage, action.microbatch)] = position
+            elif action.kind is Kind.F:
+                forward_at[(action.stage, action.microbatch)] = (rank, position)
+    crossing_sends: list[list[int]] = [[] for _ in schedule.programs]
+    crossing_labels: list[list[int]] = [[] for _ in schedule.programs]
+    last_stage = schedule.num_stages - 1
+    for rank, program in enumerate(schedule.programs):
+        inputs_done: set[tuple[int, int]] = set()
+        for position, action in enumerate(program):
+            kind, stage, k = action.kind, action.stage, action.microbatch
+            before = position < positions[rank]
+            if kind is Kind.I and before:
+                inputs_done.add((stage, k))
+            elif kind is Kind.W and before:
+                inputs_done.discard((stage, k))
+            elif kind in (Kind.SEND_F, Kind.SEND_B):
+                target = stage + 1 if kind is Kind.SEND_F else stage - 1
+                peer = action.peer if action.peer is not None else schedule.rank_of(target, k)
+                received = receive_at[("F" if kind is Kind.SEND_F else "B", target, k)]
+                if before and received >= positions[peer]:
+                    if kind is Kind.SEND_B:
+                        raise ConfigError(
+                            f"cannot checkpoint after {units} units: the gradient of microbatch {k} sent by rank {rank} "
+                            f"would still be in flight; choose another --checkpoint-every"
+                        )
+                    crossing_sends[rank].append(position)
+                elif not before and received < positions[peer]:
+                    raise ConfigError(
+                        f"cannot checkpoint after {units} units: rank {peer} receives {kind.value} of microbatch {k} "
+                        f"before its cut, but rank {rank} sends it after its own; choose another --checkpoint-every"
+                    )
+            elif kind is Kind.F and stage == 0 and last_stage > 0:
+                reader, read_at = forward_at[(last_stage, k)]
+                if reader != rank:
+                    if before and read_at >= positions[reader]:
+                        crossing_labels[rank].append(k)
+                    elif not before and read_at < positions[reader]:
+                        raise ConfigError(
+                            f"cannot checkpoint after {units} units: the labels of microbatch {k} are needed before "
+                            "the cut of the last stage but sent after the first stage's; choose another --checkpoint-every"
+                        )
+        if inputs_done:
+            raise ConfigError(
+                f"cannot checkpoint after {units} units: rank {rank} has run the I but not the W of "
+                f"{sorted(inputs_done)}; choose a --checkpoint-every that ends on a step"
+            )
+    return Cut(units, positions, crossing_sends, crossing_labels)

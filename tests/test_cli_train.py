@@ -1,0 +1,96 @@
+"""`pipetrain train`: reports and outputs, and one clear message (exit 2) for each bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pipetrain.cli import main
+
+SMALL = ["--model", "mlp:depth=3,width=16", "--data", "synthetic:features=8,classes=3,samples=64",
+         "--batch-size", "8", "--no-progress"]
+
+
+def run(capsys, *argv):
+    code = main(["train", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_emulated_training_writes_every_output(capsys, tmp_path):
+    paths = {name: tmp_path / name for name in ("model.pt", "report.json", "trace.json", "plot.png")}
+    code, out, err = run(capsys, "--executor", "emulate", *SMALL, "--schedule", "1f1b", "--stages", "2",
+                         "--steps", "6", "--eval-every", "3", "--save", str(paths["model.pt"]),
+                         "--report-json", str(paths["report.json"]), "--trace", str(paths["trace.json"]),
+                         "--plot", str(paths["plot.png"]))
+    assert code == 0, err
+    assert "test accuracy" in out
+    report = json.loads(paths["report.json"].read_text())
+    for key in ("samples_per_s", "final_loss", "steps", "schedule", "stages", "workers",
+                "stage_busy_seconds", "stage_idle_seconds"):
+        assert key in report
+    assert report["steps"] == 6 and report["schedule"] == "1f1b" and report["stages"] == 2
+    assert [e["step"] for e in report["evaluations"]] == [3, 6]
+    state = torch.load(paths["model.pt"])
+    assert "0.0.weight" in state
+    assert paths["plot.png"].stat().st_size > 10_000
+    events = json.loads(paths["trace.json"].read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}  # measured and simulated
+
+
+BAD_MODULE = textwrap.dedent('''
+    import torch.nn as nn
+
+    def with_batchnorm(in_features, num_classes):
+        return nn.Sequential(nn.Linear(in_features, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, num_classes))
+
+    def mismatched(in_features, num_classes):
+        return [nn.Sequential(nn.Linear(in_features, 32), nn.ReLU()), nn.Linear(16, num_classes)]
+''')
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--schedule", "pb", "--model", "badnets:with_batchnorm", "--stages", "2", "--batch-size", "1"],
+         "BatchNorm"),
+        (["--model", "mlp:depth=1", "--stages", "5"], "stages"),
+        (["--model", "mlp:depth=3", "--balance", "1,1"], "balance"),
+        (["--optimizer", "sgd:lr=0.1,momentun=0.9", "--stages", "2"], "momentum"),
+        (["--optimizer", "rmsprop:lr=0.1", "--stages", "2"], "sgd"),
+        (["--model", "nosuch.nets:make", "--stages", "2"], "cannot import module 'nosuch.nets'"),
+        (["--model", "badnets:mismatched", "--stages", "2"], "stage 1 cannot run on its input ((2, 32) float32) from stage 0"),
+        (["--stages", "2", "--workers", "3"], "--workers 3 does not match"),
+        (["--schedule", "zb-h2", "--stages", "2"], "unknown schedule"),
+        (["--stages", "2", "--checkpoint-every", "2"], "checkpoints are written by the distributed runtime"),
+    ],
+)
+def test_bad_input_gets_one_clear_message(capsys, tmp_path, monkeypatch, argv, message):
+    (tmp_path / "badnets.py").write_text(BAD_MODULE)
+    monkeypatch.chdir(tmp_path)
+    options = ["--data", "synthetic:features=8,classes=3,samples=64", "--batch-size", "8", "--steps", "2",
+               "--no-progress", "--executor", "emulate"]
+    code, out, err = run(capsys, *options, *argv)
+    assert code == 2
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_distributed_shape_mismatch_names_the_stages(tmp_path):
+    (tmp_path / "badnets.py").write_text(BAD_MODULE)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipetrain.cli", "train", "--model", "badnets:mismatched", "--stages", "2",
+         "--data", "synthetic:features=8,classes=3,samples=64", "--batch-size", "8", "--steps", "2",
+         "--no-progress", "--timeout", "20"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path])),
+    )
+    assert result.returncode != 0
+    assert "stage 1 cannot run on its input ((2, 32) float32) from stage 0" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,82 @@
+"""Failures of the distributed runtime: a dead worker, stop and resume, damaged checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pipetrain.runtime.cuts import cut
+from pipetrain.training import TrainConfig, prepare
+
+BASE = ["--executor", "distributed", "--model", "mlp:depth=5,width=16",
+        "--data", "synthetic:features=8,classes=3,samples=96", "--batch-size", "12", "--no-progress"]
+
+
+def pipetrain(*argv, env=None, timeout=180):
+    environment = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "pipetrain.cli", "train", *BASE, *argv], capture_output=True,
+                          text=True, timeout=timeout, env=environment)
+
+
+def position_after(schedule_args, steps, rank, extra=3):
+    """A program position of ``rank`` a little after its cut at ``steps`` updates."""
+    config = TrainConfig(model="mlp:depth=5,width=16", data="synthetic:features=8,classes=3,samples=96",
+                         batch_size=12, **schedule_args)
+    run = prepare(config)
+    return cut(run.schedule, steps * run.layout.units_per_update).positions[rank] + extra
+
+
+def test_a_killed_worker_stops_the_run_with_a_clear_message():
+    position = position_after(dict(schedule="pipedream", stages=3, steps=40), 5, rank=1)
+    started = time.monotonic()
+    result = pipetrain("--schedule", "pipedream", "--stages", "3", "--steps", "40", "--timeout", "20",
+                       env={"PIPETRAIN_FAULT_INJECT": f"1:{position}"})
+    assert time.monotonic() - started < 60
+    assert result.returncode != 0
+    assert "worker rank 1 was killed by SIGKILL" in result.stderr
+    assert "status of every rank" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("schedule, extra", [("pipedream", []), ("1f1b", ["--microbatches", "3"])])
+def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, schedule, extra):
+    common = ["--schedule", schedule, "--stages", "3", "--steps", "12", "--checkpoint-every", "4", *extra]
+    full = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "a"), "--save", str(tmp_path / "full.pt"))
+    assert full.returncode == 0, full.stderr
+    args = dict(schedule=schedule, stages=3, steps=12, microbatches=3 if extra else None)
+    position = position_after(args, 8, rank=2)
+    killed = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "b"), "--timeout", "20",
+                       env={"PIPETRAIN_FAULT_INJECT": f"2:{position}"})
+    assert killed.returncode != 0
+    assert (tmp_path / "b" / "step-000008" / "manifest.json").exists()
+    resumed = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "b"), "--resume", "--save",
+                        str(tmp_path / "resumed.pt"))
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
+    directory = tmp_path / "ck"
+    run = pipetrain("--schedule", "1f1b", "--stages", "2", "--steps", "6", "--checkpoint-every", "2",
+                    "--checkpoint-dir", str(directory))
+    assert run.returncode == 0, run.stderr
+    newest = directory / "step-000004"
+    shard = newest / "rank-1.pt"
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    named = pipetrain("--schedule", "1f1b", "--stages", "2", "--steps", "6", "--checkpoint-dir", str(directory),
+                      "--resume", str(newest))
+    assert named.returncode == 2
+    assert "damaged" in named.stderr and "rank-1.pt" in named.stderr and "Traceback" not in named.stderr
+    other = pipetrain("--schedule", "gpipe", "--stages", "2", "--steps", "6", "--checkpoint-dir", str(directory),
+                      "--resume")
+    assert other.returncode == 2
+    assert "different run" in other.stderr and "'1f1b'" in other.stderr and "'gpipe'" in other.stderr
