@@ -1,0 +1,180 @@
+"""`pipetrain plan PROFILE`: partition a profiled model over workers (PipeDream's optimizer).
+
+Examples::
+
+    pipetrain plan vgg16.txt --workers 16
+    pipetrain plan vgg16.txt --workers 16 --topology 4x4 --bandwidth 10e9,1.25e9 --json
+    pipetrain plan profile.json --workers 8 --memory 16GB --schedule auto --plot plan.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "HELP"]
+
+HELP = "partition a profiled model into stages and replicas (PipeDream's optimizer)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("profile", metavar="PROFILE",
+                        help="a pipetrain JSON profile (pipetrain profile) or a PipeDream "
+                             "graph.txt")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="number of workers (default: the product of --topology)")
+    parser.add_argument("--topology", default=None, metavar="AxB[xC]",
+                        help="components per level, innermost first: 4x4 = 4 servers of 4 "
+                             "workers; the product must equal --workers")
+    parser.add_argument("--bandwidth", default=None, metavar="B1[,B2,...]",
+                        help="bytes/s per level, innermost first (default 1e9); one value "
+                             "without --topology is one flat level")
+    parser.add_argument("--memory", default=None, metavar="BYTES",
+                        help="memory per worker, e.g. 16GB or 12GiB (weight versions, optimizer "
+                             "state and in-flight activations of the schedule count)")
+    parser.add_argument("--schedule", default="pipedream", metavar="NAME|auto",
+                        help="pipedream (default), 2bw, 1f1b, zb-h1, gpipe, or auto: the fastest "
+                             "that fits --memory")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="microbatches per minibatch for 2bw/1f1b/zb-h1/gpipe "
+                             "(default: the worker count)")
+    parser.add_argument("--cost-model", default="pipedream-code",
+                        choices=["pipedream-code", "paper"],
+                        help="pipedream-code: compute + all-reduce added (the public code); "
+                             "paper: max of compute and all-reduce")
+    parser.add_argument("--straight", action="store_true",
+                        help="a straight pipeline: no replication of stages")
+    parser.add_argument("--fewer-machines", action="store_true",
+                        help="allow idle workers when that is faster (more workers never hurt)")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="skip the comparison with the baseline partitioners")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of the table")
+    parser.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan as JSON")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="draw the stages along the layer axis")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipetrain.plan.graph import build_cuts
+    from pipetrain.plan.memory import parse_bytes
+    from pipetrain.plan.planner import compare_baselines, make_plan, training_hints
+    from pipetrain.plan.profile import load_profile
+    from pipetrain.plan.topology import Topology
+
+    if args.microbatches is not None and args.microbatches < 1:
+        raise ConfigError(f"--microbatches must be >= 1, got {args.microbatches}")
+    topology = Topology.parse(args.workers, args.topology, args.bandwidth)
+    memory = parse_bytes(args.memory) if args.memory is not None else None
+    profile = load_profile(args.profile)
+    started = time.perf_counter()
+    cuts = build_cuts(profile)
+    plan = make_plan(cuts, topology, schedule=args.schedule, cost_model=args.cost_model,
+                     straight=args.straight, fewer_machines=args.fewer_machines,
+                     memory_limit=memory, microbatches=args.microbatches)
+    plan.solve_seconds = time.perf_counter() - started
+    baselines = [] if args.no_baselines else compare_baselines(
+        cuts, topology, cost_model=args.cost_model, schedule=plan.schedule,
+        microbatches=plan.microbatches)
+    data = plan.to_json()
+    data["profile"] = str(args.profile)
+    data.update(training_hints(plan, profile))
+    data["baselines"] = [{"method": b.method, "predicted_time_per_minibatch":
+                          b.predicted_time_per_minibatch, "replicas": b.replicas,
+                          "peak_memory_bytes": max(s.memory_bytes or 0.0 for s in b.stages),
+                          "fits_memory": memory is None or
+                          max(s.memory_bytes or 0.0 for s in b.stages) <= memory}
+                         for b in baselines]
+    if args.out:
+        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    if args.plot:
+        from pipetrain.plan.plot import plot_plan
+
+        plot_plan(plan, profile, args.plot, baselines)
+    if args.json:
+        print(json.dumps(data))
+    else:
+        print(format_table(plan, baselines, str(args.profile)))
+        for path, what in ((args.out, "plan"), (args.plot, "picture")):
+            if path:
+                print(f"wrote {what} to {path}")
+    return 0
+
+
+def _span(names: list[str]) -> str:
+    if len(names) == 1:
+        return names[0]
+    return f"{names[0]}..{names[-1]} ({len(names)})"
+
+
+def format_table(plan, baselines, source: str) -> str:
+    from pipetrain.plan.memory import format_bytes
+
+    lines = [f"plan for {source}: {plan.topology}, cost model {plan.cost_model}, "
+             f"schedule {plan.schedule}"
+             + (f" ({plan.microbatches} microbatches)" if plan.schedule != "pipedream" else "")]
+    header = ("stage", "layers", "replicas", "compute s", "time s", "input xfer s", "memory")
+    rows = [header]
+    for s, stage in enumerate(plan.stages):
+        rows.append((str(s), _span(stage.layers), str(stage.replicas),
+                     f"{stage.compute_s:.6f}", f"{stage.time_s:.6f}",
+                     f"{stage.input_transfer_s:.6f}",
+                     format_bytes(stage.memory_bytes or 0.0)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    t = plan.predicted_time_per_minibatch
+    ratio = (lambda a: f"{a / t:.3f}x") if t > 0 else (lambda a: "-")
+    lines.append(f"predicted time per minibatch: {t:.9f} s (slowest stage, communication "
+                 f"included); replicas {'-'.join(map(str, plan.replicas))}; NOAM {plan.noam}; "
+                 f"workers used {plan.workers_used} of {plan.workers}")
+    if plan.time_per_minibatch_with_bubble != t:
+        lines.append(f"with the pipeline bubble of {plan.schedule}: "
+                     f"{plan.time_per_minibatch_with_bubble:.9f} s per minibatch")
+    lines.append(f"speedup: {ratio(plan.single_worker_time)} vs 1 worker "
+                 f"({plan.single_worker_time:.6f} s), "
+                 f"{ratio(plan.data_parallel_time)} vs {plan.workers}-way data parallelism "
+                 f"({plan.data_parallel_time:.6f} s); solved in {plan.solve_seconds:.3f} s")
+    candidates = plan.extra.get("schedule_candidates")
+    if candidates:
+        lines.append(f"schedule chosen by simulation: {plan.schedule} with {plan.microbatches} "
+                     f"microbatch(es), {plan.extra['simulated_time_per_minibatch']:.6f} s per "
+                     f"minibatch simulated (bubble "
+                     f"{plan.extra['simulated_bubble_fraction'] * 100:.1f} %)")
+        table = [("schedule", "m", "replicas", "simulated s", "peak memory", "fits")]
+        for c in candidates:
+            if "error" in c:
+                from pipetrain.plan.planner import smallest_fitting
+
+                need = smallest_fitting([c["error"]])
+                why = f"no (needs {need[1]})" if need else "no: " + c["error"].split(";")[0][:60]
+                table.append((c["schedule"], str(c["microbatches"]), "-", "-", "-", why))
+            else:
+                table.append((c["schedule"], str(c["microbatches"]),
+                              "-".join(map(str, c["replicas"])),
+                              f"{c['simulated_time_per_minibatch']:.6f}",
+                              format_bytes(c["peak_memory_bytes"]),
+                              "yes" if c["fits"] else "no"))
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if baselines:
+        lines.append("")
+        lines.append("comparison, same cost model (baselines: straight pipelines, slowest "
+                     "bandwidth)")
+        table = [("method", "time/minibatch s", "vs this plan", "replicas")]
+        for p in [plan] + list(baselines):
+            table.append((f"this plan ({p.method})" if p is plan else p.method,
+                          f"{p.predicted_time_per_minibatch:.6f}",
+                          ratio(p.predicted_time_per_minibatch),
+                          "-".join(map(str, p.replicas))))
+        table.append((f"data parallel ({plan.workers})", f"{plan.data_parallel_time:.6f}",
+                      ratio(plan.data_parallel_time), str(plan.workers)))
+        widths = [max(len(row[i]) for row in table) for i in range(4)]
+        for row in table:
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""`pipetrain profile`: measure a model layer by layer for the planner.
+
+Examples::
+
+    pipetrain profile --model mlp:depth=8,width=1024 --data digits --batch-size 64 --out mlp.json
+    pipetrain plan mlp.json --workers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "HELP"]
+
+HELP = "measure per-layer times and sizes of a model (input to pipetrain plan)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="mlp",
+                        help="built-in name (mlp, resmlp, resnet-gn, ...) or PKG.MOD:FACTORY")
+    parser.add_argument("--data", default="digits",
+                        help="digits, synthetic:features=N,classes=C,samples=K, or PKG.MOD:FACTORY")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per minibatch")
+    parser.add_argument("--out", default=None, metavar="PROFILE.json",
+                        help="write the profile (pipetrain JSON profile format)")
+    parser.add_argument("--iterations", type=int, default=10,
+                        help="measured iterations, averaged (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
+    parser.add_argument("--optimizer-states", type=float, default=1.0,
+                        help="optimizer state per parameter, in parameter sizes (0 SGD, "
+                             "1 momentum, 2 Adam; default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads while measuring (default 1)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pipetrain.data import dataset_info, get_batch, load_dataset
+    from pipetrain.models import build_model
+    from pipetrain.plan.profile import save_profile
+    from pipetrain.plan.profiler import profile_model
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    torch.set_num_threads(args.threads)
+    dataset = load_dataset(args.data)
+    info = dataset_info(dataset)
+    model = build_model(args.model, input_shape=info.input_shape, num_classes=info.num_classes,
+                        seed=args.seed)
+    count = len(dataset)
+    indices = [i % count for i in range(args.batch_size)]
+    batch = get_batch(dataset, indices)
+    profile = profile_model(model, batch, iterations=args.iterations, warmup=args.warmup,
+                            optimizer_states=args.optimizer_states, device=args.device,
+                            progress=not (args.no_progress or args.json),
+                            meta={"model_spec": args.model, "data_spec": args.data,
+                                  "seed": args.seed})
+    if args.out:
+        save_profile(profile, args.out)
+    if args.json:
+        print(json.dumps(profile.to_json()))
+        return 0
+    print(format_profile(profile))
+    if args.out:
+        print(f"wrote profile to {args.out}")
+    return 0
+
+
+def format_profile(profile) -> str:
+    rows = [("layer", "kind", "fwd ms", "bwd ms", "activation B", "params B")]
+    for layer in profile.layers:
+        kind = layer.kind if len(layer.kind) <= 40 else layer.kind[:37] + "..."
+        rows.append((layer.name, kind, f"{layer.forward_s * 1e3:.4f}",
+                     f"{layer.backward_s * 1e3:.4f}", f"{layer.activation_bytes:.0f}",
+                     f"{layer.parameter_bytes:.0f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    meta = profile.meta
+    lines.append(f"{len(profile.layers)} layers, {len(profile.edge_list())} edges, batch "
+                 f"{profile.batch_size}, forward+backward {profile.total_compute_s * 1e3:.3f} ms "
+                 f"per minibatch (mean of {meta.get('iterations')} iterations after "
+                 f"{meta.get('warmup')} warm-up, {meta.get('device')}, "
+                 f"{meta.get('threads')} thread(s))")
+    return "\n".join(lines)

@@ -1,0 +1,175 @@
+"""The (min, max) product at the heart of the partitioning DP.
+
+``ans[p, j] = min over k of max(a[p, k], c(p, k, j))``: the best pipeline ending at cut ``j``
+whose last stage starts at cut ``k``, where ``a`` prices the pipeline up to ``k`` and ``c`` the
+last stage. Exact kernels:
+
+* :func:`minmax_dense` tries every ``k`` (chunked to bound memory).
+* :func:`minmax_monotone` needs ``c`` non-increasing in ``k`` (a shorter last stage is no slower),
+  true for chains. Then ``min_k max(a[k], c[k]) = min_k max(c[k], s[k])`` with
+  ``s[k] = min(a[k..j-1])``: ``c`` falls and ``s`` rises with ``k``, so the minimum sits where they
+  cross, found by binary search with a sparse table for the range minima; ``O(log n)`` per entry.
+* :func:`minmax_hybrid` handles a ``c`` that is monotone only up to a column-dependent cut
+  ``limit[j]`` (inner levels of a hierarchy with exact machine counts: very short ranges forced
+  onto many machines are slow): binary search up to ``limit[j]``, every ``k`` after it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["minmax_dense", "minmax_monotone", "minmax_hybrid", "is_monotone",
+           "monotone_limit"]
+
+_CHUNK = 1 << 21  # elements per temporary block
+Cost = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def minmax_dense(a: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``min_k max(a[r, k], c[k, j])`` for all ``r, j`` (``inf`` entries mean "not allowed")."""
+    rows = a.shape[0]
+    out = np.full((rows, c.shape[1]), np.inf)
+    if a.shape[1] == 0:
+        return out
+    step = max(1, _CHUNK // max(1, c.size))
+    for start in range(0, rows, step):
+        block = np.maximum(a[start:start + step, :, None], c[None, :, :])
+        out[start:start + step] = block.min(axis=1)
+    return out
+
+
+def is_monotone(c: np.ndarray) -> bool:
+    """True if every column of the upper triangle ``c[1:j, j]`` is non-increasing in ``k``."""
+    n = c.shape[0]
+    if n < 3:
+        return True
+    with np.errstate(invalid="ignore"):
+        d = c[2:, :] - c[1:-1, :]       # c[k+1, j] - c[k, j] for k = 1..n-2
+    k = np.arange(1, n - 1)[:, None]
+    j = np.arange(c.shape[1])[None, :]
+    region = (k + 1) < j                # both k and k+1 are valid splits of column j
+    bad = region & ~(d <= 0)
+    both_inf = np.isinf(c[2:, :]) & np.isinf(c[1:-1, :])
+    return not (bad & ~both_inf).any()
+
+
+def monotone_limit(c: np.ndarray) -> np.ndarray:
+    """``limit[j]``: the largest ``k < j`` with ``c[1..k, j]`` non-increasing (0 for ``j < 2``)."""
+    n = c.shape[0]
+    limit = np.maximum(np.arange(c.shape[1]) - 1, 0)
+    if n < 3:
+        return limit
+    with np.errstate(invalid="ignore"):
+        up = c[2:, :] > c[1:-1, :]      # c[k+1, j] > c[k, j], k = 1..n-2
+    k = np.arange(1, n - 1)[:, None]
+    up &= (k + 1) < np.arange(c.shape[1])[None, :]
+    has = up.any(axis=0)
+    first = np.argmax(up, axis=0) + 1   # the k of the first rise
+    return np.where(has, first, limit)
+
+
+def _log2_table(n: int) -> np.ndarray:
+    log2 = np.zeros(n + 1, dtype=np.int64)
+    for length in range(2, n + 1):
+        log2[length] = log2[length // 2] + 1
+    return log2
+
+
+def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
+                    limit: np.ndarray | None = None) -> np.ndarray:
+    """``ans[p, j] = min over starts[p] < k < j of max(a[p, k], cost(p, k, j))``.
+
+    ``cost(p, k, j)`` (evaluated on index arrays, only where the search looks) must be
+    non-increasing in ``k`` on ``starts[p] < k < j``; with ``limit``, only ``k <= limit[j]`` is
+    searched and only there must it be monotone.
+    """
+    n_rows, n = a.shape
+    out = np.full((n_rows, n), np.inf)
+    levels = max(1, int(n).bit_length())
+    log2 = _log2_table(n)
+    step = max(1, (1 << 18) // (levels * n))  # keep the table in cache
+    cols = np.arange(n)
+
+    def block(first: int) -> None:
+        a_blk = a[first:first + step]
+        nb = a_blk.shape[0]
+        table = np.empty((levels, nb, n))
+        table[0] = a_blk
+        for lv in range(1, levels):
+            half = 1 << (lv - 1)
+            table[lv, :, n - half:] = table[lv - 1, :, n - half:]
+            np.minimum(table[lv - 1, :, :n - half], table[lv - 1, :, half:],
+                       out=table[lv, :, :n - half])
+        flat = table.ravel()
+        r = starts[first:first + nb]
+        ii, jj = np.nonzero(cols[None, :] >= r[:, None] + 2)
+        if ii.size == 0:
+            return
+        pp = ii + first
+        rr = r[ii]
+        base_row = ii * n
+        plane = nb * n
+
+        def range_min(lo: np.ndarray, hi: np.ndarray, base: np.ndarray) -> np.ndarray:
+            lv = log2[hi - lo + 1]
+            off = lv * plane + base
+            return np.minimum(flat[off + lo], flat[off + hi - (1 << lv) + 1])
+
+        last = jj - 1 if limit is None else np.minimum(jj - 1, limit[jj])
+        keep = last >= rr + 1
+        if not keep.all():
+            pp, rr, jj, last, base_row = pp[keep], rr[keep], jj[keep], last[keep], base_row[keep]
+        # binary search for the first k whose suffix minimum reaches the cost, dropping the
+        # entries whose search interval has closed
+        lo = rr + 1
+        where = np.arange(lo.size)
+        a_lo, a_hi, a_last, a_base, a_p, a_j = lo, last + 1, last, base_row, pp, jj
+        for _ in range(levels + 1):
+            open_ = a_lo < a_hi
+            if not open_.all():
+                lo[where[~open_]] = a_lo[~open_]
+                where, a_lo, a_hi, a_last, a_base, a_p, a_j = (
+                    x[open_] for x in (where, a_lo, a_hi, a_last, a_base, a_p, a_j))
+            if where.size == 0:
+                break
+            mid = (a_lo + a_hi) >> 1
+            pred = range_min(mid, a_last, a_base) >= cost(a_p, mid, a_j)
+            a_hi = np.where(pred, mid, a_hi)
+            a_lo = np.where(pred, a_lo, mid + 1)
+        if where.size:
+            lo[where] = a_lo
+        left = lo - 1
+        v1 = np.where(left >= rr + 1, cost(pp, np.maximum(left, 1), jj), np.inf)
+        v2 = np.where(lo <= last, range_min(np.minimum(lo, last), last, base_row), np.inf)
+        out[pp, jj] = np.minimum(v1, v2)
+
+    for first in range(0, n_rows, step):
+        block(first)
+    return out
+
+
+def minmax_hybrid(a: np.ndarray, starts: np.ndarray, cost: Cost,
+                  limit: np.ndarray) -> np.ndarray:
+    """:func:`minmax_monotone` for ``cost`` monotone in ``k`` only up to ``limit[j]``.
+
+    Cuts ``k > limit[j]`` (typically a few next to ``j``) are all tried.
+    """
+    out = minmax_monotone(a, starts, cost, limit)
+    n = a.shape[1]
+    pp, jj = np.nonzero(np.arange(n)[None, :] >= starts[:, None] + 2)
+    first = np.maximum(starts[pp] + 1, limit[jj] + 1)
+    lengths = jj - first
+    keep = lengths > 0
+    pp, jj, first, lengths = pp[keep], jj[keep], first[keep], lengths[keep]
+    if pp.size == 0:
+        return out
+    heads = np.cumsum(lengths) - lengths
+    owner = np.repeat(np.arange(pp.size), lengths)
+    k = first[owner] + np.arange(owner.size) - heads[owner]
+    p_of, j_of = pp[owner], jj[owner]
+    values = np.maximum(a[p_of, k], cost(p_of, k, j_of))
+    tail = np.minimum.reduceat(values, heads)
+    out[pp, jj] = np.minimum(out[pp, jj], tail)
+    return out

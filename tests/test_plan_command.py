@@ -1,0 +1,91 @@
+"""`pipetrain plan`: table, JSON, files and errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipetrain.cli import main
+
+PROFILES = Path(__file__).parent / "data" / "pipedream-profiles"
+VGG = str(PROFILES / "vgg16.txt")
+
+
+def run(capsys, *argv):
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_has_contract_fields(capsys):
+    code, out, err = run(capsys, VGG, "--workers", "16", "--json")
+    assert code == 0 and err == ""
+    data = json.loads(out)          # exactly one JSON object
+    assert data["predicted_time_per_minibatch"] == pytest.approx(0.056529767, rel=1e-6)
+    assert data["replicas"] == [13, 2, 1]
+    assert len(data["stages"]) == data["num_stages"] == 3
+    assert 0 <= data["solve_seconds"] < 5
+    assert data["noam"] == 2 and data["schedule"] == "pipedream"
+    assert {b["method"] for b in data["baselines"]} == \
+        {"uniform", "balanced-by-parameters", "balanced-by-time"}
+
+
+def test_hierarchical_and_straight(capsys):
+    code, out, _ = run(capsys, VGG, "--workers", "16", "--topology", "4x4", "--bandwidth",
+                       "10e9,1.25e9", "--json")
+    data = json.loads(out)
+    assert code == 0 and sum(data["replicas"]) == 16
+    assert data["predicted_time_per_minibatch"] == pytest.approx(0.067133997, rel=1e-6)
+    code, out, _ = run(capsys, VGG, "--workers", "4", "--straight", "--json")
+    assert json.loads(out)["replicas"] == [1, 1, 1, 1]
+
+
+def test_paper_cost_model_and_bandwidth_flat(capsys):
+    code, out, _ = run(capsys, VGG, "--workers", "4", "--bandwidth", "2e9",
+                       "--cost-model", "paper", "--json", "--no-baselines")
+    data = json.loads(out)
+    assert code == 0 and data["cost_model"] == "paper" and data["baselines"] == []
+
+
+def test_table_files_and_plot(capsys, tmp_path):
+    out_path, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    code, out, _ = run(capsys, str(PROFILES / "resnet18.txt"), "--workers", "8", "--out",
+                       str(out_path), "--plot", str(png))
+    assert code == 0
+    assert "predicted time per minibatch" in out and "balanced-by-time" in out
+    assert json.loads(out_path.read_text())["replicas"] == [5, 3]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_schedule_auto_under_memory(capsys):
+    code, out, _ = run(capsys, VGG, "--workers", "4", "--memory", "12GB", "--schedule", "auto",
+                       "--json")
+    data = json.loads(out)
+    assert code == 0
+    assert data["peak_memory_bytes"] <= 12e9
+    tried = {c["schedule"] for c in data["schedule_candidates"]}
+    assert tried == {"pipedream", "2bw", "1f1b", "zb-h1", "gpipe"}
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--workers", "8", "--topology", "4x4"], "topology 4x4 has 16 workers"),
+    (["--workers", "4", "--memory", "1GB"], "smallest memory limit that fits is"),
+    (["--workers", "4", "--memory", "100MB", "--schedule", "auto"],
+     "smallest memory limit that fits"),
+    (["--workers", "4", "--schedule", "wavy"], "unknown schedule"),
+    (["--workers", "64", "--straight"], "straight pipeline over 64 workers"),
+])
+def test_errors_exit_2_with_one_message(capsys, argv, match):
+    code, out, err = run(capsys, VGG, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("pipetrain plan: error:") and match in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_malformed_profile_error(capsys, tmp_path):
+    bad = tmp_path / "graph.txt"
+    bad.write_text("node1 -- A -- forward_compute_time=1\n")
+    code, _, err = run(capsys, str(bad), "--workers", "2")
+    assert code == 2 and "line 1" in err

@@ -1,0 +1,80 @@
+"""The (min, max) product kernels against plain loops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipetrain.plan.minmax import (is_monotone, minmax_dense, minmax_hybrid, minmax_monotone,
+                                   monotone_limit)
+
+
+def brute(a, starts, c):
+    rows, n = a.shape
+    out = np.full((rows, n), np.inf)
+    for p in range(rows):
+        for j in range(n):
+            for k in range(starts[p] + 1, j):
+                out[p, j] = min(out[p, j], max(a[p, k], c[k, j]))
+    return out
+
+
+def monotone_cost(rng, n):
+    # c[k, j] = W_j - W_k for non-decreasing W: non-increasing in k
+    w = np.cumsum(rng.uniform(0, 1, n))
+    c = w[None, :] - w[:, None]
+    c[np.tril_indices(n)] = np.inf
+    c[0] = np.inf
+    return c
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_monotone_kernel(seed):
+    rng = np.random.default_rng(seed)
+    n = 40
+    c = monotone_cost(rng, n)
+    assert is_monotone(c)
+    starts = np.arange(n - 1)
+    a = rng.uniform(0, 10, (n - 1, n))
+    a[rng.uniform(size=a.shape) < 0.1] = np.inf
+    for p, r in enumerate(starts):
+        a[p, :r + 1] = np.inf
+    got = minmax_monotone(a, starts, lambda p, k, j: c[k, j])
+    assert np.array_equal(got, brute(a, starts, c))
+    dense = minmax_dense(a, c)
+    finite = np.isfinite(dense)
+    assert np.array_equal(got[finite], dense[finite])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hybrid_kernel_with_rising_tail(seed):
+    rng = np.random.default_rng(seed)
+    n = 35
+    c = monotone_cost(rng, n)
+    # the last few cuts before j get expensive (short ranges forced onto many machines)
+    for j in range(n):
+        for k in range(max(1, j - 4), j):
+            c[k, j] += rng.uniform(0, 20)
+    assert not is_monotone(c)
+    limit = monotone_limit(c)
+    for j in range(2, n):
+        col = c[1:limit[j] + 1, j]
+        assert np.all(np.diff(col) <= 0)
+    starts = np.array([0, 3, 10])
+    a = rng.uniform(0, 30, (3, n))
+    for p, r in enumerate(starts):
+        a[p, :r + 1] = np.inf
+    got = minmax_hybrid(a, starts, lambda p, k, j: c[k, j], limit)
+    assert np.array_equal(got, brute(a, starts, c))
+
+
+def test_per_problem_costs():
+    rng = np.random.default_rng(7)
+    n = 20
+    costs = [monotone_cost(rng, n) for _ in range(3)]
+    stacked = np.stack(costs)
+    a = rng.uniform(0, 10, (3, n))
+    a[:, 0] = np.inf
+    got = minmax_monotone(a, np.zeros(3, dtype=np.int64), lambda p, k, j: stacked[p, k, j])
+    for p in range(3):
+        assert np.array_equal(got[p], brute(a[p:p + 1], np.array([0]), costs[p])[0])

@@ -1,0 +1,109 @@
+"""Profiling real modules: sizes exactly, times attributed to the right layer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from pipetrain.errors import ConfigError
+from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.profiler import profile_model
+
+torch.set_num_threads(1)
+
+
+def batch(n=8, features=16, classes=4):
+    return torch.randn(n, features), torch.randint(0, classes, (n,))
+
+
+def test_sequential_sizes_and_chain():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4))
+    profile = profile_model(model, batch(), iterations=2, warmup=1, progress=False,
+                            optimizer_states=2.0)
+    names = [layer.name for layer in profile.layers]
+    assert names == ["input", "0", "1", "2"] and profile.layers[0].input
+    assert profile.edge_list() == [("input", "0"), ("0", "1"), ("1", "2")]
+    first, relu, last = profile.layers[1:]
+    assert first.parameter_bytes == (16 * 32 + 32) * 4
+    assert first.optimizer_bytes == 2 * first.parameter_bytes
+    assert first.activation_bytes == 8 * 32 * 4 and last.activation_bytes == 8 * 4 * 4
+    assert relu.parameter_bytes == 0
+    assert all(l.forward_s > 0 and l.backward_s > 0 for l in profile.layers[1:])
+    assert profile.batch_size == 8
+    assert model[1].inplace     # restored after profiling
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.03)
+        return grad
+
+
+class Slow(nn.Module):
+    def forward(self, x):
+        time.sleep(0.015)
+        return _SlowBackward.apply(x)
+
+
+def test_times_land_on_the_right_layer():
+    model = nn.Sequential(nn.Linear(16, 16), Slow(), nn.Linear(16, 4))
+    profile = profile_model(model, batch(), iterations=2, warmup=1, progress=False)
+    slow = profile.layers[2]
+    assert slow.forward_s >= 0.014 and slow.backward_s >= 0.028
+    others = [profile.layers[1], profile.layers[3]]
+    assert all(l.forward_s < slow.forward_s and l.backward_s < slow.backward_s for l in others)
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(16, 32)
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h + self.b(torch.relu(self.a(h)))
+        return self.head(h)
+
+
+def test_fx_graph_keeps_skip_connections():
+    profile = profile_model(Residual(), batch(), iterations=2, warmup=1, progress=False)
+    names = [layer.name for layer in profile.layers]
+    assert names[0] == "x" and profile.layers[0].input
+    assert {"stem", "a", "relu", "b", "add", "head"} <= set(names)
+    assert ("stem", "add") in profile.edges and ("b", "add") in profile.edges
+    assert sum(l.parameter_bytes for l in profile.layers) == \
+        sum(p.numel() * 4 for p in Residual().parameters())
+    plan = optimize(profile, 2)
+    where = plan.layer_to_stage()
+    assert all(where[a] <= where[b] for a, b in profile.edges)
+
+
+def test_untraceable_model_is_a_clear_error():
+    class Dynamic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                return self.lin(x)
+            return self.lin(-x)
+
+    with pytest.raises(ConfigError, match="cannot trace Dynamic with torch.fx"):
+        profile_model(Dynamic(), batch(), iterations=1, warmup=0, progress=False)
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError):
+        profile_model(nn.Sequential(nn.Linear(16, 4)), batch(), iterations=0, progress=False)
