@@ -94,3 +94,18 @@ def test_distributed_shape_mismatch_names_the_stages(tmp_path):
     assert result.returncode != 0
     assert "stage 1 cannot run on its input ((2, 32) float32) from stage 0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_train_from_a_plan(capsys, tmp_path):
+    profile, plan = tmp_path / "profile.json", tmp_path / "plan.json"
+    assert main(["profile", "--model", "mlp:depth=3,width=16", "--data", "synthetic:features=8,classes=3,samples=64",
+                 "--batch-size", "8", "--iterations", "2", "--warmup", "1", "--out", str(profile)]) == 0
+    assert main(["plan", str(profile), "--workers", "2", "--straight", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    code, out, err = run(capsys, "--executor", "emulate", *SMALL, "--plan", str(plan), "--steps", "4",
+                         "--report-json", str(tmp_path / "r.json"))
+    assert code == 0, err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["workers"] == 2 and report["stages"] == 2
+    code, out, err = run(capsys, "--executor", "emulate", *SMALL, "--plan", str(plan), "--balance", "2,2")
+    assert code == 2 and "the plan decides" in err

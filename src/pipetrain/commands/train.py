@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       "PKG.MOD:FACTORY (default digits)")
     what.add_argument("--test-data", help="a separate held-out data spec (default: the data's own test split)")
     how = parser.add_argument_group("pipeline")
-    how.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb")
+    how.add_argument("--schedule", help="gpipe, 1f1b (default), interleaved, zb-h1, pipedream, 2bw, pb")
     how.add_argument("--stages", type=int, help="number of pipeline stages (ranks for interleaved)")
     how.add_argument("--balance", type=_int_list, help="modules per stage, e.g. 2,2,1")
     how.add_argument("--split-at", type=_name_list, help="module names that start a new stage")

@@ -14,7 +14,7 @@ class TrainConfig:
     model: str = "mlp"
     data: str = "digits"
     test_data: str | None = None
-    schedule: str = "1f1b"
+    schedule: str | None = None  # None: the plan's, else 1f1b
     stages: int | None = None
     balance: list[int] | None = None
     split_at: list[str] | None = None

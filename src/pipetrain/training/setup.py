@@ -146,12 +146,45 @@ def _stage_count(config: TrainConfig, name: str) -> int:
     return stages
 
 
+def apply_plan(config: TrainConfig) -> TrainConfig:
+    """Fill stages, replicas, schedule and microbatches from a `pipetrain plan` JSON file."""
+    import json
+    from dataclasses import replace
+
+    if not config.plan:
+        return replace(config, schedule=config.schedule or "1f1b")
+    try:
+        with open(config.plan, encoding="utf-8") as handle:
+            plan = json.load(handle)
+        balance = [int(n) for n in plan["balance"]]
+        replicas = [int(r) for r in plan["replicas"]]
+    except OSError as error:
+        raise ConfigError(f"cannot read plan {config.plan!r}: {error.strerror}") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(
+            f"{config.plan!r} is not a plan written by `pipetrain plan --out` ({type(error).__name__}: {error})"
+        ) from None
+    given = [flag for flag, value in (("--stages", config.stages), ("--balance", config.balance),
+                                      ("--split-at", config.split_at), ("--replicas", config.replicas)) if value]
+    if given:
+        raise ConfigError(f"the plan decides the stages and replicas: drop {', '.join(given)} or drop --plan")
+    return replace(
+        config,
+        balance=balance,
+        replicas=replicas,
+        stages=len(balance),
+        schedule=config.schedule or plan.get("schedule") or "1f1b",
+        microbatches=config.microbatches if config.microbatches is not None else plan.get("microbatches"),
+    )
+
+
 def prepare(config: TrainConfig) -> Run:
     """Build everything the run needs from ``config`` (deterministic)."""
     from pipetrain.data import BatchSampler, dataset_info, load_dataset, load_train_test
     from pipetrain.models import build_model, refuse_batchnorm
     from pipetrain.stages import split_model
 
+    config = apply_plan(config)
     name = resolve_name(config.schedule)
     if config.executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
@@ -174,6 +207,11 @@ def prepare(config: TrainConfig) -> Run:
     if config.chunks != 1 and name != "interleaved":
         raise ConfigError(f"--chunks applies to the interleaved schedule only, not to {name}")
     if config.balance:
+        if config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
+            raise ConfigError(
+                f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
+                f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
+            )
         staged = split_model(model, balance=config.balance)
     elif config.split_at:
         staged = split_model(model, split_at=config.split_at)
@@ -204,6 +242,16 @@ def prepare(config: TrainConfig) -> Run:
     policy = config.policy
     if "lwp" in compensation.split("+") and policy is None:
         policy = "predict"
+    if asynchronous and config.replicas:
+        from math import lcm
+
+        group = lcm(*config.replicas)
+        if (updates * units) % group:
+            fixed = -(-updates * units // group) * group // units
+            raise ConfigError(
+                f"with replicas {config.replicas} the {name} units ({updates} steps x {units}) must divide evenly "
+                f"among the replicas of every stage (a multiple of {group}); use --steps {fixed}"
+            )
     if asynchronous:
         schedule = build(name, stages, updates * units, replicas=config.replicas, policy=policy, update_every=units)
     else:
