@@ -27,8 +27,6 @@ class Cut:
     positions: list[int]
     #: per rank, positions of its SEND actions (before its cut) whose receive is after the peer's cut
     crossing_sends: list[list[int]] = field(default_factory=list)
-    #: per rank, microbatches whose labels this rank sent before its cut and the last stage reads after
-    crossing_labels: list[list[int]] = field(default_factory=list)
 
 
 def _position(schedule: Schedule, rank: int, units: int) -> int:
@@ -49,18 +47,13 @@ def cut(schedule: Schedule, units: int) -> Cut:
     backward half done."""
     positions = [_position(schedule, rank, units) for rank in range(schedule.num_ranks)]
     receive_at: dict[tuple, int] = {}  # (direction, receiving stage, microbatch) -> position
-    forward_at: dict[tuple[int, int], tuple[int, int]] = {}  # (stage, microbatch) -> (rank, position)
-    for rank, program in enumerate(schedule.programs):
+    for program in schedule.programs:
         for position, action in enumerate(program):
             if action.kind is Kind.RECV_F:
                 receive_at[("F", action.stage, action.microbatch)] = position
             elif action.kind is Kind.RECV_B:
                 receive_at[("B", action.stage, action.microbatch)] = position
-            elif action.kind is Kind.F:
-                forward_at[(action.stage, action.microbatch)] = (rank, position)
     crossing_sends: list[list[int]] = [[] for _ in schedule.programs]
-    crossing_labels: list[list[int]] = [[] for _ in schedule.programs]
-    last_stage = schedule.num_stages - 1
     for rank, program in enumerate(schedule.programs):
         inputs_done: set[tuple[int, int]] = set()
         for position, action in enumerate(program):
@@ -86,19 +79,9 @@ def cut(schedule: Schedule, units: int) -> Cut:
                         f"cannot checkpoint after {units} units: rank {peer} receives {kind.value} of microbatch {k} "
                         f"before its cut, but rank {rank} sends it after its own; choose another --checkpoint-every"
                     )
-            elif kind is Kind.F and stage == 0 and last_stage > 0:
-                reader, read_at = forward_at[(last_stage, k)]
-                if reader != rank:
-                    if before and read_at >= positions[reader]:
-                        crossing_labels[rank].append(k)
-                    elif not before and read_at < positions[reader]:
-                        raise ConfigError(
-                            f"cannot checkpoint after {units} units: the labels of microbatch {k} are needed before "
-                            "the cut of the last stage but sent after the first stage's; choose another --checkpoint-every"
-                        )
         if inputs_done:
             raise ConfigError(
                 f"cannot checkpoint after {units} units: rank {rank} has run the I but not the W of "
                 f"{sorted(inputs_done)}; choose a --checkpoint-every that ends on a step"
             )
-    return Cut(units, positions, crossing_sends, crossing_labels)
+    return Cut(units, positions, crossing_sends)

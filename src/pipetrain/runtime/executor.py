@@ -1,8 +1,9 @@
 """Running one rank's program over torch.distributed.
 
 The same stage executors as the emulator (:class:`~pipetrain.execution.StageExecutor`) do the
-arithmetic; this module moves tensors between ranks. Activations, gradients and labels travel as
-point-to-point messages (:class:`~pipetrain.runtime.p2p.Messenger`), one channel per receiving
+arithmetic; this module moves tensors between ranks. Activations and gradients travel as
+point-to-point messages; the labels of a microbatch ride along with its activations to the last
+stage (one message per boundary, not two). All are (:class:`~pipetrain.runtime.p2p.Messenger`), one channel per receiving
 stage and direction, so messages of a channel arrive in the order the programs send them. Each
 channel always has its next receive posted ahead of time, so transfers overlap compute; sends
 are asynchronous and checked for completion as the program goes on. SYNC all-reduces the
@@ -101,6 +102,7 @@ class RankRunner:
         self.ends = [0.0] * len(self.program)
         self._releases = version_release_points(self.program)
         self._local: dict[tuple, Any] = {}
+        self._labels: dict[int, torch.Tensor] = {}  # labels of microbatches passing through this rank
         self._sends: deque = deque()
         self._posted: dict[tuple[int, str], RecvHandle] = {}
         self._queues: dict[tuple[int, str], deque] = {}
@@ -122,10 +124,6 @@ class RankRunner:
                     peer = schedule.rank_of(source, action.microbatch)
                 channel = (peer, ("act" if kind is _RECV_F else "grad") + str(action.stage))
                 self._queues.setdefault(channel, deque()).append(action)
-            elif kind is _F and action.stage == self.last_stage:
-                source = schedule.rank_of(0, action.microbatch)
-                if source != self.rank:
-                    self._queues.setdefault((source, "labels"), deque()).append(action)
         for channel in self._queues:
             self._post_next(channel)
 
@@ -196,10 +194,12 @@ class RankRunner:
                         grads = executor.backward_input(k, version, grad_out)
                     if stage > 0:
                         local[("B", stage - 1, k)] = grads
+                    if stage == min(self.executors) or schedule.rank_of(stage - 1, k) != rank:
+                        self._labels.pop(k, None)
                 elif kind is _W:
                     executors[stage].backward_weight(k, version)
                 elif kind is _SEND_F:
-                    payload = local.pop(("F", stage + 1, k))
+                    payload = local.pop(("F", stage + 1, k)) + (self._labels[k],)
                     self._send(payload, peer if peer is not None else schedule.rank_of(stage + 1, k),
                                "act" + str(stage + 1), k, action)
                 elif kind is _SEND_B:
@@ -211,7 +211,8 @@ class RankRunner:
                 elif kind is _RECV_F:
                     source = peer if peer is not None else schedule.rank_of(stage - 1, k)
                     payload, _ = self._receive((source, "act" + str(stage)))
-                    local[("F", stage, k)] = payload if isinstance(payload, tuple) else (payload,)
+                    local[("F", stage, k)] = payload[:-1]
+                    self._labels[k] = payload[-1]
                 elif kind is _RECV_B:
                     source = peer if peer is not None else schedule.rank_of(stage + 1, k)
                     payload, handle = self._receive((source, "grad" + str(stage)))
@@ -294,6 +295,7 @@ class RankRunner:
         return {
             "stages": {stage: executor.snapshot() for stage, executor in self.executors.items()},
             "losses": dict(self.losses),
+            "labels": dict(self._labels),
             "evaluations": list(self.evaluations),
             "rng": capture_rng(),
         }
@@ -304,6 +306,7 @@ class RankRunner:
         schedule, rank, program = self.schedule, self.rank, self.program
         position = cut.positions[rank]
         self.losses = dict(state["losses"])
+        self._labels = dict(state["labels"])
         restore_rng(state["rng"])
         crossing = {(program[p].stage, program[p].microbatch): program[p] for p in cut.crossing_sends[rank]}
         later_forwards = {(a.stage, a.microbatch) for a in program[position:] if a.kind is _F}
@@ -318,12 +321,7 @@ class RankRunner:
                 elif (stage, k) in crossing:
                     action = crossing[(stage, k)]
                     peer = action.peer if action.peer is not None else schedule.rank_of(stage + 1, k)
-                    self._send(out, peer, "act" + str(stage + 1), k, action)
-                if stage == 0 and schedule.rank_of(self.last_stage, k) == rank and (self.last_stage, k) in later_forwards:
-                    self._local[("labels", k)] = self.data.unit(k)[1]
-        for k in cut.crossing_labels[rank]:
-            action = next(a for a in program if a.kind is _F and a.stage == 0 and a.microbatch == k)
-            self._send(self.data.unit(k)[1], schedule.rank_of(self.last_stage, k), "labels", k, action)
+                    self._send(out + (self._labels[k],), peer, "act" + str(stage + 1), k, action)
         return position
 
     def _forward(self, action: Action, executor: StageExecutor, on_loss) -> None:
@@ -331,19 +329,11 @@ class RankRunner:
         schedule, layout, local = self.schedule, self.layout, self._local
         target = None
         if stage == 0:
-            inputs, labels = self.data.unit(k)
-            last_rank = schedule.rank_of(self.last_stage, k)
-            if self.last_stage == 0:
-                target = labels
-            elif last_rank == self.rank:
-                local[("labels", k)] = labels
-            else:
-                self._send(labels, last_rank, "labels", k, action)
+            inputs, self._labels[k] = self.data.unit(k)
         else:
             inputs = local.pop(("F", stage, k))
-        if stage == self.last_stage and stage != 0:
-            source = schedule.rank_of(0, k)
-            target = local.pop(("labels", k)) if source == self.rank else self._receive((source, "labels"))[0]
+        if stage == self.last_stage:
+            target = self._labels[k]
         _, start, stop = layout.bounds(k)
         out = executor.forward(k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=stop - start)
         if stage == self.last_stage:
