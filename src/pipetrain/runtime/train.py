@@ -109,20 +109,19 @@ def worker(config: TrainConfig) -> TrainResult | None:
             hook = evaluate_at(step)
             hooks[position] = hook if position not in hooks else _both(hooks[position], hook)
     _inject_fault(rank, hooks)
-    progress = _progress(run, held, config)
+    progress = _progress(run, config)
     _collective("the start barrier", dist.barrier)
     started = time.perf_counter()
     try:
-        runner.run(progress.on_loss if progress else None, origin=started, at_positions=hooks)
+        runner.run(progress, origin=started, at_positions=hooks)
     finally:
         if progress:
-            progress.close()
+            progress.progress.close()
         status.close()
     seconds = time.perf_counter() - started
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
     _collective("the final barrier", dist.barrier)
-    elapsed = time.perf_counter() - started
     for stage in held:
         if schedule.replica_of(rank, stage) == 0:
             executors[stage].write_back()
@@ -140,7 +139,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
     _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
     if rank != 0:
         return None
-    return _assemble(run, gathered, elapsed)
+    return _assemble(run, gathered)
 
 
 def _collective(what: str, call) -> Any:
@@ -244,75 +243,34 @@ def _both(first, second):
     return call
 
 
-def _progress(run, held, config):
-    """The rank that computes the loss of unit 0 shows the progress bar."""
+def _progress(run, config):
+    """The rank that computes the loss of unit 0 shows the progress bar and tracks update losses."""
     if not config.progress or run.schedule.rank_of(run.num_stages - 1, 0) != _rank():
         return None
-    from pipetrain.training.outputs import Progress
+    from pipetrain.training.outputs import Progress, UpdateLosses
 
-    units = run.layout.units_per_update
-    bar = Progress(run.updates, True, f"{run.schedule.name} ({run.schedule.num_ranks} workers)")
-    pending: dict[int, float] = {}
-    started = time.perf_counter()
-
-    class _Tracker:
-        def on_loss(self, k: int, loss: float) -> None:
-            update = k // units
-            pending[k] = loss * run.layout.loss_scale(k)
-            first = update * units
-            if all(u in pending for u in range(first, first + units)):
-                value = sum(pending.pop(u) for u in range(first, first + units))
-                bar.update(1, value, run.layout.batch_size, time.perf_counter() - started)
-
-        def close(self) -> None:
-            bar.close()
-
-    return _Tracker()
+    return UpdateLosses(run, Progress(run.updates, True, f"{run.schedule.name} ({run.schedule.num_ranks} workers)"))
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _assemble(run, gathered: list[dict], elapsed: float) -> TrainResult:
+def _assemble(run, gathered: list[dict]) -> TrainResult:
     """Rank 0: the run's result from every rank's payload; writes the outputs."""
-    from pipetrain.schedule.ir import Kind
     from pipetrain.schedule.timeline import Timeline
+    from pipetrain.training.outputs import UpdateLosses
+    from pipetrain.training.result import result_of
     from pipetrain.training.train import write_outputs
 
-    schedule = run.schedule
     losses: dict[int, float] = {}
-    stage_states: dict[int, dict] = {}
     for payload in gathered:
         losses.update(payload["losses"])
-        stage_states.update(payload["states"])
-    units = run.layout.units_per_update
-    update_losses = [
-        sum(losses[k] * run.layout.loss_scale(k) for k in range(t * units, (t + 1) * units))
-        for t in range(run.updates)
-    ]
-    # the unsplit model with the trained weights of every stage
-    for stage, state in stage_states.items():
-        run.staged.stages[stage].load_state_dict(state)
-    timeline = Timeline(schedule, [p["starts"] for p in gathered], [p["ends"] for p in gathered])
-    work = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP)
-    busy = [sum(e - s for a, s, e in timeline.spans(r) if a.kind in work) for r in range(schedule.num_ranks)]
+        for stage, state in payload["states"].items():  # the unsplit model gets every stage's weights
+            run.staged.stages[stage].load_state_dict(state)
+    timeline = Timeline(run.schedule, [p["starts"] for p in gathered], [p["ends"] for p in gathered])
     seconds = max(p["seconds"] for p in gathered)
     evaluations = max((p["evaluations"] for p in gathered), key=len)
-    result = TrainResult(
-        schedule=schedule.name,
-        stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,
-        workers=schedule.num_ranks,
-        executor="distributed",
-        updates=run.updates,
-        samples=run.updates * run.layout.batch_size,
-        seconds=seconds,
-        update_losses=update_losses,
-        stage_busy=busy,
-        stage_idle=[seconds - b for b in busy],
-        evaluations=evaluations,
-        timeline=timeline,
-        extra={"units_per_update": run.layout.units_per_update},
-    )
+    result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations)
     write_outputs(run.config, result, run.model.state_dict())
     return result

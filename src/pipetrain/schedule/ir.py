@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from pipetrain.errors import ScheduleError
 
@@ -340,8 +340,3 @@ def load(path: str) -> Schedule:
     except OSError as error:
         raise ScheduleError(f"cannot read schedule file {path!r}: {error.strerror}") from None
     return loads(text)
-
-
-def actions_of(programs: Iterable[Sequence[Action]]) -> Iterable[Action]:
-    for program in programs:
-        yield from program

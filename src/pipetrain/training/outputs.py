@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
 
 from pipetrain.training.setup import Run
 
-__all__ = ["EvalBatches", "eval_batches", "save_state_dict", "Progress"]
+__all__ = ["EvalBatches", "eval_batches", "save_state_dict", "Progress", "UpdateLosses"]
 
 
 class EvalBatches:
@@ -48,6 +49,34 @@ def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save({k: v.detach().clone() for k, v in state.items()}, tmp)
     os.replace(tmp, path)
+
+
+class UpdateLosses:
+    """Collects the losses of units as the last stage computes them and turns each completed
+    update's units into that update's loss (their mean losses weighted by sample share)."""
+
+    def __init__(self, run: Run, progress: "Progress | None" = None) -> None:
+        self.layout = run.layout
+        self.units = run.layout.units_per_update
+        self.progress = progress
+        self.losses: list[float] = []
+        self._pending: dict[int, float] = {}
+        self._started = time.perf_counter()
+
+    def __call__(self, unit: int, loss: float) -> None:
+        self._pending[unit] = loss * self.layout.loss_scale(unit)
+        first = unit // self.units * self.units
+        if all(u in self._pending for u in range(first, first + self.units)):
+            self.losses.append(sum(self._pending.pop(u) for u in range(first, first + self.units)))
+            if self.progress is not None:
+                self.progress.update(1, self.losses[-1], self.layout.batch_size, time.perf_counter() - self._started)
+
+    @staticmethod
+    def from_units(run: Run, losses: dict[int, float]) -> list[float]:
+        """Per-update losses from a complete ``{unit: loss}`` record."""
+        units, layout = run.layout.units_per_update, run.layout
+        return [sum(losses[k] * layout.loss_scale(k) for k in range(t * units, (t + 1) * units))
+                for t in range(run.updates)]
 
 
 class Progress:

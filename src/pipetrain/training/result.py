@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TrainResult", "write_json_atomic"]
+__all__ = ["TrainResult", "result_of", "write_json_atomic"]
 
 
 @dataclass
@@ -57,6 +57,28 @@ class TrainResult:
             data["final_eval"] = self.evaluations[-1]
         data.update(self.extra)
         return data
+
+
+def result_of(run: Any, executor: str, update_losses: list[float], seconds: float, timeline: Any,
+              evaluations: list[dict[str, float]]) -> TrainResult:
+    """The result of a finished run, with per-rank busy and idle seconds from its measured timeline."""
+    schedule = run.schedule
+    busy = [timeline.busy(rank) for rank in range(schedule.num_ranks)]
+    return TrainResult(
+        schedule=schedule.name,
+        stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,
+        workers=schedule.num_ranks,
+        executor=executor,
+        updates=run.updates,
+        samples=run.updates * run.layout.batch_size,
+        seconds=seconds,
+        update_losses=update_losses,
+        stage_busy=busy,
+        stage_idle=[seconds - b for b in busy],
+        evaluations=evaluations,
+        timeline=timeline,
+        extra={"units_per_update": run.layout.units_per_update},
+    )
 
 
 def write_json_atomic(path: str, data: Any) -> None:
