@@ -64,6 +64,10 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     """The result of a finished run, with per-rank busy and idle seconds from its measured timeline."""
     schedule = run.schedule
     busy = [timeline.busy(rank) for rank in range(schedule.num_ranks)]
+    extra = {"units_per_update": run.layout.units_per_update}
+    steady = _steady_rate(run, timeline)
+    if steady is not None:
+        extra["steady_samples_per_s"] = steady
     return TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,
@@ -77,8 +81,25 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
         stage_idle=[seconds - b for b in busy],
         evaluations=evaluations,
         timeline=timeline,
-        extra={"units_per_update": run.layout.units_per_update},
+        extra=extra,
     )
+
+
+def _steady_rate(run: Any, timeline: Any, skip: float = 0.25) -> float | None:
+    """Samples/s after the first ``skip`` of the updates (start-up excluded): from the end times of
+    the last stage's updates (its STEP actions) in the measured timeline."""
+    from pipetrain.schedule.ir import Kind
+
+    schedule = timeline.schedule
+    last = schedule.num_stages - 1
+    rank = schedule.stage_ranks[last][0]
+    ends = [end for action, _, end in timeline.spans(rank) if action.kind is Kind.STEP and action.stage == last]
+    first = int(len(ends) * skip)
+    if len(ends) - first < 2 or ends[-1] <= ends[first]:
+        return None
+    units = len(ends) - 1 - first
+    samples = units * run.samples_per_update * len(schedule.stage_ranks[last])
+    return samples / (ends[-1] - ends[first])
 
 
 def write_json_atomic(path: str, data: Any) -> None:
