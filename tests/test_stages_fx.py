@@ -50,8 +50,8 @@ def check_transparent(model: nn.Module, staged, x, y) -> None:
     assert torch.equal(out, expected_out)
     got = grads(model)
     assert got.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=1e-12, atol=1e-15, msg=key)
+    for key in expected:  # same operations in the same order: bitwise equal
+        assert torch.equal(got[key], expected[key]), key
 
 
 def resnet() -> nn.Module:
@@ -232,7 +232,7 @@ class TupleCross(nn.Module):
 def test_parts_of_a_tuple_cross_not_the_tuple():
     model = TupleCross().double()
     staged = split_model(model, split_at=["b"])
-    assert staged.boundaries == [["getitem", "getitem_1"]] or len(staged.boundaries[0]) == 2
+    assert staged.boundaries == [["getitem", "getitem_1"]]  # the two halves, not the tuple
     x = torch.rand(3, 4, dtype=torch.float64)
     assert torch.equal(run_stages(staged.stages, x), model(x))
 
