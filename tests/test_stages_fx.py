@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -171,10 +172,13 @@ def test_stage_modules_are_the_models_own_and_deepcopy():
     assert staged.stages[0].get_submodule("layer1.0.conv1") is model.layer1[0].conv1
     for mapping in staged.key_map:
         assert all(k == v for k, v in mapping.items())  # stage keys are the model's keys
+    restored = pickle.loads(pickle.dumps(staged.stages[2]))
+    assert restored.state_dict().keys() == staged.stages[2].state_dict().keys()
     clone = copy.deepcopy(staged.stages[1])
     x = torch.rand(2, 64, dtype=torch.float64)
     middle = staged.stages[0](x)
     assert all(torch.equal(a, b) for a, b in zip(clone(*middle), staged.stages[1](*middle)))
+    assert torch.equal(restored(*staged.stages[1](*middle)), staged.stages[2](*staged.stages[1](*middle)))
     # training mode follows .train()/.eval() of the stage
     staged.stages[0].eval()
     assert not model.stem_norm.training

@@ -36,7 +36,7 @@ __all__ = ["assign_stages", "check_boundary", "cut_graph"]
 def check_boundary(values: tuple[Any, ...], names: tuple[str, ...], where: tuple[str, ...], stage: int) -> Any:
     """Return what stage ``stage`` hands on (``values[0]`` alone, else the tuple) if all are tensors."""
     for value, name, origin in zip(values, names, where):
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, (torch.Tensor, fx.Proxy)):  # (fx re-traces stages it unpickles)
             raise ConfigError(
                 f"stage {stage} hands {name!r} ({origin}) on to stage {stage + 1}, but it is a "
                 f"{type(value).__name__}, not a tensor: only tensors cross stage boundaries. Move "

@@ -91,8 +91,8 @@ def _user_frame(error: BaseException) -> str:
     if not frames:
         return ""
     frame = frames[-1]
-    code = f": {frame.line.strip()}" if frame.line else ""
-    return f" at {os.path.basename(frame.filename)}:{frame.lineno} ({frame.name}){code}"
+    code = f" `{frame.line.strip()}`" if frame.line else ""
+    return f" at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
 
 
 def _failure(model: nn.Module, tracer: _Tracer, error: Exception) -> str:
@@ -147,6 +147,9 @@ def trace_model(
     except Exception as error:  # noqa: BLE001 - any tracing failure is explained to the user
         raise ConfigError(_failure(model, tracer, error)) from error
     _drop_fixed_inputs(model, graph, set(fixed))
+    for node in graph.nodes:
+        if isinstance(node.type, str):  # a postponed annotation ("torch.Tensor"): fx cannot pickle it
+            node.type = None
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
