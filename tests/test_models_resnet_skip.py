@@ -14,7 +14,8 @@ from pipetrain.stages import split_model
 def test_digits_shapes_and_layout():
     model = build_model("resnet-gn-skip", input_shape=(64,), num_classes=10, seed=0)
     assert isinstance(model, ResNetGNSkip) and not isinstance(model, nn.Sequential)
-    assert [n for n, _ in model.named_children()] == ["unflatten", "stem", "stem_norm", "layer1", "layer2", "pool", "head"]
+    names = [n for n, _ in model.named_children()]
+    assert names == ["unflatten", "stem", "stem_norm", "layer1", "layer2", "pool", "head"]
     assert model(torch.rand(5, 64)).shape == (5, 10)
     assert sum(p.numel() for p in model.parameters()) == 43098
     assert not find_batchnorm(model)

@@ -56,7 +56,8 @@ def check_transparent(model: nn.Module, staged, x, y) -> None:
 
 
 def resnet() -> nn.Module:
-    return build_model("resnet-gn-skip:blocks=2/2,channels=8,groups=2", input_shape=(64,), num_classes=10, seed=0).double()
+    spec = "resnet-gn-skip:blocks=2/2,channels=8,groups=2"
+    return build_model(spec, input_shape=(64,), num_classes=10, seed=0).double()
 
 
 def gpt(**options) -> nn.Module:

@@ -260,5 +260,6 @@ def load_text(
     corpus = stdlib_corpus() if source == "stdlib" else _file_corpus(str(source))
     cut = corpus.train_size
     tokens = {"train": corpus.tokens[:cut], "all": corpus.tokens}.get(split, corpus.tokens[cut:])
-    name = f"text:{'stdlib' if source == 'stdlib' else os.path.basename(str(source))}:{'test' if split == 'val' else split}"
+    label = "stdlib" if source == "stdlib" else os.path.basename(str(source))
+    name = f"text:{label}:{'test' if split == 'val' else split}"
     return TextBlocks(tokens, corpus.vocab, block_size, min_length=min_length, name=name)

@@ -1,4 +1,4 @@
-"""`--model` specs to modules: built-ins (`mlp`, `resmlp`, `resnet-gn`, `resnet-gn-skip`, `gpt`) and `PKG.MOD:FACTORY`."""
+"""`--model` specs to modules: the built-in models and `PKG.MOD:FACTORY`."""
 
 from __future__ import annotations
 
