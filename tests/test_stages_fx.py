@@ -310,6 +310,8 @@ def test_costs_move_the_cut():
     assert len(split_model(model, stages=3, costs=times)) == 3
     with pytest.raises(ConfigError, match="overlap"):
         split_model(model, stages=2, costs={"blocks.0": 1, "blocks.0.attn": 1})
+    with pytest.raises(ConfigError, match="costs only guide an automatic split"):
+        split_model(model, split_at=["blocks.1"], costs={"head": 1})
     with pytest.raises(ConfigError, match="cost key 'blok'"):
         split_model(model, stages=2, costs={"blok": 1})
 

@@ -163,6 +163,8 @@ def split_model(
              if value is not None and (value or name != "--split-at")]
     if len(given) > 1:
         raise ConfigError(f"give only one of --balance, --split-at and --plan, not {' and '.join(given)}")
+    if costs is not None and (given or stages is None):
+        raise ConfigError("costs only guide an automatic split: give them with --stages S (and no split points)")
     if split_at is not None and isinstance(split_at, str):
         split_at = [n for n in split_at.split(",") if n]
     traced = not isinstance(model, nn.Sequential) or plan is not None or bool(leaf_modules) or bool(concrete_args)
