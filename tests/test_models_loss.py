@@ -34,7 +34,7 @@ def test_accuracy_counts():
 def test_loss_for_uses_a_models_own_loss():
     assert loss_for(nn.Linear(2, 2)) is cross_entropy and loss_for() is cross_entropy
     model = nn.Linear(2, 2)
-    model.loss_fn = F.mse_loss
+    model.pipeline_loss = F.mse_loss
     assert loss_for(model) is F.mse_loss
 
 

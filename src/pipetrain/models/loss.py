@@ -50,11 +50,13 @@ def accuracy_counts(output: torch.Tensor, target: torch.Tensor) -> tuple[int, in
 
 
 def loss_for(model: nn.Module | None = None) -> LossFn:
-    """The loss to train ``model`` with: its ``loss_fn`` attribute if it has one, else
-    :func:`cross_entropy` (right for every built-in model)."""
-    custom = getattr(model, "loss_fn", None)
+    """The loss to train ``model`` with: its ``pipeline_loss`` attribute if it has one (a user
+    model declares its own loss that way), else :func:`cross_entropy` (every built-in model)."""
+    custom = getattr(model, "pipeline_loss", None)
     if custom is not None:
         if not callable(custom):
-            raise ConfigError(f"{type(model).__name__}.loss_fn must be callable as loss_fn(output, target)")
+            raise ConfigError(
+                f"{type(model).__name__}.pipeline_loss must be callable as pipeline_loss(output, target)"
+            )
         return custom
     return cross_entropy
