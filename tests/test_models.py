@@ -84,7 +84,9 @@ def test_seeded_init_is_deterministic_and_leaves_global_rng():
     assert torch.equal(d[0][0].weight, e[0][0].weight)
 
 
-@pytest.mark.parametrize("spec", ["mlp", "resmlp:depth=3", "resmlp:depth=3,norm=layer", "resnet-gn:depth=2"])
+@pytest.mark.parametrize(
+    "spec", ["mlp", "resmlp:depth=3", "resmlp:depth=3,norm=layer", "resnet-gn:depth=2", "resnet-gn-skip:blocks=1/1"]
+)
 def test_per_sample_arithmetic(spec):
     """No statistics across samples: a batch gives the rows its samples give alone."""
     model = build_model(spec, input_shape=(64,), num_classes=10, seed=0)
@@ -115,7 +117,7 @@ def test_option_errors(spec, word):
 
 
 def test_registry_names():
-    assert set(MODELS) == {"mlp", "resmlp", "resnet-gn"}
+    assert set(MODELS) == {"mlp", "resmlp", "resnet-gn", "resnet-gn-skip", "gpt"}
 
 
 FACTORY = """

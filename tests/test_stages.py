@@ -114,11 +114,12 @@ def test_more_stages_than_modules():
     assert "5 top-level modules" in str(info.value) and "--stages 5 or fewer" in str(info.value)
 
 
-def test_non_sequential_needs_explicit_stages():
+def test_non_sequential_is_traced():
     with pytest.raises(ConfigError) as info:
         split_model(nn.Linear(3, 3), stages=2)
-    message = str(info.value)
-    assert "not an nn.Sequential" in message and "list of stage modules" in message and "--split-at" in message
+    assert "--stages 1 or fewer" in str(info.value)
+    with pytest.raises(ConfigError, match="--split-at NAME"):
+        split_model(nn.Linear(3, 3))
 
 
 def test_stages_disagreeing_with_balance_and_no_instruction():
@@ -135,8 +136,12 @@ def test_split_at_top_level_names():
     assert staged.balance == [3, 2]
     with pytest.raises(ConfigError, match="first module"):
         split_model(whole, split_at=["0"])
-    with pytest.raises(ConfigError, match="not supported yet"):
-        split_model(whole, split_at=["2.0"])
+    nested = split_model(whole, split_at=["2.0"])  # inside a unit: traced, same cut here
+    assert nested.split_at == ["2.0"] and nested.balance is None
+    x = torch.rand(2, 64, dtype=torch.float64)
+    assert torch.equal(nested(x), whole(x))
+    with pytest.raises(ConfigError, match="did you mean '2'"):
+        balance_from_split_at(whole, ["2 "])
     with pytest.raises(ConfigError, match="in model order"):
         split_model(whole, split_at=["3", "2"])
 

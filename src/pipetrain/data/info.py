@@ -37,10 +37,11 @@ def check_sample(sample: object, where: str = "data set") -> tuple[torch.Tensor,
     if not isinstance(x, torch.Tensor):
         raise ConfigError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
     y = torch.as_tensor(y)
-    if y.dtype.is_floating_point or y.dtype == torch.bool or y.dim() != 0:
+    if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
         raise ConfigError(
-            f"{where}: y must be an integer class label (a Python int or a 0-d integer tensor), "
-            f"got a {tuple(y.shape)} tensor of {y.dtype}"
+            f"{where}: y must be an integer class label (a Python int or a 0-d integer tensor), or "
+            f"an integer tensor of labels per position (e.g. next tokens); got a {tuple(y.shape)} "
+            f"tensor of {y.dtype}"
         )
     return x, y
 
@@ -79,13 +80,20 @@ def dataset_info(dataset: Dataset) -> DataInfo:
 def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack the samples ``indices`` of ``dataset`` into ``(x, y)`` with a leading batch dimension.
 
-    A data set of two tensors (built-ins, TensorDataset) is indexed in one operation; any other is
+    A data set with a ``batch(indices) -> (x, y)`` method builds the batch itself (``text``: it
+    gathers the windows and, with ``min_length``, cuts the batch to a length drawn from the
+    indices; build each update's whole batch with one call, then split it into microbatches). A
+    data set of two tensors (built-ins, TensorDataset) is indexed in one operation; any other is
     read sample by sample. Labels come back as int64.
     """
     index = torch.as_tensor(indices, dtype=torch.int64)
     while isinstance(dataset, Subset):
         index = torch.as_tensor(dataset.indices, dtype=torch.int64)[index]
         dataset = dataset.dataset
+    batch = getattr(dataset, "batch", None)
+    if callable(batch):
+        x, y = batch(index)
+        return x, y.to(torch.int64)
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) == 2:
         return tensors[0][index], tensors[1][index].to(torch.int64)

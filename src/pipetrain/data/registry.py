@@ -1,4 +1,4 @@
-"""`--data` specs to data sets: built-ins (`digits`, `synthetic`) and `PKG.MOD:FACTORY`."""
+"""`--data` specs to data sets: built-ins (`digits`, `synthetic`, `text`) and `PKG.MOD:FACTORY`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch.utils.data import Dataset, Subset
 from pipetrain.data.digits import load_digits
 from pipetrain.data.info import check_sample
 from pipetrain.data.synthetic import load_synthetic
+from pipetrain.data.text import load_text
 from pipetrain.errors import ConfigError
 from pipetrain.spec import Spec, call_factory, parse_spec, resolve_factory
 
@@ -20,6 +21,7 @@ __all__ = ["DATASETS", "DEFAULT_TEST_FRACTION", "load_dataset", "load_train_test
 DATASETS: dict[str, Callable[..., Dataset]] = {
     "digits": load_digits,
     "synthetic": load_synthetic,
+    "text": load_text,
 }
 
 #: share of a user data set held out by :func:`load_train_test` when its factory has no ``split``.
@@ -47,7 +49,8 @@ def load_dataset(spec: str | Spec, **overrides: Any) -> Dataset:
     """The data set named by ``spec`` (options in ``overrides`` win over those in the spec).
 
     ``digits`` is the 1437-sample train split (``digits:split=test`` the 360-sample test split,
-    ``digits:split=all`` all 1797); ``synthetic:features=N,classes=C,samples=K,seed=S``; or
+    ``digits:split=all`` all 1797); ``synthetic:features=N,classes=C,samples=K,seed=S``;
+    ``text:source=stdlib,block_size=64[,min_length=L]`` (next-character pairs); or
     ``PKG.MOD:FACTORY[:k=v,...]`` returning a Dataset of ``(x, y)`` pairs.
     """
     spec = _spec(spec)

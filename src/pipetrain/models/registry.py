@@ -1,4 +1,4 @@
-"""`--model` specs to modules: built-ins (`mlp`, `resmlp`, `resnet-gn`) and `PKG.MOD:FACTORY`."""
+"""`--model` specs to modules: the built-in models and `PKG.MOD:FACTORY`."""
 
 from __future__ import annotations
 
@@ -9,18 +9,24 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 from pipetrain.models.common import input_features
+from pipetrain.models.gpt import gpt
 from pipetrain.models.mlp import mlp
 from pipetrain.models.resmlp import resmlp
 from pipetrain.models.resnet import resnet_gn
+from pipetrain.models.resnet_skip import resnet_gn_skip
 from pipetrain.spec import Spec, call_factory, parse_spec, resolve_factory
 
 __all__ = ["MODELS", "build_model"]
 
-#: built-in model name -> builder ``(input_shape, num_classes, **options) -> nn.Sequential``.
+#: built-in model name -> builder ``(input_shape, num_classes, **options) -> nn.Module``.
+#: ``mlp``, ``resmlp``, ``resnet-gn`` are ``nn.Sequential`` s of pipeline units; ``resnet-gn-skip``
+#: and ``gpt`` are ordinary modules, cut by tracing.
 MODELS: dict[str, Callable[..., nn.Module]] = {
+    "gpt": gpt,
     "mlp": mlp,
     "resmlp": resmlp,
     "resnet-gn": resnet_gn,
+    "resnet-gn-skip": resnet_gn_skip,
 }
 
 

@@ -1,10 +1,14 @@
 """Cutting models into pipeline stages and mapping stage state dicts back to the whole model."""
 
+from pipetrain.stages.costs import measure_node_costs
 from pipetrain.stages.partition import balance_by_params, check_balance, parameter_counts, partition_min_max
+from pipetrain.stages.points import Plan, normalize_plan
 from pipetrain.stages.split import balance_from_split_at, from_stages, split_model
 from pipetrain.stages.staged import StagedModel, StageSequential, call_stage, run_stages
+from pipetrain.stages.trace import trace_model
 
 __all__ = [
+    "Plan",
     "StageSequential",
     "StagedModel",
     "balance_by_params",
@@ -12,8 +16,11 @@ __all__ = [
     "call_stage",
     "check_balance",
     "from_stages",
+    "measure_node_costs",
+    "normalize_plan",
     "parameter_counts",
     "partition_min_max",
     "run_stages",
     "split_model",
+    "trace_model",
 ]

@@ -1,21 +1,40 @@
-"""Cutting a model into stages: by balance, by parameter count, at named modules, or as given."""
+"""Cutting a model into stages: by balance, by cost, at named modules, by a plan, or as given."""
 
 from __future__ import annotations
 
+import difflib
 from collections import OrderedDict
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from torch import nn
 
 from pipetrain.errors import ConfigError
-from pipetrain.stages.partition import balance_by_params, check_balance
+from pipetrain.stages.cut import cut_graph
+from pipetrain.stages.nodes import ModulePositions, positioned_nodes
+from pipetrain.stages.partition import balance_by_params, check_balance, parameter_counts, partition_min_max
+from pipetrain.stages.points import (
+    Plan,
+    cost_weights,
+    parameter_weights,
+    pipeline_units,
+    starts_by_weight,
+    starts_from_plan,
+    starts_from_split_at,
+)
 from pipetrain.stages.staged import StagedModel, StageSequential
+from pipetrain.stages.trace import trace_model
 
 __all__ = ["balance_from_split_at", "from_stages", "split_model"]
 
 
-def _key_maps(stages: Sequence[nn.Module], model: nn.Module) -> tuple[list[dict[str, str]], list[str], dict[str, str]]:
-    """Match stage state-dict entries to the model's by tensor identity."""
+def _key_maps(
+    stages: Sequence[nn.Module], model: nn.Module, *, allow_unused: bool = False
+) -> tuple[list[dict[str, str]], list[str], dict[str, str], list[str]]:
+    """Match stage state-dict entries to the model's by tensor identity.
+
+    Returns the key maps, the model's keys, the aliases (further keys of tied tensors) and the
+    model keys no stage holds (an error unless ``allow_unused``).
+    """
     model_state = model.state_dict(keep_vars=True)
     owner: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -39,12 +58,12 @@ def _key_maps(stages: Sequence[nn.Module], model: nn.Module) -> tuple[list[dict[
             covered.add(target)
         key_map.append(mapping)
     uncovered = [k for k in owner.values() if k not in covered]
-    if uncovered:
+    if uncovered and not allow_unused:
         raise ConfigError(
             f"the stages leave out {len(uncovered)} parameter(s)/buffer(s) of the model, e.g. "
             f"{uncovered[:3]}: every module with state must belong to a stage"
         )
-    return key_map, list(model_state), aliases
+    return key_map, list(model_state), aliases, uncovered
 
 
 def from_stages(stages: Sequence[nn.Module], model: nn.Module | None = None) -> StagedModel:
@@ -55,7 +74,7 @@ def from_stages(stages: Sequence[nn.Module], model: nn.Module | None = None) -> 
         raise ConfigError("stages must be a non-empty list of nn.Module")
     if model is None:
         model = nn.Sequential(*stages)
-    key_map, model_keys, aliases = _key_maps(stages, model)
+    key_map, model_keys, aliases, _ = _key_maps(stages, model)
     return StagedModel(stages, key_map, model_keys, None, aliases)
 
 
@@ -66,12 +85,12 @@ def balance_from_split_at(model: nn.Sequential, names: Sequence[str]) -> list[in
     cuts: list[int] = []
     for name in names:
         if name not in position:
-            nested = "." in name
+            close = difflib.get_close_matches(name, children, n=3)
             raise ConfigError(
-                f"--split-at {name!r}: "
-                + ("cutting inside a top-level module is not supported yet; " if nested else "")
-                + f"name top-level modules of the model: {', '.join(children[:12])}"
-                + (" ..." if len(children) > 12 else "")
+                f"--split-at {name!r}: the model has no top-level module of that name"
+                + (f"; did you mean {' or '.join(map(repr, close))}?" if close else "")
+                + f" (top-level modules: {', '.join(children[:12])}"
+                + (" ...)" if len(children) > 12 else ")")
             )
         cuts.append(position[name])
     if cuts != sorted(set(cuts)):
@@ -82,39 +101,84 @@ def balance_from_split_at(model: nn.Sequential, names: Sequence[str]) -> list[in
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
+def _sequential_weights(model: nn.Sequential, costs: Mapping[str, float] | None) -> list[int] | list[float]:
+    if costs is None:
+        return parameter_counts(model)
+    children = [name for name, _ in model.named_children()]
+    weights = [0.0] * len(children)
+    for key, value in costs.items():
+        head = key.split(".")[0]
+        if head not in children:
+            close = difflib.get_close_matches(key, children, n=3)
+            raise ConfigError(
+                f"cost key {key!r} names no module of the model"
+                + (f"; did you mean {' or '.join(map(repr, close))}?" if close else "")
+                + f" (its units are {', '.join(children[:12])})"
+            )
+        weights[children.index(head)] += float(value)
+    return weights
+
+
+def _is_top_level(model: nn.Sequential, names: Sequence[str]) -> bool:
+    children = {name for name, _ in model.named_children()}
+    return all(name in children for name in names)
+
+
 def split_model(
     model: nn.Module | Sequence[nn.Module],
     *,
     stages: int | None = None,
     balance: Sequence[int] | None = None,
     split_at: Sequence[str] | None = None,
+    plan: Plan | None = None,
+    costs: Mapping[str, float] | None = None,
+    leaf_modules: Sequence[str | type] = (),
+    concrete_args: Mapping[str, Any] | None = None,
 ) -> StagedModel:
-    """Cut ``model`` into a :class:`StagedModel`.
+    """Cut ``model`` into a :class:`StagedModel`. Say how with one of:
 
-    * an ``nn.Sequential`` by ``balance`` (modules per stage), by ``split_at`` (each named
-      top-level module starts a stage), or into ``stages`` stages of near-equal parameter count
-      (see :func:`~pipetrain.stages.partition.balance_by_params`); give exactly one of the three
-      (``stages`` may accompany the others if it agrees with them);
-    * a list of modules is taken as the stages themselves.
+    * ``split_at=[names]``: each named module (qualified, e.g. ``layer2``, ``blocks.3.attn``) is
+      the first of a new stage;
+    * ``plan``: the modules of every stage (see :mod:`pipetrain.stages.points` for the forms);
+    * ``stages=S``: S stages of near-equal cost, by parameter count or by ``costs`` (per fx node
+      name or per module name, e.g. measured times; see :func:`measure_node_costs`);
+    * ``balance=[...]``: module counts per stage, for an ``nn.Sequential`` only.
+
+    (``stages`` may accompany the others when it agrees.) An ``nn.Sequential`` cut at top-level
+    modules gives :class:`StageSequential` stages; any other model, or a cut inside a top-level
+    module, is traced with torch.fx (:func:`~pipetrain.stages.trace.trace_model`, which takes
+    ``leaf_modules`` and ``concrete_args``) and cut into GraphModule stages that hand on every value
+    a later stage needs. A list of modules is taken as the stages themselves.
     """
     if isinstance(model, (list, tuple)):
-        if (stages is not None and stages != len(model)) or balance is not None or split_at:
+        if (stages is not None and stages != len(model)) or balance is not None or split_at or plan or costs:
             raise ConfigError(
-                f"the model is given as {len(model)} stage modules; drop --balance/--split-at "
+                f"the model is given as {len(model)} stage modules; drop --balance/--split-at/--plan "
                 f"and use --stages {len(model)} (or leave it out)"
             )
         return from_stages(model)
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(
-            f"cannot cut a {type(model).__name__} into stages automatically: it is not an "
-            f"nn.Sequential. Return a list of stage modules (or an nn.Sequential of pipeline units) "
-            f"from your model factory, or use --split-at once it supports arbitrary models"
-        )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"cannot split a {type(model).__name__}: give an nn.Module or a list of stage modules")
+    given = [name for name, value in (("--balance", balance), ("--split-at", split_at), ("--plan", plan))
+             if value is not None and (value or name != "--split-at")]
+    if len(given) > 1:
+        raise ConfigError(f"give only one of --balance, --split-at and --plan, not {' and '.join(given)}")
+    if costs is not None and (given or stages is None):
+        raise ConfigError("costs only guide an automatic split: give them with --stages S (and no split points)")
+    if split_at is not None and isinstance(split_at, str):
+        split_at = [n for n in split_at.split(",") if n]
+    traced = not isinstance(model, nn.Sequential) or plan is not None or bool(leaf_modules) or bool(concrete_args)
+    traced = traced or (bool(split_at) and not _is_top_level(model, split_at))  # type: ignore[arg-type]
+    if traced:
+        if balance is not None:
+            raise ConfigError(
+                f"--balance counts the top-level modules of an nn.Sequential; {type(model).__name__} "
+                f"is cut by tracing: use --stages S, --split-at NAMES or --plan"
+            )
+        return _split_traced(model, stages, split_at, plan, costs, leaf_modules, concrete_args)
     n = len(model)
-    if balance is not None and split_at:
-        raise ConfigError("give either --balance or --split-at, not both")
     if split_at:
-        balance = balance_from_split_at(model, split_at)
+        balance = balance_from_split_at(model, split_at)  # type: ignore[arg-type]
     if balance is not None:
         balance = check_balance(balance, n)
         if stages is not None and stages != len(balance):
@@ -123,14 +187,60 @@ def split_model(
                 f"{'--split-at' if split_at else '--balance'}; drop one of them"
             )
     elif stages is not None:
-        balance = balance_by_params(model, stages)
+        if costs is None:
+            balance = balance_by_params(model, stages)
+        else:
+            balance_by_params(model, stages)  # the same checks and messages
+            weights = _sequential_weights(model, costs)
+            total = sum(weights)
+            balance = partition_min_max([int(round(w * 1e9 / total)) if total else 0 for w in weights], stages)
     else:
-        raise ConfigError("say how to cut the model: --stages S, --balance a,b,... or --split-at NAME,...")
+        raise ConfigError(
+            "say how to cut the model: --stages S, --balance a,b,..., --split-at NAME,... or --plan"
+        )
     children = list(model.named_children())
     parts: list[nn.Module] = []
     start = 0
     for count in balance:
         parts.append(StageSequential(OrderedDict(children[start : start + count])))
         start += count
-    key_map, model_keys, aliases = _key_maps(parts, model)
+    key_map, model_keys, aliases, _ = _key_maps(parts, model)
     return StagedModel(parts, key_map, model_keys, list(balance), aliases)
+
+
+def _split_traced(
+    model: nn.Module,
+    stages: int | None,
+    split_at: Sequence[str] | None,
+    plan: Plan | None,
+    costs: Mapping[str, float] | None,
+    leaf_modules: Sequence[str | type],
+    concrete_args: Mapping[str, Any] | None,
+) -> StagedModel:
+    traced = trace_model(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    nodes = positioned_nodes(traced.graph)
+    positions = ModulePositions.of(nodes)
+    if plan is not None:
+        starts, names = starts_from_plan(model, nodes, positions, plan)
+        what = "--plan"
+    elif split_at:
+        starts, names = starts_from_split_at(model, nodes, positions, split_at)
+        what = "--split-at"
+    elif stages is not None:
+        weights = parameter_weights(model, nodes) if costs is None else cost_weights(model, nodes, positions, costs)
+        units = pipeline_units(model, positions, at_least=stages)
+        starts, names = starts_by_weight(
+            nodes, positions, units, weights, stages, "parameter count" if costs is None else "cost"
+        )
+        what = ""
+    else:
+        raise ConfigError("say how to cut the model: --stages S, --split-at NAME,... or --plan")
+    if what and stages is not None and stages != len(starts) + 1:
+        raise ConfigError(
+            f"--stages {stages} disagrees with the {len(starts) + 1} stages of {what}; drop one of them"
+        )
+    parts, boundaries = cut_graph(traced, model, starts)
+    key_map, model_keys, aliases, unused = _key_maps(parts, model, allow_unused=True)
+    state = model.state_dict(keep_vars=True)
+    frozen = {key: state[key].detach() for key in unused}
+    return StagedModel(parts, key_map, model_keys, None, aliases, list(names), boundaries, frozen)

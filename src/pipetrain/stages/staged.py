@@ -57,6 +57,12 @@ class StagedModel:
     key of a tensor the unsplit model holds under several names (tied weights) to the key it
     shares it with. ``balance`` is the module count per stage when cut from an ``nn.Sequential``.
     Stages share their modules with the model they were cut from (nothing is copied).
+
+    A model cut by tracing (torch.fx) also records ``split_at``, the module that starts each
+    stage after the first (``split_model(model, split_at=...)`` with these names cuts it the same
+    way again), ``boundaries[b]``, the names of the values stage ``b`` hands to stage ``b + 1``,
+    and ``unused``, state of modules that ``forward`` never calls (no stage holds it; it is saved
+    unchanged by :meth:`merge_state_dict`).
     """
 
     stages: list[nn.Module]
@@ -64,6 +70,9 @@ class StagedModel:
     model_keys: list[str]
     balance: list[int] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
+    split_at: list[str] | None = None
+    boundaries: list[list[str]] | None = None
+    unused: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -74,6 +83,20 @@ class StagedModel:
     def parameter_counts(self) -> list[int]:
         """Parameter elements per stage."""
         return [sum(p.numel() for p in stage.parameters()) for stage in self.stages]
+
+    def summary(self) -> str:
+        """One line per stage: parameter count, first module, and the values it receives."""
+        lines = []
+        counts = self.parameter_counts()
+        for s, count in enumerate(counts):
+            start = "" if self.split_at is None else (f" from {self.split_at[s - 1]}" if s else " from the input")
+            inputs = ""
+            if self.boundaries is not None and s:
+                inputs = f"  inputs: {', '.join(self.boundaries[s - 1])}"
+            elif self.balance is not None:
+                inputs = f"  units: {self.balance[s]}"
+            lines.append(f"stage {s}: {count:>9} parameters{start}{inputs}")
+        return "\n".join(lines)
 
     def merge_state_dict(self, stage_state_dicts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One state dict, loadable with ``strict=True`` by the unsplit model, from one per stage.
@@ -95,6 +118,7 @@ class StagedModel:
                 )
             for key, value in state.items():
                 merged[mapping[key]] = value
+        merged.update(self.unused)
         for key, target in self.aliases.items():
             merged[key] = merged[target]
         return {key: merged[key] for key in self.model_keys}
