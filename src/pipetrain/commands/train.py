@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     result = train(config)
     if result is None:  # a worker process of the distributed runtime: rank 0 reports
+        _finish_if_worker()
         return 0
     line = (
         f"{result.schedule}: {result.updates} steps on {result.workers} "
@@ -127,4 +128,20 @@ def run(args: argparse.Namespace) -> int:
                        ("plot", config.plot)):
         if path:
             print(f"wrote {flag}: {path}")
+    _finish_if_worker()
     return 0
+
+
+def _finish_if_worker() -> None:
+    """A worker started by torchrun leaves the process group and exits here (see
+    :func:`pipetrain.runtime.launch.finish_worker`)."""
+    if config_is_worker():
+        from pipetrain.runtime.launch import finish_worker
+
+        finish_worker()
+
+
+def config_is_worker() -> bool:
+    import os
+
+    return "TORCHELASTIC_RUN_ID" in os.environ

@@ -448,8 +448,16 @@ def _worker_main() -> None:
     _finish_worker()
 
 
+def finish_worker() -> None:
+    """Public name of :func:`_finish_worker` for workers started by torchrun."""
+    _finish_worker()
+
+
 def _finish_worker() -> None:
-    """Leave the process group cleanly so that no peer sees a reset for a normal exit."""
+    """Leave the process group cleanly so that no peer sees a reset for a normal exit, then end
+    the process without running interpreter finalisation: destroying torch.distributed's C++
+    objects (pending p2p work, store clients) at interpreter exit intermittently aborted a worker
+    ("terminate called without an active exception") after its work was done."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -459,3 +467,6 @@ def _finish_worker() -> None:
             dist.destroy_process_group()
     except Exception:
         pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -15,9 +15,14 @@ def train(config: TrainConfig) -> TrainResult | None:
             from pipetrain.errors import ConfigError
 
             raise ConfigError("checkpoints are written by the distributed runtime: use --executor distributed")
+        import torch
+
         from pipetrain.emulate.train import train_emulated
         from pipetrain.training.setup import prepare
 
+        # the same thread count as a runtime worker: matrix kernels then round the same way,
+        # and the emulator's parameters equal the runtime's bitwise
+        torch.set_num_threads(config.threads_per_worker)
         run = prepare(config)
         result = train_emulated(run)
         write_outputs(config, result, run.model.state_dict())
