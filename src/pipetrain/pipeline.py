@@ -37,7 +37,8 @@ class Pipeline:
 
     Args:
         model: an ``nn.Sequential`` (cut by ``balance`` or into ``stages`` of near-equal parameter
-            count) or a list of stage modules.
+            count), any ``nn.Module`` torch.fx can trace (cut at ``split_at`` module names, or into
+            ``stages``), or a list of stage modules.
         schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb.
         microbatches: units per update (microbatches per step; pipedream/pb: minibatches/samples
             accumulated per update, default 1).
@@ -54,6 +55,7 @@ class Pipeline:
         *,
         balance: Sequence[int] | None = None,
         stages: int | None = None,
+        split_at: Sequence[str] | None = None,
         schedule: str = "1f1b",
         microbatches: int | None = None,
         loss_fn: Callable[[Any, Tensor], Tensor] | None = None,
@@ -68,7 +70,7 @@ class Pipeline:
         from pipetrain.training.setup import default_loss
 
         self.schedule_name = resolve_name(schedule)
-        self.staged = split_model(model, stages=stages, balance=balance)
+        self.staged = split_model(model, stages=stages, balance=balance, split_at=split_at)
         self.model = model
         asynchronous = self.schedule_name in ASYNCHRONOUS and self.schedule_name != "2bw"
         self.microbatches = microbatches if microbatches is not None else (1 if asynchronous else 4)

@@ -68,6 +68,7 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     steady = _steady_rate(run, timeline)
     if steady is not None:
         extra["steady_samples_per_s"] = steady
+    extra["update_seconds"] = _last_stage_updates(timeline)  # loss curves against wall time
     return TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,
@@ -85,15 +86,22 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     )
 
 
-def _steady_rate(run: Any, timeline: Any, skip: float = 0.25) -> float | None:
-    """Samples/s after the first ``skip`` of the updates (start-up excluded): from the end times of
-    the last stage's updates (its STEP actions) in the measured timeline."""
+def _last_stage_updates(timeline: Any) -> list[float]:
+    """End times of the last stage's updates (its first replica's STEP actions)."""
     from pipetrain.schedule.ir import Kind
 
     schedule = timeline.schedule
     last = schedule.num_stages - 1
     rank = schedule.stage_ranks[last][0]
-    ends = [end for action, _, end in timeline.spans(rank) if action.kind is Kind.STEP and action.stage == last]
+    return [end for action, _, end in timeline.spans(rank) if action.kind is Kind.STEP and action.stage == last]
+
+
+def _steady_rate(run: Any, timeline: Any, skip: float = 0.25) -> float | None:
+    """Samples/s after the first ``skip`` of the updates (start-up excluded): from the end times of
+    the last stage's updates (its STEP actions) in the measured timeline."""
+    schedule = timeline.schedule
+    last = schedule.num_stages - 1
+    ends = _last_stage_updates(timeline)
     first = int(len(ends) * skip)
     if len(ends) - first < 2 or ends[-1] <= ends[first]:
         return None
