@@ -50,7 +50,7 @@ def train_emulated(run: Run) -> TrainResult:
         emulator.run(losses, cuts=cuts)
     finally:
         progress.close()
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started - emulator.paused
     for executor in first_replicas:
         executor.write_back()
     if len(held_out) and not run.config.eval_every:

@@ -98,6 +98,7 @@ class RankRunner:
         self.last_stage = schedule.num_stages - 1
         self.losses: dict[int, float] = {}
         self.evaluations: list[dict[str, float]] = []
+        self.paused = 0.0  # seconds spent in hooks (evaluation, checkpoints), left out of timings
         self.starts = [0.0] * len(self.program)
         self.ends = [0.0] * len(self.program)
         self._releases = version_release_points(self.program)
@@ -177,8 +178,12 @@ class RankRunner:
         hooks = at_positions or {}
         program = self.program
         for pc in range(self.start, len(program)):
-            if pc in hooks:
+            if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
+                paused = clock()
                 hooks[pc]()
+                paused = clock() - paused
+                origin += paused
+                self.paused += paused
             action = program[pc]
             kind, stage, k, version, peer = action
             starts[pc] = clock() - origin
@@ -235,7 +240,9 @@ class RankRunner:
                 self._reap_sends()
             ends[pc] = clock() - origin
         if len(program) in hooks:
+            paused = clock()
             hooks[len(program)]()
+            self.paused += clock() - paused
         while self._sends:
             self._sends.popleft().wait()
         return self.losses

@@ -118,7 +118,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
         if progress:
             progress.progress.close()
         status.close()
-    seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started - runner.paused
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
     _collective("the final barrier", dist.barrier)

@@ -37,6 +37,7 @@ class TrainConfig:
     shuffle: bool = True
     dtype: str = "float32"
     eval_every: int = 0
+    eval_samples: int | None = None  # held-out samples evaluated (default: all)
     save: str | None = None
     report_json: str | None = None
     trace: str | None = None

@@ -22,6 +22,8 @@ class EvalBatches:
         self.dtype = run.dtype
         self.size = batch_size or max(run.layout.batch_size, 64)
         self.total = 0 if self.dataset is None else len(self.dataset)
+        if run.config.eval_samples is not None:
+            self.total = min(self.total, run.config.eval_samples)
 
     def __len__(self) -> int:
         return -(-self.total // self.size)
