@@ -202,3 +202,28 @@ def test_dead_peer_is_reported_quickly():
     assert "lost rank 0" in message and "RECV_B of microbatch 0 from rank 0" in message
     assert "died or exited" in message
     assert elapsed < 10.0  # far below the 30 s timeout
+
+
+def _collective_worker():
+    import torch.distributed as dist
+
+    from pipetrain.runtime.errors import PeerTimeoutError
+
+    env = init_distributed("gloo", timeout=LIMIT)
+    m = Messenger(timeout=30)
+    if env.rank == 2:
+        time.sleep(3)  # never joins the all-reduce
+        return None
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    try:
+        m.guard(work, f"SYNC of stage 0 (replica {env.rank})", timeout=1.0)
+    except PeerTimeoutError as error:
+        return str(error)
+    return "no timeout"
+
+
+def test_guarded_collective_times_out_with_the_action_named():
+    result = run(_collective_worker, nprocs=3)
+    for rank in (0, 1):
+        message = result.results[rank]
+        assert f"rank {rank} timed out after 1 s waiting for SYNC of stage 0 (replica {rank})" in message

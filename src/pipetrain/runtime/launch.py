@@ -346,6 +346,12 @@ def _watch(
                 message = f"worker rank {first[0]} {_describe_exit(first[1])}"
                 if first[1] == EXIT_PEER_FAILURE:
                     message += " (it lost a peer or timed out waiting for one)"
+                    finished = [r for r, c in enumerate(codes) if c == 0]
+                    if finished:
+                        message += (
+                            f"; rank(s) {', '.join(map(str, finished))} had already finished "
+                            "normally, before the others (do the programs match?)"
+                        )
                 say(f"{message}; stopping the other workers")
                 say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
                 stop_at = time.monotonic() + grace

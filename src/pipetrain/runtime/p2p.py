@@ -100,6 +100,7 @@ class _Status(Protocol):
     """What the messenger needs from a status board (see :mod:`pipetrain.runtime.status`)."""
 
     waiting: Any
+    peer: int | None
 
     def report(self) -> str: ...
 
@@ -302,29 +303,46 @@ class Messenger:
         """Blocking :meth:`irecv`."""
         return self.irecv(peer, kind, **kwargs).wait()
 
+    def guard(self, work: Any, what: object, timeout: float | None = None) -> None:
+        """Wait on any torch.distributed work (an ``all_reduce(..., async_op=True)`` of a SYNC,
+        say) with this messenger's timeout, status and error messages."""
+        status = self.status
+        if status is not None:
+            status.waiting = what
+            status.peer = None
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            work.wait(datetime.timedelta(seconds=seconds))
+        except RuntimeError as error:
+            raise self._fail(error, str(what), None, seconds) from None
+        finally:
+            if status is not None:
+                status.waiting = None
+
     # -- errors -----------------------------------------------------------------------------------
 
-    def _fail(self, error: RuntimeError, what: str, peer: int, timeout: float) -> CommunicationError:
+    def _fail(self, error: RuntimeError, what: str, peer: int | None, timeout: float) -> CommunicationError:
         text = str(error)
         low = text.lower()
-        if "timed out" in low or "timeout" in low and "closure" not in low:
-            exc: CommunicationError = PeerTimeoutError(
-                f"rank {self.rank} timed out after {timeout:g} s waiting for {what}: rank {peer} "
+        other = "a peer" if peer is None else f"rank {peer}"
+        if "closure" in low:
+            exc: CommunicationError = CommunicationError(
+                f"rank {self.rank} cannot complete {what}: the connection to {other} was closed "
+                "after an earlier timeout"
+            )
+        elif "timed out" in low or "timeout" in low:
+            exc = PeerTimeoutError(
+                f"rank {self.rank} timed out after {timeout:g} s waiting for {what}: {other} "
                 "hangs, is slower than the timeout, or its program never reaches the matching "
                 "action (raise --timeout only if it is merely slow)"
             )
-        elif "closure" in low:
-            exc = CommunicationError(
-                f"rank {self.rank} cannot complete {what}: the connection to rank {peer} was closed "
-                "after an earlier timeout"
-            )
         elif "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
             exc = PeerLostError(
-                f"rank {self.rank} lost rank {peer} while waiting for {what}: the peer process "
+                f"rank {self.rank} lost {other} while waiting for {what}: the peer process "
                 "died or exited early (its own output says why)"
             )
         else:
-            exc = CommunicationError(f"rank {self.rank} failed {what} with rank {peer}: {text}")
+            exc = CommunicationError(f"rank {self.rank} failed {what} with {other}: {text}")
         if self.status is not None:
             try:
                 exc.args = (f"{exc.args[0]}\n{self.status.report()}",)
@@ -425,6 +443,7 @@ class Channel:
         status = messenger.status
         if status is not None:
             status.waiting = what if what is not None else self._what(None, sending)
+            status.peer = self.peer
         try:
             work.wait(self._td if timeout is None else datetime.timedelta(seconds=timeout))
         except RuntimeError as error:

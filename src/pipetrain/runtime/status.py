@@ -86,6 +86,7 @@ class StatusBoard:
         self.recent: deque[object] = deque(maxlen=keep)
         self.done: Callable[[object], None] = self.recent.append
         self.waiting: object = None
+        self.peer: int | None = None  # the rank that ``waiting`` waits for, when one
         self.note: str = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -140,6 +141,7 @@ class StatusBoard:
             "time": time.time(),
             "done": [str(a) for a in list(self.recent)],
             "waiting": None if waiting is None else str(waiting),
+            "peer": None if waiting is None else self.peer,
             "waiting_s": round(now - self._waiting_since, 3) if waiting is not None else 0.0,
             "note": self.note,
         }
@@ -245,4 +247,37 @@ def format_status(
             )
         else:
             lines.append(f"  rank {rank}{note}: {doing}; done: {done}; seen {age:.1f} s ago")
+    lines.extend(_diagnose(records, now, stale_after))
     return "\n".join(lines)
+
+
+def _diagnose(records: dict[int, dict[str, Any]], now: float, stale_after: float) -> list[str]:
+    """Point at the rank the others wait for, and say what it is doing."""
+
+    def stale(rec: dict[str, Any]) -> bool:
+        return now - rec["time"] > stale_after
+
+    waits = {
+        r: rec["peer"]
+        for r, rec in records.items()
+        if rec.get("waiting") is not None and rec.get("peer") is not None and not stale(rec)
+    }
+    out = []
+    for peer in sorted(set(waits.values())):
+        waiters = ", ".join(str(r) for r, p in sorted(waits.items()) if p == peer)
+        rec = records.get(peer)
+        if rec is None:
+            state = "has published no status (it never started, or died at once)"
+        elif stale(rec):
+            state = "is silent: it died or is frozen"
+        elif rec.get("waiting") is None:
+            state = "is busy and not communicating: it hangs in its computation, or is far slower"
+        elif waits.get(peer) is not None and records.get(waits[peer], {}).get("peer") == peer:
+            state = (
+                f"waits for rank {waits[peer]}, which waits for it: the two programs deadlock "
+                "(their sends and receives are not in matching order)"
+            )
+        else:
+            continue  # it waits for someone else: follow the chain from there
+        out.append(f"likely cause: rank {peer} {state} (rank(s) {waiters} wait for it)")
+    return out
