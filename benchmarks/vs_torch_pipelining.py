@@ -15,7 +15,10 @@ pinned one core and one thread each by pipetrain's launcher):
 
 * ``sequential``            one process trains the whole model, microbatch by microbatch: rate R;
 * ``torch ScheduleGPipe``   torch.distributed.pipelining, 2 processes, gloo;
-* ``torch Schedule1F1B``    the same with 1F1B.
+* ``torch Schedule1F1B``    the same with 1F1B;
+* ``hand loop on Messenger``  a hand-written 2-stage training loop (gpipe or 1f1b order) over
+                            pipetrain's ``Messenger``: no executor, no schedule IR; a check that
+                            the transport itself is lean, and a target for the runtime.
 
 Each is printed as samples/s and as a ratio to R, to 2R (two stages without bubbles) and to
 2R*m/(m+1) (the bound of a flushing 2-stage schedule with m microbatches). pipetrain's runtime
@@ -24,7 +27,8 @@ schedules are added as more entries of ``CONTENDERS`` (see the end of this file)
 Usage::
 
     PYTHONPATH=src python benchmarks/vs_torch_pipelining.py [--configs compute-bound,overhead-bound]
-        [--contenders sequential,torch-gpipe,torch-1f1b] [--repeats 2] [--steps N] [--warmup N]
+        [--contenders sequential,torch-gpipe,torch-1f1b,loop-gpipe,loop-1f1b] [--repeats 2]
+        [--steps N] [--warmup N]
 """
 
 from __future__ import annotations
@@ -160,6 +164,86 @@ def torch_1f1b(cfg: Config, steps: int, warmup: int) -> float:
     return _run(_torch_pipelining_worker, cfg, steps, warmup, "1f1b")
 
 
+# -- a hand-written 2-stage loop over pipetrain's Messenger (a check of the transport alone) --------
+
+
+def _messenger_worker(cfg: Config, steps: int, warmup: int, order: str) -> float:
+    """Stage 0 runs all forwards then all backwards (gpipe) or one warm-up forward then
+    alternates (1f1b); stage 1 alternates forward+loss and backward. The next receive is always
+    posted before computing, so communication overlaps compute. No executor, no IR: a lower bound
+    of the overhead pipetrain's runtime can reach."""
+    from pipetrain.runtime.p2p import ACTIVATIONS, GRADIENTS, Messenger
+
+    env = init_distributed("gloo", timeout=600)
+    module = split_model(build_model(cfg), cfg)[env.rank]
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
+    x, y = make_batch(cfg)
+    xs, ys = x.split(cfg.microbatch), y.split(cfg.microbatch)
+    m = cfg.microbatches
+    messenger = Messenger(timeout=600)
+    peer = 1 - env.rank
+    acts, grads = messenger.channel(peer, ACTIVATIONS), messenger.channel(peer, GRADIENTS)
+
+    def step0() -> None:
+        outs: list[torch.Tensor] = []
+        sends = []
+        pending = grads.irecv()
+
+        def forward(k: int) -> None:
+            out = module(xs[k])
+            outs.append(out)
+            sends.append(acts.isend(out, tag=k))
+
+        def backward(k: int) -> None:
+            nonlocal pending
+            g = pending.wait()
+            if k + 1 < m:
+                pending = grads.irecv()
+            outs[k].backward(g)
+            outs[k] = None  # type: ignore[call-overload]
+
+        if order == "gpipe":
+            for k in range(m):
+                forward(k)
+            for k in range(m):
+                backward(k)
+        else:
+            forward(0)
+            for k in range(1, m):
+                forward(k)
+                backward(k - 1)
+            backward(m - 1)
+        for h in sends:
+            h.wait()
+        opt.step()
+        opt.zero_grad()
+
+    def step1() -> None:
+        sends = []
+        pending = acts.irecv()
+        for k in range(m):
+            xk = pending.wait()
+            if k + 1 < m:
+                pending = acts.irecv()
+            xk.requires_grad_(True)
+            (F.cross_entropy(module(xk), ys[k]) / m).backward()
+            sends.append(grads.isend(xk.grad, tag=k))
+        for h in sends:
+            h.wait()
+        opt.step()
+        opt.zero_grad()
+
+    return _timed(step0 if env.rank == 0 else step1, cfg, steps, warmup)
+
+
+def messenger_gpipe(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_messenger_worker, cfg, steps, warmup, "gpipe")
+
+
+def messenger_1f1b(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_messenger_worker, cfg, steps, warmup, "1f1b")
+
+
 def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
     result = launch(worker, args, nprocs, threads_per_worker=1, timeout=900, grace=2.0)
     if result.returncode != 0:
@@ -172,6 +256,8 @@ CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "sequential": ("sequential (1 process)", sequential),
     "torch-gpipe": ("torch ScheduleGPipe", torch_gpipe),
     "torch-1f1b": ("torch Schedule1F1B", torch_1f1b),
+    "loop-gpipe": ("hand loop on Messenger, gpipe", messenger_gpipe),
+    "loop-1f1b": ("hand loop on Messenger, 1f1b", messenger_1f1b),
 }
 
 

@@ -361,7 +361,7 @@ def find_latest(directory: str | os.PathLike[str], *, verify: bool = True) -> Ch
         try:
             return open_checkpoint(path, verify=verify)
         except CheckpointError as error:
-            warnings.warn(f"skipping {path}: {error}; trying an older checkpoint", stacklevel=2)
+            warnings.warn(f"{error}; skipping it for an older checkpoint", stacklevel=2)
     return None
 
 
