@@ -1,22 +1,4 @@
-"""Starting the workers: spawned locally by pipetrain, or started by torchrun on one or many machines.
-
-Locally, :func:`launch` hosts the run's TCPStore itself (on a free port of 127.0.0.1, so there is
-no port race), starts one subprocess per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set, pins each to its own cores, and watches them: when one fails, it prints what every
-rank was doing (from the store it hosts, which outlives any worker), gives the others a few seconds
-to report their own errors, then stops them. Ctrl-C stops every worker. It never waits forever.
-
-Under torchrun the same worker code runs unchanged: :func:`init_distributed` reads the environment
-torchrun sets. For two machines, run on each (node ranks 0 and 1)::
-
-    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
-        -m pipetrain train ...
-
-Workers are subprocesses (not forks) started with ``python -c``: the entry function and its
-arguments are pickled by reference, the parent's ``sys.path`` is passed on, each worker lives in
-its own session (a Ctrl-C reaches only the launcher, which then stops them in order) and dies with
-the launcher (PR_SET_PDEATHSIG), so no worker outlives a killed launcher.
-"""
+"""Starting the workers: spawned locally by pipetrain, or started by torchrun on one or many machines."""
 
 from __future__ import annotations
 
@@ -198,6 +180,23 @@ def launch(
     quiet: bool = False,
 ) -> LaunchResult:
     """Run ``fn(*args)`` in ``nprocs`` local worker processes (ranks 0..nprocs-1) and wait.
+
+    The launcher hosts the run's TCPStore itself (on a free port of 127.0.0.1, so there is
+    no port race), starts one subprocess per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+    MASTER_PORT set, pins each to its own cores, and watches them: when one fails, it prints what every
+    rank was doing (from the store it hosts, which outlives any worker), gives the others a few seconds
+    to report their own errors, then stops them. Ctrl-C stops every worker. It never waits forever.
+
+    Under torchrun the same worker code runs unchanged: :func:`init_distributed` reads the environment
+    torchrun sets. For two machines, run on each::
+
+        torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
+            --rdzv-id JOB worker.py
+
+    Workers are subprocesses (not forks) started with ``python -c``: the entry function and its
+    arguments are pickled by reference, the parent's ``sys.path`` is passed on, each worker lives in
+    its own session (a Ctrl-C reaches only the launcher, which then stops them in order) and dies with
+    the launcher (PR_SET_PDEATHSIG), so no worker outlives a killed launcher.
 
     ``fn`` must be importable by name (a module-level function) and ``args`` picklable. Each
     worker gets ``torch.set_num_threads(threads_per_worker)`` and, with ``pin`` and enough cores,
@@ -446,6 +445,13 @@ def _worker_main() -> None:
         os._exit(EXIT_PEER_FAILURE if isinstance(error, CommunicationError) else EXIT_USER_ERROR)
     except KeyboardInterrupt:
         os._exit(130)
+    except SystemExit as exit_:
+        code = exit_.code
+        if code not in (None, 0):
+            if not isinstance(code, int):
+                print(f"pipetrain worker rank {rank}: {code}", file=sys.stderr, flush=True)
+                code = 1
+            os._exit(code)
     except BaseException:
         traceback.print_exc()
         print(f"pipetrain worker rank {rank}: failed (traceback above)", file=sys.stderr, flush=True)

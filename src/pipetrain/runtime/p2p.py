@@ -1,31 +1,4 @@
-"""Asynchronous point-to-point transfer of tensors and tuples of tensors, with timeouts.
-
-Why not plain ``dist.isend``: a receiver must know the size of what comes, stages pass tuples, the
-last microbatch may be smaller, and a rank waiting forever on a dead peer is the worst failure of a
-pipeline. A :class:`Messenger` sends any tensor or tuple of tensors as **one message**: a small
-header (sequence number, a user tag such as the microbatch, a few user integers, dtypes and
-shapes) followed by the tensor bytes. Sender and receiver track, per channel, the size of the next
-message; only when it changes does the sender first send a short control message announcing the new
-size (two messages once, then one again). Every wait has a timeout and turns gloo's errors into a
-:class:`~pipetrain.runtime.errors.PeerTimeoutError` or
-:class:`~pipetrain.runtime.errors.PeerLostError` that names what was being waited for.
-
-Wire format of a data message (int64 words, then the tensors, each padded to 16 bytes)::
-
-    MAGIC|DATA  seq  total_bytes  header_words  tag  n_info  info[0..3]  form  n_tensors
-    (dtype_code  ndim  dim_0 .. dim_ndim-1) per tensor   [0 to make the header 16-byte aligned]
-    tensor 0 bytes [pad] tensor 1 bytes [pad] ...
-
-A control message has exactly the size the receiver expects and holds
-``MAGIC|CONTROL seq next_total next_header_words``. The receiver's buffers are returned as views,
-without a copy; the sender copies once, into the message.
-
-Channels are (peer, kind): each kind (``"act"``, ``"grad"``, ``"labels"`` or any string) is a
-separate gloo tag, so receives of different kinds from the same peer may be posted in any order.
-(NCCL ignores tags: there, the order of posting must match between the two ranks.) Messages of
-one channel arrive in the order they were sent; a second ``irecv`` on a channel whose previous
-receive is still pending is posted when it is waited on, after the previous one completes.
-"""
+"""Asynchronous point-to-point transfer of tensors and tuples of tensors, with timeouts."""
 
 from __future__ import annotations
 
@@ -237,6 +210,35 @@ class _RecvState:
 
 class Messenger:
     """Sends and receives payloads between the ranks of a process group.
+
+    Why not plain ``dist.isend``: a receiver must know the size of what comes, stages pass tuples,
+    the last microbatch may be smaller, and a rank waiting forever on a dead peer is the worst
+    failure of a pipeline. A messenger sends any tensor or tuple of tensors as **one message**: a
+    small header (sequence number, a user tag such as the microbatch, a few user integers, dtypes
+    and shapes) followed by the tensor bytes. Sender and receiver track, per channel, the size of
+    the next message; only when it changes does the sender first send a short control message
+    announcing the new size (two messages once, then one again). Every wait has a timeout and
+    turns gloo's errors into a :class:`~pipetrain.runtime.errors.PeerTimeoutError` or
+    :class:`~pipetrain.runtime.errors.PeerLostError` that names what was being waited for.
+
+    Wire format of a data message (int64 words, then the tensors, each padded to 16 bytes)::
+
+        MAGIC|DATA  seq  total_bytes  header_words  tag  n_info  info[0..3]  form  n_tensors
+        (dtype_code  ndim  dim_0 .. dim_ndim-1) per tensor   [0 to make the header 16-byte aligned]
+        tensor 0 bytes [pad] tensor 1 bytes [pad] ...
+
+    A control message has exactly the size the receiver expects and holds
+    ``MAGIC|CONTROL seq next_total next_header_words``. The receiver's buffers are returned as
+    views, without a copy; the sender copies once, into the message.
+
+    Channels are (peer, kind): each kind (``"act"``, ``"grad"``, ``"labels"`` or any string) is a
+    separate gloo tag, so receives of different kinds from the same peer may be posted in any
+    order. (NCCL ignores tags: there, the order of posting must match between the two ranks.)
+    Messages of one channel arrive in the order they were sent; a second ``irecv`` on a channel
+    whose previous receive is still pending is posted when it is waited on, after the previous one
+    completes. Handles cannot be polled: gloo reports a point-to-point transfer complete only once
+    it has been waited on, and a wait that times out closes the connection, so an executor waits
+    in program order. One thread per messenger.
 
     ``timeout`` (seconds) bounds every wait unless the wait names its own. ``status`` is an
     optional :class:`~pipetrain.runtime.status.StatusBoard`: the messenger tells it what it is
@@ -466,9 +468,6 @@ class SendHandle:
         self.what = what
         self._error: CommunicationError | None = None
 
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
     def wait(self, timeout: float | None = None) -> None:
         """Block until sent (gloo: until the receiver posted its receive); each message waits up
         to ``timeout`` seconds (default: the messenger's)."""
@@ -509,11 +508,6 @@ class RecvHandle:
             self._work = ch._pg.recv([self._buffer], ch._group_peer, ch._tag)
         except RuntimeError as error:
             raise ch.messenger._fail(error, ch._what(self.what, False), ch.peer, ch.messenger.timeout) from None
-
-    def is_completed(self) -> bool:
-        if self._result is not None:
-            return True
-        return self._prev is None and self._work is not None and self._work.is_completed()
 
     def wait(self, timeout: float | None = None) -> Payload:
         """Block until the payload arrived and return it (a tensor, or a tuple if a tuple was

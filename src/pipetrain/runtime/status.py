@@ -1,20 +1,4 @@
-"""What every rank is doing, published a few times a second, so that a failure can say where each rank was.
-
-When a rank dies or hangs, its peers only see a receive that never completes. To print something
-better than "timed out", every rank keeps its last few completed actions in memory (a deque append
-on the hot path, nothing else) and a background thread publishes them, together with the action it
-is waiting for, to a key-value store (the c10d TCPStore of the run) a few times a second. A rank
-that fails, or the launcher that sees a worker die, reads every rank's record with a short timeout
-and prints them::
-
-    status of every rank (most recent action last):
-      rank 0: waiting 5.1 s for RECV_B of microbatch 1 from rank 1; done: F0 F1 F2 B0; seen 0.2 s ago
-      rank 1: busy (not communicating); done: F0 F1 B0 F2; seen 0.1 s ago
-      rank 2: silent for 6.3 s (dead or frozen); last done: F0 B0; was waiting for RECV_F ...
-
-A rank stuck in computation still publishes (the thread runs while the main thread computes or
-sleeps), so "busy" with an old last action means it hangs in compute; a silent rank is dead.
-"""
+"""What every rank is doing, published a few times a second, for the report of a failure."""
 
 from __future__ import annotations
 
@@ -58,6 +42,21 @@ def env_store(timeout: float = 10.0) -> Any:
 
 class StatusBoard:
     """This rank's recent actions and current wait, published to a store in the background.
+
+    When a rank dies or hangs, its peers only see a receive that never completes. To print something
+    better than "timed out", every rank keeps its last few completed actions in memory (a deque append
+    on the hot path, nothing else) and a background thread publishes them, together with the action it
+    is waiting for, to a key-value store (the c10d TCPStore of the run) a few times a second. A rank
+    that fails, or the launcher that sees a worker die, reads every rank's record with a short timeout
+    and prints them::
+
+        status of every rank (most recent action last):
+          rank 0: waiting 5.1 s for RECV_B of microbatch 1 from rank 1; done: F0 F1 F2 B0; seen 0.2 s ago
+          rank 1: busy (not communicating); done: F0 F1 B0 F2; seen 0.1 s ago
+          rank 2: silent for 6.3 s (dead or frozen); last done: F0 B0; was waiting for RECV_F ...
+
+    A rank stuck in computation still publishes (the thread runs while the main thread computes or
+    sleeps), so "busy" with an old last action means it hangs in compute; a silent rank is dead.
 
     Hot path: ``board.done(action)`` (a bound ``deque.append``: the action object is stored, its
     ``str()`` taken only when published) and ``board.waiting = what`` (set and cleared by the
