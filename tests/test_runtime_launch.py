@@ -231,3 +231,10 @@ def test_two_torchrun_nodes_meet_at_the_rendezvous(tmp_path):
         report = next(line for line in text.splitlines() if line.startswith(f"report of rank {rank}:"))
         assert "rank 0: busy (not communicating); done: B0" in report, report
         assert "rank 1: busy (not communicating); done: F0" in report, report
+
+
+def test_an_entry_that_cannot_reach_the_workers_is_refused():
+    from pipetrain.errors import PipetrainError
+
+    with pytest.raises(PipetrainError, match="module-level function and picklable arguments"):
+        launch(lambda: None, (), 2)

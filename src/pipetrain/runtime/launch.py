@@ -211,21 +211,23 @@ def launch(
         raise PipetrainError(f"need at least one worker, got {nprocs}")
     if threads_per_worker < 1:
         raise PipetrainError(f"--threads-per-worker must be at least 1, got {threads_per_worker}")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=30),
-    )  # fmt: skip
     cores = plan_cores(nprocs, threads_per_worker) if pin else None
+    main_path = _main_path(fn)
     workdir = tempfile.mkdtemp(prefix="pipetrain-launch-")
     payload = os.path.join(workdir, "entry.pkl")
     try:
         with open(payload, "wb") as f:
             pickle.dump((fn, tuple(args)), f)
     except (pickle.PicklingError, AttributeError, TypeError) as error:
+        _rmtree(workdir)
         raise PipetrainError(
             f"cannot hand {getattr(fn, '__qualname__', fn)!r} and its arguments to the workers: "
             f"{error}; use a module-level function and picklable arguments"
         ) from None
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+    )  # fmt: skip
     base = dict(os.environ)
     base.update(env or {})
     path = [p for p in sys.path if p]
@@ -241,7 +243,7 @@ def launch(
         PIPETRAIN_THREADS=str(threads_per_worker),
         PIPETRAIN_ENTRY=payload,
         PIPETRAIN_PARENT=str(os.getpid()),
-        PIPETRAIN_MAIN=_main_path(fn),
+        PIPETRAIN_MAIN=main_path,
         OMP_NUM_THREADS=str(threads_per_worker),
         MKL_NUM_THREADS=str(threads_per_worker),
     )
