@@ -6,11 +6,11 @@ import datetime
 import zlib
 from typing import Any, Protocol, Sequence, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from pipetrain.errors import PipetrainError
+from pipetrain.runtime import wire
 from pipetrain.runtime.errors import (
     CommunicationError,
     PeerLostError,
@@ -38,35 +38,7 @@ GRADIENTS = "grad"
 LABELS = "labels"
 
 #: How many user integers (``info=``) a message can carry besides its ``tag``.
-MAX_INFO = 4
-
-_MAGIC = 0x5049504554524E00  # "PIPETRN\0"
-_DATA = _MAGIC | 1
-_CONTROL = _MAGIC | 2
-_PREFIX = 6 + MAX_INFO  # header words before the payload description (form, count, tensors)
-_INITIAL_TOTAL = 64  # bytes the receiver expects before the first message of a channel
-_INITIAL_WORDS = 4  # header words the receiver reads from that first (control) message
-_ALIGN = 16
-
-# Wire codes of dtypes. Append only: the code is the index.
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.complex64, torch.complex128,
-)  # fmt: skip
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-# On CPU, packing and unpacking go through numpy views: a numpy call costs about a microsecond, a
-# torch call several, and a small message is all overhead. bfloat16 (no numpy type) uses torch.
-_NUMPY: dict[torch.dtype, Any] = {
-    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-    torch.uint8: np.uint8, torch.bool: np.bool_, torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
-}  # fmt: skip
-_CPU = torch.device("cpu")
-
-# (dtype, shape, byte offset in the message, byte count, numpy dtype or None) per tensor
-_Layout = list[tuple[torch.dtype, tuple[int, ...], int, int, Any]]
+MAX_INFO = wire.MAX_INFO
 
 
 class _Status(Protocol):
@@ -82,10 +54,6 @@ def _tag_of(kind: str) -> int:
     return zlib.crc32(kind.encode()) & 0x3FFFFFFF
 
 
-def _padded(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
 def _normalize(payload: Payload) -> tuple[tuple[torch.Tensor, ...], bool]:
     if isinstance(payload, torch.Tensor):
         return (payload,), True
@@ -98,113 +66,30 @@ def _normalize(payload: Payload) -> tuple[tuple[torch.Tensor, ...], bool]:
     )
 
 
-def _meta_words(tensors: Sequence[torch.Tensor], single: bool) -> list[int]:
-    words = [0 if single else 1, len(tensors)]
-    for t in tensors:
-        code = _DTYPE_CODE.get(t.dtype)
-        if code is None:
-            supported = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
-            raise PipetrainError(f"cannot send a tensor of dtype {t.dtype}; supported: {supported}")
-        words.append(code)
-        words.append(t.dim())
-        words.extend(t.shape)
-    if (_PREFIX + len(words)) % 2:
-        words.append(0)
-    return words
-
-
-def _parse_meta(words: list[int]) -> tuple[bool, _Layout]:
-    """Payload description words -> (single tensor?, layout)."""
-    single = words[0] == 0
-    count = words[1]
-    offset = (_PREFIX + len(words)) * 8
-    layout: _Layout = []
-    i = 2
-    for _ in range(count):
-        dtype = _DTYPES[words[i]]
-        ndim = words[i + 1]
-        shape = tuple(words[i + 2 : i + 2 + ndim])
-        i += 2 + ndim
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
-        layout.append((dtype, shape, offset, nbytes, _NUMPY.get(dtype)))
-        offset += _padded(nbytes)
-    return single, layout
-
-
-_ZEROS = [0] * MAX_INFO
-
-
-def _pack(header: list[int], tensors: Sequence[torch.Tensor], layout: _Layout, total: int, device: torch.device) -> torch.Tensor:
-    """One message: the header words, then each tensor's bytes at its offset (padding left as is)."""
-    message = torch.empty(total, dtype=torch.uint8, device=device)
-    if device == _CPU:
-        array = message.numpy()
-        array[: len(header) * 8].view(np.int64)[:] = header
-        for t, (dtype, shape, offset, nbytes, np_dtype) in zip(tensors, layout):
-            if not nbytes:
-                continue
-            src = t.detach()
-            if np_dtype is not None:
-                if src.is_complex():
-                    src = src.resolve_conj().resolve_neg()
-                array[offset : offset + nbytes].view(np_dtype).reshape(shape)[...] = src.numpy()
-            else:
-                message[offset : offset + nbytes].view(dtype).view(shape).copy_(src)
-        return message
-    message[: len(header) * 8].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-    for t, (dtype, shape, offset, nbytes, _) in zip(tensors, layout):
-        if nbytes:
-            message[offset : offset + nbytes].view(dtype).view(shape).copy_(t.detach())
-    return message
-
-
-def _header(buffer: torch.Tensor, array: Any, words: int) -> list[int]:
-    if array is not None:
-        return array[: words * 8].view(np.int64).tolist()
-    return buffer[: words * 8].view(torch.int64).tolist()
-
-
-def _unpack(buffer: torch.Tensor, array: Any, layout: _Layout) -> tuple[torch.Tensor, ...]:
-    """Views of the received message, one per tensor (no copy)."""
-    if array is not None:
-        return tuple(
-            torch.from_numpy(array[offset : offset + nbytes].view(np_dtype).reshape(shape))
-            if np_dtype is not None
-            else buffer[offset : offset + nbytes].view(dtype).view(shape)
-            for dtype, shape, offset, nbytes, np_dtype in layout
-        )
-    return tuple(
-        buffer[offset : offset + nbytes].view(dtype).view(shape) for dtype, shape, offset, nbytes, _ in layout
-    )
-
-
 class _SendState:
     __slots__ = ("key", "words", "layout", "total", "hw", "seq", "peer_total", "peer_hw")
 
     def __init__(self) -> None:
         self.key: Any = None
         self.words: list[int] = []
-        self.layout: _Layout = []
+        self.layout: wire.Layout = []
         self.total = 0
         self.hw = 0
         self.seq = 0
-        self.peer_total = _INITIAL_TOTAL  # what the receiver will post next
-        self.peer_hw = _INITIAL_WORDS
+        self.peer_total = wire.INITIAL_TOTAL  # what the receiver will post next
+        self.peer_hw = wire.INITIAL_WORDS
 
 
 class _RecvState:
     __slots__ = ("total", "hw", "seq", "words", "single", "layout", "last")
 
     def __init__(self) -> None:
-        self.total = _INITIAL_TOTAL
-        self.hw = _INITIAL_WORDS
+        self.total = wire.INITIAL_TOTAL
+        self.hw = wire.INITIAL_WORDS
         self.seq = 0
         self.words: list[int] | None = None
         self.single = True
-        self.layout: _Layout = []
+        self.layout: wire.Layout = []
         self.last: RecvHandle | None = None
 
 
@@ -221,14 +106,7 @@ class Messenger:
     turns gloo's errors into a :class:`~pipetrain.runtime.errors.PeerTimeoutError` or
     :class:`~pipetrain.runtime.errors.PeerLostError` that names what was being waited for.
 
-    Wire format of a data message (int64 words, then the tensors, each padded to 16 bytes)::
-
-        MAGIC|DATA  seq  total_bytes  header_words  tag  n_info  info[0..3]  form  n_tensors
-        (dtype_code  ndim  dim_0 .. dim_ndim-1) per tensor   [0 to make the header 16-byte aligned]
-        tensor 0 bytes [pad] tensor 1 bytes [pad] ...
-
-    A control message has exactly the size the receiver expects and holds
-    ``MAGIC|CONTROL seq next_total next_header_words``. The receiver's buffers are returned as
+    The wire format is in :mod:`pipetrain.runtime.wire`. The receiver's buffers are returned as
     views, without a copy; the sender copies once, into the message.
 
     Channels are (peer, kind): each kind (``"act"``, ``"grad"``, ``"labels"`` or any string) is a
@@ -388,10 +266,10 @@ class Channel:
         st = self._send
         key = (single, [(t.dtype, t.shape) for t in tensors])
         if key != st.key:
-            words = _meta_words(tensors, single)
-            st.layout = _parse_meta(words)[1]
-            st.key, st.words, st.hw = key, words, _PREFIX + len(words)
-            st.total = st.layout[-1][2] + _padded(st.layout[-1][3]) if st.layout else st.hw * 8
+            words = wire.meta_words(tensors, single)
+            st.layout = wire.parse_meta(words)[1]
+            st.key, st.words, st.hw = key, words, wire.PREFIX + len(words)
+            st.total = st.layout[-1][2] + wire.padded(st.layout[-1][3]) if st.layout else st.hw * 8
         ninfo = len(info)
         if ninfo > MAX_INFO:
             raise PipetrainError(f"a message carries at most {MAX_INFO} info integers, got {ninfo}")
@@ -403,13 +281,13 @@ class Channel:
         if st.total != st.peer_total or st.hw != st.peer_hw:
             control = torch.zeros(st.peer_total, dtype=torch.uint8, device=device)
             control[:32].view(torch.int64).copy_(
-                torch.tensor([_CONTROL, seq, st.total, st.hw], dtype=torch.int64)
+                torch.tensor([wire.CONTROL, seq, st.total, st.hw], dtype=torch.int64)
             )
             buffers.append(control)
             works.append(self._pg.send([control], self._group_peer, self._tag))
             st.peer_total, st.peer_hw = st.total, st.hw
-        header = [_DATA, seq, st.total, st.hw, tag, ninfo, *info, *_ZEROS[ninfo:], *st.words]
-        message = _pack(header, tensors, st.layout, st.total, device)
+        header = [wire.DATA, seq, st.total, st.hw, tag, ninfo, *info, *wire.ZEROS[ninfo:], *st.words]
+        message = wire.pack(header, tensors, st.layout, st.total, device)
         buffers.append(message)
         try:
             works.append(self._pg.send([message], self._group_peer, self._tag))
@@ -542,17 +420,17 @@ class RecvHandle:
         ch._wait(self._work, self.what, False, timeout)
         buffer = self._buffer
         assert buffer is not None
-        array = buffer.numpy() if buffer.device == _CPU else None
-        words = _header(buffer, array, st.hw)
-        if words[0] == _CONTROL:
+        array = buffer.numpy() if buffer.device == wire.CPU else None
+        words = wire.header_words(buffer, array, st.hw)
+        if words[0] == wire.CONTROL:
             self._check_seq(words[1])
             st.total, st.hw = words[2], words[3]
             self._post()
             ch._wait(self._work, self.what, False, timeout)
             buffer = self._buffer
-            array = buffer.numpy() if buffer.device == _CPU else None
-            words = _header(buffer, array, st.hw)
-        if words[0] != _DATA:
+            array = buffer.numpy() if buffer.device == wire.CPU else None
+            words = wire.header_words(buffer, array, st.hw)
+        if words[0] != wire.DATA:
             raise ProtocolError(
                 f"rank {ch.messenger.rank} received a message it cannot read during "
                 f"{ch._what(self.what, False)}: both ranks must use pipetrain's Messenger on channel "
@@ -563,11 +441,11 @@ class RecvHandle:
         self.tag = words[4]
         if words[5]:
             self.info = tuple(words[6 : 6 + words[5]])
-        meta = words[_PREFIX:]
+        meta = words[wire.PREFIX:]
         if meta != st.words:
-            st.single, st.layout = _parse_meta(meta)
+            st.single, st.layout = wire.parse_meta(meta)
             st.words = meta
-        tensors = _unpack(buffer, array, st.layout)
+        tensors = wire.unpack(buffer, array, st.layout)
         self._result = tensors[0] if st.single else tensors
         self._buffer = None
         self._work = None
