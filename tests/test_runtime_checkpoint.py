@@ -105,7 +105,7 @@ def test_truncated_or_corrupted_checkpoint_is_refused_or_skipped(tmp_path):
         open_checkpoint(path)
     with pytest.raises(CheckpointError, match="damaged"):
         resolve(path)  # named explicitly: refused
-    with pytest.warns(UserWarning, match="skipping .*step-000020.*truncated"):
+    with pytest.warns(UserWarning, match="step-000020 is damaged.*truncated.*skipping it"):
         latest = find_latest(tmp_path)  # searched for: the previous complete one
     assert latest is not None and latest.step == 10
     assert_same(latest.load("stage-1.pt"), stage_state(1, seed=1))

@@ -170,19 +170,28 @@ def test_init_distributed_without_environment_says_how_to_launch(monkeypatch):
 
 
 TORCHRUN_WORKER = """
+import time
 import torch
 from pipetrain.runtime.launch import init_distributed
 from pipetrain.runtime.p2p import Messenger
+from pipetrain.runtime.status import StatusBoard
 
 env = init_distributed("gloo", timeout=60)
-m = Messenger(timeout=60)
+board = StatusBoard.from_env(interval=0.05)  # on torchrun's agent store
+m = Messenger(timeout=60, status=board)
 if env.rank == 0:
     m.send((torch.arange(6.0).reshape(2, 3), torch.tensor([env.rank])), 1, "act")
     print("rank 0 got", m.recv(1, "grad").tolist(), env.launcher, flush=True)
+    board.done("B0")
 else:
     x, r = m.recv(0, "act")
+    board.done("F0")
     m.send(x.sum(0) * 2, 0, "grad")
     print("rank 1 done", env.launcher, flush=True)
+time.sleep(0.3)
+torch.distributed.barrier()
+print(f"report of rank {env.rank}:", board.report().replace("\\n", " | "), flush=True)
+board.close()
 """
 
 
@@ -218,3 +227,14 @@ def test_two_torchrun_nodes_meet_at_the_rendezvous(tmp_path):
     text = "\n".join(outs)
     assert "rank 0 got [6.0, 10.0, 14.0] torchrun" in text
     assert "rank 1 done torchrun" in text
+    for rank in (0, 1):  # the status board works on torchrun's store
+        report = next(line for line in text.splitlines() if line.startswith(f"report of rank {rank}:"))
+        assert "rank 0: busy (not communicating); done: B0" in report, report
+        assert "rank 1: busy (not communicating); done: F0" in report, report
+
+
+def test_an_entry_that_cannot_reach_the_workers_is_refused():
+    from pipetrain.errors import PipetrainError
+
+    with pytest.raises(PipetrainError, match="module-level function and picklable arguments"):
+        launch(lambda: None, (), 2)

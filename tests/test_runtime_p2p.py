@@ -202,3 +202,90 @@ def test_dead_peer_is_reported_quickly():
     assert "lost rank 0" in message and "RECV_B of microbatch 0 from rank 0" in message
     assert "died or exited" in message
     assert elapsed < 10.0  # far below the 30 s timeout
+
+
+def _collective_worker():
+    import torch.distributed as dist
+
+    from pipetrain.runtime.errors import PeerTimeoutError
+
+    env = init_distributed("gloo", timeout=LIMIT)
+    m = Messenger(timeout=30)
+    if env.rank == 2:
+        time.sleep(3)  # never joins the all-reduce
+        return None
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    try:
+        m.guard(work, f"SYNC of stage 0 (replica {env.rank})", timeout=1.0)
+    except PeerTimeoutError as error:
+        return str(error)
+    return "no timeout"
+
+
+def test_guarded_collective_times_out_with_the_action_named():
+    result = run(_collective_worker, nprocs=3)
+    for rank in (0, 1):
+        message = result.results[rank]
+        assert f"rank {rank} timed out after 1 s waiting for SYNC of stage 0 (replica {rank})" in message
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    )
+
+
+def _tiny_data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(11, 6, generator=g), torch.randint(0, 3, (11,), generator=g)
+
+
+def _two_stage_training_worker(steps, microbatches):
+    """GPipe order over the Messenger: stage 0 = first 2 modules, stage 1 = the rest."""
+    env = init_distributed("gloo", timeout=LIMIT)
+    model = _tiny_model()
+    module = model[:2] if env.rank == 0 else model[2:]
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    x, y = _tiny_data()
+    xs, ys = x.chunk(microbatches), y.chunk(microbatches)  # 11 = 4 + 4 + 3: a smaller last one
+    m = Messenger(timeout=30)
+    for _ in range(steps):
+        if env.rank == 0:
+            outs = [module(xb) for xb in xs]
+            sends = [m.isend(o, 1, ACTIVATIONS, tag=k) for k, o in enumerate(outs)]
+            for k, o in enumerate(outs):
+                o.backward(m.recv(1, GRADIENTS, expect_tag=k))
+            for h in sends:
+                h.wait()
+        else:
+            for k, yb in enumerate(ys):
+                xb = m.recv(0, ACTIVATIONS, expect_tag=k).requires_grad_(True)
+                torch.nn.functional.cross_entropy(module(xb), yb, reduction="sum").backward()
+                m.send(xb.grad, 0, GRADIENTS, tag=k)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_two_stage_training_over_the_messenger_matches_one_process():
+    steps, microbatches = 3, 3
+    result = run(_two_stage_training_worker, steps, microbatches)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _tiny_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _tiny_data()
+        for _ in range(steps):
+            for xb, yb in zip(x.chunk(microbatches), y.chunk(microbatches)):
+                torch.nn.functional.cross_entropy(model(xb), yb, reduction="sum").backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    expected = [p.detach() for p in model.parameters()]
+    got = result.results[0] + result.results[1]
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

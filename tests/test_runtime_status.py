@@ -122,7 +122,10 @@ def test_a_hanging_rank_is_reported_by_every_other_rank_within_the_timeout(capfd
     for text in errors.values():
         # the hung rank is alive (it publishes) but busy, and the table shows what it did last
         assert re.search(r"rank 1: busy \(not communicating\); done: F0 F1 F2 B0;", text), text
-        assert re.search(r"rank 0: waiting \d+\.\d s for RECV_B of microbatch 1 from rank 1; done: F0 F1 F2 B0", text), text
+        # published by rank 0's background thread while its main thread was blocked in gloo
+        assert "likely cause: rank 1 is busy and not communicating" in text and "(rank(s) 0, 2 wait for it)" in text
+        waited = re.search(r"rank 0: waiting (\d+\.\d) s for RECV_B of microbatch 1 from rank 1; done: F0 F1 F2 B0", text)
+        assert waited and float(waited.group(1)) >= 1.0, text
 
 
 def test_a_killed_rank_is_named_by_the_launcher_and_its_peers(capfd):
@@ -138,3 +141,22 @@ def test_a_killed_rank_is_named_by_the_launcher_and_its_peers(capfd):
     assert "rank 0 lost rank 1 while waiting for RECV_B of microbatch 1 from rank 1" in errors[0]
     assert "rank 2 lost rank 1 while waiting for RECV_F of microbatch 3 from rank 1" in errors[2]
     assert re.search(r"rank 1: .*done: F0 F1 F2 B0", errors[0])
+
+
+def _record(rank, waiting=None, peer=None, age=0.0, done=("F0",)):
+    return {"rank": rank, "pid": 1, "host": "h", "time": time.time() - age, "done": list(done),
+            "waiting": waiting, "waiting_s": 1.0, "peer": peer, "note": ""}  # fmt: skip
+
+
+def test_diagnosis_points_at_the_culprit():
+    deadlock = {0: _record(0, "RECV_B 0 from rank 1", 1), 1: _record(1, "RECV_F 1 from rank 0", 0)}
+    text = format_status(deadlock, 2)
+    assert "likely cause: rank 0 waits for rank 1, which waits for it: the two programs deadlock" in text
+    dead = {0: _record(0, "RECV_B 0 from rank 1", 1), 1: _record(1, age=60.0), 2: _record(2, "RECV_F 0 from rank 1", 1)}
+    text = format_status(dead, 3)
+    assert "rank 1: silent for 60" in text
+    assert "likely cause: rank 1 is silent: it died or is frozen (rank(s) 0, 2 wait for it)" in text
+    chain = {0: _record(0, "RECV_B 0 from rank 1", 1), 1: _record(1, "RECV_B 0 from rank 2", 2)}
+    text = format_status(chain, 3)
+    assert "rank 2: no status published" in text
+    assert "likely cause: rank 2 has published no status" in text and "rank 1 " not in text.split("likely")[1]

@@ -1,24 +1,4 @@
-"""Atomic, verified checkpoints: one file per stage, and a manifest written last that vouches for them.
-
-Layout::
-
-    DIR/step-000120/stage-0.pt        torch.save of stage 0's state (weights, optimizer, versions...)
-    DIR/step-000120/stage-1.pt
-    DIR/step-000120/manifest.json     {"format", "step", "files": [{name, size, sha256}], "meta"}
-
-Every file is written under a temporary name, flushed, fsynced and renamed, then the directory is
-fsynced; the manifest comes last, so a step directory without a manifest is not a checkpoint (the
-run stopped while writing it). Loading checks every file's size and SHA-256 against the manifest
-before reading anything, so a truncated or corrupted checkpoint is refused (when named) or skipped
-with a warning in favour of the previous complete one (when looking for the latest), never
-half-loaded. The manifest's ``meta`` (model spec, schedule, stages, replicas, a config fingerprint)
-lets :func:`check_compatible` refuse a resume into a different run, naming the difference.
-
-With several ranks, :func:`save_distributed` is called by every rank at the same step: each writes
-its own file(s) and publishes their size and hash through the run's store; rank 0 waits for all of
-them (with a timeout), writes the manifest, and tells the others it committed. The directory must be
-one that every rank sees (one machine, or a shared file system).
-"""
+"""Atomic, verified checkpoints: one file per stage, and a manifest written last that vouches for them."""
 
 from __future__ import annotations
 
@@ -263,7 +243,27 @@ def save_distributed(
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A complete, verified checkpoint: its directory, step, metadata and file records."""
+    """A complete, verified checkpoint: its directory, step, metadata and file records.
+
+    Layout::
+
+        DIR/step-000120/stage-0.pt        torch.save of stage 0's state (weights, optimizer, versions...)
+        DIR/step-000120/stage-1.pt
+        DIR/step-000120/manifest.json     {"format", "step", "files": [{name, size, sha256}], "meta"}
+
+    Every file is written under a temporary name, flushed, fsynced and renamed, then the directory is
+    fsynced; the manifest comes last, so a step directory without a manifest is not a checkpoint (the
+    run stopped while writing it). Loading checks every file's size and SHA-256 against the manifest
+    before reading anything, so a truncated or corrupted checkpoint is refused (when named) or skipped
+    with a warning in favour of the previous complete one (when looking for the latest), never
+    half-loaded. The manifest's ``meta`` (model spec, schedule, stages, replicas, a config fingerprint)
+    lets :func:`check_compatible` refuse a resume into a different run, naming the difference.
+
+    With several ranks, :func:`save_distributed` is called by every rank at the same step: each writes
+    its own file(s) and publishes their size and hash through the run's store; rank 0 waits for all of
+    them (with a timeout), writes the manifest, and tells the others it committed. The directory must be
+    one that every rank sees (one machine, or a shared file system).
+    """
 
     path: Path
     step: int
@@ -361,7 +361,7 @@ def find_latest(directory: str | os.PathLike[str], *, verify: bool = True) -> Ch
         try:
             return open_checkpoint(path, verify=verify)
         except CheckpointError as error:
-            warnings.warn(f"skipping {path}: {error}; trying an older checkpoint", stacklevel=2)
+            warnings.warn(f"{error}; skipping it for an older checkpoint", stacklevel=2)
     return None
 
 

@@ -1,22 +1,4 @@
-"""Starting the workers: spawned locally by pipetrain, or started by torchrun on one or many machines.
-
-Locally, :func:`launch` hosts the run's TCPStore itself (on a free port of 127.0.0.1, so there is
-no port race), starts one subprocess per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set, pins each to its own cores, and watches them: when one fails, it prints what every
-rank was doing (from the store it hosts, which outlives any worker), gives the others a few seconds
-to report their own errors, then stops them. Ctrl-C stops every worker. It never waits forever.
-
-Under torchrun the same worker code runs unchanged: :func:`init_distributed` reads the environment
-torchrun sets. For two machines, run on each (node ranks 0 and 1)::
-
-    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
-        -m pipetrain train ...
-
-Workers are subprocesses (not forks) started with ``python -c``: the entry function and its
-arguments are pickled by reference, the parent's ``sys.path`` is passed on, each worker lives in
-its own session (a Ctrl-C reaches only the launcher, which then stops them in order) and dies with
-the launcher (PR_SET_PDEATHSIG), so no worker outlives a killed launcher.
-"""
+"""Starting the workers: spawned locally by pipetrain, or started by torchrun on one or many machines."""
 
 from __future__ import annotations
 
@@ -199,6 +181,23 @@ def launch(
 ) -> LaunchResult:
     """Run ``fn(*args)`` in ``nprocs`` local worker processes (ranks 0..nprocs-1) and wait.
 
+    The launcher hosts the run's TCPStore itself (on a free port of 127.0.0.1, so there is
+    no port race), starts one subprocess per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+    MASTER_PORT set, pins each to its own cores, and watches them: when one fails, it prints what every
+    rank was doing (from the store it hosts, which outlives any worker), gives the others a few seconds
+    to report their own errors, then stops them. Ctrl-C stops every worker. It never waits forever.
+
+    Under torchrun the same worker code runs unchanged: :func:`init_distributed` reads the environment
+    torchrun sets. For two machines, run on each::
+
+        torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
+            --rdzv-id JOB worker.py
+
+    Workers are subprocesses (not forks) started with ``python -c``: the entry function and its
+    arguments are pickled by reference, the parent's ``sys.path`` is passed on, each worker lives in
+    its own session (a Ctrl-C reaches only the launcher, which then stops them in order) and dies with
+    the launcher (PR_SET_PDEATHSIG), so no worker outlives a killed launcher.
+
     ``fn`` must be importable by name (a module-level function) and ``args`` picklable. Each
     worker gets ``torch.set_num_threads(threads_per_worker)`` and, with ``pin`` and enough cores,
     its own ``threads_per_worker`` cores. When a worker fails, the others get ``grace`` seconds to
@@ -212,21 +211,23 @@ def launch(
         raise PipetrainError(f"need at least one worker, got {nprocs}")
     if threads_per_worker < 1:
         raise PipetrainError(f"--threads-per-worker must be at least 1, got {threads_per_worker}")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=30),
-    )  # fmt: skip
     cores = plan_cores(nprocs, threads_per_worker) if pin else None
+    main_path = _main_path(fn)
     workdir = tempfile.mkdtemp(prefix="pipetrain-launch-")
     payload = os.path.join(workdir, "entry.pkl")
     try:
         with open(payload, "wb") as f:
             pickle.dump((fn, tuple(args)), f)
     except (pickle.PicklingError, AttributeError, TypeError) as error:
+        _rmtree(workdir)
         raise PipetrainError(
             f"cannot hand {getattr(fn, '__qualname__', fn)!r} and its arguments to the workers: "
             f"{error}; use a module-level function and picklable arguments"
         ) from None
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+    )  # fmt: skip
     base = dict(os.environ)
     base.update(env or {})
     path = [p for p in sys.path if p]
@@ -242,7 +243,7 @@ def launch(
         PIPETRAIN_THREADS=str(threads_per_worker),
         PIPETRAIN_ENTRY=payload,
         PIPETRAIN_PARENT=str(os.getpid()),
-        PIPETRAIN_MAIN=_main_path(fn),
+        PIPETRAIN_MAIN=main_path,
         OMP_NUM_THREADS=str(threads_per_worker),
         MKL_NUM_THREADS=str(threads_per_worker),
     )
@@ -346,6 +347,12 @@ def _watch(
                 message = f"worker rank {first[0]} {_describe_exit(first[1])}"
                 if first[1] == EXIT_PEER_FAILURE:
                     message += " (it lost a peer or timed out waiting for one)"
+                    finished = [r for r, c in enumerate(codes) if c == 0]
+                    if finished:
+                        message += (
+                            f"; rank(s) {', '.join(map(str, finished))} had already finished "
+                            "normally, before the others (do the programs match?)"
+                        )
                 say(f"{message}; stopping the other workers")
                 say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
                 stop_at = time.monotonic() + grace
@@ -440,6 +447,13 @@ def _worker_main() -> None:
         os._exit(EXIT_PEER_FAILURE if isinstance(error, CommunicationError) else EXIT_USER_ERROR)
     except KeyboardInterrupt:
         os._exit(130)
+    except SystemExit as exit_:
+        code = exit_.code
+        if code not in (None, 0):
+            if not isinstance(code, int):
+                print(f"pipetrain worker rank {rank}: {code}", file=sys.stderr, flush=True)
+                code = 1
+            os._exit(code)
     except BaseException:
         traceback.print_exc()
         print(f"pipetrain worker rank {rank}: failed (traceback above)", file=sys.stderr, flush=True)

@@ -1,31 +1,4 @@
-"""Asynchronous point-to-point transfer of tensors and tuples of tensors, with timeouts.
-
-Why not plain ``dist.isend``: a receiver must know the size of what comes, stages pass tuples, the
-last microbatch may be smaller, and a rank waiting forever on a dead peer is the worst failure of a
-pipeline. A :class:`Messenger` sends any tensor or tuple of tensors as **one message**: a small
-header (sequence number, a user tag such as the microbatch, a few user integers, dtypes and
-shapes) followed by the tensor bytes. Sender and receiver track, per channel, the size of the next
-message; only when it changes does the sender first send a short control message announcing the new
-size (two messages once, then one again). Every wait has a timeout and turns gloo's errors into a
-:class:`~pipetrain.runtime.errors.PeerTimeoutError` or
-:class:`~pipetrain.runtime.errors.PeerLostError` that names what was being waited for.
-
-Wire format of a data message (int64 words, then the tensors, each padded to 16 bytes)::
-
-    MAGIC|DATA  seq  total_bytes  header_words  tag  n_info  info[0..3]  form  n_tensors
-    (dtype_code  ndim  dim_0 .. dim_ndim-1) per tensor   [0 to make the header 16-byte aligned]
-    tensor 0 bytes [pad] tensor 1 bytes [pad] ...
-
-A control message has exactly the size the receiver expects and holds
-``MAGIC|CONTROL seq next_total next_header_words``. The receiver's buffers are returned as views,
-without a copy; the sender copies once, into the message.
-
-Channels are (peer, kind): each kind (``"act"``, ``"grad"``, ``"labels"`` or any string) is a
-separate gloo tag, so receives of different kinds from the same peer may be posted in any order.
-(NCCL ignores tags: there, the order of posting must match between the two ranks.) Messages of
-one channel arrive in the order they were sent; a second ``irecv`` on a channel whose previous
-receive is still pending is posted when it is waited on, after the previous one completes.
-"""
+"""Asynchronous point-to-point transfer of tensors and tuples of tensors, with timeouts."""
 
 from __future__ import annotations
 
@@ -33,11 +6,11 @@ import datetime
 import zlib
 from typing import Any, Protocol, Sequence, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from pipetrain.errors import PipetrainError
+from pipetrain.runtime import wire
 from pipetrain.runtime.errors import (
     CommunicationError,
     PeerLostError,
@@ -65,51 +38,20 @@ GRADIENTS = "grad"
 LABELS = "labels"
 
 #: How many user integers (``info=``) a message can carry besides its ``tag``.
-MAX_INFO = 4
-
-_MAGIC = 0x5049504554524E00  # "PIPETRN\0"
-_DATA = _MAGIC | 1
-_CONTROL = _MAGIC | 2
-_PREFIX = 6 + MAX_INFO  # header words before the payload description (form, count, tensors)
-_INITIAL_TOTAL = 64  # bytes the receiver expects before the first message of a channel
-_INITIAL_WORDS = 4  # header words the receiver reads from that first (control) message
-_ALIGN = 16
-
-# Wire codes of dtypes. Append only: the code is the index.
-_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.complex64, torch.complex128,
-)  # fmt: skip
-_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
-# On CPU, packing and unpacking go through numpy views: a numpy call costs about a microsecond, a
-# torch call several, and a small message is all overhead. bfloat16 (no numpy type) uses torch.
-_NUMPY: dict[torch.dtype, Any] = {
-    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-    torch.uint8: np.uint8, torch.bool: np.bool_, torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
-}  # fmt: skip
-_CPU = torch.device("cpu")
-
-# (dtype, shape, byte offset in the message, byte count, numpy dtype or None) per tensor
-_Layout = list[tuple[torch.dtype, tuple[int, ...], int, int, Any]]
+MAX_INFO = wire.MAX_INFO
 
 
 class _Status(Protocol):
     """What the messenger needs from a status board (see :mod:`pipetrain.runtime.status`)."""
 
     waiting: Any
+    peer: int | None
 
     def report(self) -> str: ...
 
 
 def _tag_of(kind: str) -> int:
     return zlib.crc32(kind.encode()) & 0x3FFFFFFF
-
-
-def _padded(nbytes: int) -> int:
-    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def _normalize(payload: Payload) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -124,118 +66,57 @@ def _normalize(payload: Payload) -> tuple[tuple[torch.Tensor, ...], bool]:
     )
 
 
-def _meta_words(tensors: Sequence[torch.Tensor], single: bool) -> list[int]:
-    words = [0 if single else 1, len(tensors)]
-    for t in tensors:
-        code = _DTYPE_CODE.get(t.dtype)
-        if code is None:
-            supported = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES)
-            raise PipetrainError(f"cannot send a tensor of dtype {t.dtype}; supported: {supported}")
-        words.append(code)
-        words.append(t.dim())
-        words.extend(t.shape)
-    if (_PREFIX + len(words)) % 2:
-        words.append(0)
-    return words
-
-
-def _parse_meta(words: list[int]) -> tuple[bool, _Layout]:
-    """Payload description words -> (single tensor?, layout)."""
-    single = words[0] == 0
-    count = words[1]
-    offset = (_PREFIX + len(words)) * 8
-    layout: _Layout = []
-    i = 2
-    for _ in range(count):
-        dtype = _DTYPES[words[i]]
-        ndim = words[i + 1]
-        shape = tuple(words[i + 2 : i + 2 + ndim])
-        i += 2 + ndim
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
-        layout.append((dtype, shape, offset, nbytes, _NUMPY.get(dtype)))
-        offset += _padded(nbytes)
-    return single, layout
-
-
-_ZEROS = [0] * MAX_INFO
-
-
-def _pack(header: list[int], tensors: Sequence[torch.Tensor], layout: _Layout, total: int, device: torch.device) -> torch.Tensor:
-    """One message: the header words, then each tensor's bytes at its offset (padding left as is)."""
-    message = torch.empty(total, dtype=torch.uint8, device=device)
-    if device == _CPU:
-        array = message.numpy()
-        array[: len(header) * 8].view(np.int64)[:] = header
-        for t, (dtype, shape, offset, nbytes, np_dtype) in zip(tensors, layout):
-            if not nbytes:
-                continue
-            src = t.detach()
-            if np_dtype is not None:
-                if src.is_complex():
-                    src = src.resolve_conj().resolve_neg()
-                array[offset : offset + nbytes].view(np_dtype).reshape(shape)[...] = src.numpy()
-            else:
-                message[offset : offset + nbytes].view(dtype).view(shape).copy_(src)
-        return message
-    message[: len(header) * 8].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-    for t, (dtype, shape, offset, nbytes, _) in zip(tensors, layout):
-        if nbytes:
-            message[offset : offset + nbytes].view(dtype).view(shape).copy_(t.detach())
-    return message
-
-
-def _header(buffer: torch.Tensor, array: Any, words: int) -> list[int]:
-    if array is not None:
-        return array[: words * 8].view(np.int64).tolist()
-    return buffer[: words * 8].view(torch.int64).tolist()
-
-
-def _unpack(buffer: torch.Tensor, array: Any, layout: _Layout) -> tuple[torch.Tensor, ...]:
-    """Views of the received message, one per tensor (no copy)."""
-    if array is not None:
-        return tuple(
-            torch.from_numpy(array[offset : offset + nbytes].view(np_dtype).reshape(shape))
-            if np_dtype is not None
-            else buffer[offset : offset + nbytes].view(dtype).view(shape)
-            for dtype, shape, offset, nbytes, np_dtype in layout
-        )
-    return tuple(
-        buffer[offset : offset + nbytes].view(dtype).view(shape) for dtype, shape, offset, nbytes, _ in layout
-    )
-
-
 class _SendState:
     __slots__ = ("key", "words", "layout", "total", "hw", "seq", "peer_total", "peer_hw")
 
     def __init__(self) -> None:
         self.key: Any = None
         self.words: list[int] = []
-        self.layout: _Layout = []
+        self.layout: wire.Layout = []
         self.total = 0
         self.hw = 0
         self.seq = 0
-        self.peer_total = _INITIAL_TOTAL  # what the receiver will post next
-        self.peer_hw = _INITIAL_WORDS
+        self.peer_total = wire.INITIAL_TOTAL  # what the receiver will post next
+        self.peer_hw = wire.INITIAL_WORDS
 
 
 class _RecvState:
     __slots__ = ("total", "hw", "seq", "words", "single", "layout", "last")
 
     def __init__(self) -> None:
-        self.total = _INITIAL_TOTAL
-        self.hw = _INITIAL_WORDS
+        self.total = wire.INITIAL_TOTAL
+        self.hw = wire.INITIAL_WORDS
         self.seq = 0
         self.words: list[int] | None = None
         self.single = True
-        self.layout: _Layout = []
+        self.layout: wire.Layout = []
         self.last: RecvHandle | None = None
 
 
 class Messenger:
     """Sends and receives payloads between the ranks of a process group.
+
+    Why not plain ``dist.isend``: a receiver must know the size of what comes, stages pass tuples,
+    the last microbatch may be smaller, and a rank waiting forever on a dead peer is the worst
+    failure of a pipeline. A messenger sends any tensor or tuple of tensors as **one message**: a
+    small header (sequence number, a user tag such as the microbatch, a few user integers, dtypes
+    and shapes) followed by the tensor bytes. Sender and receiver track, per channel, the size of
+    the next message; only when it changes does the sender first send a short control message
+    announcing the new size (two messages once, then one again). Every wait has a timeout and
+    turns gloo's errors into a :class:`~pipetrain.runtime.errors.PeerTimeoutError` or
+    :class:`~pipetrain.runtime.errors.PeerLostError` that names what was being waited for.
+
+    The wire format is in :mod:`pipetrain.runtime.wire`. The receiver's buffers are returned as
+    views, without a copy; the sender copies once, into the message.
+
+    Channels are (peer, kind): each kind (``"act"``, ``"grad"``, ``"labels"`` or any string) is a
+    separate gloo tag, so receives of different kinds from the same peer may be posted in any
+    order. (NCCL ignores tags: there, the order of posting must match between the two ranks.)
+    Messages of one channel arrive in the order they were sent; a second ``irecv`` on a channel
+    whose previous receive is still pending is posted when it is waited on, after the previous one
+    completes. Handles cannot be polled: gloo reports a point-to-point transfer complete only once
+    it has been waited on, and a wait that times out closes the connection, so an executor waits
+    in program order. One thread per messenger.
 
     ``timeout`` (seconds) bounds every wait unless the wait names its own. ``status`` is an
     optional :class:`~pipetrain.runtime.status.StatusBoard`: the messenger tells it what it is
@@ -302,29 +183,46 @@ class Messenger:
         """Blocking :meth:`irecv`."""
         return self.irecv(peer, kind, **kwargs).wait()
 
+    def guard(self, work: Any, what: object, timeout: float | None = None) -> None:
+        """Wait on any torch.distributed work (an ``all_reduce(..., async_op=True)`` of a SYNC,
+        say) with this messenger's timeout, status and error messages."""
+        status = self.status
+        if status is not None:
+            status.waiting = what
+            status.peer = None
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            work.wait(datetime.timedelta(seconds=seconds))
+        except RuntimeError as error:
+            raise self._fail(error, str(what), None, seconds) from None
+        finally:
+            if status is not None:
+                status.waiting = None
+
     # -- errors -----------------------------------------------------------------------------------
 
-    def _fail(self, error: RuntimeError, what: str, peer: int, timeout: float) -> CommunicationError:
+    def _fail(self, error: RuntimeError, what: str, peer: int | None, timeout: float) -> CommunicationError:
         text = str(error)
         low = text.lower()
-        if "timed out" in low or "timeout" in low and "closure" not in low:
-            exc: CommunicationError = PeerTimeoutError(
-                f"rank {self.rank} timed out after {timeout:g} s waiting for {what}: rank {peer} "
+        other = "a peer" if peer is None else f"rank {peer}"
+        if "closure" in low:
+            exc: CommunicationError = CommunicationError(
+                f"rank {self.rank} cannot complete {what}: the connection to {other} was closed "
+                "after an earlier timeout"
+            )
+        elif "timed out" in low or "timeout" in low:
+            exc = PeerTimeoutError(
+                f"rank {self.rank} timed out after {timeout:g} s waiting for {what}: {other} "
                 "hangs, is slower than the timeout, or its program never reaches the matching "
                 "action (raise --timeout only if it is merely slow)"
             )
-        elif "closure" in low:
-            exc = CommunicationError(
-                f"rank {self.rank} cannot complete {what}: the connection to rank {peer} was closed "
-                "after an earlier timeout"
-            )
         elif "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
             exc = PeerLostError(
-                f"rank {self.rank} lost rank {peer} while waiting for {what}: the peer process "
+                f"rank {self.rank} lost {other} while waiting for {what}: the peer process "
                 "died or exited early (its own output says why)"
             )
         else:
-            exc = CommunicationError(f"rank {self.rank} failed {what} with rank {peer}: {text}")
+            exc = CommunicationError(f"rank {self.rank} failed {what} with {other}: {text}")
         if self.status is not None:
             try:
                 exc.args = (f"{exc.args[0]}\n{self.status.report()}",)
@@ -368,10 +266,10 @@ class Channel:
         st = self._send
         key = (single, [(t.dtype, t.shape) for t in tensors])
         if key != st.key:
-            words = _meta_words(tensors, single)
-            st.layout = _parse_meta(words)[1]
-            st.key, st.words, st.hw = key, words, _PREFIX + len(words)
-            st.total = st.layout[-1][2] + _padded(st.layout[-1][3]) if st.layout else st.hw * 8
+            words = wire.meta_words(tensors, single)
+            st.layout = wire.parse_meta(words)[1]
+            st.key, st.words, st.hw = key, words, wire.PREFIX + len(words)
+            st.total = st.layout[-1][2] + wire.padded(st.layout[-1][3]) if st.layout else st.hw * 8
         ninfo = len(info)
         if ninfo > MAX_INFO:
             raise PipetrainError(f"a message carries at most {MAX_INFO} info integers, got {ninfo}")
@@ -383,13 +281,13 @@ class Channel:
         if st.total != st.peer_total or st.hw != st.peer_hw:
             control = torch.zeros(st.peer_total, dtype=torch.uint8, device=device)
             control[:32].view(torch.int64).copy_(
-                torch.tensor([_CONTROL, seq, st.total, st.hw], dtype=torch.int64)
+                torch.tensor([wire.CONTROL, seq, st.total, st.hw], dtype=torch.int64)
             )
             buffers.append(control)
             works.append(self._pg.send([control], self._group_peer, self._tag))
             st.peer_total, st.peer_hw = st.total, st.hw
-        header = [_DATA, seq, st.total, st.hw, tag, ninfo, *info, *_ZEROS[ninfo:], *st.words]
-        message = _pack(header, tensors, st.layout, st.total, device)
+        header = [wire.DATA, seq, st.total, st.hw, tag, ninfo, *info, *wire.ZEROS[ninfo:], *st.words]
+        message = wire.pack(header, tensors, st.layout, st.total, device)
         buffers.append(message)
         try:
             works.append(self._pg.send([message], self._group_peer, self._tag))
@@ -425,6 +323,7 @@ class Channel:
         status = messenger.status
         if status is not None:
             status.waiting = what if what is not None else self._what(None, sending)
+            status.peer = self.peer
         try:
             work.wait(self._td if timeout is None else datetime.timedelta(seconds=timeout))
         except RuntimeError as error:
@@ -446,9 +345,6 @@ class SendHandle:
         self._buffers = buffers  # kept alive until the send completes
         self.what = what
         self._error: CommunicationError | None = None
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until sent (gloo: until the receiver posted its receive); each message waits up
@@ -491,11 +387,6 @@ class RecvHandle:
         except RuntimeError as error:
             raise ch.messenger._fail(error, ch._what(self.what, False), ch.peer, ch.messenger.timeout) from None
 
-    def is_completed(self) -> bool:
-        if self._result is not None:
-            return True
-        return self._prev is None and self._work is not None and self._work.is_completed()
-
     def wait(self, timeout: float | None = None) -> Payload:
         """Block until the payload arrived and return it (a tensor, or a tuple if a tuple was
         sent); each message waits up to ``timeout`` seconds (default: the messenger's)."""
@@ -529,17 +420,17 @@ class RecvHandle:
         ch._wait(self._work, self.what, False, timeout)
         buffer = self._buffer
         assert buffer is not None
-        array = buffer.numpy() if buffer.device == _CPU else None
-        words = _header(buffer, array, st.hw)
-        if words[0] == _CONTROL:
+        array = buffer.numpy() if buffer.device == wire.CPU else None
+        words = wire.header_words(buffer, array, st.hw)
+        if words[0] == wire.CONTROL:
             self._check_seq(words[1])
             st.total, st.hw = words[2], words[3]
             self._post()
             ch._wait(self._work, self.what, False, timeout)
             buffer = self._buffer
-            array = buffer.numpy() if buffer.device == _CPU else None
-            words = _header(buffer, array, st.hw)
-        if words[0] != _DATA:
+            array = buffer.numpy() if buffer.device == wire.CPU else None
+            words = wire.header_words(buffer, array, st.hw)
+        if words[0] != wire.DATA:
             raise ProtocolError(
                 f"rank {ch.messenger.rank} received a message it cannot read during "
                 f"{ch._what(self.what, False)}: both ranks must use pipetrain's Messenger on channel "
@@ -550,11 +441,11 @@ class RecvHandle:
         self.tag = words[4]
         if words[5]:
             self.info = tuple(words[6 : 6 + words[5]])
-        meta = words[_PREFIX:]
+        meta = words[wire.PREFIX:]
         if meta != st.words:
-            st.single, st.layout = _parse_meta(meta)
+            st.single, st.layout = wire.parse_meta(meta)
             st.words = meta
-        tensors = _unpack(buffer, array, st.layout)
+        tensors = wire.unpack(buffer, array, st.layout)
         self._result = tensors[0] if st.single else tensors
         self._buffer = None
         self._work = None

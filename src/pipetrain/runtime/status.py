@@ -1,20 +1,4 @@
-"""What every rank is doing, published a few times a second, so that a failure can say where each rank was.
-
-When a rank dies or hangs, its peers only see a receive that never completes. To print something
-better than "timed out", every rank keeps its last few completed actions in memory (a deque append
-on the hot path, nothing else) and a background thread publishes them, together with the action it
-is waiting for, to a key-value store (the c10d TCPStore of the run) a few times a second. A rank
-that fails, or the launcher that sees a worker die, reads every rank's record with a short timeout
-and prints them::
-
-    status of every rank (most recent action last):
-      rank 0: waiting 5.1 s for RECV_B of microbatch 1 from rank 1; done: F0 F1 F2 B0; seen 0.2 s ago
-      rank 1: busy (not communicating); done: F0 F1 B0 F2; seen 0.1 s ago
-      rank 2: silent for 6.3 s (dead or frozen); last done: F0 B0; was waiting for RECV_F ...
-
-A rank stuck in computation still publishes (the thread runs while the main thread computes or
-sleeps), so "busy" with an old last action means it hangs in compute; a silent rank is dead.
-"""
+"""What every rank is doing, published a few times a second, for the report of a failure."""
 
 from __future__ import annotations
 
@@ -59,6 +43,21 @@ def env_store(timeout: float = 10.0) -> Any:
 class StatusBoard:
     """This rank's recent actions and current wait, published to a store in the background.
 
+    When a rank dies or hangs, its peers only see a receive that never completes. To print something
+    better than "timed out", every rank keeps its last few completed actions in memory (a deque append
+    on the hot path, nothing else) and a background thread publishes them, together with the action it
+    is waiting for, to a key-value store (the c10d TCPStore of the run) a few times a second. A rank
+    that fails, or the launcher that sees a worker die, reads every rank's record with a short timeout
+    and prints them::
+
+        status of every rank (most recent action last):
+          rank 0: waiting 5.1 s for RECV_B of microbatch 1 from rank 1; done: F0 F1 F2 B0; seen 0.2 s ago
+          rank 1: busy (not communicating); done: F0 F1 B0 F2; seen 0.1 s ago
+          rank 2: silent for 6.3 s (dead or frozen); last done: F0 B0; was waiting for RECV_F ...
+
+    A rank stuck in computation still publishes (the thread runs while the main thread computes or
+    sleeps), so "busy" with an old last action means it hangs in compute; a silent rank is dead.
+
     Hot path: ``board.done(action)`` (a bound ``deque.append``: the action object is stored, its
     ``str()`` taken only when published) and ``board.waiting = what`` (set and cleared by the
     :class:`~pipetrain.runtime.p2p.Messenger` around every wait). ``board.note`` is free text
@@ -86,6 +85,7 @@ class StatusBoard:
         self.recent: deque[object] = deque(maxlen=keep)
         self.done: Callable[[object], None] = self.recent.append
         self.waiting: object = None
+        self.peer: int | None = None  # the rank that ``waiting`` waits for, when one
         self.note: str = ""
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -140,6 +140,7 @@ class StatusBoard:
             "time": time.time(),
             "done": [str(a) for a in list(self.recent)],
             "waiting": None if waiting is None else str(waiting),
+            "peer": None if waiting is None else self.peer,
             "waiting_s": round(now - self._waiting_since, 3) if waiting is not None else 0.0,
             "note": self.note,
         }
@@ -245,4 +246,37 @@ def format_status(
             )
         else:
             lines.append(f"  rank {rank}{note}: {doing}; done: {done}; seen {age:.1f} s ago")
+    lines.extend(_diagnose(records, now, stale_after))
     return "\n".join(lines)
+
+
+def _diagnose(records: dict[int, dict[str, Any]], now: float, stale_after: float) -> list[str]:
+    """Point at the rank the others wait for, and say what it is doing."""
+
+    def stale(rec: dict[str, Any]) -> bool:
+        return now - rec["time"] > stale_after
+
+    waits = {
+        r: rec["peer"]
+        for r, rec in records.items()
+        if rec.get("waiting") is not None and rec.get("peer") is not None and not stale(rec)
+    }
+    out = []
+    for peer in sorted(set(waits.values())):
+        waiters = ", ".join(str(r) for r, p in sorted(waits.items()) if p == peer)
+        rec = records.get(peer)
+        if rec is None:
+            state = "has published no status (it never started, or died at once)"
+        elif stale(rec):
+            state = "is silent: it died or is frozen"
+        elif rec.get("waiting") is None:
+            state = "is busy and not communicating: it hangs in its computation, or is far slower"
+        elif waits.get(peer) is not None and records.get(waits[peer], {}).get("peer") == peer:
+            state = (
+                f"waits for rank {waits[peer]}, which waits for it: the two programs deadlock "
+                "(their sends and receives are not in matching order)"
+            )
+        else:
+            continue  # it waits for someone else: follow the chain from there
+        out.append(f"likely cause: rank {peer} {state} (rank(s) {waiters} wait for it)")
+    return out

@@ -1,0 +1,302 @@
+"""Training throughput of a 2-stage pipeline on CPU: the baselines pipetrain's runtime must beat.
+
+Model: an MLP of 8 hidden Linear+ReLU layers and a Linear head to 10 classes, split 2 ways (the
+first 4 hidden layers on stage 0, the rest and the head on stage 1); SGD lr 0.01, cross-entropy,
+one optimizer step per batch (gradients of the microbatches accumulated, each microbatch's loss
+divided by their number, as torch.distributed.pipelining's ``scale_grads`` does).
+
+Configurations:
+
+* ``compute-bound``  width 1024, batch 1024 in 8 microbatches of 128;
+* ``overhead-bound`` width 256, batch 1024 in 32 microbatches of 32.
+
+Contenders (each a function ``(config, steps, warmup) -> samples/s``, run in fresh processes
+pinned one core and one thread each by pipetrain's launcher):
+
+* ``sequential``            one process trains the whole model, microbatch by microbatch: rate R;
+* ``torch ScheduleGPipe``   torch.distributed.pipelining, 2 processes, gloo;
+* ``torch Schedule1F1B``    the same with 1F1B;
+* ``hand loop on Messenger``  a hand-written 2-stage training loop (gpipe or 1f1b order) over
+                            pipetrain's ``Messenger``: no executor, no schedule IR; a check that
+                            the transport itself is lean, and a target for the runtime.
+
+Each is printed as samples/s and as a ratio to R, to 2R (two stages without bubbles) and to
+2R*m/(m+1) (the bound of a flushing 2-stage schedule with m microbatches). pipetrain's runtime
+schedules are added as more entries of ``CONTENDERS`` (see the end of this file).
+
+Usage::
+
+    PYTHONPATH=src python benchmarks/vs_torch_pipelining.py [--configs compute-bound,overhead-bound]
+        [--contenders sequential,torch-gpipe,torch-1f1b,loop-gpipe,loop-1f1b] [--repeats 2]
+        [--steps N] [--warmup N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipetrain.runtime.launch import init_distributed, launch
+
+__all__ = ["Config", "CONFIGS", "CONTENDERS", "build_model", "split_model", "make_batch"]
+
+
+@dataclass(frozen=True)
+class Config:
+    width: int
+    batch: int
+    microbatches: int
+    steps: int  # timed optimizer steps (overridable with --steps)
+    warmup: int = 2
+    classes: int = 10
+    hidden: int = 8
+    lr: float = 0.01
+
+    @property
+    def microbatch(self) -> int:
+        return self.batch // self.microbatches
+
+
+CONFIGS = {
+    "compute-bound": Config(width=1024, batch=1024, microbatches=8, steps=4, warmup=1),
+    "overhead-bound": Config(width=256, batch=1024, microbatches=32, steps=20, warmup=3),
+}
+
+
+def build_model(cfg: Config, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(cfg.hidden):
+        layers += [nn.Linear(cfg.width, cfg.width), nn.ReLU()]
+    layers.append(nn.Linear(cfg.width, cfg.classes))
+    return nn.Sequential(*layers)
+
+
+def split_model(model: nn.Sequential, cfg: Config) -> tuple[nn.Sequential, nn.Sequential]:
+    """Stage 0: the first half of the hidden layers; stage 1: the other half and the head."""
+    cut = cfg.hidden  # each hidden layer is 2 modules (Linear, ReLU)
+    return nn.Sequential(*model[:cut]), nn.Sequential(*model[cut:])
+
+
+def make_batch(cfg: Config, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(cfg.batch, cfg.width, generator=g), torch.randint(0, cfg.classes, (cfg.batch,), generator=g)
+
+
+def _timed(step: Callable[[], None], cfg: Config, steps: int, warmup: int) -> float:
+    """samples/s over ``steps`` steps after ``warmup``; the slowest rank's time when distributed."""
+    for _ in range(warmup):
+        step()
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if dist.is_initialized():
+        dist.barrier()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return steps * cfg.batch / float(elapsed)
+
+
+# -- sequential ------------------------------------------------------------------------------------
+
+
+def _sequential_worker(cfg: Config, steps: int, warmup: int) -> float:
+    model = build_model(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    x, y = make_batch(cfg)
+    xs, ys = x.split(cfg.microbatch), y.split(cfg.microbatch)
+
+    def step() -> None:
+        for xb, yb in zip(xs, ys):
+            (F.cross_entropy(model(xb), yb) / cfg.microbatches).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return _timed(step, cfg, steps, warmup)
+
+
+def sequential(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_sequential_worker, cfg, steps, warmup, nprocs=1)
+
+
+# -- torch.distributed.pipelining ----------------------------------------------------------------
+
+
+def _torch_pipelining_worker(cfg: Config, steps: int, warmup: int, schedule: str) -> float:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    env = init_distributed("gloo", timeout=600)
+    stages = split_model(build_model(cfg), cfg)
+    module = stages[env.rank]
+    stage = PipelineStage(module, env.rank, 2, torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(stage, cfg.microbatches, loss_fn=lambda out, target: F.cross_entropy(out, target))
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
+    x, y = make_batch(cfg)
+
+    def step() -> None:
+        if env.rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+        opt.step()
+        opt.zero_grad()
+
+    return _timed(step, cfg, steps, warmup)
+
+
+def torch_gpipe(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_torch_pipelining_worker, cfg, steps, warmup, "gpipe")
+
+
+def torch_1f1b(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_torch_pipelining_worker, cfg, steps, warmup, "1f1b")
+
+
+# -- a hand-written 2-stage loop over pipetrain's Messenger (a check of the transport alone) --------
+
+
+def _messenger_worker(cfg: Config, steps: int, warmup: int, order: str) -> float:
+    """Stage 0 runs all forwards then all backwards (gpipe) or one warm-up forward then
+    alternates (1f1b); stage 1 alternates forward+loss and backward. The next receive is always
+    posted before computing, so communication overlaps compute. No executor, no IR: a lower bound
+    of the overhead pipetrain's runtime can reach."""
+    from pipetrain.runtime.p2p import ACTIVATIONS, GRADIENTS, Messenger
+
+    env = init_distributed("gloo", timeout=600)
+    module = split_model(build_model(cfg), cfg)[env.rank]
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
+    x, y = make_batch(cfg)
+    xs, ys = x.split(cfg.microbatch), y.split(cfg.microbatch)
+    m = cfg.microbatches
+    messenger = Messenger(timeout=600)
+    peer = 1 - env.rank
+    acts, grads = messenger.channel(peer, ACTIVATIONS), messenger.channel(peer, GRADIENTS)
+
+    def step0() -> None:
+        outs: list[torch.Tensor] = []
+        sends = []
+        pending = grads.irecv()
+
+        def forward(k: int) -> None:
+            out = module(xs[k])
+            outs.append(out)
+            sends.append(acts.isend(out, tag=k))
+
+        def backward(k: int) -> None:
+            nonlocal pending
+            g = pending.wait()
+            if k + 1 < m:
+                pending = grads.irecv()
+            outs[k].backward(g)
+            outs[k] = None  # type: ignore[call-overload]
+
+        if order == "gpipe":
+            for k in range(m):
+                forward(k)
+            for k in range(m):
+                backward(k)
+        else:
+            forward(0)
+            for k in range(1, m):
+                forward(k)
+                backward(k - 1)
+            backward(m - 1)
+        for h in sends:
+            h.wait()
+        opt.step()
+        opt.zero_grad()
+
+    def step1() -> None:
+        sends = []
+        pending = acts.irecv()
+        for k in range(m):
+            xk = pending.wait()
+            if k + 1 < m:
+                pending = acts.irecv()
+            xk.requires_grad_(True)
+            (F.cross_entropy(module(xk), ys[k]) / m).backward()
+            sends.append(grads.isend(xk.grad, tag=k))
+        for h in sends:
+            h.wait()
+        opt.step()
+        opt.zero_grad()
+
+    return _timed(step0 if env.rank == 0 else step1, cfg, steps, warmup)
+
+
+def messenger_gpipe(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_messenger_worker, cfg, steps, warmup, "gpipe")
+
+
+def messenger_1f1b(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_messenger_worker, cfg, steps, warmup, "1f1b")
+
+
+def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
+    result = launch(worker, args, nprocs, threads_per_worker=1, timeout=900, grace=2.0)
+    if result.returncode != 0:
+        raise SystemExit(f"{worker.__name__} failed: {result.message}")
+    return float(result.results[0])
+
+
+#: name -> (label, function). pipetrain's runtime adds e.g. "pipetrain-1f1b" here.
+CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
+    "sequential": ("sequential (1 process)", sequential),
+    "torch-gpipe": ("torch ScheduleGPipe", torch_gpipe),
+    "torch-1f1b": ("torch Schedule1F1B", torch_1f1b),
+    "loop-gpipe": ("hand loop on Messenger, gpipe", messenger_gpipe),
+    "loop-1f1b": ("hand loop on Messenger, 1f1b", messenger_1f1b),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each contender; the best is kept")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: per config)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: per config)")
+    args = parser.parse_args()
+    names = args.contenders.split(",")
+    if "sequential" not in names:
+        names.insert(0, "sequential")
+    print(f"machine: {os.cpu_count()} CPUs; every process pinned to its own core, 1 thread")
+    for config_name in args.configs.split(","):
+        cfg = CONFIGS[config_name]
+        steps = args.steps or cfg.steps
+        warmup = cfg.warmup if args.warmup is None else args.warmup
+        m = cfg.microbatches
+        print(
+            f"\n{config_name}: width {cfg.width}, batch {cfg.batch} = {m} x {cfg.microbatch}, "
+            f"{steps} timed steps after {warmup}, best of {args.repeats}"
+        )
+        rates: dict[str, list[float]] = {}
+        for name in names:
+            label, fn = CONTENDERS[name]
+            rates[name] = [fn(cfg, steps, warmup) for _ in range(args.repeats)]
+        r = max(rates["sequential"])
+        bound = 2 * r * m / (m + 1)
+        print(f"  {'contender':28s} {'samples/s':>10s} {'x R':>6s} {'/ 2R':>6s} {'/ 2Rm/(m+1)':>12s}   runs")
+        for name in names:
+            best = max(rates[name])
+            runs = ", ".join(f"{v:.0f}" for v in rates[name])
+            print(
+                f"  {CONTENDERS[name][0]:28s} {best:10.0f} {best / r:6.2f} {best / (2 * r):6.2f} "
+                f"{best / bound:12.2f}   {runs}"
+            )
+
+
+if __name__ == "__main__":
+    main()
