@@ -29,6 +29,7 @@ from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
 from pipetrain.runtime.p2p import Messenger, RecvHandle
+from pipetrain.runtime.reaper import SendReaper
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 
 __all__ = ["RankRunner", "sync_groups"]
@@ -104,7 +105,7 @@ class RankRunner:
         self._releases = version_release_points(self.program)
         self._local: dict[tuple, Any] = {}
         self._labels: dict[int, torch.Tensor] = {}  # labels of microbatches passing through this rank
-        self._sends: deque = deque()
+        self._reaper = SendReaper()
         self._posted: dict[tuple[int, str], RecvHandle] = {}
         self._queues: dict[tuple[int, str], deque] = {}
         self.start = start
@@ -145,12 +146,9 @@ class RankRunner:
     # -- sending -----------------------------------------------------------------------------------
 
     def _send(self, payload, peer: int, kind: str, microbatch: int, action: Action, info=()) -> None:
-        self._sends.append(self.messenger.isend(payload, peer, kind, tag=microbatch, info=info, what=_Waiting(action, None)))
-
-    def _reap_sends(self) -> None:
-        sends = self._sends
-        while sends and sends[0].is_completed():
-            sends.popleft().wait()
+        self._reaper.add(
+            self.messenger.isend(payload, peer, kind, tag=microbatch, info=info, what=_Waiting(action, None))
+        )
 
     # -- the program ---------------------------------------------------------------------------
 
@@ -176,6 +174,7 @@ class RankRunner:
         clock = time.perf_counter
         origin = clock() if origin is None else origin
         hooks = at_positions or {}
+        reaper = self._reaper
         program = self.program
         for pc in range(self.start, len(program)):
             if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
@@ -236,15 +235,14 @@ class RankRunner:
                 executors[release_stage].versions.release(release_version)
             if done is not None:
                 done(action)
-            if self._sends:
-                self._reap_sends()
+            if reaper.error is not None:
+                reaper.check()
             ends[pc] = clock() - origin
         if len(program) in hooks:
             paused = clock()
             hooks[len(program)]()
             self.paused += clock() - paused
-        while self._sends:
-            self._sends.popleft().wait()
+        reaper.drain()
         return self.losses
 
     # -- evaluation ----------------------------------------------------------------------------
