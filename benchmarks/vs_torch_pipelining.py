@@ -252,12 +252,59 @@ def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
 
 
 #: name -> (label, function). pipetrain's runtime adds e.g. "pipetrain-1f1b" here.
+# -- pipetrain's runtime ---------------------------------------------------------------------------
+
+
+def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str) -> float:
+    """`pipetrain train --executor distributed` on the same model, split and optimizer; the rate is
+    taken from the last stage's update times after the warm-up updates. PipeDream updates after
+    every minibatch of the microbatch size (its unit), the flushing schedules after each batch."""
+    from pipetrain.runtime.train import train_distributed
+    from pipetrain.training import TrainConfig
+
+    per_batch = cfg.microbatches if schedule == "pipedream" else 1
+    config = TrainConfig(
+        model=f"mlp:depth={cfg.hidden},width={cfg.width}",
+        data=f"synthetic:features={cfg.width},classes={cfg.classes},samples={4 * cfg.batch}",
+        schedule=schedule,
+        balance=[cfg.hidden // 2, cfg.hidden - cfg.hidden // 2 + 1],
+        batch_size=cfg.microbatch if schedule == "pipedream" else cfg.batch,
+        microbatches=1 if schedule == "pipedream" else cfg.microbatches,
+        steps=(warmup + steps) * per_batch,
+        optimizer=f"sgd:lr={cfg.lr}",
+        executor="distributed",
+        shuffle=False,
+        progress=False,
+        eval_samples=0,
+        timeout=600.0,
+    )
+    result = train_distributed(config)
+    times = result.extra["update_seconds"]
+    skip = max(warmup * per_batch, 1)
+    return (len(times) - skip) * config.batch_size / (times[-1] - times[skip - 1])
+
+
+def pipetrain_gpipe(cfg: Config, steps: int, warmup: int) -> float:
+    return _pipetrain(cfg, steps, warmup, "gpipe")
+
+
+def pipetrain_1f1b(cfg: Config, steps: int, warmup: int) -> float:
+    return _pipetrain(cfg, steps, warmup, "1f1b")
+
+
+def pipetrain_pipedream(cfg: Config, steps: int, warmup: int) -> float:
+    return _pipetrain(cfg, steps, warmup, "pipedream")
+
+
 CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "sequential": ("sequential (1 process)", sequential),
     "torch-gpipe": ("torch ScheduleGPipe", torch_gpipe),
     "torch-1f1b": ("torch Schedule1F1B", torch_1f1b),
     "loop-gpipe": ("hand loop on Messenger, gpipe", messenger_gpipe),
     "loop-1f1b": ("hand loop on Messenger, 1f1b", messenger_1f1b),
+    "pipetrain-gpipe": ("pipetrain gpipe", pipetrain_gpipe),
+    "pipetrain-1f1b": ("pipetrain 1f1b", pipetrain_1f1b),
+    "pipetrain-pipedream": ("pipetrain pipedream (limit 2R)", pipetrain_pipedream),
 }
 
 
