@@ -48,38 +48,6 @@ def sample(state_path: str, seed: int = 0) -> str:
     return generate(model, train.vocab, prompt="def ", length=160, seed=seed, temperature=0.8)
 
 
-def plot(reports: dict[str, dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for name, report in reports.items():
-        losses = report["losses"]
-        times = report["update_seconds"]
-        window = 20
-        smooth = [sum(losses[max(0, i - window + 1): i + 1]) / len(losses[max(0, i - window + 1): i + 1])
-                  for i in range(len(losses))]
-        steps = [e["step"] for e in report["evaluations"]]
-        validation = [e["loss"] for e in report["evaluations"]]
-        line, = axes[0].plot(range(1, len(smooth) + 1), smooth, label=f"{name} training (mean of {window})")
-        axes[0].plot(steps, validation, "o--", color=line.get_color(), label=f"{name} validation")
-        axes[1].plot(times[: len(smooth)], smooth, color=line.get_color(), label=f"{name} training")
-        axes[1].plot([times[s - 1] for s in steps], validation, "o--", color=line.get_color(),
-                     label=f"{name} validation")
-    axes[0].set_xlabel("updates")
-    axes[1].set_xlabel("wall time (s)")
-    for ax in axes:
-        ax.set_ylabel("cross entropy (nats per character)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{MODEL} on {DATA}, 2 worker processes")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=600)
@@ -97,7 +65,9 @@ def main() -> None:
         print(done.stdout.strip())
         with open(os.path.join(directory, f"{schedule}.json")) as handle:
             reports[schedule] = json.load(handle)
-    plot(reports, args.out)
+    from pipetrain.training.curves import plot_loss_curves
+
+    plot_loss_curves(reports, args.out, f"{MODEL} on {DATA}, 2 worker processes")
     print()
     print(f"{'schedule':<10} {'samples/s':>10} {'final train loss':>17} {'validation loss':>16} {'accuracy':>9} {'seconds':>8}")
     for name, report in reports.items():

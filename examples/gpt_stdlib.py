@@ -1,29 +1,39 @@
-"""Train a character-level GPT on Python's own standard library, cut into pipeline stages.
+"""Train a character-level GPT on Python's own standard library with 2 worker processes.
 
-The model is an ordinary nn.Module (pipetrain.models.GPT); split_model traces it with torch.fx and
-cuts it into stages that hand on whatever later stages need. This script runs the stages one
-after the other in one process (the same arithmetic as the unsplit model, bit for bit), trains with
-Adam, reports validation loss in bits per character, and prints a sample::
+`gpt` is an ordinary nn.Module (token and position embeddings, causal self-attention blocks,
+LayerNorm, a head); `--stages 2` traces it with torch.fx and cuts it between blocks. Batches have
+variable sequence length (`min_length`): the runtime passes whatever shapes arrive, no fixed-shape
+declaration. After training, a sample is generated from the saved weights::
 
-    PYTHONPATH=src python examples/gpt_stdlib.py                    # 3 stages, 500 updates
-    PYTHONPATH=src python examples/gpt_stdlib.py --stages 4 --steps 200 --min-length 16
+    python examples/gpt_stdlib.py                          # pipedream, 600 updates
+    python examples/gpt_stdlib.py --schedule 1f1b --steps 300
 
-The factory below is also how you would hand your own model to the command line::
+The same run as one command:
 
-    pipetrain train --model examples.gpt_stdlib:make_model:n_layer=4 --data text:block_size=64 --stages 3
-    pipetrain train --model gpt:n_layer=4,n_embd=128 --data text:block_size=64,min_length=16 --stages 3
+    pipetrain train --model gpt:n_layer=4,n_embd=64,n_head=4 --data text:block_size=64,min_length=16 \\
+        --stages 2 --schedule pipedream --batch-size 16 --optimizer adam:lr=0.002 --steps 600 \\
+        --eval-every 100 --eval-samples 512 --save gpt.pt
+
+A factory of your own works the same way: `--model examples.gpt_stdlib:make_model:n_layer=4`.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import json
+import os
+import tempfile
 
 import torch
 
-from pipetrain.data import BatchSampler, get_batch, load_train_test
-from pipetrain.models import GPT, cross_entropy, evaluate, generate
-from pipetrain.stages import split_model
+from pipetrain.data import load_train_test
+from pipetrain.models import GPT, build_model, generate
+from pipetrain.training import TrainConfig
+from pipetrain.training.curves import plot_loss_curves
+from pipetrain.training.train import train
+
+MODEL = "gpt:n_layer=4,n_embd=64,n_head=4"
+DATA = "text:block_size=64,min_length=16"
 
 
 def make_model(input_shape, num_classes, n_layer=4, n_head=4, n_embd=64, dropout=0.0):
@@ -34,46 +44,30 @@ def make_model(input_shape, num_classes, n_layer=4, n_head=4, n_embd=64, dropout
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--min-length", type=int, default=None, help="variable-length batches")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--embd", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--schedule", default="pipedream")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--plot", default="docs/images/gpt_stdlib.png")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    train, test = load_train_test(f"text:block_size={args.block_size}"
-                                  + (f",min_length={args.min_length}" if args.min_length else ""))
-    print(f"data: {train}; {test}")
-    torch.manual_seed(args.seed)
-    model = make_model((args.block_size,), train.num_classes, n_layer=args.layers, n_embd=args.embd)
-    staged = split_model(model, stages=args.stages)
-    print(f"split at {', '.join(staged.split_at)}:\n{staged.summary()}")
-
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 50))
-    sampler = BatchSampler(train, args.batch_size, seed=args.seed)
-    start = time.perf_counter()
-    for step in range(args.steps):
-        x, y = get_batch(train, sampler.indices(step))
-        loss = cross_entropy(staged(x), y)  # staged(x) runs the stages in sequence
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % 100 == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  length {x.shape[1]:3d}  loss {loss.item():.3f}  "
-                  f"({time.perf_counter() - start:.0f} s)")
-    result = evaluate(staged, torch.utils.data.Subset(test, range(min(len(test), 1024))), batch_size=128)
-    print(f"validation: loss {result['loss']:.3f}, {result['bits_per_target']:.2f} bits/char, "
-          f"next-char accuracy {result['accuracy']:.1%}")
-    print("sample:\n" + "def " + generate(staged, train.vocab, "def ", 300, seed=0, block_size=args.block_size,
-                                          temperature=0.8))
+    directory = tempfile.mkdtemp()
+    report, weights = os.path.join(directory, "report.json"), os.path.join(directory, "gpt.pt")
+    result = train(TrainConfig(
+        model=MODEL, data=DATA, stages=2, schedule=args.schedule, batch_size=16,
+        microbatches=4 if args.schedule != "pipedream" else None, optimizer="adam:lr=0.002", steps=args.steps,
+        eval_every=max(args.steps // 6, 1), eval_samples=512, executor="distributed", report_json=report,
+        save=weights, progress=True,
+    ))
+    for evaluation in result.evaluations:
+        print(f"after {evaluation['step']:4d} updates: validation loss {evaluation['loss']:.4f} nats/char")
+    print(f"{result.samples_per_s:.0f} sequences/s on {result.workers} worker processes")
+    train_set, _ = load_train_test(DATA)
+    model = build_model(MODEL, input_shape=(64,), num_classes=train_set.num_classes)
+    model.load_state_dict(torch.load(weights))
+    model.eval()
+    print("sample (prompt 'def ', temperature 0.8):")
+    print("def " + generate(model, train_set.vocab, prompt="def ", length=200, seed=0, temperature=0.8))
+    with open(report) as handle:
+        plot_loss_curves({args.schedule: json.load(handle)}, args.plot, f"{MODEL} on {DATA}, {args.schedule}")
+    print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

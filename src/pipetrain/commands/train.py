@@ -23,8 +23,9 @@ def _name_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("model and data")
-    what.add_argument("--model", default="mlp", help="built-in name (mlp, resmlp, resnet-gn, ...) or PKG.MOD:FACTORY, "
-                      "with optional :k=v,... (default mlp)")
+    what.add_argument("--model", default="mlp:depth=2,width=128",
+                      help="built-in name (mlp, resmlp, resnet-gn, resnet-gn-skip, gpt) or PKG.MOD:FACTORY, "
+                           "with optional :k=v,... (default mlp:depth=2,width=128)")
     what.add_argument("--data", default="digits", help="digits, synthetic:features=N,classes=C,samples=K, or "
                       "PKG.MOD:FACTORY (default digits)")
     what.add_argument("--test-data", help="a separate held-out data spec (default: the data's own test split)")
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update (default 32)")
     train.add_argument("--steps", type=int, help="optimizer updates")
     train.add_argument("--epochs", type=float, help="passes over the training data (default 1 when --steps is absent)")
-    train.add_argument("--optimizer", default="sgd:lr=0.1,momentum=0.9", help="e.g. sgd:lr=0.1,momentum=0.9 or adam:lr=1e-3")
+    train.add_argument("--optimizer", default="sgd:lr=0.02,momentum=0.9", help="e.g. sgd:lr=0.1,momentum=0.9 or adam:lr=1e-3")
     train.add_argument("--lr-schedule", help="constant, step:milestones=a/b,gamma=.., cosine:total=.., end:total=..,fraction=..")
     train.add_argument("--compensation", default="none", help="none, sc, lwp or sc+lwp (delays from the schedule)")
     train.add_argument("--translate-from-batch", type=int, metavar="B",

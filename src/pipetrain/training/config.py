@@ -11,7 +11,7 @@ __all__ = ["TrainConfig"]
 class TrainConfig:
     """Everything a training run needs to be reproduced (the `pipetrain train` options)."""
 
-    model: str = "mlp"
+    model: str = "mlp:depth=2,width=128"
     data: str = "digits"
     test_data: str | None = None
     schedule: str | None = None  # None: the plan's, else 1f1b
@@ -26,7 +26,7 @@ class TrainConfig:
     batch_size: int = 32
     steps: int | None = None
     epochs: float | None = None
-    optimizer: str = "sgd:lr=0.1,momentum=0.9"
+    optimizer: str = "sgd:lr=0.02,momentum=0.9"
     lr_schedule: str | None = None
     compensation: str = "none"
     executor: str = "distributed"
