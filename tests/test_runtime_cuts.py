@@ -1,0 +1,50 @@
+"""Consistent cuts of schedules (where ranks checkpoint or pause to evaluate)."""
+
+import pytest
+
+from pipetrain.errors import ConfigError
+from pipetrain.runtime.cuts import cut
+from pipetrain.schedule import Kind, build, loads
+
+
+def before(schedule, rank, position):
+    return schedule.programs[rank][:position]
+
+
+def test_flush_schedules_cut_at_step_boundaries_with_nothing_crossing():
+    schedule = build("1f1b", 3, 4, steps=3)
+    c = cut(schedule, 8)  # after two steps
+    for rank in range(3):
+        done = before(schedule, rank, c.positions[rank])
+        assert sum(1 for a in done if a.kind is Kind.STEP) == 2
+        assert all(a.microbatch is None or a.microbatch < 8 for a in done)
+    assert c.crossing_sends == [[], [], []]
+
+
+def test_pipedream_cuts_leave_forwards_in_flight_and_name_crossing_sends():
+    schedule = build("pipedream", 3, 12)
+    c = cut(schedule, 5)
+    for rank, depth in enumerate([2, 1, 0]):
+        done = before(schedule, rank, c.positions[rank])
+        assert sum(1 for a in done if a.kind is Kind.STEP) == 5
+        forwards = [a.microbatch for a in done if a.kind is Kind.F]
+        assert forwards == list(range(5 + depth))  # W_s microbatches still in flight
+    # stage 0 has sent F(5), F(6): stage 1 received F(5) before its cut, F(6) comes after it;
+    # stage 1 has sent F(5), which stage 2 receives after its cut
+    assert [str(schedule.programs[0][p]) for p in c.crossing_sends[0]] == ["0SEND_F6>1"]
+    assert [str(schedule.programs[1][p]) for p in c.crossing_sends[1]] == ["1SEND_F5>2"]
+
+
+def test_cut_inside_a_split_backward_is_refused():
+    schedule = loads("0, 0F0, 0F1, 0I0, 0I1, 0W0, 0W1, 0STEP")
+    with pytest.raises(ConfigError, match="I but not the W"):
+        cut(schedule, 1)
+
+
+def test_inconsistent_cut_is_refused():
+    schedule = loads("""
+    0, 0F0, 0SEND_F0>1, 0F1, 0SEND_F1>1, 0RECV_B0<1, 0B0, 0RECV_B1<1, 0B1, 0STEP
+    1, 1RECV_F0<0, 1F0, 1B0, 1RECV_F1<0, 1F1, 1B1, 1SEND_B1>0, 1SEND_B0>0, 1STEP
+    """)
+    with pytest.raises(ConfigError, match="before its cut"):
+        cut(schedule, 1)
