@@ -16,7 +16,7 @@ from pipetrain.models import build_model
 from pipetrain.runtime.launch import launch
 from pipetrain.runtime.train import worker
 from pipetrain.training import TrainConfig
-from pipetrain.training.setup import default_loss
+from pipetrain.models.loss import cross_entropy
 from pipetrain.training.train import train
 
 
@@ -24,7 +24,7 @@ def plain(model, batches, lr=0.05):
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=False)
     for x, y in batches:
         opt.zero_grad()
-        default_loss(model(x), y).backward()
+        cross_entropy(model(x), y).backward()
         opt.step()
 
 

@@ -67,14 +67,14 @@ class Pipeline:
         seed: int = 0,
     ) -> None:
         from pipetrain.stages import split_model
-        from pipetrain.training.setup import default_loss
+        from pipetrain.models.loss import cross_entropy
 
         self.schedule_name = resolve_name(schedule)
         self.staged = split_model(model, stages=stages, balance=balance, split_at=split_at)
         self.model = model
         asynchronous = self.schedule_name in ASYNCHRONOUS and self.schedule_name != "2bw"
         self.microbatches = microbatches if microbatches is not None else (1 if asynchronous else 4)
-        self.loss_fn = loss_fn or default_loss
+        self.loss_fn = loss_fn or cross_entropy
         self.optimizer = optimizer
         self.compensation = compensation
         self.replicas = list(replicas) if replicas else None

@@ -9,15 +9,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipetrain.errors import ConfigError
+from pipetrain.models.metrics import model_modules
 
 __all__ = ["generate"]
-
-
-def _modules(model: Any) -> list[nn.Module]:
-    stages = getattr(model, "stages", None)
-    if stages is not None:
-        return list(stages)
-    return [model] if isinstance(model, nn.Module) else []
 
 
 @torch.no_grad()
@@ -50,7 +44,7 @@ def generate(
         raise ConfigError(f"generate: temperature must be positive, got {temperature!r}")
     if length < 0:
         raise ConfigError(f"generate: length must be >= 0, got {length!r}")
-    modules = _modules(model)
+    modules = model_modules(model)
     modes = [[m.training for m in module.modules()] for module in modules]
     for module in modules:
         module.eval()

@@ -15,7 +15,8 @@ from pipetrain.models.loss import LossFn, accuracy_counts, cross_entropy
 __all__ = ["evaluate"]
 
 
-def _modules(model: Any) -> list[nn.Module]:
+def model_modules(model: Any) -> list[nn.Module]:
+    """The modules behind ``model``: a staged model's stages, or the model itself."""
     stages = getattr(model, "stages", None)
     if stages is not None:
         return list(stages)
@@ -38,7 +39,7 @@ def evaluate(
     ``model`` may be a module, a :class:`~pipetrain.stages.StagedModel` or a callable; modules run
     in eval mode (restored afterwards).
     """
-    modules = _modules(model)
+    modules = model_modules(model)
     modes = [[m.training for m in module.modules()] for module in modules]
     for module in modules:
         module.eval()

@@ -255,7 +255,7 @@ class RankRunner:
         stage 0 lives, and its labels travel to the last stage. Its own channels keep training
         messages in flight undisturbed.
         """
-        from pipetrain.training.evaluate import accuracy_counts
+        from pipetrain.training.evaluate import Metrics
 
         rank, last = self.rank, self.last_stage
         owners = [ranks[0] for ranks in self.schedule.stage_ranks]
@@ -263,7 +263,7 @@ class RankRunner:
         if not mine:
             return None
         sends = []
-        total, samples, correct, counted = 0.0, 0, 0, 0
+        metrics = Metrics(loss_fn)
         for index in range(count):
             value = labels = None
             if owners[0] == rank:
@@ -279,17 +279,10 @@ class RankRunner:
             if last in mine:
                 if owners[0] != rank:
                     labels = self.messenger.recv(owners[0], "eval-labels", expect_tag=index)
-                n = labels.shape[0]
-                total += float(loss_fn(value, labels)) * n
-                samples += n
-                right, seen = accuracy_counts(value, labels)
-                correct += right
-                counted += seen
+                metrics.add(value, labels)
         for handle in sends:
             handle.wait()
-        if last in mine:
-            return {"loss": total / max(samples, 1), "accuracy": correct / max(counted, 1)}
-        return None
+        return metrics.result() if last in mine else None
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -7,13 +7,29 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["accuracy_counts", "evaluate_chain"]
+from pipetrain.models.loss import accuracy_counts
+
+__all__ = ["Metrics", "evaluate_chain"]
 
 
-def accuracy_counts(output: Tensor, target: Tensor) -> tuple[int, int]:
-    """(correct, total) of arg-max predictions; per position for sequence outputs."""
-    predicted = output.argmax(dim=-1)
-    return int((predicted == target).sum()), target.numel()
+class Metrics:
+    """Running loss (weighted by samples) and accuracy over held-out batches."""
+
+    def __init__(self, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
+        self.loss_fn = loss_fn
+        self.loss = 0.0
+        self.samples = self.correct = self.counted = 0
+
+    def add(self, output: Tensor, target: Tensor) -> None:
+        n = target.shape[0]
+        self.loss += float(self.loss_fn(output, target)) * n
+        self.samples += n
+        right, seen = accuracy_counts(output, target)
+        self.correct += right
+        self.counted += seen
+
+    def result(self) -> dict[str, float]:
+        return {"loss": self.loss / max(self.samples, 1), "accuracy": self.correct / max(self.counted, 1)}
 
 
 def evaluate_chain(
@@ -22,14 +38,8 @@ def evaluate_chain(
     loss_fn: Callable[[Tensor, Tensor], Tensor],
 ) -> dict[str, float]:
     """Mean loss (weighted by samples) and accuracy of ``forward`` over ``batches``."""
-    total_loss, samples, correct, counted = 0.0, 0, 0, 0
+    metrics = Metrics(loss_fn)
     with torch.no_grad():
         for inputs, target in batches:
-            output = forward(inputs)
-            n = target.shape[0]
-            total_loss += float(loss_fn(output, target)) * n
-            samples += n
-            right, seen = accuracy_counts(output, target)
-            correct += right
-            counted += seen
-    return {"loss": total_loss / max(samples, 1), "accuracy": correct / max(counted, 1)}
+            metrics.add(forward(inputs), target)
+    return metrics.result()

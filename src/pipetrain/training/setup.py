@@ -19,20 +19,14 @@ from torch.utils.data import Dataset
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, UnitData, UnitLayout
+from pipetrain.models.loss import loss_for
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.training.config import TrainConfig
 
-__all__ = ["Run", "prepare", "default_loss", "EXECUTORS"]
+__all__ = ["Run", "prepare", "EXECUTORS"]
 
 EXECUTORS = ("distributed", "emulate")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def default_loss(output: Tensor, target: Tensor) -> Tensor:
-    """Cross entropy, the mean over samples (and positions, for sequence outputs)."""
-    if output.dim() == target.dim() + 1 and output.dim() > 2:
-        return nn.functional.cross_entropy(output.flatten(0, -2), target.flatten())
-    return nn.functional.cross_entropy(output, target)
 
 
 @dataclass
@@ -265,7 +259,7 @@ def prepare(config: TrainConfig) -> Run:
     delays = staleness(schedule)
     per_update = units_per_update(schedule)
     grad_scales = [per_update[-1] / u for u in per_update]
-    loss_fn = getattr(model, "pipeline_loss", None) or default_loss
+    loss_fn = loss_for(model)
     from pipetrain.optim import build_stage_optimizer
 
     # build one optimizer now so that a bad --optimizer/--compensation fails before any work
