@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import subprocess
 import sys
 import time

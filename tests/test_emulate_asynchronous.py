@@ -10,7 +10,7 @@ from pipetrain import Pipeline
 from pipetrain.emulate import Emulator
 from pipetrain.execution import StageExecutor, UnitData, UnitLayout
 from pipetrain.optim import SGD
-from pipetrain.schedule import Schedule, add_communication, assign_versions, build, check, pb_delays
+from pipetrain.schedule import Schedule, add_communication, assign_versions, build, check
 from pipetrain.schedule.stream import one_forward_one_backward
 from pipetrain.schedule.flush import update_actions
 

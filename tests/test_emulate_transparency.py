@@ -6,7 +6,6 @@ gradients while plain training computes the whole batch in one matrix product, s
 differently: they agree to float64 rounding (rtol 1e-12), and float32 runs agree to ~1e-6.
 """
 
-import copy
 
 import pytest
 import torch

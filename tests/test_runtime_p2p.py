@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
 import torch
 
 from pipetrain.runtime.launch import init_distributed, launch

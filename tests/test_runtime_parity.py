@@ -9,7 +9,6 @@ too (three or more replicas may round differently inside gloo's all-reduce).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch

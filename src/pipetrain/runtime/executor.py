@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -164,7 +164,6 @@ class RankRunner:
         end, for ``p == len(program)``): checkpoints are taken there."""
         schedule = self.schedule
         executors = self.executors
-        layout = self.layout
         last = self.last_stage
         rank = self.rank
         local = self._local
@@ -324,7 +323,7 @@ class RankRunner:
 
     def _forward(self, action: Action, executor: StageExecutor, on_loss) -> None:
         kind, stage, k, version, _ = action
-        schedule, layout, local = self.schedule, self.layout, self._local
+        layout, local = self.layout, self._local
         target = None
         if stage == 0:
             inputs, self._labels[k] = self.data.unit(k)

@@ -16,7 +16,6 @@ its results to rank 0, which writes the outputs and reports.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -56,7 +55,6 @@ def worker(config: TrainConfig) -> TrainResult | None:
     import torch
     import torch.distributed as dist
 
-    from pipetrain.execution import UnitData
     from pipetrain.runtime.executor import RankRunner, sync_groups
     from pipetrain.runtime.launch import init_distributed
     from pipetrain.runtime.p2p import Messenger

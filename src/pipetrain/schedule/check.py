@@ -51,7 +51,7 @@ def _problems(schedule: Schedule) -> list[str]:
             if not 0 <= rank < num_ranks:
                 out.append(f"placement puts stage {stage} on rank {rank}, but ranks are 0..{num_ranks - 1}")
                 return out
-    F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+    F, I, W = Kind.F, Kind.I, Kind.W
     SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
         Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
     )
