@@ -43,9 +43,12 @@ def test_replicas_imply_stages(capsys):
 
 def test_files_and_compare(capsys, tmp_path):
     plot, trace, csv = tmp_path / "t.png", tmp_path / "t.json", tmp_path / "s.csv"
+    programs = tmp_path / "p.json"
     code, out, _ = run(capsys, "schedule", "zb-h1", "--stages", "3", "--microbatches", "6", "--costs", "F=1,B=1,W=1",
-                       "--plot", str(plot), "--trace", str(trace), "--csv", str(csv))
+                       "--plot", str(plot), "--trace", str(trace), "--csv", str(csv), "--programs", str(programs))
     assert code == 0 and plot.stat().st_size > 10_000
+    listed = json.loads(programs.read_text())
+    assert listed["programs"][0][0] == "0F0@v0" and listed["placement"] == [[0], [1], [2]]
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("name") == "0F0@v0" and e["ph"] == "X" for e in events)
     # the CSV loads back and simulates to the same numbers

@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart (the comparison with --compare)")
     parser.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
     parser.add_argument("--csv", metavar="FILE", help="write the schedule's programs as CSV text")
+    parser.add_argument("--programs", metavar="FILE.json", help="write the programs as JSON (one list of actions per rank)")
     parser.add_argument("--show", action="store_true", help="print every rank's program")
 
 
@@ -99,10 +100,13 @@ def run(args: argparse.Namespace) -> int:
         timelines.append(timeline)
         summaries.append(summarize(timeline, include_versions=args.json))
 
-    if args.csv:
+    if args.csv or args.programs:
         if len(schedules) != 1:
-            raise ScheduleError("--csv writes one schedule; drop --compare")
-        dump(schedules[0], args.csv)
+            raise ScheduleError("--csv and --programs write one schedule; drop --compare")
+        if args.csv:
+            dump(schedules[0], args.csv)
+        if args.programs:
+            _write_programs(schedules[0], args.programs)
     if args.trace:
         from pipetrain.schedule.trace import write_trace
 
@@ -128,10 +132,20 @@ def run(args: argparse.Namespace) -> int:
             print()
             for rank, program in enumerate(schedule.programs):
                 print(f"  rank {rank}: " + " ".join(str(a) for a in program))
-    for flag, path in (("plot", args.plot), ("trace", args.trace), ("csv", args.csv)):
+    for flag, path in (("plot", args.plot), ("trace", args.trace), ("csv", args.csv), ("programs", args.programs)):
         if path:
             print(f"wrote {flag}: {path}")
     return 0
+
+
+def _write_programs(schedule, path: str) -> None:
+    from pipetrain.training.result import write_json_atomic
+
+    write_json_atomic(path, {
+        "name": schedule.name, "policy": schedule.policy, "microbatches": schedule.microbatches,
+        "steps": schedule.steps, "chunks": schedule.chunks, "placement": schedule.stage_ranks,
+        "programs": [[str(action) for action in program] for program in schedule.programs],
+    })
 
 
 def _title(summary: dict) -> str:
