@@ -75,8 +75,12 @@ def _generate(name: str, args: argparse.Namespace, *, comparing: bool = False):
 
 
 def run(args: argparse.Namespace) -> int:
+    import gc
+
     from pipetrain.schedule import check, dump, load, simulate
     from pipetrain.schedule.report import format_summary, summarize
+
+    gc.disable()  # a short-lived command over 10^5..10^6 small tuples that cannot form cycles
 
     costs = _costs(args)
     if args.compare:

@@ -44,26 +44,28 @@ def interleaved(stages: int, microbatches: int, steps: int = 1, chunks: int = 2,
             f"--stages ({ranks}); got {microbatches}: use --microbatches {' or '.join(options)}"
         )
     total = microbatches * chunks
+    new = tuple.__new__
+    F, B = Kind.F, Kind.B
+    group_size = ranks * chunks
+    # unit k of a step: chunk (k // P) % v (reversed for backwards), microbatch (k // (P v)) P + k % P
+    unit_chunk = [(k % group_size) // ranks for k in range(total)]
+    unit_offset = [(k // group_size) * ranks + k % ranks for k in range(total)]
     programs: list[list[Action]] = []
     for rank in range(ranks):
         program: list[Action] = []
+        append = program.append
         warm = min((ranks - rank - 1) * 2 + (chunks - 1) * ranks, total)
+        forward_stage = [unit_chunk[k] * ranks + rank for k in range(total)]
+        backward_stage = [(chunks - 1 - unit_chunk[k]) * ranks + rank for k in range(total)]
         for step in range(steps):
             base = step * microbatches
-
-            def unit(k: int, backward: bool) -> Action:
-                group, within = divmod(k, ranks * chunks)
-                chunk = within // ranks
-                if backward:
-                    chunk = chunks - 1 - chunk
-                microbatch = base + group * ranks + within % ranks
-                return Action(Kind.B if backward else Kind.F, chunk * ranks + rank, microbatch)
-
-            program.extend(unit(k, False) for k in range(warm))
+            forwards = [new(Action, (F, forward_stage[k], base + unit_offset[k], None, None)) for k in range(total)]
+            backwards = [new(Action, (B, backward_stage[k], base + unit_offset[k], None, None)) for k in range(total)]
+            program.extend(forwards[:warm])
             for k in range(total - warm):
-                program.append(unit(warm + k, False))
-                program.append(unit(k, True))
-            program.extend(unit(k, True) for k in range(total - warm, total))
+                append(forwards[warm + k])
+                append(backwards[k])
+            program.extend(backwards[total - warm:])
             for chunk in range(chunks):
                 program.extend(update_actions(chunk * ranks + rank, False))
         programs.append(program)
