@@ -124,6 +124,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
         if schedule.replica_of(rank, stage) == 0:
             executors[stage].write_back()
     states = {stage: executors[stage].module.state_dict() for stage in held if schedule.replica_of(rank, stage) == 0}
+    digests = {stage: _digest(executors[stage].versions.latest) for stage in held}
     payload = {
         "rank": rank,
         "losses": runner.losses,
@@ -131,6 +132,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
         "ends": runner.ends,
         "seconds": seconds,
         "states": states,
+        "digests": digests,
         "evaluations": evaluations,
     }
     gathered: list[Any] = [None] * env.world_size if rank == 0 else None
@@ -254,6 +256,27 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _digest(params) -> str:
+    """A hash of a stage's parameter bytes: replicas must end bitwise identical."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_replicas(run, gathered: list[dict]) -> None:
+    for stage, ranks in enumerate(run.schedule.stage_ranks):
+        digests = {rank: gathered[rank]["digests"][stage] for rank in ranks}
+        if len(set(digests.values())) > 1:
+            raise PipetrainError(
+                f"internal error: the replicas of stage {stage} on ranks {ranks} ended with different weights; "
+                "please report this with the command that produced it"
+            )
+
+
 def _assemble(run, gathered: list[dict]) -> TrainResult:
     """Rank 0: the run's result from every rank's payload; writes the outputs."""
     from pipetrain.schedule.timeline import Timeline
@@ -261,6 +284,7 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     from pipetrain.training.result import result_of
     from pipetrain.training.train import write_outputs
 
+    _check_replicas(run, gathered)
     losses: dict[int, float] = {}
     for payload in gathered:
         losses.update(payload["losses"])
