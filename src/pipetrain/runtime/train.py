@@ -249,7 +249,8 @@ def _progress(run, config):
         return None
     from pipetrain.training.outputs import Progress, UpdateLosses
 
-    return UpdateLosses(run, Progress(run.updates, True, f"{run.schedule.name} ({run.schedule.num_ranks} workers)"))
+    bar = Progress(run.updates, True, f"{run.schedule.name} ({run.schedule.num_ranks} workers)")
+    return UpdateLosses(run, bar, rank=_rank())
 
 
 def _rank() -> int:

@@ -57,10 +57,13 @@ class UpdateLosses:
     """Collects the losses of units as the last stage computes them and turns each completed
     update's units into that update's loss (their mean losses weighted by sample share)."""
 
-    def __init__(self, run: Run, progress: "Progress | None" = None) -> None:
+    def __init__(self, run: Run, progress: "Progress | None" = None, rank: int | None = None) -> None:
         self.layout = run.layout
         self.units = run.layout.units_per_update
         self.progress = progress
+        # on a replicated last stage a rank sees only its replica's units
+        last = run.schedule.num_stages - 1
+        self._mine = (lambda unit: True) if rank is None else (lambda unit: run.schedule.rank_of(last, unit) == rank)
         self.losses: list[float] = []
         self._pending: dict[int, float] = {}
         self._started = time.perf_counter()
@@ -68,8 +71,9 @@ class UpdateLosses:
     def __call__(self, unit: int, loss: float) -> None:
         self._pending[unit] = loss * self.layout.loss_scale(unit)
         first = unit // self.units * self.units
-        if all(u in self._pending for u in range(first, first + self.units)):
-            self.losses.append(sum(self._pending.pop(u) for u in range(first, first + self.units)))
+        expected = [u for u in range(first, first + self.units) if self._mine(u)]
+        if all(u in self._pending for u in expected):
+            self.losses.append(sum(self._pending.pop(u) for u in expected))
             if self.progress is not None:
                 self.progress.update(1, self.losses[-1], self.layout.batch_size, time.perf_counter() - self._started)
 
