@@ -1,0 +1,356 @@
+"""Predicted against measured: profile, plan and train real models, stage times side by side.
+
+    PYTHONPATH=src python benchmarks/planner_vs_measured.py                 # all cases, 3 runs
+    PYTHONPATH=src python benchmarks/planner_vs_measured.py --cases mlp --repeats 1   # quick
+
+For each case: ``pipetrain profile`` (one process, 1 thread, per-layer medians), ``pipetrain plan``
+of the profile, then ``pipetrain train --plan`` on the distributed runtime (one process per stage
+replica over gloo, 1 thread each), ``--repeats`` times, with ``--report-json`` and ``--trace``.
+Every stage is also timed as one module in this process (forward + backward of the whole stage,
+1 thread), which separates "the sum of per-layer marks" from "the stage in its own process".
+Per stage, medians over the runs:
+
+* ``plan compute``: the plan's ``compute_s`` (forward + backward of the stage's layers, one worker,
+  one minibatch, summed from the profile); ``plan time``: its ``time_s`` (per minibatch of the
+  pipeline: replicas and communication per the cost model);
+* ``1-proc F+B``: the stage module timed in this process (median of ``--iterations``);
+* ``F+B``: forward and backward actions of the stage in the trace: the median action times the
+  actions per minibatch on one replica (microbatches / replicas) -- comparable to ``plan time``
+  without communication, and times replicas to ``plan compute``;
+* ``STEP`` / ``SYNC``: optimizer updates and replica all-reduces, same scaling;
+* ``busy``: the report's ``stage_busy_seconds`` (F, B and STEP actions, all of them) / steps,
+  mean over the stage's replicas;
+* ``send``: SEND_F and SEND_B actions per minibatch (median times count), against the plan's
+  ``input xfer`` (2 bytes / bandwidth of the cut in front of the stage);
+* and for the whole run: the report's seconds / steps against ``predicted_time_per_minibatch``.
+
+Runs wait (up to ``--wait`` seconds) for the 1-minute load average to fall below ``--max-load``;
+the machine is shared, so the load at every run is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Case:
+    name: str
+    model: str
+    data: str
+    batch_size: int
+    plan_args: list[str]
+    steps: int = 48
+    profile: str = ""       # name of the case whose profile this one reuses ("" = its own)
+    note: str = ""
+
+
+CASES = [
+    Case("mlp", "mlp:depth=8,width=512", "digits", 256, ["--workers", "2", "--straight"],
+         note="PipeDream schedule (1 minibatch per unit)"),
+    Case("mlp-1f1b", "mlp:depth=8,width=512", "digits", 256,
+         ["--workers", "2", "--straight", "--schedule", "1f1b", "--microbatches", "4"],
+         profile="mlp", note="same cut, 1F1B with 4 microbatches of 64"),
+    Case("resnet", "resnet-gn:channels=32", "digits", 128, ["--workers", "2", "--straight"],
+         note="PipeDream schedule"),
+    Case("mlp-3w", "mlp:depth=8,width=512", "digits", 256, ["--workers", "3"], profile="mlp",
+         note="3 workers (replication allowed) on 2 cores: oversubscribed"),
+]
+
+
+# --------------------------------------------------------------------------- running commands
+
+def pipetrain_command() -> list[str]:
+    return [sys.executable, "-m", "pipetrain.cli"]
+
+
+def env() -> dict[str, str]:
+    out = dict(os.environ)
+    src = str(ROOT / "src")
+    out["PYTHONPATH"] = src + (os.pathsep + out["PYTHONPATH"] if out.get("PYTHONPATH") else "")
+    out.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
+def shown(args: list[str]) -> str:
+    return "pipetrain " + " ".join(shlex.quote(a) for a in args)
+
+
+def run_pipetrain(args: list[str], tries: int = 3) -> str:
+    """Run ``pipetrain ARGS``; retry a run that failed (e.g. a worker aborting at exit)."""
+    last = ""
+    for attempt in range(tries):
+        done = subprocess.run(pipetrain_command() + args, cwd=ROOT, env=env(), text=True,
+                              capture_output=True)
+        if done.returncode == 0:
+            return done.stdout
+        last = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
+        last = last[0]
+        print(f"    (attempt {attempt + 1} failed, exit {done.returncode}: {last})", flush=True)
+    raise SystemExit(f"{shown(args)} failed {tries} times: {last}")
+
+
+def wait_for_quiet(max_load: float, wait: float) -> float:
+    """Sleep until the 1-minute load average is below ``max_load`` (at most ``wait`` s)."""
+    deadline = time.monotonic() + wait
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()[0]
+
+
+# --------------------------------------------------------------------------- measurements
+
+_KIND = re.compile(r"^(\d+)([A-Z_]+)")
+
+
+def trace_actions(path: Path) -> dict[int, dict[str, list[float]]]:
+    """Measured action durations (seconds) per rank and kind, from a ``--trace`` file."""
+    data = json.loads(path.read_text())
+    measured = {e["pid"] for e in data["traceEvents"]
+                if e["ph"] == "M" and e["name"] == "process_name"
+                and "measured" in e["args"]["name"]}
+    out: dict[int, dict[str, list[float]]] = {}
+    stage_of: dict[int, int] = {}
+    for event in data["traceEvents"]:
+        if event["ph"] != "X" or event["pid"] not in measured:
+            continue
+        match = _KIND.match(event["name"])
+        if not match:
+            continue
+        rank = event["tid"]
+        stage_of[rank] = int(event["args"]["stage"])
+        out.setdefault(rank, {}).setdefault(match.group(2), []).append(event["dur"] * 1e-6)
+    for rank, kinds in out.items():
+        kinds["_stage"] = [float(stage_of[rank])]
+    return out
+
+
+def stage_figures(report: dict, actions: dict, stages: int) -> list[dict[str, float]]:
+    """Per stage: F+B, STEP, SYNC, send (per minibatch, medians scaled) and busy per minibatch."""
+    steps = report["steps"]
+    per_stage: list[dict[str, list[float]]] = [dict() for _ in range(stages)]
+    for rank, kinds in actions.items():
+        stage = int(kinds["_stage"][0])
+        row = per_stage[stage]
+
+        def scaled(*names: str) -> float:
+            total = 0.0
+            for name in names:
+                values = kinds.get(name, [])
+                if values:
+                    total += statistics.median(values) * len(values) / steps
+            return total
+
+        row.setdefault("fb", []).append(scaled("F", "B", "I", "W"))
+        row.setdefault("step", []).append(scaled("STEP"))
+        row.setdefault("sync", []).append(scaled("SYNC"))
+        row.setdefault("send", []).append(scaled("SEND_F", "SEND_B"))
+        row.setdefault("busy", []).append(report["stage_busy_seconds"][rank] / steps)
+        row.setdefault("replicas", []).append(1.0)
+    return [{key: (sum(v) if key == "replicas" else statistics.fmean(v)) for key, v in row.items()}
+            for row in per_stage]
+
+
+def time_stages_in_process(case: Case, balance: list[int], iterations: int) -> list[float]:
+    """Forward + backward of each stage module in this process (1 thread), median seconds."""
+    import torch
+
+    from pipetrain.data import dataset_info, get_batch, load_dataset
+    from pipetrain.models import build_model
+    from pipetrain.stages import split_model
+    from pipetrain.stages.staged import call_stage
+
+    torch.set_num_threads(1)
+    dataset = load_dataset(case.data)
+    info = dataset_info(dataset)
+    model = build_model(case.model, input_shape=info.input_shape, num_classes=info.num_classes,
+                        seed=0)
+    x, y = get_batch(dataset, [i % len(dataset) for i in range(case.batch_size)])
+    stages = split_model(model, balance=balance).stages
+    inputs = [x]
+    with torch.no_grad():
+        for stage in stages[:-1]:
+            inputs.append(call_stage(stage, inputs[-1]))
+    seconds = []
+    for s, stage in enumerate(stages):
+        last = s == len(stages) - 1
+        times = []
+        for it in range(iterations + 3):
+            for p in stage.parameters():
+                p.grad = None
+            given = inputs[s].detach().requires_grad_(s > 0)
+            started = time.perf_counter()
+            out = call_stage(stage, given)
+            if last:
+                torch.nn.functional.cross_entropy(out, y).backward()
+            else:
+                out.backward(torch.ones_like(out))
+            if it >= 3:
+                times.append(time.perf_counter() - started)
+        seconds.append(statistics.median(times))
+    return seconds
+
+
+# --------------------------------------------------------------------------- one case
+
+@dataclass
+class Outcome:
+    case: Case
+    plan: dict
+    in_process: list[float]
+    runs: list[tuple[dict, list[dict[str, float]]]] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)
+
+
+def run_case(case: Case, workdir: Path, args: argparse.Namespace,
+             profiles: dict[str, Path]) -> Outcome:
+    commands = []
+    if case.profile:
+        profile = profiles[case.profile]
+    else:
+        profile = workdir / f"{case.name}-profile.json"
+        cmd = ["profile", "--model", case.model, "--data", case.data, "--batch-size",
+               str(case.batch_size), "--iterations", str(args.iterations), "--warmup", "5",
+               "--threads", "1", "--out", str(profile), "--no-progress"]
+        load = wait_for_quiet(args.max_load, args.wait)
+        print(f"  [{case.name}] load {load:.1f}: {shown(cmd)}", flush=True)
+        run_pipetrain(cmd)
+        commands.append(shown(cmd))
+        profiles[case.name] = profile
+    plan_path = workdir / f"{case.name}-plan.json"
+    cmd = ["plan", str(profile), *case.plan_args, "--no-baselines", "--out", str(plan_path)]
+    run_pipetrain(cmd)
+    commands.append(shown(cmd))
+    plan = json.loads(plan_path.read_text())
+    in_process = time_stages_in_process(case, plan["balance"], args.iterations)
+    outcome = Outcome(case, plan, in_process, commands=commands)
+    for repeat in range(args.repeats):
+        report_path = workdir / f"{case.name}-report-{repeat}.json"
+        trace_path = workdir / f"{case.name}-trace-{repeat}.json"
+        cmd = ["train", "--model", case.model, "--data", case.data, "--batch-size",
+               str(case.batch_size), "--plan", str(plan_path), "--steps", str(case.steps),
+               "--threads-per-worker", "1", "--report-json", str(report_path), "--trace",
+               str(trace_path), "--no-progress"]
+        load = wait_for_quiet(args.max_load, args.wait)
+        print(f"  [{case.name}] run {repeat + 1}/{args.repeats}, load {load:.1f}: "
+              f"{shown(cmd)}", flush=True)
+        run_pipetrain(cmd)
+        outcome.loads.append(load)
+        if repeat == 0:
+            outcome.commands.append(shown(cmd))
+        report = json.loads(report_path.read_text())
+        outcome.runs.append((report, stage_figures(report, trace_actions(trace_path),
+                                                   plan["num_stages"])))
+    return outcome
+
+
+def median_of(outcome: Outcome, stage: int, key: str) -> float:
+    return statistics.median(figures[stage][key] for _, figures in outcome.runs)
+
+
+def print_outcome(outcome: Outcome) -> None:
+    plan, case = outcome.plan, outcome.case
+    ms = 1e3
+    print(f"\n== {case.name}: {case.model} on {case.data}, batch {case.batch_size}, "
+          f"{case.steps} steps; {case.note}")
+    for command in outcome.commands:
+        print(f"   {command}")
+    print(f"   plan: replicas {'-'.join(map(str, plan['replicas']))}, balance "
+          f"{plan['balance']}, schedule {plan['schedule']}, {plan['microbatches']} microbatch(es); "
+          f"{len(outcome.runs)} run(s) at load {', '.join(f'{x:.1f}' for x in outcome.loads)}; "
+          "medians over runs; ms per minibatch")
+    header = ("stage", "layers", "r", "plan compute", "1-proc F+B", "F+B", "plan time",
+              "busy", "STEP", "SYNC", "plan xfer", "send", "busy/plan")
+    rows = [header]
+    for s, stage in enumerate(plan["stages"]):
+        names = [n for n in stage["layers"] if n not in ("input", "x")]
+        layers = f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
+        busy = median_of(outcome, s, "busy")
+        rows.append((str(s), layers, str(stage["replicas"]), f"{stage['compute_s'] * ms:.2f}",
+                     f"{outcome.in_process[s] * ms:.2f}", f"{median_of(outcome, s, 'fb') * ms:.2f}",
+                     f"{stage['time_s'] * ms:.2f}", f"{busy * ms:.2f}",
+                     f"{median_of(outcome, s, 'step') * ms:.2f}",
+                     f"{median_of(outcome, s, 'sync') * ms:.2f}",
+                     f"{stage['input_transfer_s'] * ms:.3f}",
+                     f"{median_of(outcome, s, 'send') * ms:.3f}",
+                     f"{busy / stage['time_s']:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("   " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    seconds = statistics.median(report["seconds"] / report["steps"] for report, _ in outcome.runs)
+    predicted = plan["predicted_time_per_minibatch"]
+    if plan["schedule"] in ("1f1b", "gpipe", "zb-h1"):
+        predicted_label = (f"{plan['time_per_minibatch_with_bubble'] * ms:.2f} ms with the "
+                           f"flush bubble ({predicted * ms:.2f} ms without)")
+        predicted = plan["time_per_minibatch_with_bubble"]
+    else:
+        predicted_label = f"{predicted * ms:.2f} ms"
+    print(f"   whole run: measured {seconds * ms:.2f} ms per minibatch (report seconds / steps, "
+          f"fill and drain included) vs predicted {predicted_label}: ratio "
+          f"{seconds / predicted:.2f}; one process, whole model: "
+          f"{sum(outcome.in_process) * ms:.2f} ms (profile {plan['single_worker_time'] * ms:.2f})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(c.name for c in CASES),
+                        help="comma-separated case names: " + ", ".join(c.name for c in CASES))
+    parser.add_argument("--repeats", type=int, default=3, help="training runs per case")
+    parser.add_argument("--iterations", type=int, default=30,
+                        help="profiling iterations (and in-process stage timings)")
+    parser.add_argument("--max-load", type=float, default=3.0,
+                        help="wait for the 1-minute load average to fall below this")
+    parser.add_argument("--wait", type=float, default=120.0,
+                        help="longest wait for a quiet machine, seconds, per run")
+    parser.add_argument("--keep", help="directory for profiles, plans, reports and traces")
+    args = parser.parse_args()
+    chosen = [name.strip() for name in args.cases.split(",") if name.strip()]
+    known = {case.name: case for case in CASES}
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    cases = [known[name] for name in chosen]
+    # a case reusing another's profile needs that case's profile first
+    needed = [known[c.profile] for c in cases if c.profile and c.profile not in chosen]
+    import torch
+
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
+          f"{platform.python_version()}, torch {torch.__version__}; load average at start "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="pvm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    profiles: dict[str, Path] = {}
+    for case in needed:
+        if case.name not in profiles:
+            profile = workdir / f"{case.name}-profile.json"
+            cmd = ["profile", "--model", case.model, "--data", case.data, "--batch-size",
+                   str(case.batch_size), "--iterations", str(args.iterations), "--warmup", "5",
+                   "--threads", "1", "--out", str(profile), "--no-progress"]
+            run_pipetrain(cmd)
+            profiles[case.name] = profile
+    outcomes = []
+    for case in cases:
+        outcomes.append(run_case(case, workdir, args, profiles))
+        print_outcome(outcomes[-1])
+    print(f"\nload average at end {' '.join(f'{x:.1f}' for x in os.getloadavg())}; files in "
+          f"{workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
