@@ -4,25 +4,31 @@
     PYTHONPATH=src python benchmarks/planner_vs_measured.py --cases mlp --repeats 1   # quick
 
 For each case: ``pipetrain profile`` (one process, 1 thread, per-layer medians), ``pipetrain plan``
-of the profile, then ``pipetrain train --plan`` on the distributed runtime (one process per stage
-replica over gloo, 1 thread each), ``--repeats`` times, with ``--report-json`` and ``--trace``.
-Every stage is also timed as one module in this process (forward + backward of the whole stage,
-1 thread), which separates "the sum of per-layer marks" from "the stage in its own process".
-Per stage, medians over the runs:
+of the profile, then, ``--repeats`` times, ``pipetrain train --plan`` on the emulator (every stage
+in one process, one action after the other) and on the distributed runtime (one process per stage
+replica over gloo, 1 thread each), both with ``--report-json`` and ``--trace``. Per stage, medians
+over the runs, milliseconds per minibatch:
 
-* ``plan compute``: the plan's ``compute_s`` (forward + backward of the stage's layers, one worker,
-  one minibatch, summed from the profile); ``plan time``: its ``time_s`` (per minibatch of the
-  pipeline: replicas and communication per the cost model);
-* ``1-proc F+B``: the stage module timed in this process (median of ``--iterations``);
-* ``F+B``: forward and backward actions of the stage in the trace: the median action times the
-  actions per minibatch on one replica (microbatches / replicas) -- comparable to ``plan time``
-  without communication, and times replicas to ``plan compute``;
-* ``STEP`` / ``SYNC``: optimizer updates and replica all-reduces, same scaling;
-* ``busy``: the report's ``stage_busy_seconds`` (F, B and STEP actions, all of them) / steps,
-  mean over the stage's replicas;
-* ``send``: SEND_F and SEND_B actions per minibatch (median times count), against the plan's
-  ``input xfer`` (2 bytes / bandwidth of the cut in front of the stage);
-* and for the whole run: the report's seconds / steps against ``predicted_time_per_minibatch``.
+* ``plan``: the plan's ``compute_s`` (forward + backward of the stage's layers, one worker, one
+  minibatch: the sum of the profile's per-layer times);
+* ``module``: the stage cut from the model, timed in this process as one module (forward +
+  backward, 1 thread, median of ``--iterations``); ``module/m``: the same on microbatches of
+  batch / m samples, times m (only when the plan's schedule uses m > 1 microbatches);
+* ``emulate`` and ``distrib``: the stage's forward and backward actions in the trace of the
+  emulator and of the distributed run: the median action times the actions per minibatch on one
+  replica (microbatches / replicas), so ``distrib`` compares with ``plan time`` without
+  communication, and ``distrib x r`` with ``plan``;
+* ``STEP``: the optimizer update, same scaling (not in the profile);
+* ``plan time``: the plan's ``time_s`` (per minibatch of the pipeline: replicas, all-reduce and
+  the cost model's communication);
+* ``busy``: the distributed report's ``stage_busy_seconds`` (all F, B and STEP actions, not
+  medians) / steps, mean over the stage's replicas;
+* ``xfer`` / ``send``: the plan's input transfer (2 bytes / bandwidth of the cut in front of the
+  stage) against SEND_F + SEND_B actions per minibatch of the stage that sends across that cut;
+* for the whole run: the distributed steady-state time per minibatch (the slope of the last
+  stage's STEP end times over the last three quarters of the run) against
+  ``predicted_time_per_minibatch`` (with the flush bubble for 1f1b / gpipe / zb-h1), and the
+  report's seconds / steps (start, fill and drain included).
 
 Runs wait (up to ``--wait`` seconds) for the 1-minute load average to fall below ``--max-load``;
 the machine is shared, so the load at every run is printed.
@@ -139,34 +145,54 @@ def trace_actions(path: Path) -> dict[int, dict[str, list[float]]]:
     return out
 
 
+def per_minibatch(kinds: dict[str, list[float]], steps: int, *names: str) -> float:
+    """Median action time times the actions per minibatch, summed over ``names``."""
+    total = 0.0
+    for name in names:
+        values = kinds.get(name, [])
+        if values:
+            total += statistics.median(values) * len(values) / steps
+    return total
+
+
 def stage_figures(report: dict, actions: dict, stages: int) -> list[dict[str, float]]:
-    """Per stage: F+B, STEP, SYNC, send (per minibatch, medians scaled) and busy per minibatch."""
+    """Per stage (mean over its replicas): F+B, STEP, sends and busy time per minibatch."""
     steps = report["steps"]
-    per_stage: list[dict[str, list[float]]] = [dict() for _ in range(stages)]
+    rows: list[dict[str, list[float]]] = [dict() for _ in range(stages)]
     for rank, kinds in actions.items():
-        stage = int(kinds["_stage"][0])
-        row = per_stage[stage]
-
-        def scaled(*names: str) -> float:
-            total = 0.0
-            for name in names:
-                values = kinds.get(name, [])
-                if values:
-                    total += statistics.median(values) * len(values) / steps
-            return total
-
-        row.setdefault("fb", []).append(scaled("F", "B", "I", "W"))
-        row.setdefault("step", []).append(scaled("STEP"))
-        row.setdefault("sync", []).append(scaled("SYNC"))
-        row.setdefault("send", []).append(scaled("SEND_F", "SEND_B"))
+        row = rows[int(kinds["_stage"][0])]
+        row.setdefault("fb", []).append(per_minibatch(kinds, steps, "F", "B", "I", "W"))
+        row.setdefault("step", []).append(per_minibatch(kinds, steps, "STEP"))
+        row.setdefault("sync", []).append(per_minibatch(kinds, steps, "SYNC"))
+        row.setdefault("send_f", []).append(per_minibatch(kinds, steps, "SEND_F"))
+        row.setdefault("send_b", []).append(per_minibatch(kinds, steps, "SEND_B"))
         row.setdefault("busy", []).append(report["stage_busy_seconds"][rank] / steps)
-        row.setdefault("replicas", []).append(1.0)
-    return [{key: (sum(v) if key == "replicas" else statistics.fmean(v)) for key, v in row.items()}
-            for row in per_stage]
+    out = [{key: statistics.fmean(v) for key, v in row.items()} for row in rows]
+    for s, row in enumerate(out):       # the cut in front of stage s: activations, gradients
+        row["send"] = (out[s - 1]["send_f"] + row["send_b"]) if s else 0.0
+    return out
 
 
-def time_stages_in_process(case: Case, balance: list[int], iterations: int) -> list[float]:
-    """Forward + backward of each stage module in this process (1 thread), median seconds."""
+def steady_seconds(path: Path, report: dict, last_stage: int) -> float:
+    """Time per minibatch from the last stage's STEP end times, last three quarters of the run."""
+    data = json.loads(path.read_text())
+    measured = {e["pid"] for e in data["traceEvents"]
+                if e["ph"] == "M" and e["name"] == "process_name"
+                and "measured" in e["args"]["name"]}
+    ends = sorted((e["ts"] + e["dur"]) * 1e-6 for e in data["traceEvents"]
+                  if e["ph"] == "X" and e["pid"] in measured and e["args"]["stage"] == last_stage
+                  and _KIND.match(e["name"]).group(2) == "STEP")
+    if len(ends) < 4:
+        return report["seconds"] / report["steps"]
+    first = len(ends) // 4
+    per_event = (ends[-1] - ends[first]) / (len(ends) - 1 - first)
+    return per_event * len(ends) / report["steps"]
+
+
+def time_stages_in_process(case: Case, balance: list[int], iterations: int,
+                           microbatches: int = 1) -> list[float]:
+    """Forward + backward of each stage module in this process (1 thread), median seconds per
+    minibatch; with ``microbatches`` > 1, on batch / m samples, times m."""
     import torch
 
     from pipetrain.data import dataset_info, get_batch, load_dataset
@@ -179,7 +205,8 @@ def time_stages_in_process(case: Case, balance: list[int], iterations: int) -> l
     info = dataset_info(dataset)
     model = build_model(case.model, input_shape=info.input_shape, num_classes=info.num_classes,
                         seed=0)
-    x, y = get_batch(dataset, [i % len(dataset) for i in range(case.batch_size)])
+    size = case.batch_size // microbatches
+    x, y = get_batch(dataset, [i % len(dataset) for i in range(size)])
     stages = split_model(model, balance=balance).stages
     inputs = [x]
     with torch.no_grad():
@@ -201,7 +228,7 @@ def time_stages_in_process(case: Case, balance: list[int], iterations: int) -> l
                 out.backward(torch.ones_like(out))
             if it >= 3:
                 times.append(time.perf_counter() - started)
-        seconds.append(statistics.median(times))
+        seconds.append(statistics.median(times) * microbatches)
     return seconds
 
 
@@ -211,10 +238,18 @@ def time_stages_in_process(case: Case, balance: list[int], iterations: int) -> l
 class Outcome:
     case: Case
     plan: dict
-    in_process: list[float]
-    runs: list[tuple[dict, list[dict[str, float]]]] = field(default_factory=list)
+    module: list[float]
+    module_micro: list[float] | None
+    emulated: list[list[dict[str, float]]] = field(default_factory=list)
+    runs: list[tuple[dict, list[dict[str, float]], float]] = field(default_factory=list)
     loads: list[float] = field(default_factory=list)
     commands: list[str] = field(default_factory=list)
+
+
+def profile_command(case: Case, path: Path, iterations: int) -> list[str]:
+    return ["profile", "--model", case.model, "--data", case.data, "--batch-size",
+            str(case.batch_size), "--iterations", str(iterations), "--warmup", "5",
+            "--threads", "1", "--out", str(path), "--no-progress"]
 
 
 def run_case(case: Case, workdir: Path, args: argparse.Namespace,
@@ -224,9 +259,7 @@ def run_case(case: Case, workdir: Path, args: argparse.Namespace,
         profile = profiles[case.profile]
     else:
         profile = workdir / f"{case.name}-profile.json"
-        cmd = ["profile", "--model", case.model, "--data", case.data, "--batch-size",
-               str(case.batch_size), "--iterations", str(args.iterations), "--warmup", "5",
-               "--threads", "1", "--out", str(profile), "--no-progress"]
+        cmd = profile_command(case, profile, args.iterations)
         load = wait_for_quiet(args.max_load, args.wait)
         print(f"  [{case.name}] load {load:.1f}: {shown(cmd)}", flush=True)
         run_pipetrain(cmd)
@@ -237,73 +270,88 @@ def run_case(case: Case, workdir: Path, args: argparse.Namespace,
     run_pipetrain(cmd)
     commands.append(shown(cmd))
     plan = json.loads(plan_path.read_text())
-    in_process = time_stages_in_process(case, plan["balance"], args.iterations)
-    outcome = Outcome(case, plan, in_process, commands=commands)
+    m = int(plan["microbatches"])
+    module = time_stages_in_process(case, plan["balance"], args.iterations)
+    micro = time_stages_in_process(case, plan["balance"], args.iterations, m) if m > 1 else None
+    outcome = Outcome(case, plan, module, micro, commands=commands)
+    stages = plan["num_stages"]
     for repeat in range(args.repeats):
-        report_path = workdir / f"{case.name}-report-{repeat}.json"
-        trace_path = workdir / f"{case.name}-trace-{repeat}.json"
-        cmd = ["train", "--model", case.model, "--data", case.data, "--batch-size",
-               str(case.batch_size), "--plan", str(plan_path), "--steps", str(case.steps),
-               "--threads-per-worker", "1", "--report-json", str(report_path), "--trace",
-               str(trace_path), "--no-progress"]
-        load = wait_for_quiet(args.max_load, args.wait)
-        print(f"  [{case.name}] run {repeat + 1}/{args.repeats}, load {load:.1f}: "
-              f"{shown(cmd)}", flush=True)
-        run_pipetrain(cmd)
-        outcome.loads.append(load)
-        if repeat == 0:
-            outcome.commands.append(shown(cmd))
-        report = json.loads(report_path.read_text())
-        outcome.runs.append((report, stage_figures(report, trace_actions(trace_path),
-                                                   plan["num_stages"])))
+        for executor in ("emulate", "distributed"):
+            report_path = workdir / f"{case.name}-{executor}-report-{repeat}.json"
+            trace_path = workdir / f"{case.name}-{executor}-trace-{repeat}.json"
+            cmd = ["train", "--model", case.model, "--data", case.data, "--batch-size",
+                   str(case.batch_size), "--plan", str(plan_path), "--steps", str(case.steps),
+                   "--executor", executor, "--threads-per-worker", "1", "--report-json",
+                   str(report_path), "--trace", str(trace_path), "--no-progress"]
+            load = wait_for_quiet(args.max_load, args.wait)
+            print(f"  [{case.name}] run {repeat + 1}/{args.repeats}, load {load:.1f}: "
+                  f"{shown(cmd)}", flush=True)
+            run_pipetrain(cmd)
+            if repeat == 0:
+                outcome.commands.append(shown(cmd))
+            report = json.loads(report_path.read_text())
+            figures = stage_figures(report, trace_actions(trace_path), stages)
+            if executor == "emulate":
+                outcome.emulated.append(figures)
+            else:
+                outcome.loads.append(load)
+                outcome.runs.append((report, figures,
+                                     steady_seconds(trace_path, report, stages - 1)))
     return outcome
-
-
-def median_of(outcome: Outcome, stage: int, key: str) -> float:
-    return statistics.median(figures[stage][key] for _, figures in outcome.runs)
 
 
 def print_outcome(outcome: Outcome) -> None:
     plan, case = outcome.plan, outcome.case
     ms = 1e3
+
+    def med(key: str, s: int, runs=None) -> float:
+        if runs is None:
+            return statistics.median(figures[s][key] for _, figures, _ in outcome.runs)
+        return statistics.median(figures[s][key] for figures in runs)
+
     print(f"\n== {case.name}: {case.model} on {case.data}, batch {case.batch_size}, "
           f"{case.steps} steps; {case.note}")
     for command in outcome.commands:
         print(f"   {command}")
     print(f"   plan: replicas {'-'.join(map(str, plan['replicas']))}, balance "
-          f"{plan['balance']}, schedule {plan['schedule']}, {plan['microbatches']} microbatch(es); "
-          f"{len(outcome.runs)} run(s) at load {', '.join(f'{x:.1f}' for x in outcome.loads)}; "
-          "medians over runs; ms per minibatch")
-    header = ("stage", "layers", "r", "plan compute", "1-proc F+B", "F+B", "plan time",
-              "busy", "STEP", "SYNC", "plan xfer", "send", "busy/plan")
+          f"{plan['balance']}, schedule {plan['schedule']}, {plan['microbatches']} "
+          f"microbatch(es); {len(outcome.runs)} distributed run(s) at load "
+          f"{', '.join(f'{x:.1f}' for x in outcome.loads)}; medians over runs; "
+          "ms per minibatch")
+    header = ["stage", "layers", "r", "plan", "module"]
+    if outcome.module_micro:
+        header.append("module/m")
+    header += ["emulate", "distrib", "STEP", "plan time", "busy", "busy/plan time", "xfer",
+               "send"]
     rows = [header]
     for s, stage in enumerate(plan["stages"]):
         names = [n for n in stage["layers"] if n not in ("input", "x")]
         layers = f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
-        busy = median_of(outcome, s, "busy")
-        rows.append((str(s), layers, str(stage["replicas"]), f"{stage['compute_s'] * ms:.2f}",
-                     f"{outcome.in_process[s] * ms:.2f}", f"{median_of(outcome, s, 'fb') * ms:.2f}",
-                     f"{stage['time_s'] * ms:.2f}", f"{busy * ms:.2f}",
-                     f"{median_of(outcome, s, 'step') * ms:.2f}",
-                     f"{median_of(outcome, s, 'sync') * ms:.2f}",
-                     f"{stage['input_transfer_s'] * ms:.3f}",
-                     f"{median_of(outcome, s, 'send') * ms:.3f}",
-                     f"{busy / stage['time_s']:.2f}"))
+        row = [str(s), layers, str(stage["replicas"]), f"{stage['compute_s'] * ms:.2f}",
+               f"{outcome.module[s] * ms:.2f}"]
+        if outcome.module_micro:
+            row.append(f"{outcome.module_micro[s] * ms:.2f}")
+        busy = med("busy", s)
+        row += [f"{med('fb', s, outcome.emulated) * ms:.2f}", f"{med('fb', s) * ms:.2f}",
+                f"{med('step', s) * ms:.2f}", f"{stage['time_s'] * ms:.2f}", f"{busy * ms:.2f}",
+                f"{busy / stage['time_s']:.2f}", f"{stage['input_transfer_s'] * ms:.3f}",
+                f"{med('send', s) * ms:.3f}" if s else "-"]
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("   " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-    seconds = statistics.median(report["seconds"] / report["steps"] for report, _ in outcome.runs)
+    steady = statistics.median(seconds for _, _, seconds in outcome.runs)
+    whole = statistics.median(report["seconds"] / report["steps"] for report, _, _ in outcome.runs)
     predicted = plan["predicted_time_per_minibatch"]
+    label = f"{predicted * ms:.2f} ms"
     if plan["schedule"] in ("1f1b", "gpipe", "zb-h1"):
-        predicted_label = (f"{plan['time_per_minibatch_with_bubble'] * ms:.2f} ms with the "
-                           f"flush bubble ({predicted * ms:.2f} ms without)")
+        label = (f"{plan['time_per_minibatch_with_bubble'] * ms:.2f} ms with the flush bubble "
+                 f"({label} without)")
         predicted = plan["time_per_minibatch_with_bubble"]
-    else:
-        predicted_label = f"{predicted * ms:.2f} ms"
-    print(f"   whole run: measured {seconds * ms:.2f} ms per minibatch (report seconds / steps, "
-          f"fill and drain included) vs predicted {predicted_label}: ratio "
-          f"{seconds / predicted:.2f}; one process, whole model: "
-          f"{sum(outcome.in_process) * ms:.2f} ms (profile {plan['single_worker_time'] * ms:.2f})")
+    print(f"   whole run: steady state {steady * ms:.2f} ms per minibatch vs predicted {label}: "
+          f"ratio {steady / predicted:.2f}; report seconds / steps {whole * ms:.2f} ms; the "
+          f"model in one process {sum(outcome.module) * ms:.2f} ms (profile "
+          f"{plan['single_worker_time'] * ms:.2f} ms)")
 
 
 def main() -> int:
@@ -338,10 +386,7 @@ def main() -> int:
     for case in needed:
         if case.name not in profiles:
             profile = workdir / f"{case.name}-profile.json"
-            cmd = ["profile", "--model", case.model, "--data", case.data, "--batch-size",
-                   str(case.batch_size), "--iterations", str(args.iterations), "--warmup", "5",
-                   "--threads", "1", "--out", str(profile), "--no-progress"]
-            run_pipetrain(cmd)
+            run_pipetrain(profile_command(case, profile, args.iterations))
             profiles[case.name] = profile
     outcomes = []
     for case in cases:
