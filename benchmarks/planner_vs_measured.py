@@ -3,8 +3,9 @@
     PYTHONPATH=src python benchmarks/planner_vs_measured.py                 # all cases, 3 runs
     PYTHONPATH=src python benchmarks/planner_vs_measured.py --cases mlp --repeats 1   # quick
 
-For each case: ``pipetrain profile`` (one process, 1 thread, per-layer medians), ``pipetrain plan``
-of the profile, then, ``--repeats`` times, ``pipetrain train --plan`` on the emulator (every stage
+For each case: ``pipetrain profile`` ``--repeats`` times (one process, 1 thread, per-layer medians
+over ``--iterations``), combined into one profile by the per-layer median over the runs;
+``pipetrain plan`` of it; then, ``--repeats`` times, the stage modules timed in this process and ``pipetrain train --plan`` on the emulator (every stage
 in one process, one action after the other) and on the distributed runtime (one process per stage
 replica over gloo, 1 thread each), both with ``--report-json`` and ``--trace``. Per stage, medians
 over the runs, milliseconds per minibatch:
@@ -12,8 +13,9 @@ over the runs, milliseconds per minibatch:
 * ``plan``: the plan's ``compute_s`` (forward + backward of the stage's layers, one worker, one
   minibatch: the sum of the profile's per-layer times);
 * ``module``: the stage cut from the model, timed in this process as one module (forward +
-  backward, 1 thread, median of ``--iterations``); ``module/m``: the same on microbatches of
-  batch / m samples, times m (only when the plan's schedule uses m > 1 microbatches);
+  backward, 1 thread, median of ``--iterations``); ``module cpu``: the same in thread CPU time
+  (what the stage costs when no other process takes the core); ``module/m``: wall time on
+  microbatches of batch / m samples, times m (only when the schedule uses m > 1 microbatches);
 * ``emulate`` and ``distrib``: the stage's forward and backward actions in the trace of the
   emulator and of the distributed run: the median action times the actions per minibatch on one
   replica (microbatches / replicas), so ``distrib`` compares with ``plan time`` without
@@ -47,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,9 +192,9 @@ def steady_seconds(path: Path, report: dict, last_stage: int) -> float:
 
 
 def time_stages_in_process(case: Case, balance: list[int], iterations: int,
-                           microbatches: int = 1) -> list[float]:
-    """Forward + backward of each stage module in this process (1 thread), median seconds per
-    minibatch; with ``microbatches`` > 1, on batch / m samples, times m."""
+                           microbatches: int = 1) -> tuple[list[float], list[float]]:
+    """Forward + backward of each stage module in this process (1 thread), median wall and thread
+    CPU seconds per minibatch; with ``microbatches`` > 1, on batch / m samples, times m."""
     import torch
 
     from pipetrain.data import dataset_info, get_batch, load_dataset
@@ -212,15 +214,15 @@ def time_stages_in_process(case: Case, balance: list[int], iterations: int,
     with torch.no_grad():
         for stage in stages[:-1]:
             inputs.append(call_stage(stage, inputs[-1]))
-    seconds = []
+    wall, cpu = [], []
     for s, stage in enumerate(stages):
         last = s == len(stages) - 1
-        times = []
+        times, cpus = [], []
         for it in range(iterations + 3):
             for p in stage.parameters():
                 p.grad = None
             given = inputs[s].detach().requires_grad_(s > 0)
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             out = call_stage(stage, given)
             if last:
                 torch.nn.functional.cross_entropy(out, y).backward()
@@ -228,8 +230,10 @@ def time_stages_in_process(case: Case, balance: list[int], iterations: int,
                 out.backward(torch.ones_like(out))
             if it >= 3:
                 times.append(time.perf_counter() - started)
-        seconds.append(statistics.median(times) * microbatches)
-    return seconds
+                cpus.append(time.thread_time() - started_cpu)
+        wall.append(statistics.median(times) * microbatches)
+        cpu.append(statistics.median(cpus) * microbatches)
+    return wall, cpu
 
 
 # --------------------------------------------------------------------------- one case
@@ -238,8 +242,10 @@ def time_stages_in_process(case: Case, balance: list[int], iterations: int,
 class Outcome:
     case: Case
     plan: dict
-    module: list[float]
-    module_micro: list[float] | None
+    module: list[list[float]] = field(default_factory=list)        # per repeat, per stage
+    module_cpu: list[list[float]] = field(default_factory=list)
+    module_micro: list[list[float]] = field(default_factory=list)
+    profile_totals: list[float] = field(default_factory=list)
     emulated: list[list[dict[str, float]]] = field(default_factory=list)
     runs: list[tuple[dict, list[dict[str, float]], float]] = field(default_factory=list)
     loads: list[float] = field(default_factory=list)
@@ -252,30 +258,55 @@ def profile_command(case: Case, path: Path, iterations: int) -> list[str]:
             "--threads", "1", "--out", str(path), "--no-progress"]
 
 
-def run_case(case: Case, workdir: Path, args: argparse.Namespace,
-             profiles: dict[str, Path]) -> Outcome:
-    commands = []
-    if case.profile:
-        profile = profiles[case.profile]
-    else:
-        profile = workdir / f"{case.name}-profile.json"
-        cmd = profile_command(case, profile, args.iterations)
+def median_profile(case: Case, workdir: Path, args: argparse.Namespace,
+                   commands: list[str]) -> tuple[Path, list[float]]:
+    """``pipetrain profile`` ``--repeats`` times; the per-layer median of the runs, written."""
+    from pipetrain.plan.profile import load_profile, save_profile
+
+    runs = []
+    for repeat in range(args.repeats):
+        path = workdir / f"{case.name}-profile-{repeat}.json"
+        cmd = profile_command(case, path, args.iterations)
         load = wait_for_quiet(args.max_load, args.wait)
-        print(f"  [{case.name}] load {load:.1f}: {shown(cmd)}", flush=True)
+        print(f"  [{case.name}] profile {repeat + 1}/{args.repeats}, load {load:.1f}: "
+              f"{shown(cmd)}", flush=True)
         run_pipetrain(cmd)
-        commands.append(shown(cmd))
-        profiles[case.name] = profile
+        if repeat == 0:
+            commands.append(shown(cmd) + f"  (x{args.repeats}, per-layer median)")
+        runs.append(load_profile(path))
+    combined = runs[0]
+    combined.layers = [
+        replace(layer, forward_s=statistics.median(r.layers[i].forward_s for r in runs),
+                backward_s=statistics.median(r.layers[i].backward_s for r in runs))
+        for i, layer in enumerate(combined.layers)]
+    combined.meta["combined_runs"] = len(runs)
+    path = workdir / f"{case.name}-profile.json"
+    save_profile(combined, path)
+    return path, [r.total_compute_s for r in runs]
+
+
+def run_case(case: Case, workdir: Path, args: argparse.Namespace,
+             profiles: dict[str, tuple[Path, list[float]]]) -> Outcome:
+    commands: list[str] = []
+    if case.profile:
+        profile, totals = profiles[case.profile]
+    else:
+        profile, totals = profiles[case.name] = median_profile(case, workdir, args, commands)
     plan_path = workdir / f"{case.name}-plan.json"
     cmd = ["plan", str(profile), *case.plan_args, "--no-baselines", "--out", str(plan_path)]
     run_pipetrain(cmd)
     commands.append(shown(cmd))
     plan = json.loads(plan_path.read_text())
     m = int(plan["microbatches"])
-    module = time_stages_in_process(case, plan["balance"], args.iterations)
-    micro = time_stages_in_process(case, plan["balance"], args.iterations, m) if m > 1 else None
-    outcome = Outcome(case, plan, module, micro, commands=commands)
+    outcome = Outcome(case, plan, profile_totals=totals, commands=commands)
     stages = plan["num_stages"]
     for repeat in range(args.repeats):
+        wall, cpu = time_stages_in_process(case, plan["balance"], args.iterations)
+        outcome.module.append(wall)
+        outcome.module_cpu.append(cpu)
+        if m > 1:
+            outcome.module_micro.append(
+                time_stages_in_process(case, plan["balance"], args.iterations, m)[0])
         for executor in ("emulate", "distributed"):
             report_path = workdir / f"{case.name}-{executor}-report-{repeat}.json"
             trace_path = workdir / f"{case.name}-{executor}-trace-{repeat}.json"
@@ -318,7 +349,10 @@ def print_outcome(outcome: Outcome) -> None:
           f"microbatch(es); {len(outcome.runs)} distributed run(s) at load "
           f"{', '.join(f'{x:.1f}' for x in outcome.loads)}; medians over runs; "
           "ms per minibatch")
-    header = ["stage", "layers", "r", "plan", "module"]
+    def over_repeats(values: list[list[float]], s: int) -> float:
+        return statistics.median(v[s] for v in values)
+
+    header = ["stage", "layers", "r", "plan", "module", "module cpu"]
     if outcome.module_micro:
         header.append("module/m")
     header += ["emulate", "distrib", "STEP", "plan time", "busy", "busy/plan time", "xfer",
@@ -328,9 +362,10 @@ def print_outcome(outcome: Outcome) -> None:
         names = [n for n in stage["layers"] if n not in ("input", "x")]
         layers = f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
         row = [str(s), layers, str(stage["replicas"]), f"{stage['compute_s'] * ms:.2f}",
-               f"{outcome.module[s] * ms:.2f}"]
+               f"{over_repeats(outcome.module, s) * ms:.2f}",
+               f"{over_repeats(outcome.module_cpu, s) * ms:.2f}"]
         if outcome.module_micro:
-            row.append(f"{outcome.module_micro[s] * ms:.2f}")
+            row.append(f"{over_repeats(outcome.module_micro, s) * ms:.2f}")
         busy = med("busy", s)
         row += [f"{med('fb', s, outcome.emulated) * ms:.2f}", f"{med('fb', s) * ms:.2f}",
                 f"{med('step', s) * ms:.2f}", f"{stage['time_s'] * ms:.2f}", f"{busy * ms:.2f}",
@@ -348,17 +383,20 @@ def print_outcome(outcome: Outcome) -> None:
         label = (f"{plan['time_per_minibatch_with_bubble'] * ms:.2f} ms with the flush bubble "
                  f"({label} without)")
         predicted = plan["time_per_minibatch_with_bubble"]
+    model = statistics.median(sum(v) for v in outcome.module)
     print(f"   whole run: steady state {steady * ms:.2f} ms per minibatch vs predicted {label}: "
-          f"ratio {steady / predicted:.2f}; report seconds / steps {whole * ms:.2f} ms; the "
-          f"model in one process {sum(outcome.module) * ms:.2f} ms (profile "
-          f"{plan['single_worker_time'] * ms:.2f} ms)")
+          f"ratio {steady / predicted:.2f}; report seconds / steps {whole * ms:.2f} ms")
+    print(f"   whole model, one process: profile {plan['single_worker_time'] * ms:.2f} ms "
+          f"(runs: {', '.join(f'{t * ms:.1f}' for t in outcome.profile_totals)}), stage modules "
+          f"{model * ms:.2f} ms")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(c.name for c in CASES),
                         help="comma-separated case names: " + ", ".join(c.name for c in CASES))
-    parser.add_argument("--repeats", type=int, default=3, help="training runs per case")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="profiles, stage timings and training runs per case")
     parser.add_argument("--iterations", type=int, default=30,
                         help="profiling iterations (and in-process stage timings)")
     parser.add_argument("--max-load", type=float, default=3.0,
@@ -382,12 +420,10 @@ def main() -> int:
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="pvm-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    profiles: dict[str, Path] = {}
+    profiles: dict[str, tuple[Path, list[float]]] = {}
     for case in needed:
         if case.name not in profiles:
-            profile = workdir / f"{case.name}-profile.json"
-            run_pipetrain(profile_command(case, profile, args.iterations))
-            profiles[case.name] = profile
+            profiles[case.name] = median_profile(case, workdir, args, [])
     outcomes = []
     for case in cases:
         outcomes.append(run_case(case, workdir, args, profiles))
