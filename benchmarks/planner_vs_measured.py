@@ -75,8 +75,8 @@ CASES = [
          profile="mlp", note="same cut, 1F1B with 4 microbatches of 64"),
     Case("resnet", "resnet-gn:channels=32", "digits", 128, ["--workers", "2", "--straight"],
          note="PipeDream schedule"),
-    Case("mlp-3w", "mlp:depth=8,width=512", "digits", 256, ["--workers", "3"], profile="mlp",
-         note="3 workers (replication allowed) on 2 cores: oversubscribed"),
+    Case("resnet-3w", "resnet-gn:channels=32", "digits", 128, ["--workers", "3"],
+         profile="resnet", note="3 workers, replication allowed (3 processes on 2 cores)"),
 ]
 
 
