@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipetrain.plan.minmax import (is_monotone, minmax_dense, minmax_hybrid, minmax_monotone,
-                                   monotone_limit)
+from pipetrain.plan.minmax import (is_monotone, minmax_band, minmax_dense, minmax_hybrid,
+                                   minmax_monotone, monotone_limit)
 
 
 def brute(a, starts, c):
@@ -121,3 +121,30 @@ def test_banded_kernels_equal_brute_force_inside_the_band(seed):
     zero = np.zeros(3, dtype=np.int64)
     got = minmax_hybrid(row, zero, lambda p, k, j: c[k, j], limit, first=first)
     assert np.array_equal(got, brute_band(row, zero, c, np.full(3, n - 1), first))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_band_kernel_tries_every_cut_for_any_cost(seed):
+    rng = np.random.default_rng(seed)
+    n, depth = 30, 9
+    c = rng.uniform(0, 10, (n, n))                  # no monotonicity at all
+    c[rng.uniform(size=c.shape) < 0.2] = np.inf
+    a = rng.uniform(0, 10, (n, n))
+    rows = np.arange(n)
+    # band layouts: a_band[r, e] = a[r, r + e], c_band[k, d] = c[k, k + d]
+    a_band = np.full((n, depth), np.inf)
+    c_band = np.full((n + depth, depth), np.inf)
+    for r in rows:
+        for e in range(depth):
+            if r + e < n:
+                a_band[r, e] = a[r, r + e]
+                c_band[r, e] = c[r, r + e]
+    got = minmax_band(a_band, c_band)
+    for r in rows:
+        for d in range(depth):
+            j = r + d
+            expected = min((max(a[r, k], c[k, j]) for k in range(r + 1, j) if j < n),
+                           default=np.inf)
+            assert got[r, d] == expected
+    with pytest.raises(ValueError, match="rows \\+ depth - 1 rows"):
+        minmax_band(a_band, c_band[:n])

@@ -12,6 +12,9 @@ last stage. Exact kernels:
 * :func:`minmax_hybrid` handles a ``c`` that is monotone only up to a column-dependent cut
   ``limit[j]`` (inner levels of a hierarchy with exact machine counts: very short ranges forced
   onto many machines are slow): binary search up to ``limit[j]``, every ``k`` after it.
+* :func:`minmax_band` works on band layouts (``a[r, k - r]``, ``c[k, j - k]``) and tries every
+  ``k``, any cost: ``O(depth^2)`` per row in contiguous slices, cheaper than the binary search
+  while the band is a few hundred cuts deep.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["minmax_dense", "minmax_monotone", "minmax_hybrid", "is_monotone",
+__all__ = ["minmax_dense", "minmax_monotone", "minmax_hybrid", "minmax_band", "is_monotone",
            "monotone_limit"]
 
 _CHUNK = 1 << 21  # elements per temporary block
@@ -37,6 +40,22 @@ def minmax_dense(a: np.ndarray, c: np.ndarray) -> np.ndarray:
     for start in range(0, rows, step):
         block = np.maximum(a[start:start + step, :, None], c[None, :, :])
         out[start:start + step] = block.min(axis=1)
+    return out
+
+
+def minmax_band(a: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """``ans[r, d] = min over 0 < e < d of max(a[r, e], c[r + e, d - e])`` (``inf`` for d < 2).
+
+    Band layouts: ``a[r, e]`` prices the pipeline from row ``r``'s start to ``r + e``, ``c[k, d]``
+    the last stage ``k -> k + d``; ``c`` needs ``rows + depth - 1`` rows (pad with ``inf``).
+    """
+    rows, depth = a.shape
+    if c.shape[0] < rows + depth - 1 or c.shape[1] < depth:
+        raise ValueError("minmax_band: c needs rows + depth - 1 rows and depth columns")
+    out = np.full((rows, depth), np.inf)
+    for e in range(1, depth - 1):
+        block = np.maximum(a[:, e:e + 1], c[e:e + rows, 1:depth - e])
+        np.minimum(out[:, e + 1:], block, out=out[:, e + 1:])
     return out
 
 
@@ -79,14 +98,16 @@ def _log2_table(n: int) -> np.ndarray:
 
 def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
                     limit: np.ndarray | None = None, stops: np.ndarray | None = None,
-                    first: np.ndarray | None = None) -> np.ndarray:
+                    first: np.ndarray | None = None,
+                    mask: np.ndarray | None = None) -> np.ndarray:
     """``ans[p, j] = min over starts[p] < k < j of max(a[p, k], cost(p, k, j))``.
 
     ``cost(p, k, j)`` (evaluated on index arrays, only where the search looks) must be
     non-increasing in ``k`` on ``starts[p] < k < j``; with ``limit``, only ``k <= limit[j]`` is
     searched and only there must it be monotone. Optional bands (entries outside stay ``inf``):
     ``stops[p]``, the last column ``j`` computed for row ``p``; ``first[j]``, the smallest ``k``
-    worth trying for column ``j`` (the cost must be ``inf`` below it).
+    worth trying for column ``j`` (the cost must be ``inf`` below it); ``mask[p, j]``, False
+    where the entry is not wanted.
     """
     n_rows, n = a.shape
     out = np.full((n_rows, n), np.inf)
@@ -97,7 +118,9 @@ def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
         np.minimum(np.asarray(stops, dtype=np.int64), n - 1)
     log2 = _log2_table(n)
     span = max(1, int((stops - starts).max()) - 1)   # the most cuts k one row can try
-    levels = max(1, int(span).bit_length())
+    longest = span if first is None else \
+        max(1, min(span, int(np.max(np.arange(n) - first, initial=1))))
+    levels = max(1, int(longest).bit_length())       # range minima over at most this many
     step = max(1, (1 << 18) // (levels * span))      # keep the table in cache
     offsets = np.arange(span)
 
@@ -131,6 +154,8 @@ def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
         last = jj - 1 if limit is None else np.minimum(jj - 1, limit[jj])
         low = rr + 1 if first is None else np.maximum(rr + 1, first[jj])
         keep = last >= low
+        if mask is not None:
+            keep &= mask[pp, jj]
         if not keep.all():
             pp, rr, jj, last, base_row, low = (x[keep] for x in (pp, rr, jj, last, base_row,
                                                                   low))
@@ -139,7 +164,7 @@ def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
         lo = low.copy()
         where = np.arange(lo.size)
         a_lo, a_hi, a_last, a_base, a_p, a_j = lo, last + 1, last, base_row, pp, jj
-        for _ in range(levels + 2):
+        for _ in range(int(span).bit_length() + 2):
             open_ = a_lo < a_hi
             if not open_.all():
                 lo[where[~open_]] = a_lo[~open_]
@@ -165,17 +190,20 @@ def minmax_monotone(a: np.ndarray, starts: np.ndarray, cost: Cost,
 
 def minmax_hybrid(a: np.ndarray, starts: np.ndarray, cost: Cost,
                   limit: np.ndarray, stops: np.ndarray | None = None,
-                  first: np.ndarray | None = None) -> np.ndarray:
+                  first: np.ndarray | None = None,
+                  mask: np.ndarray | None = None) -> np.ndarray:
     """:func:`minmax_monotone` for ``cost`` monotone in ``k`` only up to ``limit[j]``.
 
     Cuts ``k > limit[j]`` (typically a few next to ``j``) are all tried.
     """
-    out = minmax_monotone(a, starts, cost, limit, stops, first)
+    out = minmax_monotone(a, starts, cost, limit, stops, first, mask)
     n = a.shape[1]
     cols = np.arange(n)[None, :]
     inside = cols >= starts[:, None] + 2
     if stops is not None:
         inside &= cols <= np.asarray(stops)[:, None]
+    if mask is not None:
+        inside &= mask
     pp, jj = np.nonzero(inside)
     begin = np.maximum(starts[pp] + 1, limit[jj] + 1)
     if first is not None:

@@ -39,7 +39,8 @@ import numpy as np
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import check_schedule, format_bytes, stage_memory
-from pipetrain.plan.minmax import minmax_dense, minmax_hybrid, minmax_monotone, monotone_limit
+from pipetrain.plan.minmax import (minmax_band, minmax_dense, minmax_hybrid, minmax_monotone,
+                                   monotone_limit)
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.topology import Topology
@@ -48,7 +49,9 @@ __all__ = ["optimize", "COST_MODELS", "data_parallel_time"]
 
 COST_MODELS = ("pipedream-code", "paper")
 _BAND_START = 2.0   # first upper bound on a banded solve: this many times the lower bound
+_BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bound, this times
 _BANDED_COST_ELEMENTS = 8_000_000   # largest table of banded last-stage costs (64 MB)
+_BAND_DENSE_DEPTH = 400             # inner levels try every cut while the band is this shallow
 
 
 # --------------------------------------------------------------------------- cost formulas
@@ -122,6 +125,7 @@ class _Level:
             if self.final:
                 self.first = np.searchsorted(stops[:-1], states, side="left")
                 self.columns = self._columns(bound)
+                self.bound = bound
             else:
                 self.stops = stops[self.rows]
 
@@ -252,7 +256,7 @@ class _Level:
         ms = np.array(choices)
         a = np.stack([self._prefix(table, machines, m, mode)[0] for m in choices])
         starts = np.zeros(len(choices), dtype=np.int64)
-        stops = None
+        stops = mask = None
         if self.columns is not None:
             # only columns lo..hi are kept; their cuts k are at least first[lo] (first rises)
             lo, hi = self.columns[0][machines], self.columns[1][machines]
@@ -260,6 +264,9 @@ class _Level:
                 return np.full((1, a.shape[1]), np.inf)
             starts[:] = max(int(self.first[lo]), 1) - 1
             stops = np.full(len(choices), hi, dtype=np.int64)
+            feasible = self._feasible() if mode == "time" and not self._limited() else None
+            if feasible is not None:
+                mask = feasible[ms]
 
         banded = self._banded_costs() if mode == "time" and not self._limited() else None
         if banded is not None:
@@ -285,9 +292,10 @@ class _Level:
                 return self.split(k, j, ms[p], machines, mode)
 
         if self.limit is None:
-            cand = minmax_monotone(a, starts, cost, stops=stops, first=self.first)
+            cand = minmax_monotone(a, starts, cost, stops=stops, first=self.first, mask=mask)
         else:
-            cand = minmax_hybrid(a, starts, cost, self.limit, stops=stops, first=self.first)
+            cand = minmax_hybrid(a, starts, cost, self.limit, stops=stops, first=self.first,
+                                 mask=mask)
         return cand.min(axis=0, keepdims=True)
 
     def _banded_costs(self) -> np.ndarray | None:
@@ -308,6 +316,23 @@ class _Level:
                     banded[m][inside] = self.split(k, j, m, self.n)
                 self._banded = banded
         return self._banded
+
+    def _feasible(self) -> np.ndarray | None:
+        """``[m, j]``: some last stage ``k -> j`` on ``m`` replicas is no slower than the bound
+        (the others only price plans slower than it, which the band leaves out anyway)."""
+        banded = self._banded_costs()
+        if banded is None:
+            return None
+        if not hasattr(self, "_feasible_cache"):
+            size = banded.shape[1]
+            depth = np.arange(banded.shape[2])
+            j = np.arange(size)[:, None]
+            k = j - depth[None, :]
+            inside = k >= 0
+            cheapest = np.where(inside[None], banded[:, np.maximum(k, 0), depth[None, :]],
+                                np.inf).min(axis=2)
+            self._feasible_cache = cheapest <= self.bound * (1 + 1e-9)
+        return self._feasible_cache
 
     def _flat_matrices(self) -> tuple[np.ndarray, np.ndarray]:
         """Base times (``inf`` where ``k -> j`` is no stage) and parameter bytes, flattened."""
@@ -340,9 +365,51 @@ class _Level:
             cache[(m, key)] = full
         return full
 
+    def _band_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Inner levels in a band: gather indices ``(r, k)`` of ``[r, k - r]`` and where they are
+        inside the band; None if the band is too deep for :func:`minmax_band` to pay off."""
+        if self.stops is None:
+            return None
+        if not hasattr(self, "_layout"):
+            depth = int(np.max(self.stops - self.rows, initial=0)) + 1
+            self._layout = None
+            if depth <= _BAND_DENSE_DEPTH:
+                r = self.rows[:, None]
+                offset = np.arange(depth)[None, :]
+                inside = offset <= (self.stops - self.rows)[:, None]
+                k = np.minimum(r + offset, self.s.cuts.num_states - 1)
+                self._layout = (np.broadcast_to(r, k.shape), k, inside)
+        return self._layout
+
+    def _band_costs(self, m, machines, mode, depth):
+        """``[k, j - k]``: the last stage ``k -> j`` on ``m`` replicas in the band (padded)."""
+        cacheable = mode == "time" and not self._limited()
+        cache = self.__dict__.setdefault("_cache", {})
+        if cacheable and (m, "band") in cache:
+            return cache[(m, "band")]
+        _, k, j = self._band_ranges()
+        out = np.full((len(self.rows) + depth, depth), np.inf)
+        out[k, j - k] = self.split(k, j, m, machines, mode)
+        if cacheable:
+            cache[(m, "band")] = out
+        return out
+
     def _solve_chain_rows(self, table, machines, choices, mode):
-        """Every row of a chain (inner levels): a 2-D binary search per replica count."""
+        """Every row of a chain (inner levels): a 2-D binary search per replica count, or in a
+        shallow band every cut, band layout."""
         best = np.full((len(self.rows), self.s.cuts.num_states), np.inf)
+        layout = self._band_layout()
+        if layout is not None:
+            r, k, inside = layout
+            depth = k.shape[1]
+            banded = np.full(k.shape, np.inf)
+            for m in choices:
+                a = np.maximum(table[machines - m][r, k], self.tin(k, m, mode))
+                a[~inside] = np.inf
+                cand = minmax_band(a, self._band_costs(m, machines, mode, depth))
+                np.minimum(banded, cand, out=banded)
+            best[r[inside], k[inside]] = banded[inside]
+            return best
         for m in choices:
             a = self._prefix(table, machines, m, mode)
             full = self._dense(m, machines, mode).ravel()
@@ -460,7 +527,7 @@ class _Solver:
             value = self._solve_levels(stops, bound)
             if value <= bound:
                 return value
-            bound = value if value <= 2 * bound else 2 * bound
+            bound = value if value <= _BAND_GROWTH * bound else _BAND_GROWTH * bound
         return self._solve_levels(None)
 
     def range_bound(self, k, j):
