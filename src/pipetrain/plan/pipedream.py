@@ -254,19 +254,24 @@ class _Level:
     def _solve_chain_final(self, table, machines, choices, mode):
         """Row 0 of a chain: one binary search per (replica count, cut), all at once."""
         ms = np.array(choices)
-        a = np.stack([self._prefix(table, machines, m, mode)[0] for m in choices])
-        starts = np.zeros(len(choices), dtype=np.int64)
+        nothing = np.full((1, self.s.cuts.num_states), np.inf)
         stops = mask = None
         if self.columns is not None:
             # only columns lo..hi are kept; their cuts k are at least first[lo] (first rises)
             lo, hi = self.columns[0][machines], self.columns[1][machines]
             if hi < lo:
-                return np.full((1, a.shape[1]), np.inf)
-            starts[:] = max(int(self.first[lo]), 1) - 1
-            stops = np.full(len(choices), hi, dtype=np.int64)
+                return nothing
             feasible = self._feasible() if mode == "time" and not self._limited() else None
             if feasible is not None:
+                ms = ms[feasible[ms, lo:hi + 1].any(axis=1)]
+                if ms.size == 0:
+                    return nothing
                 mask = feasible[ms]
+            stops = np.full(ms.size, hi, dtype=np.int64)
+        a = np.stack([self._prefix(table, machines, m, mode)[0] for m in ms])
+        starts = np.zeros(ms.size, dtype=np.int64)
+        if self.columns is not None:
+            starts[:] = max(int(self.first[lo]), 1) - 1
 
         banded = self._banded_costs() if mode == "time" and not self._limited() else None
         if banded is not None:
