@@ -50,6 +50,7 @@ __all__ = ["optimize", "COST_MODELS", "data_parallel_time"]
 COST_MODELS = ("pipedream-code", "paper")
 _BAND_START = 2.0   # first upper bound on a banded solve: this many times the lower bound
 _BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bound, this times
+_BAND_PASSES = 4    # banded solves before the whole table
 _BANDED_COST_ELEMENTS = 8_000_000   # largest table of banded last-stage costs (64 MB)
 _BAND_DENSE_DEPTH = 400             # inner levels try every cut while the band is this shallow
 
@@ -518,14 +519,18 @@ class _Solver:
         """The best time per minibatch; chains over several levels are solved in a band."""
         if not (self.cuts.chain and self.topology.levels > 1):
             return self._solve_levels(None)
+        if self.straight and not self.fewer and self.topology.workers > self.cuts.num_states - 1:
+            return math.inf                     # fewer layers than workers: no straight plan
         # Every stage of the last level costs at least range_bound() of its range (below). With
         # an upper bound U on the optimum, ranges whose bound exceeds U are in no optimal plan,
         # nor are the ranges that contain them: inner levels solve only the band of shorter
         # ranges. A banded solution no slower than U is the exact optimum (the optimal plan
-        # lies inside the band); otherwise U grows to that solution's time (then exact) or
-        # doubles.
+        # lies inside the band); otherwise U grows to that solution's time (then exact) or by
+        # _BAND_GROWTH, and after _BAND_PASSES tries the whole table is solved.
         bound = _BAND_START * self._lower_bound()
-        while math.isfinite(bound) and bound > 0:
+        for _ in range(_BAND_PASSES):
+            if not (math.isfinite(bound) and bound > 0):
+                break
             stops = self._band(bound)
             if stops is None:
                 break
