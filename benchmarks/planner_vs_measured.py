@@ -20,7 +20,8 @@ over the runs, milliseconds per minibatch:
   emulator and of the distributed run: the median action times the actions per minibatch on one
   replica (microbatches / replicas), so ``distrib`` compares with ``plan time`` without
   communication, and ``distrib x r`` with ``plan``;
-* ``STEP``: the optimizer update, same scaling (not in the profile);
+* ``STEP``: the optimizer update, same scaling (not in the profile); ``SYNC`` (replicated plans):
+  the all-reduce among a stage's replicas;
 * ``plan time``: the plan's ``time_s`` (per minibatch of the pipeline: replicas, all-reduce and
   the cost model's communication);
 * ``busy``: the distributed report's ``stage_busy_seconds`` (all F, B and STEP actions, not
@@ -355,8 +356,9 @@ def print_outcome(outcome: Outcome) -> None:
     header = ["stage", "layers", "r", "plan", "module", "module cpu"]
     if outcome.module_micro:
         header.append("module/m")
-    header += ["emulate", "distrib", "STEP", "plan time", "busy", "busy/plan time", "xfer",
-               "send"]
+    replicated = any(stage["replicas"] > 1 for stage in plan["stages"])
+    header += ["emulate", "distrib", "STEP"] + (["SYNC"] if replicated else []) + \
+        ["plan time", "busy", "busy/plan time", "xfer", "send"]
     rows = [header]
     for s, stage in enumerate(plan["stages"]):
         names = [n for n in stage["layers"] if n not in ("input", "x")]
@@ -368,7 +370,10 @@ def print_outcome(outcome: Outcome) -> None:
             row.append(f"{over_repeats(outcome.module_micro, s) * ms:.2f}")
         busy = med("busy", s)
         row += [f"{med('fb', s, outcome.emulated) * ms:.2f}", f"{med('fb', s) * ms:.2f}",
-                f"{med('step', s) * ms:.2f}", f"{stage['time_s'] * ms:.2f}", f"{busy * ms:.2f}",
+                f"{med('step', s) * ms:.2f}"]
+        if replicated:
+            row.append(f"{med('sync', s) * ms:.2f}")
+        row += [f"{stage['time_s'] * ms:.2f}", f"{busy * ms:.2f}",
                 f"{busy / stage['time_s']:.2f}", f"{stage['input_transfer_s'] * ms:.3f}",
                 f"{med('send', s) * ms:.3f}" if s else "-"]
         rows.append(row)
