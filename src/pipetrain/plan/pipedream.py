@@ -416,10 +416,10 @@ class _Level:
                 np.minimum(banded, cand, out=banded)
             best[r[inside], k[inside]] = banded[inside]
             return best
+        width = self.s.cuts.num_states
         for m in choices:
             a = self._prefix(table, machines, m, mode)
             full = self._dense(m, machines, mode).ravel()
-            width = self.s.cuts.num_states
 
             def cost(p, k, j, flat=full):
                 return flat[k * width + j]
@@ -537,7 +537,7 @@ class _Solver:
             value = self._solve_levels(stops, bound)
             if value <= bound:
                 return value
-            bound = value if value <= _BAND_GROWTH * bound else _BAND_GROWTH * bound
+            bound = min(value, _BAND_GROWTH * bound)
         return self._solve_levels(None)
 
     def range_bound(self, k, j):
