@@ -32,6 +32,51 @@ def test_json_has_contract_fields(capsys):
         {"uniform", "balanced-by-parameters", "balanced-by-time"}
 
 
+def chain_profile(path: Path, layers: int = 120) -> str:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    path.write_text(json.dumps({"format": "pipetrain-profile", "version": 1, "layers": [
+        {"name": f"l{i}", "forward_s": float(t) / 3, "backward_s": 2 * float(t) / 3,
+         "parameter_bytes": float(p), "activation_bytes": float(a)}
+        for i, (t, p, a) in enumerate(zip(rng.uniform(1e-3, 1e-2, layers),
+                                          rng.uniform(0, 5e7, layers),
+                                          rng.uniform(0, 5e6, layers)))]}))
+    return str(path)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--workers", "16"],
+    ["--workers", "4", "--straight"],
+    ["--workers", "8", "--fewer-machines", "--cost-model", "paper"],
+    ["--workers", "64", "--topology", "4x4x4", "--bandwidth", "10e9,1e9,1e8"],
+    ["--workers", "32", "--topology", "2x16", "--bandwidth", "10e9,1e8", "--fewer-machines"],
+    ["--workers", "4", "--memory", "2GB", "--schedule", "auto"],
+    ["--workers", "4", "--schedule", "1f1b", "--microbatches", "8"],
+])
+def test_json_contract_in_every_mode(capsys, tmp_path, argv):
+    """The fields `pipetrain plan --json` promises, and what `pipetrain train --plan` reads."""
+    out_path = tmp_path / "plan.json"
+    code, out, err = run(capsys, chain_profile(tmp_path / "chain.json"), *argv, "--json",
+                         "--out", str(out_path))
+    assert code == 0 and err == ""
+    data = json.loads(out)
+    assert json.loads(out_path.read_text()) == data
+    workers = int(argv[1])
+    assert isinstance(data["predicted_time_per_minibatch"], float)
+    assert data["predicted_time_per_minibatch"] > 0
+    assert isinstance(data["solve_seconds"], float) and data["solve_seconds"] >= 0
+    replicas, stages = data["replicas"], data["stages"]
+    assert all(isinstance(r, int) and r >= 1 for r in replicas)
+    assert len(replicas) == len(stages) == data["num_stages"] == len(data["balance"])
+    assert sum(replicas) <= workers
+    assert [s["replicas"] for s in stages] == replicas
+    assert max(s["time_s"] for s in stages) <= data["predicted_time_per_minibatch"] * (1 + 1e-9)
+    assert sum(len(s["layers"]) for s in stages) == sum(data["balance"]) == 120
+    assert data["schedule"] in ("pipedream", "2bw", "1f1b", "zb-h1", "gpipe")
+    assert isinstance(data["microbatches"], int) and data["microbatches"] >= 1
+
+
 def test_hierarchical_and_straight(capsys):
     code, out, _ = run(capsys, VGG, "--workers", "16", "--topology", "4x4", "--bandwidth",
                        "10e9,1.25e9", "--json")

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from pipetrain.errors import PipetrainError
 from pipetrain.plan.graphtxt import parse_graph_txt
 from pipetrain.plan.memory import stage_memory
+from pipetrain.plan import pipedream
+from pipetrain.plan.graph import build_cuts
 from pipetrain.plan.pipedream import optimize
 from pipetrain.plan.profile import LayerProfile, Profile
 from pipetrain.plan.topology import Topology
@@ -353,6 +355,60 @@ def test_three_levels_on_a_longer_chain_match_naive_recurrence():
     plan = optimize(chain(compute, params, acts), Topology(machines, bandwidths))
     expected = naive_hierarchical(compute, params, acts, machines, bandwidths)
     assert plan.predicted_time_per_minibatch == pytest.approx(expected, rel=1e-12)
+
+
+def plan_signature(plan):
+    return (plan.predicted_time_per_minibatch, plan.replicas,
+            [(s.layers, s.replicas_per_level, s.time_s) for s in plan.stages])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), layers=st.integers(8, 70),
+       machines=st.sampled_from([(2, 3), (3, 4), (2, 2, 3), (4, 2, 2), (2, 8), (1, 5)]),
+       model=st.sampled_from(["pipedream-code", "paper"]), fewer=st.booleans(),
+       straight=st.booleans(), spread=st.sampled_from([1.0, 10.0, 1000.0]))
+def test_banded_chain_solve_equals_full_solve(seed, layers, machines, model, fewer, straight,
+                                              spread):
+    """Multi-level chains are solved in a band of short ranges: same plan as the full DP, whether
+    the first bound holds (one pass) or not (more passes)."""
+    rng = np.random.default_rng(seed)
+    compute = list(rng.uniform(1e-3, 1e-3 * spread, layers))
+    params = list(rng.uniform(0, 5e7, layers))
+    acts = list(rng.uniform(0, 5e6, layers))
+    profile = chain(compute, params, acts)
+    topology = Topology(machines, (1e10, 1e9, 1e8)[:len(machines)])
+    options = dict(cost_model=model, fewer_machines=fewer, straight=straight)
+    results = []
+    for start in (math.inf, 2.0, 0.5, 1.0 + 1e-12):     # inf: no band
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(pipedream, "_BAND_START", start)
+            try:
+                results.append(plan_signature(optimize(profile, topology, **options)))
+            except PipetrainError as error:
+                results.append(str(error))
+    assert all(result == results[0] for result in results[1:])
+
+
+def test_band_is_narrow_on_a_long_chain_over_many_workers():
+    rng = np.random.default_rng(0)
+    n = 300
+    profile = chain(list(rng.uniform(1e-3, 1e-2, n)), list(rng.uniform(0, 5e7, n)),
+                    list(rng.uniform(0, 5e6, n)))
+    topology = Topology((4, 4, 16), (1e10, 1e9, 1e8))
+    cuts = build_cuts(profile)
+    solver = pipedream._Solver(cuts, topology, "pipedream-code", False, False,
+                               pipedream._Memory(None, "pipedream", 1, topology.workers))
+    value = solver.solve()
+    stops = solver._band(value)
+    widths = stops[:-1] - np.arange(n)
+    assert widths.max() < n / 4          # inner levels solve well under a quarter of the ranges
+    # every stage of the plan lies inside the band of its time
+    plan = optimize(profile, topology)
+    assert plan.predicted_time_per_minibatch == value
+    where = 0
+    for stage in plan.stages:
+        assert where + len(stage.layers) <= stops[where]
+        where += len(stage.layers)
 
 
 @pytest.mark.parametrize("name,machines,bandwidths,time", [

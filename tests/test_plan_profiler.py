@@ -62,6 +62,30 @@ def test_times_land_on_the_right_layer():
     assert all(l.forward_s < slow.forward_s and l.backward_s < slow.backward_s for l in others)
 
 
+class OnceSlow(nn.Module):
+    """Sleeps 60 ms in its forward on one call only (an interruption by another process)."""
+
+    def __init__(self, slow_call):
+        super().__init__()
+        self.calls, self.slow_call = 0, slow_call
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.slow_call:
+            time.sleep(0.06)
+        return x.clone()
+
+
+def test_median_ignores_one_interrupted_iteration_mean_does_not():
+    # warm-up 1, then 3 measured iterations; the second measured one is slow
+    median = profile_model(nn.Sequential(nn.Linear(16, 16), OnceSlow(3)), batch(),
+                           iterations=3, warmup=1, progress=False)
+    mean = profile_model(nn.Sequential(nn.Linear(16, 16), OnceSlow(3)), batch(),
+                         iterations=3, warmup=1, progress=False, statistic="mean")
+    assert median.layers[2].forward_s < 0.02 <= mean.layers[2].forward_s
+    assert median.meta["statistic"] == "median" and mean.meta["statistic"] == "mean"
+
+
 class Residual(nn.Module):
     def __init__(self):
         super().__init__()
@@ -107,3 +131,5 @@ def test_untraceable_model_is_a_clear_error():
 def test_bad_arguments():
     with pytest.raises(ConfigError):
         profile_model(nn.Sequential(nn.Linear(16, 4)), batch(), iterations=0, progress=False)
+    with pytest.raises(ConfigError, match="unknown statistic 'max'; choose median or mean"):
+        profile_model(nn.Sequential(nn.Linear(16, 4)), batch(), statistic="max", progress=False)

@@ -27,7 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, metavar="PROFILE.json",
                         help="write the profile (pipetrain JSON profile format)")
     parser.add_argument("--iterations", type=int, default=10,
-                        help="measured iterations, averaged (default 10)")
+                        help="measured iterations (default 10)")
+    parser.add_argument("--statistic", default="median", choices=["median", "mean"],
+                        help="how each layer's times over the iterations are summarised "
+                             "(default median: robust on a shared machine)")
     parser.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
     parser.add_argument("--optimizer-states", type=float, default=1.0,
                         help="optimizer state per parameter, in parameter sizes (0 SGD, "
@@ -65,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_model(model, batch, iterations=args.iterations, warmup=args.warmup,
                             optimizer_states=args.optimizer_states, device=args.device,
                             progress=not (args.no_progress or args.json),
+                            statistic=args.statistic,
                             meta={"model_spec": args.model, "data_spec": args.data,
                                   "seed": args.seed})
     if args.out:
@@ -90,7 +94,7 @@ def format_profile(profile) -> str:
     meta = profile.meta
     lines.append(f"{len(profile.layers)} layers, {len(profile.edge_list())} edges, batch "
                  f"{profile.batch_size}, forward+backward {profile.total_compute_s * 1e3:.3f} ms "
-                 f"per minibatch (mean of {meta.get('iterations')} iterations after "
+                 f"per minibatch ({meta.get('statistic', 'mean')} of {meta.get('iterations')} iterations after "
                  f"{meta.get('warmup')} warm-up, {meta.get('device')}, "
                  f"{meta.get('threads')} thread(s))")
     return "\n".join(lines)

@@ -39,7 +39,8 @@ import numpy as np
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import check_schedule, format_bytes, stage_memory
-from pipetrain.plan.minmax import minmax_dense, minmax_hybrid, minmax_monotone, monotone_limit
+from pipetrain.plan.minmax import (minmax_band, minmax_dense, minmax_hybrid, minmax_monotone,
+                                   monotone_limit)
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.topology import Topology
@@ -47,6 +48,11 @@ from pipetrain.plan.topology import Topology
 __all__ = ["optimize", "COST_MODELS", "data_parallel_time"]
 
 COST_MODELS = ("pipedream-code", "paper")
+_BAND_START = 2.0   # first upper bound on a banded solve: this many times the lower bound
+_BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bound, this times
+_BAND_PASSES = 4    # banded solves before the whole table
+_BANDED_COST_ELEMENTS = 8_000_000   # largest table of banded last-stage costs (64 MB)
+_BAND_DENSE_DEPTH = 400             # inner levels try every cut while the band is this shallow
 
 
 # --------------------------------------------------------------------------- cost formulas
@@ -99,7 +105,8 @@ class _Level:
     """The DP table of one topology level, with the formulas it was built from."""
 
     def __init__(self, solver: "_Solver", index: int, seg: Callable,
-                 limit: np.ndarray | None = None) -> None:
+                 limit: np.ndarray | None = None, stops: np.ndarray | None = None,
+                 bound: float | None = None) -> None:
         self.s = solver
         self.index = index
         self.n = solver.topology.machines[index]
@@ -111,7 +118,43 @@ class _Level:
         cuts = solver.cuts
         self.rows = np.array([0]) if self.final else np.arange(cuts.num_states - 1)
         self.memory = solver.memory if (self.final and solver.topology.levels == 1) else None
-        self.table = np.full((len(self.rows), cuts.num_states, self.n + 1), np.inf)
+        self.table = np.full((self.n + 1, len(self.rows), cuts.num_states), np.inf)
+        # a band of ranges (chains): only r -> j with j <= stops[r] can be in an optimal plan
+        self.stops = self.first = self.columns = None
+        if stops is not None:
+            states = np.arange(cuts.num_states)
+            if self.final:
+                self.first = np.searchsorted(stops[:-1], states, side="left")
+                self.columns = self._columns(bound)
+                self.bound = bound
+            else:
+                self.stops = stops[self.rows]
+
+    def _band_ranges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every range ``r -> j`` of the band: (row index, r, j), grouped by row."""
+        if not hasattr(self, "_ranges"):
+            lengths = np.maximum(self.stops - self.rows, 0)
+            index = np.repeat(np.arange(len(self.rows)), lengths)
+            heads = np.cumsum(lengths) - lengths
+            r = self.rows[index]
+            self._ranges = (index, r, r + 1 + np.arange(index.size) - heads[index])
+        return self._ranges
+
+    def _columns(self, bound: float) -> tuple[np.ndarray, np.ndarray]:
+        """Last level: the prefixes ``0 -> j`` on ``M`` machines an optimal plan can contain.
+
+        A plan no slower than ``bound`` runs ``0 -> j`` on ``M`` components of ``W`` workers and
+        ``j -> end`` on the other ``n - M``, each at least its compute over its workers: so
+        ``compute(0 -> j) <= bound M W`` and ``compute(j -> end) <= bound (n - M) W``. Returns
+        the first and last such ``j`` per ``M``.
+        """
+        compute = self.s.cuts.compute
+        workers = math.prod(self.s.topology.machines[:-1])
+        limit = bound * (1 + 1e-9) * workers
+        machines = np.arange(self.n + 1)
+        last = np.searchsorted(compute, limit * machines, side="right") - 1
+        first = np.searchsorted(compute, compute[-1] - limit * (self.n - machines), side="left")
+        return first, last
 
     # costs on index arrays (broadcasting) ------------------------------------------------
     def _mem(self, k, j, m, workers_from_here):
@@ -173,7 +216,7 @@ class _Level:
 
     # the table ----------------------------------------------------------------------------
     def solve(self, mode: str = "time") -> np.ndarray:
-        """Fill ``table[row, j, machines]`` for every row, cut ``j`` and machine count."""
+        """Fill ``table[machines, row, j]`` for every machine count, row and cut ``j``."""
         cuts = self.s.cuts
         table = np.full_like(self.table, np.inf)
         if cuts.chain:
@@ -183,16 +226,23 @@ class _Level:
         for machines in range(1, self.n + 1):
             if self.s.straight and machines > 1:
                 best = np.full((len(self.rows), cuts.num_states), np.inf)
+            elif self.stops is not None:
+                index, r, j = self._band_ranges()
+                best = np.full((len(self.rows), cuts.num_states), np.inf)
+                best[index, j] = self.single(r, j, machines, mode)
             else:
                 states = np.arange(cuts.num_states)
                 best = self.single(self.rows[:, None], states[None, :], machines, mode)
             choices = [m for m in self.replica_choices(machines)
-                       if np.isfinite(table[:, :, machines - m]).any()]
+                       if np.isfinite(table[machines - m]).any()]
             if choices:
                 np.minimum(best, solve(table, machines, choices, mode), out=best)
             if self.s.fewer and machines > 1:
-                np.minimum(best, table[:, :, machines - 1], out=best)
-            table[:, :, machines] = best
+                np.minimum(best, table[machines - 1], out=best)
+            if self.columns is not None:
+                best[:, :self.columns[0][machines]] = np.inf
+                best[:, self.columns[1][machines] + 1:] = np.inf
+            table[machines] = best
         if mode == "time":
             self.table = table
         self._cache = {}
@@ -200,15 +250,39 @@ class _Level:
 
     def _prefix(self, table, machines, m, mode):
         states = np.arange(self.s.cuts.num_states)
-        return np.maximum(table[:, :, machines - m], self.tin(states, m, mode)[None, :])
+        return np.maximum(table[machines - m], self.tin(states, m, mode)[None, :])
 
     def _solve_chain_final(self, table, machines, choices, mode):
         """Row 0 of a chain: one binary search per (replica count, cut), all at once."""
         ms = np.array(choices)
-        a = np.stack([self._prefix(table, machines, m, mode)[0] for m in choices])
-        starts = np.zeros(len(choices), dtype=np.int64)
+        nothing = np.full((1, self.s.cuts.num_states), np.inf)
+        stops = mask = None
+        if self.columns is not None:
+            # only columns lo..hi are kept; their cuts k are at least first[lo] (first rises)
+            lo, hi = self.columns[0][machines], self.columns[1][machines]
+            if hi < lo:
+                return nothing
+            feasible = self._feasible() if mode == "time" and not self._limited() else None
+            if feasible is not None:
+                ms = ms[feasible[ms, lo:hi + 1].any(axis=1)]
+                if ms.size == 0:
+                    return nothing
+                mask = feasible[ms]
+            stops = np.full(ms.size, hi, dtype=np.int64)
+        a = np.stack([self._prefix(table, machines, m, mode)[0] for m in ms])
+        starts = np.zeros(ms.size, dtype=np.int64)
+        if self.columns is not None:
+            starts[:] = max(int(self.first[lo]), 1) - 1
 
-        if mode == "time" and not self._limited():
+        banded = self._banded_costs() if mode == "time" and not self._limited() else None
+        if banded is not None:
+            depth = banded.shape[2]
+            plane = banded.shape[1] * depth
+            flat = banded.ravel()
+
+            def cost(p, k, j):
+                return flat[ms[p] * plane + k * depth + (j - k)]
+        elif mode == "time" and not self._limited():
             seg, pseg = self._flat_matrices()
             width = self.s.cuts.num_states
             out, end = self.s.cuts.output, self._end
@@ -224,10 +298,47 @@ class _Level:
                 return self.split(k, j, ms[p], machines, mode)
 
         if self.limit is None:
-            cand = minmax_monotone(a, starts, cost)
+            cand = minmax_monotone(a, starts, cost, stops=stops, first=self.first, mask=mask)
         else:
-            cand = minmax_hybrid(a, starts, cost, self.limit)
+            cand = minmax_hybrid(a, starts, cost, self.limit, stops=stops, first=self.first,
+                                 mask=mask)
         return cand.min(axis=0, keepdims=True)
+
+    def _banded_costs(self) -> np.ndarray | None:
+        """Last level in a band: ``cost[m, k, j - k]`` of every last stage the band allows."""
+        if self.first is None:
+            return None
+        if not hasattr(self, "_banded"):
+            states = np.arange(self.s.cuts.num_states)
+            depth = int(np.max(states - self.first, initial=0)) + 1
+            self._banded = None
+            if self.n * states.size * depth <= _BANDED_COST_ELEMENTS:
+                k = states[:, None]
+                j = np.minimum(k + np.arange(depth)[None, :], states.size - 1)
+                inside = (j > k) & (self.first[j] <= k)
+                k, j = np.broadcast_to(k, j.shape)[inside], j[inside]
+                banded = np.full((self.n, states.size, depth), np.inf)
+                for m in self.replica_choices(self.n):
+                    banded[m][inside] = self.split(k, j, m, self.n)
+                self._banded = banded
+        return self._banded
+
+    def _feasible(self) -> np.ndarray | None:
+        """``[m, j]``: some last stage ``k -> j`` on ``m`` replicas is no slower than the bound
+        (the others only price plans slower than it, which the band leaves out anyway)."""
+        banded = self._banded_costs()
+        if banded is None:
+            return None
+        if not hasattr(self, "_feasible_cache"):
+            size = banded.shape[1]
+            depth = np.arange(banded.shape[2])
+            j = np.arange(size)[:, None]
+            k = j - depth[None, :]
+            inside = k >= 0
+            cheapest = np.where(inside[None], banded[:, np.maximum(k, 0), depth[None, :]],
+                                np.inf).min(axis=2)
+            self._feasible_cache = cheapest <= self.bound * (1 + 1e-9)
+        return self._feasible_cache
 
     def _flat_matrices(self) -> tuple[np.ndarray, np.ndarray]:
         """Base times (``inf`` where ``k -> j`` is no stage) and parameter bytes, flattened."""
@@ -248,28 +359,75 @@ class _Level:
         if cacheable and (m, key) in cache:
             return cache[(m, key)]
         states = np.arange(self.s.cuts.num_states)
-        full = self.split(states[:, None], states[None, :], m, machines, mode)
+        if self.stops is not None:
+            _, k, j = self._band_ranges()
+            full = np.full((states.size, states.size), np.inf)
+            full[k, j] = self.split(k, j, m, machines, mode)
+        else:
+            full = self.split(states[:, None], states[None, :], m, machines, mode)
         if cacheable:
             if sum(v.size for v in cache.values()) > 40_000_000:
                 cache.clear()
             cache[(m, key)] = full
         return full
 
+    def _band_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Inner levels in a band: gather indices ``(r, k)`` of ``[r, k - r]`` and where they are
+        inside the band; None if the band is too deep for :func:`minmax_band` to pay off."""
+        if self.stops is None:
+            return None
+        if not hasattr(self, "_layout"):
+            depth = int(np.max(self.stops - self.rows, initial=0)) + 1
+            self._layout = None
+            if depth <= _BAND_DENSE_DEPTH:
+                r = self.rows[:, None]
+                offset = np.arange(depth)[None, :]
+                inside = offset <= (self.stops - self.rows)[:, None]
+                k = np.minimum(r + offset, self.s.cuts.num_states - 1)
+                self._layout = (np.broadcast_to(r, k.shape), k, inside)
+        return self._layout
+
+    def _band_costs(self, m, machines, mode, depth):
+        """``[k, j - k]``: the last stage ``k -> j`` on ``m`` replicas in the band (padded)."""
+        cacheable = mode == "time" and not self._limited()
+        cache = self.__dict__.setdefault("_cache", {})
+        if cacheable and (m, "band") in cache:
+            return cache[(m, "band")]
+        _, k, j = self._band_ranges()
+        out = np.full((len(self.rows) + depth, depth), np.inf)
+        out[k, j - k] = self.split(k, j, m, machines, mode)
+        if cacheable:
+            cache[(m, "band")] = out
+        return out
+
     def _solve_chain_rows(self, table, machines, choices, mode):
-        """Every row of a chain (inner levels): a 2-D binary search per replica count."""
+        """Every row of a chain (inner levels): a 2-D binary search per replica count, or in a
+        shallow band every cut, band layout."""
         best = np.full((len(self.rows), self.s.cuts.num_states), np.inf)
+        layout = self._band_layout()
+        if layout is not None:
+            r, k, inside = layout
+            depth = k.shape[1]
+            banded = np.full(k.shape, np.inf)
+            for m in choices:
+                a = np.maximum(table[machines - m][r, k], self.tin(k, m, mode))
+                a[~inside] = np.inf
+                cand = minmax_band(a, self._band_costs(m, machines, mode, depth))
+                np.minimum(banded, cand, out=banded)
+            best[r[inside], k[inside]] = banded[inside]
+            return best
+        width = self.s.cuts.num_states
         for m in choices:
             a = self._prefix(table, machines, m, mode)
             full = self._dense(m, machines, mode).ravel()
-            width = self.s.cuts.num_states
 
             def cost(p, k, j, flat=full):
                 return flat[k * width + j]
 
             if self.limit is None:
-                cand = minmax_monotone(a, self.rows, cost)
+                cand = minmax_monotone(a, self.rows, cost, stops=self.stops)
             else:
-                cand = minmax_hybrid(a, self.rows, cost, self.limit)
+                cand = minmax_hybrid(a, self.rows, cost, self.limit, stops=self.stops)
             np.minimum(best, cand, out=best)
         return best
 
@@ -317,7 +475,7 @@ class _Level:
 
     # traceback ----------------------------------------------------------------------------
     def choose(self, r: int, j: int, machines: int) -> tuple:
-        """The decision behind ``table[r -> j, machines]``: first minimum in a fixed order."""
+        """The decision behind ``table[machines, r -> j]``: first minimum in a fixed order."""
         cuts = self.s.cuts
         row = 0 if self.final else r
         options: list[tuple] = []
@@ -327,14 +485,14 @@ class _Level:
             values.append(float(self.single(np.array(r), np.array(j), machines)))
         if self.s.fewer and machines > 1:
             options.append(("fewer",))
-            values.append(float(self.table[row, j, machines - 1]))
+            values.append(float(self.table[machines - 1, row, j]))
         ks = np.flatnonzero(cuts.ancestors[r] & cuts.ancestors[:, j])
         ks = ks[ks >= 1]
         ms = np.array(list(self.replica_choices(machines)), dtype=np.int64)
         if ks.size and ms.size:
             # (k, m) grid in k-major order: first minimum = smallest cut, then fewest replicas
             kk, mm = ks[:, None], ms[None, :]
-            grid = np.maximum(self.table[row, kk, machines - mm], self.tin(kk, mm))
+            grid = np.maximum(self.table[machines - mm, row, kk], self.tin(kk, mm))
             grid = np.maximum(grid, self.split(kk, j, mm, machines))
             flat = int(np.argmin(grid))
             options.append(("split", int(ks[flat // ms.size]), int(ms[flat % ms.size])))
@@ -358,8 +516,82 @@ class _Solver:
         self.levels: list[_Level] = []
 
     def solve(self) -> float:
+        """The best time per minibatch; chains over several levels are solved in a band."""
+        if not (self.cuts.chain and self.topology.levels > 1):
+            return self._solve_levels(None)
+        if self.straight and not self.fewer and self.topology.workers > self.cuts.num_states - 1:
+            return math.inf                     # fewer layers than workers: no straight plan
+        # Every stage of the last level costs at least range_bound() of its range (below). With
+        # an upper bound U on the optimum, ranges whose bound exceeds U are in no optimal plan,
+        # nor are the ranges that contain them: inner levels solve only the band of shorter
+        # ranges. A banded solution no slower than U is the exact optimum (the optimal plan
+        # lies inside the band); otherwise U grows to that solution's time (then exact) or by
+        # _BAND_GROWTH, and after _BAND_PASSES tries the whole table is solved.
+        bound = _BAND_START * self._lower_bound()
+        for _ in range(_BAND_PASSES):
+            if not (math.isfinite(bound) and bound > 0):
+                break
+            stops = self._band(bound)
+            if stops is None:
+                break
+            value = self._solve_levels(stops, bound)
+            if value <= bound:
+                return value
+            bound = min(value, _BAND_GROWTH * bound)
+        return self._solve_levels(None)
+
+    def range_bound(self, k, j):
+        """A lower bound on any last-level stage over ``k -> j``: non-decreasing as it grows.
+
+        A pipeline's slowest stage takes at least its compute over its workers, so level
+        ``l - 1`` runs a range in at least ``compute / W`` (``W`` workers below the last level);
+        a last-level stage on ``m`` replicas costs the least at ``m = 1`` or ``m = n``.
+        """
+        top, cuts = self.topology, self.cuts
+        inner = math.prod(top.machines[:-1])
+        seg = (cuts.compute[j] - cuts.compute[k]) / inner
+        n, bandwidth, within = top.machines[-1], top.bandwidths[-1], top.machines[-2]
+        if self.straight or n == 1:
+            return seg
+        pseg = cuts.params[j] - cuts.params[k]
+        sync = 4 * (n - 1) * pseg / (bandwidth * n)
+        if self.model == "paper":
+            spread = np.maximum(seg, sync) / n
+        else:
+            spread = (seg + sync / within) / n   # the one-stage form: the smallest all-reduce
+        return np.minimum(seg, spread)
+
+    def _lower_bound(self) -> float:
+        """The optimum is at least total compute / workers and every one-layer range's bound."""
+        cuts = self.cuts
+        last = cuts.num_states - 1
+        layers = np.arange(last)
+        return float(max(cuts.compute[last] / self.topology.workers,
+                         np.max(self.range_bound(layers, layers + 1), initial=0.0)))
+
+    def _band(self, bound: float) -> np.ndarray | None:
+        """``stops[k]``: the last cut ``j`` with ``range_bound(k, j) <= bound`` (None: all)."""
+        last = self.cuts.num_states - 1
+        limit = bound * (1 + 1e-9)              # rounding: never cut a range the DP prices at U
+        starts = np.arange(last + 1)
+        lo = starts.copy()                      # range_bound(k, k) = 0 <= limit
+        hi = np.full(last + 1, last)
+        while True:
+            open_ = lo < hi
+            if not open_.any():
+                break
+            mid = (lo + hi + 1) >> 1
+            ok = self.range_bound(starts, mid) <= limit
+            lo = np.where(open_ & ok, mid, lo)
+            hi = np.where(open_ & ~ok, mid - 1, hi)
+        if lo[0] >= last:
+            return None                         # the whole model fits: no band
+        return np.maximum.accumulate(lo)
+
+    def _solve_levels(self, stops: np.ndarray | None, bound: float | None = None) -> float:
         cuts = self.cuts
         compute = cuts.compute
+        self.levels = []
 
         def seg_compute(k, j):
             return compute[j] - compute[k]
@@ -367,21 +599,21 @@ class _Solver:
         seg: Callable = seg_compute
         limit = None
         for index in range(self.topology.levels):
-            level = _Level(self, index, seg, limit)
+            level = _Level(self, index, seg, limit, stops, bound)
             level.solve()
             self.levels.append(level)
             if not level.final:
                 full = np.full((cuts.num_states, cuts.num_states), np.inf)
-                full[:-1] = level.table[:, :, level.n]
+                full[:-1] = level.table[level.n]
                 limit = monotone_limit(full) if cuts.chain else None
                 seg = (lambda k, j, full=full: full[k, j])
         last = self.levels[-1]
-        return float(last.table[0, cuts.num_states - 1, last.n])
+        return float(last.table[last.n, 0, cuts.num_states - 1])
 
     def smallest_memory(self) -> float:
         level = self.levels[-1]
         table = level.solve(mode="memory")
-        return float(table[0, self.cuts.num_states - 1, level.n])
+        return float(table[level.n, 0, self.cuts.num_states - 1])
 
     def stages(self) -> list[tuple[int, int, list[tuple[int, str, int, int]]]]:
         """Flattened stages: (start, end, [(replicas, kind, k, j) per level, inner first])."""

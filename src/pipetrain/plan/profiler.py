@@ -9,8 +9,10 @@ every edge into a unit pass through an identity autograd function that notes the
 gradient arrives: the backward of a unit runs from the gradient reaching its output to the last
 gradient leaving towards its inputs (the same boundaries as full backward pre/post hooks, but for
 function nodes too). A unit whose inputs need no gradient (the first layer) ends with the
-backward pass. The loss is charged to the last unit. Times are averaged over ``iterations`` after
-``warmup`` iterations; on CUDA the device is synchronised at every mark.
+backward pass. The loss is charged to the last unit. Each unit's time is the median (or the mean,
+``statistic="mean"``) over ``iterations`` after ``warmup`` iterations: on a shared machine the
+median ignores the iterations another process interrupted. On CUDA the device is synchronised at
+every mark.
 
 In-place activations (``ReLU(inplace=True)``) are switched off while profiling, since an in-place
 write into a marked tensor is not allowed by autograd.
@@ -18,6 +20,7 @@ write into a marked tensor is not allowed by autograd.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -27,7 +30,9 @@ from torch import nn
 from pipetrain.errors import ConfigError
 from pipetrain.plan.profile import LayerProfile, Profile
 
-__all__ = ["profile_model"]
+__all__ = ["profile_model", "STATISTICS"]
+
+STATISTICS = {"median": statistics.median, "mean": statistics.fmean}
 
 
 class _Clock:
@@ -174,14 +179,18 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *,
                   iterations: int = 10, warmup: int = 3, optimizer_states: float = 1.0,
                   device: str | torch.device | None = None, progress: bool = True,
-                  meta: dict[str, Any] | None = None) -> Profile:
+                  meta: dict[str, Any] | None = None, statistic: str = "median") -> Profile:
     """Profile ``model`` on one ``(input, target)`` batch; returns a :class:`Profile`.
 
     ``loss_fn`` defaults to cross-entropy. ``optimizer_states`` is the optimizer state per
-    parameter in parameter sizes (0 plain SGD, 1 momentum SGD, 2 Adam).
+    parameter in parameter sizes (0 plain SGD, 1 momentum SGD, 2 Adam). ``statistic`` (``median``
+    or ``mean``) summarises each unit's times over the measured iterations.
     """
     if iterations < 1 or warmup < 0:
         raise ConfigError("iterations must be >= 1 and warmup >= 0")
+    if statistic not in STATISTICS:
+        raise ConfigError(f"unknown statistic {statistic!r}; choose {' or '.join(STATISTICS)}")
+    summarise = STATISTICS[statistic]
     loss_fn = loss_fn or nn.functional.cross_entropy
     device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu"))
@@ -202,7 +211,7 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
         if len(placeholders) != len(inputs):
             raise ConfigError(f"the model takes {len(placeholders)} inputs but the example "
                               f"batch has {len(inputs)}")
-        totals = {u.name: [0.0, 0.0] for u in units}
+        samples: dict[str, tuple[list[float], list[float]]] = {u.name: ([], []) for u in units}
         sizes: dict[str, int] = {}
         rounds = range(warmup + iterations)
         if progress:
@@ -213,9 +222,9 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
             forward, backward, sizes = _one_iteration(model, units, output, inputs, target,
                                                       loss_fn, clock)
             if it >= warmup:
-                for name in totals:
-                    totals[name][0] += forward[name]
-                    totals[name][1] += backward[name]
+                for name, (fwd, bwd) in samples.items():
+                    fwd.append(forward[name])
+                    bwd.append(backward[name])
     finally:
         for m, value in restore:
             m.inplace = value
@@ -227,7 +236,7 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
             if id(p) not in seen:
                 seen.add(id(p))
                 pbytes += p.numel() * p.element_size()
-        fwd, bwd = (v / iterations for v in totals[unit.name])
+        fwd, bwd = (summarise(v) for v in samples[unit.name])
         layers.append(LayerProfile(
             name=unit.name, kind=unit.kind, forward_s=0.0 if unit.is_input else fwd,
             backward_s=0.0 if unit.is_input else bwd, activation_bytes=float(sizes[unit.name]),
@@ -236,7 +245,7 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
     edges = [(src, unit.name) for unit in units for src in unit.inputs]
     batch = inputs[0].shape[0] if isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else None
     info = {"model": type(model).__name__, "device": str(device), "iterations": iterations,
-            "warmup": warmup, "optimizer_states": optimizer_states,
+            "warmup": warmup, "statistic": statistic, "optimizer_states": optimizer_states,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "modules": {u.name: u.module for u in units if u.module is not None}}
     info.update(meta or {})
