@@ -143,7 +143,11 @@ class StageExecutor:
         self.samples_seen = 0
         self.last_loss: Tensor | None = None
         self._backward_params: Mapping[str, Tensor] | None = None
+        self._leaves: dict[int, dict[str, Tensor]] = {}
         warm_up_autograd()
+
+    def _make_leaves(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {n: t.detach().requires_grad_(n in self.trainable) for n, t in params.items()}
 
     @property
     def is_last(self) -> bool:
@@ -170,11 +174,16 @@ class StageExecutor:
         """
         if microbatch in self.in_flight:
             raise PipetrainError(f"stage {self.stage}: microbatch {microbatch} is already in flight")
-        if params is None:
-            params = self.versions[version]
-            if self.policy == "predict" and self.optimizer is not None:
-                params = self.optimizer.predict(params, self.samples_seen)
-        leaves = {n: t.detach().requires_grad_(n in self.trainable) for n, t in params.items()}
+        if params is None and self.policy != "predict":
+            leaves = self._leaves.get(version)
+            if leaves is None:  # one set of autograd leaves per version, shared by its microbatches
+                leaves = self._leaves[version] = self._make_leaves(self.versions[version])
+        else:
+            if params is None:
+                params = self.versions[version]
+                if self.optimizer is not None:
+                    params = self.optimizer.predict(params, self.samples_seen)
+            leaves = self._make_leaves(params)
         inputs = tuple(
             x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
             for x in as_tuple(inputs)
@@ -346,7 +355,11 @@ class StageExecutor:
         self.grads = None
         for version in release:
             self.versions.release(version)
-        return self.versions.push(new)
+        made = self.versions.push(new)
+        held = set(self.versions.held())
+        for version in [v for v in self._leaves if v not in held]:
+            del self._leaves[version]
+        return made
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -380,6 +393,7 @@ class StageExecutor:
         """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
         ``[(microbatch, outputs)]`` in their original order (for the messages that crossed)."""
         self.versions = VersionStore.from_state(state["versions"], state["current"])
+        self._leaves.clear()
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.samples_seen = state["samples_seen"]
