@@ -20,6 +20,7 @@ __all__ = ["main"]
 # not import every command module (and PyTorch with them).
 COMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("pipetrain.commands.schedule", "generate, validate, simulate and draw a schedule"),
+    "pb": ("pipetrain.commands.pb", "Pipelined Backpropagation study: PB, SC, LWP against batch-size-1 SGD"),
 }
 
 

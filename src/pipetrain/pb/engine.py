@@ -100,16 +100,21 @@ class _Group:
     read_index: list[Tensor] | None = None
     saved_shapes: list[tuple[int, ...]] | None = None
     saved_sizes: list[int] | None = None
-    direct: list[Tensor] | None = None
     records: dict[int, Any] = field(default_factory=dict)
     # optimizer options of the group's members (shapes [G, 1])
     momentum: Tensor | float = 0.0
     weight_decay: Tensor | None = None
     spike: bool = False
     lwp: bool = False
-    flat_weights: list[Tensor] = field(default_factory=list)  # [G, size] views per parameter
-    flat_velocity: list[Tensor] = field(default_factory=list)
+    small: list[int] = field(default_factory=list)  # parameters kept in the vector slab
+    large: list[int] = field(default_factory=list)  # parameters kept as their own tensors
+    storage_w: list[Tensor] = field(default_factory=list)  # large weights, then the slab
+    storage_v: list[Tensor] = field(default_factory=list)
     flat_predicted: list[Tensor] = field(default_factory=list)
+    uniform: bool = True  # all members have the same delay (so they are the same stage)
+    offset: int = 0  # uniform groups: the tick of the backward of sample n is n + offset
+    idle_gradient: Tensor | None = None  # input gradient passed on in ticks without a backward
+    pending: list[Any] = field(default_factory=list)  # saved activations by tick (uniform delay)
 
     @property
     def size(self) -> int:
@@ -331,18 +336,38 @@ class BatchedPB:
         self.by_position = [[g for g in self.groups if g.position == j] for j in range(self.positions)]
 
     def _init_weights(self, group: _Group) -> None:
+        """Stacked weights: each matrix (2-d or more) its own contiguous ``[G, *shape]`` tensor,
+        vectors (biases, norm affine) views into one ``[G, P_small]`` slab so that they are
+        updated together."""
         g = group.size
-        group.weights = [torch.empty((g,) + shape, dtype=self.dtype) for shape in group.shapes]
+        small = [i for i, shape in enumerate(group.shapes) if len(shape) < 2]
+        sizes = [int(np.prod(group.shapes[i])) if group.shapes[i] else 1 for i in small]
+        slab_w = torch.empty((g, sum(sizes)), dtype=self.dtype)
+        slab_v = torch.zeros_like(slab_w)
+        weights: list[Tensor] = []
+        velocity: list[Tensor] = []
+        offset = 0
+        for i, shape in enumerate(group.shapes):
+            if i in small:
+                size = sizes[small.index(i)]
+                weights.append(slab_w[:, offset : offset + size].view((g,) + shape))
+                velocity.append(slab_v[:, offset : offset + size].view((g,) + shape))
+                offset += size
+            else:
+                weights.append(torch.empty((g,) + shape, dtype=self.dtype))
+                velocity.append(torch.zeros((g,) + shape, dtype=self.dtype))
         with torch.no_grad():
             for row, member in enumerate(group.members):
                 named = dict(member.module.named_parameters())
-                for name, stacked in zip(group.names, group.weights):
+                for name, stacked in zip(group.names, weights):
                     stacked[row].copy_(named[name].detach())
-        group.velocity = [torch.zeros_like(w) for w in group.weights]
-        group.views = group.weights
-        group.forward_views = group.weights
-        group.flat_weights = [w.view(g, -1) for w in group.weights]
-        group.flat_velocity = [v.view(g, -1) for v in group.velocity]
+        group.weights, group.velocity = weights, velocity
+        group.views = weights
+        group.forward_views = weights
+        group.small = small
+        group.large = [i for i in range(len(group.shapes)) if i not in small]
+        group.storage_w = [weights[i] for i in group.large] + ([slab_w] if small else [])
+        group.storage_v = [velocity[i] for i in group.large] + ([slab_v] if small else [])
 
     def _build_optimizer(self, optimizers: Sequence[Sequence[StageOptimizer]]) -> None:
         schedules: list[Any] = []
@@ -368,9 +393,19 @@ class BatchedPB:
             group.spike = not (all(a == 1.0 for a in a_g) and not any(b_g))
             group.lwp = any(t > 0 for t in t_g)
             if group.lwp:
-                group.predicted = [w.clone() for w in group.weights]
-                group.forward_views = group.predicted
-                group.flat_predicted = [w.view(group.size, -1) for w in group.predicted]
+                storage = [w.clone() for w in group.storage_w]
+                group.flat_predicted = [w.view(group.size, -1) for w in storage]
+                predicted: list[Tensor] = [None] * len(group.shapes)  # type: ignore[list-item]
+                for i, tensor in zip(group.large, storage):
+                    predicted[i] = tensor
+                if group.small:
+                    slab, offset = storage[-1], 0
+                    for i in group.small:
+                        size = group.weights[i][0].numel()
+                        predicted[i] = slab[:, offset : offset + size].view(group.weights[i].shape)
+                        offset += size
+                group.predicted = predicted
+                group.forward_views = predicted
             if group.kernel is not None:
                 group.forward_context = group.kernel.prepare(group.forward_views)
                 group.backward_context = group.kernel.prepare(group.views)
@@ -421,7 +456,12 @@ class BatchedPB:
         for group in self.groups:
             depth = max(group.delays) + 1
             group.ring_depth = depth
-            if depth > 1 and group.kernel is not None:
+            group.uniform = len(set(group.delays)) == 1
+            group.pending = [None] * depth
+            if group.uniform:
+                group.offset = 2 * S - 2 - group.members[0].stage
+                group.idle_gradient = torch.zeros((group.size, self.batch_size) + group.in_shape, dtype=self.dtype)
+            if not group.uniform and group.kernel is not None:
                 g = group.size
                 group.read_index = [
                     torch.tensor([((t - d) % depth) * g + i for i, d in enumerate(group.delays)], dtype=torch.int64)
@@ -431,8 +471,8 @@ class BatchedPB:
     # -- one tick --------------------------------------------------------------------------------
 
     def _store(self, group: _Group, tick: int, saved: list[Tensor]) -> None:
-        if group.ring_depth == 1:
-            group.direct = saved
+        if group.uniform:  # keep the tensors themselves until their backward
+            group.pending[tick % group.ring_depth] = saved
             return
         g = group.size
         if group.ring is None:
@@ -443,13 +483,10 @@ class BatchedPB:
         torch.cat(flat, 1, out=group.ring[tick % group.ring_depth])
 
     def _load(self, group: _Group, tick: int) -> list[Tensor]:
-        if group.ring_depth == 1:
-            return group.direct  # type: ignore[return-value]
         depth, g = group.ring_depth, group.size
-        if len(set(group.delays)) == 1:
-            flat = group.ring[(tick - group.delays[0]) % depth]  # type: ignore[index]
-        else:
-            flat = group.ring.view(depth * g, -1).index_select(0, group.read_index[tick % depth])  # type: ignore[union-attr,index]
+        if group.uniform:
+            return group.pending[(tick - group.delays[0]) % depth]
+        flat = group.ring.view(depth * g, -1).index_select(0, group.read_index[tick % depth])  # type: ignore[union-attr,index]
         parts = flat.split(group.saved_sizes, 1)  # type: ignore[arg-type]
         return [p.reshape(shape) for p, shape in zip(parts, group.saved_shapes)]  # type: ignore[arg-type]
 
@@ -476,7 +513,7 @@ class BatchedPB:
         return gx, [g.unsqueeze(0) for g in grads]
 
     def _update(self, group: _Group, grads: list, rates: Tensor, mask: Tensor | None) -> None:
-        """Momentum SGD (+ SC) on the group's rows, one parameter at a time (cache friendly).
+        """Momentum SGD (+ SC) on the group's rows, one weight tensor at a time (cache friendly).
 
         ``rates`` is ``[3, G, 1]``: ``-lr*a``, ``-lr*b`` and ``-lr*T`` per member, where
         ``(a, b)`` are the spike coefficients (``(1, 0)`` without SC). With
@@ -484,11 +521,17 @@ class BatchedPB:
         """
         g = group.size
         if mask is not None:
-            old = [t.clone() for t in group.weights + group.velocity]
+            old = [t.clone() for t in group.storage_w + group.storage_v]
         momentum, decay, spike = group.momentum, group.weight_decay, group.spike
         scalar = not isinstance(momentum, Tensor)
         step_v, step_g = rates[0], rates[1]
-        for grad, w, v, w2, v2 in zip(grads, group.weights, group.velocity, group.flat_weights, group.flat_velocity):
+        updates = [(grads[i], group.weights[i], group.velocity[i]) for i in group.large]
+        if group.small:
+            small = [grads[i] for i in group.small]
+            slab = torch.cat([t if t.dim() == 2 else materialize(t).reshape(g, -1) for t in small], 1)
+            updates.append((slab, group.storage_w[-1], group.storage_v[-1]))
+        for grad, w, v in updates:
+            w2, v2 = w.view(g, -1), v.view(g, -1)
             if isinstance(grad, Outer) and not (spike and decay is not None):
                 # v <- m*v + a @ b without materialising the gradient
                 if scalar:
@@ -513,7 +556,7 @@ class BatchedPB:
             if spike:
                 w2.addcmul_(grad2, step_g)
         if mask is not None:
-            for t, before in zip(group.weights + group.velocity, old):
+            for t, before in zip(group.storage_w + group.storage_v, old):
                 t.copy_(torch.where(mask.view((g,) + (1,) * (t.dim() - 1)), t, before))
 
     def _rates(self, tick: int, updates: int, table: np.ndarray) -> tuple[Tensor, Tensor, bool]:
@@ -578,8 +621,8 @@ class BatchedPB:
                 for group in position:
                     if group.lwp:  # Linear Weight Prediction: w - lr*T*v
                         horizon = rates[2, group.member_slice]
-                        for w2, v2, p2 in zip(group.flat_weights, group.flat_velocity, group.flat_predicted):
-                            torch.addcmul(w2, v2, horizon, out=p2)
+                        for w, v, p in zip(group.storage_w, group.storage_v, group.flat_predicted):
+                            torch.addcmul(w.view(p.shape), v.view(p.shape), horizon, out=p)
                     inp = group.in_plan(tensors)
                     if group.kernel is None:
                         out = self._generic_forward(group, tick, inp)
@@ -605,6 +648,10 @@ class BatchedPB:
             # backward and update
             for position in reversed(self.by_position):
                 for group in reversed(position):
+                    if group.uniform and not 0 <= tick - group.offset < updates:
+                        # one stage (in every run): no sample to propagate in this tick
+                        tensors["bcur"][group.index] = group.idle_gradient
+                        continue
                     gy = group.grad_plan(tensors)
                     if group.kernel is None:
                         gx, grads = self._generic_backward(group, tick, gy)
