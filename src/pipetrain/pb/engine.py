@@ -110,6 +110,7 @@ class _Group:
     large: list[int] = field(default_factory=list)  # parameters kept as their own tensors
     storage_w: list[Tensor] = field(default_factory=list)  # large weights, then the slab
     storage_v: list[Tensor] = field(default_factory=list)
+    update_views: list[tuple[Tensor, Tensor, Tensor, Tensor]] = field(default_factory=list)  # w, v, [G,-1] views
     flat_predicted: list[Tensor] = field(default_factory=list)
     uniform: bool = True  # all members have the same delay (so they are the same stage)
     offset: int = 0  # uniform groups: the tick of the backward of sample n is n + offset
@@ -368,6 +369,7 @@ class BatchedPB:
         group.large = [i for i in range(len(group.shapes)) if i not in small]
         group.storage_w = [weights[i] for i in group.large] + ([slab_w] if small else [])
         group.storage_v = [velocity[i] for i in group.large] + ([slab_v] if small else [])
+        group.update_views = [(w, v, w.view(g, -1), v.view(g, -1)) for w, v in zip(group.storage_w, group.storage_v)]
 
     def _build_optimizer(self, optimizers: Sequence[Sequence[StageOptimizer]]) -> None:
         schedules: list[Any] = []
@@ -512,26 +514,29 @@ class BatchedPB:
         gx = results[0].unsqueeze(0) if group.need_gx else None
         return gx, [g.unsqueeze(0) for g in grads]
 
-    def _update(self, group: _Group, grads: list, rates: Tensor, mask: Tensor | None) -> None:
+    def _update(self, group: _Group, grads: list, rates: Tensor, valid: Tensor | None) -> None:
         """Momentum SGD (+ SC) on the group's rows, one weight tensor at a time (cache friendly).
 
         ``rates`` is ``[3, G, 1]``: ``-lr*a``, ``-lr*b`` and ``-lr*T`` per member, where
         ``(a, b)`` are the spike coefficients (``(1, 0)`` without SC). With
         ``g = grad + weight_decay*w``: ``v <- m*v + g``, ``w <- w - lr*(a*v + b*g)``.
+
+        In the ticks where some members have no sample (pipeline warm-up and drain), ``valid``
+        marks the others: the rates of the idle ones are 0 (their weights stay), their output
+        gradient was zeroed (so in warm-up their momentum stays 0), and so is their decay. Their
+        momentum may still shrink in the drain, when no update follows.
         """
         g = group.size
-        if mask is not None:
-            old = [t.clone() for t in group.storage_w + group.storage_v]
         momentum, decay, spike = group.momentum, group.weight_decay, group.spike
+        if valid is not None and decay is not None:
+            decay = decay * valid  # members without a sample this tick: no decay either
         scalar = not isinstance(momentum, Tensor)
         step_v, step_g = rates[0], rates[1]
-        updates = [(grads[i], group.weights[i], group.velocity[i]) for i in group.large]
+        pairs = [grads[i] for i in group.large]
         if group.small:
             small = [grads[i] for i in group.small]
-            slab = torch.cat([t if t.dim() == 2 else materialize(t).reshape(g, -1) for t in small], 1)
-            updates.append((slab, group.storage_w[-1], group.storage_v[-1]))
-        for grad, w, v in updates:
-            w2, v2 = w.view(g, -1), v.view(g, -1)
+            pairs.append(torch.cat([t if t.dim() == 2 else materialize(t).reshape(g, -1) for t in small], 1))
+        for grad, (w, v, w2, v2) in zip(pairs, group.update_views):
             if isinstance(grad, Outer) and not (spike and decay is not None):
                 # v <- m*v + a @ b without materialising the gradient
                 if scalar:
@@ -555,18 +560,26 @@ class BatchedPB:
             w2.addcmul_(v2, step_v)
             if spike:
                 w2.addcmul_(grad2, step_g)
-        if mask is not None:
-            for t, before in zip(group.storage_w + group.storage_v, old):
-                t.copy_(torch.where(mask.view((g,) + (1,) * (t.dim() - 1)), t, before))
 
-    def _rates(self, tick: int, updates: int, table: np.ndarray) -> tuple[Tensor, Tensor, bool]:
-        """``[3, M, 1]`` update rates of every member in ``tick``, the validity mask, all valid."""
-        step = tick - self._offsets
+    @staticmethod
+    def _record_losses(losses: Tensor, logp: Tensor, targets: Tensor, first: int) -> None:
+        """Store the mean loss of the updates ``first, first+1, ...`` (those that exist)."""
+        values = -logp.gather(-1, targets[: len(logp)].unsqueeze(-1)).mean((2, 3))
+        start, stop = max(first, 0), min(first + len(values), len(losses))
+        if start < stop:
+            losses[start:stop] = values[start - first : stop - first]
+
+    def _rates(self, ticks: np.ndarray, updates: int, table: np.ndarray) -> tuple[Tensor, Tensor, np.ndarray]:
+        """For a block of ticks: ``[n, 3, M, 1]`` update rates of every member (0 for members
+        without a sample), the validity mask ``[n, M, 1]``, and per tick whether all are valid."""
+        step = ticks[:, None] - self._offsets[None, :]
         valid = (step >= 0) & (step < updates)
-        lr = self._base_lr * table[self._schedule_ids, np.clip(step, 0, updates - 1)]
-        rates = -(lr * self._coefficients)
-        rates_t = torch.from_numpy(rates.astype(np.float32 if self.dtype == torch.float32 else np.float64))
-        return rates_t.unsqueeze(-1), torch.from_numpy(valid).unsqueeze(1), bool(valid.all())
+        lr = self._base_lr * table[self._schedule_ids, np.clip(step, 0, updates - 1)] * valid
+        rates = -(lr[:, None, :] * self._coefficients[None])
+        numpy_dtype = np.float32 if self.dtype == torch.float32 else np.float64
+        rates_t = torch.from_numpy(rates.astype(numpy_dtype)).unsqueeze(-1)
+        valid_t = torch.from_numpy(valid.astype(numpy_dtype)).unsqueeze(-1)
+        return rates_t, valid_t, valid.all(1)
 
     # -- training --------------------------------------------------------------------------------
 
@@ -606,13 +619,20 @@ class BatchedPB:
             "bprev": [torch.zeros((g.size, B) + g.in_shape, dtype=self.dtype) for g in self.groups],
         }
         ticks = updates + 2 * S - 2
-        eye_index = None
+        block_logp: Tensor | None = None
+        minus_one: Tensor | None = None
         report_every = max(1, min(200, ticks // 100))
         pending = 0
+        block = 256  # ticks whose data and rates are prepared at once
         for tick in range(ticks):
-            rates, valid, all_valid = self._rates(tick, updates, table)
-            x = features[indices[min(tick, updates - 1)]]
-            y = labels[indices[min(max(tick - S + 1, 0), updates - 1)]]
+            if tick % block == 0:
+                span = np.arange(tick, min(tick + block, ticks))
+                block_rates, block_valid, block_all = self._rates(span, updates, table)
+                block_x = features[indices[torch.from_numpy(np.minimum(span, updates - 1))]]
+                block_y = labels[indices[torch.from_numpy(np.clip(span - S + 1, 0, updates - 1))]]
+            k = tick % block
+            rates, valid, all_valid = block_rates[k], block_valid[k], bool(block_all[k])
+            x, y = block_x[k], block_y[k]
             tensors["data"] = [x]
             tensors["fcur"] = [None] * len(self.groups)
             tensors["bcur"] = [None] * len(self.groups)
@@ -630,21 +650,20 @@ class BatchedPB:
                         out, saved = group.kernel.forward(group.forward_context, inp)
                         self._store(group, tick, saved)
                     tensors["fcur"][group.index] = out
-            # loss: cross entropy, mean over the B samples of each run
+            # loss: cross entropy, mean over the B samples of each run (the loss values are
+            # taken from the kept log-probabilities once per block of ticks)
             logits = self._loss_plan(tensors)
-            logp = torch.log_softmax(logits, -1)
-            target = y.unsqueeze(-1)
-            loss = -logp.gather(-1, target).mean((1, 2))
+            if block_logp is None:
+                block_logp = torch.empty((block,) + tuple(logits.shape), dtype=self.dtype)
+                minus_one = torch.full(tuple(logits.shape[:-1]) + (1,), -1.0, dtype=self.dtype)
+            logp = torch.log_softmax(logits, -1, out=block_logp[k])
             grad = logp.exp()
-            if eye_index is None:
-                eye_index = torch.full(target.shape, -1.0, dtype=self.dtype)
-            grad.scatter_add_(-1, target, eye_index)
+            grad.scatter_add_(-1, y.unsqueeze(-1), minus_one)
             if B > 1:
                 grad.div_(B)
             tensors["loss"] = [grad]
-            done = tick - (S - 1)
-            if 0 <= done < updates:
-                losses[done] = loss
+            if k == len(span) - 1:
+                self._record_losses(losses, block_logp[: k + 1], block_y, tick - k - (S - 1))
             # backward and update
             for position in reversed(self.by_position):
                 for group in reversed(position):
@@ -653,6 +672,8 @@ class BatchedPB:
                         tensors["bcur"][group.index] = group.idle_gradient
                         continue
                     gy = group.grad_plan(tensors)
+                    if not all_valid:  # idle members (warm-up, drain) contribute no gradient
+                        gy = gy * valid[group.member_slice].view((group.size,) + (1,) * (gy.dim() - 1))
                     if group.kernel is None:
                         gx, grads = self._generic_backward(group, tick, gy)
                     else:
