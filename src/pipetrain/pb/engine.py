@@ -620,7 +620,6 @@ class BatchedPB:
         }
         ticks = updates + 2 * S - 2
         block_logp: Tensor | None = None
-        minus_one: Tensor | None = None
         report_every = max(1, min(200, ticks // 100))
         pending = 0
         block = 256  # ticks whose data and rates are prepared at once
@@ -655,12 +654,15 @@ class BatchedPB:
             logits = self._loss_plan(tensors)
             if block_logp is None:
                 block_logp = torch.empty((block,) + tuple(logits.shape), dtype=self.dtype)
-                minus_one = torch.full(tuple(logits.shape[:-1]) + (1,), -1.0, dtype=self.dtype)
+            if k == 0:
+                block_target = torch.nn.functional.one_hot(block_y, logits.shape[-1]).to(self.dtype)
+                if B > 1:
+                    block_target /= B
             logp = torch.log_softmax(logits, -1, out=block_logp[k])
             grad = logp.exp()
-            grad.scatter_add_(-1, y.unsqueeze(-1), minus_one)
             if B > 1:
                 grad.div_(B)
+            grad.sub_(block_target[k])
             tensors["loss"] = [grad]
             if k == len(span) - 1:
                 self._record_losses(losses, block_logp[: k + 1], block_y, tick - k - (S - 1))

@@ -209,19 +209,17 @@ class GroupNorm(Kernel):
         return (p[0].view(shape), p[1].view(shape))
 
     def forward(self, p, x):
-        g, b = x.shape[0], x.shape[1]
-        n = g * b
-        xr = x.reshape(n, self.num_channels, self._spatial)
+        # the native kernel reads [N, C, *] memory as N x C x HW: [G, B, C, *] is that for N = G*B
+        x = x.contiguous()
         yhat, mean, rstd = torch.native_group_norm(
-            xr, None, None, n, self.num_channels, self._spatial, self.num_groups, self.eps
+            x, None, None, x.shape[0] * x.shape[1], self.num_channels, self._spatial, self.num_groups, self.eps
         )
-        yhat = yhat.view(x.shape)
         if p is None:
-            return yhat, [xr, mean, rstd, yhat]
-        return torch.addcmul(p[1], yhat, p[0]), [xr, mean, rstd, yhat]
+            return yhat, [x, mean, rstd, yhat]
+        return torch.addcmul(p[1], yhat, p[0]), [x, mean, rstd, yhat]
 
     def backward(self, p, saved, gy, need_gx):
-        xr, mean, rstd, yhat = saved
+        x, mean, rstd, yhat = saved
         grads: list[Tensor | Outer] = []
         if p is not None:
             grads = [
@@ -233,13 +231,12 @@ class GroupNorm(Kernel):
             gyhat = gy
         gx = None
         if need_gx:
-            n = xr.shape[0]
             # the CPU kernel reads these as contiguous whatever their strides (ring buffer rows)
             gx = aten.native_group_norm_backward(
-                gyhat.reshape(n, self.num_channels, self._spatial).contiguous(), xr.contiguous(),
-                mean.contiguous(), rstd.contiguous(), None,
-                n, self.num_channels, self._spatial, self.num_groups, [True, False, False],
-            )[0].view(gy.shape)
+                gyhat.contiguous(), x.contiguous(), mean.contiguous(), rstd.contiguous(), None,
+                x.shape[0] * x.shape[1], self.num_channels, self._spatial, self.num_groups,
+                [True, False, False],
+            )[0]
         return gx, grads
 
 
