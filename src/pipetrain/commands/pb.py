@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 
 from pipetrain.errors import ConfigError
@@ -49,20 +48,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decay-fraction", type=float, default=0.2,
                         help="the lr decays linearly to 0 over this last fraction of the samples (default 0.2)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--max-runs", type=int, default=8,
-                        help="runs trained together in one batched engine (default 8)")
+    parser.add_argument("--max-runs", type=int, default=0,
+                        help="runs trained together in one batched engine (default 0: 16 for S <= 4, "
+                             "8 for S = 8, 4 for longer pipelines)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes training in parallel, one thread each (default 1)")
     parser.add_argument("--out", metavar="DIR", help="write results.md, summary.csv, runs.csv, results.json and plots")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--from-json", metavar="FILE",
+                        help="redraw tables and plots of an earlier study's results.json (no training)")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from pipetrain.pb.methods import parse_methods
-    from pipetrain.pb.report import markdown_tables, study_json, write_outputs
     from pipetrain.pb.study import StudyConfig, run_study
 
+    if args.from_json:
+        from pipetrain.pb.report import load_results
+
+        try:
+            result = load_results(args.from_json)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"--from-json {args.from_json}: not a results.json of pipetrain pb ({error})") from None
+        return _show(args, result)
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be at least 1, got {args.seeds}")
     torch.set_num_threads(1)
@@ -71,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         methods=tuple(parse_methods(args.methods)), seeds=tuple(range(args.seeds)), epochs=args.epochs,
         reference_batch=args.reference_batch, lr=args.lr, momentum=args.momentum,
         weight_decay=args.weight_decay, lr_scales=tuple(args.lr_scale), delay_scales=tuple(args.delay_scale),
-        decay_fraction=args.decay_fraction, dtype=args.dtype, max_runs=args.max_runs,
+        decay_fraction=args.decay_fraction, dtype=args.dtype, max_runs=args.max_runs, workers=args.workers,
     )
     bar = None
     progress = on_start = None
@@ -92,9 +103,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
+    return _show(args, result)
+
+
+def _show(args: argparse.Namespace, result) -> int:
+    from pipetrain.pb.report import markdown_tables, study_json, write_outputs
+
+    config = result.config
+    written = []
     if args.out:
-        command = "pipetrain pb " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
-        written = write_outputs(result, args.out, command=command)
+        written = write_outputs(result, args.out)
     if args.json:
         json.dump(study_json(result), sys.stdout)
         sys.stdout.write("\n")

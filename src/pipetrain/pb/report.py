@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import statistics
@@ -11,7 +12,8 @@ from typing import Any, Iterable
 
 from pipetrain.pb.study import RunResult, StudyResult
 
-__all__ = ["summarize", "markdown_tables", "write_outputs", "study_json", "plot_accuracy", "plot_curves"]
+__all__ = ["summarize", "markdown_tables", "write_outputs", "study_json", "load_results", "study_command",
+           "plot_accuracy", "plot_curves"]
 
 _SUMMARY_FIELDS = [
     "method", "stages", "lr_scale", "delay_scale", "runs", "diverged", "test_accuracy_mean",
@@ -121,9 +123,68 @@ def _find(rows, method, stages, delay):
     return None
 
 
+def study_command(config) -> str:
+    """The ``pipetrain pb`` command line that trains ``config``."""
+    import shlex
+
+    join = lambda values: ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)  # noqa: E731
+    parts = ["pipetrain", "pb", "--model", config.model, "--data", config.data]
+    if config.test_data:
+        parts += ["--test-data", config.test_data]
+    parts += [
+        "--stages", join(config.stages), "--methods", ",".join(m.name for m in config.methods),
+        "--seeds", str(len(config.seeds)), "--epochs", f"{config.epochs:g}",
+        "--reference-batch", str(config.reference_batch), "--lr", f"{config.lr:g}",
+        "--momentum", f"{config.momentum:g}",
+    ]
+    if config.weight_decay:
+        parts += ["--weight-decay", f"{config.weight_decay:g}"]
+    parts += ["--lr-scale", join(config.lr_scales), "--delay-scale", join(config.delay_scales),
+              "--decay-fraction", f"{config.decay_fraction:g}"]
+    if config.dtype != "float32":
+        parts += ["--dtype", config.dtype]
+    if config.max_runs:
+        parts += ["--max-runs", str(config.max_runs)]
+    if config.workers > 1:
+        parts += ["--workers", str(config.workers)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def _config_dict(config) -> dict[str, Any]:
+    data = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    data["methods"] = [m.name for m in config.methods]
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+
+def load_results(path: str | Path) -> StudyResult:
+    """A study back from the ``results.json`` that :func:`write_outputs` wrote (to redraw it)."""
+    from pipetrain.pb.methods import parse_method
+    from pipetrain.pb.study import StudyConfig
+
+    payload = json.loads(Path(path).read_text())
+    options = dict(payload["config"])
+    options["methods"] = tuple(parse_method(m) for m in options["methods"])
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    config = StudyConfig(**options)
+    curves = {(c["method"], c["stages"], c["lr_scale"], c["delay_scale"], c["seed"]): c["curve"]
+              for c in payload.get("curves", [])}
+    runs = []
+    for row in payload["results"]:
+        values = {k: (math.nan if v is None and k in _FLOAT_FIELDS else v) for k, v in row.items()}
+        key = (row["method"], row["stages"], row["lr_scale"], row["delay_scale"], row["seed"])
+        curve = [math.nan if v is None else v for v in curves.get(key, [])]
+        runs.append(RunResult(**values, curve=curve))
+    return StudyResult(config, runs, payload["hyperparameters"], payload["seconds"], payload["train_samples"],
+                       payload["test_samples"])
+
+
+_FLOAT_FIELDS = ("test_accuracy", "test_loss", "train_accuracy", "final_train_loss")
+
+
 def study_json(result: StudyResult, rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     config = result.config
     return {
+        "config": _config_dict(config),
         "model": config.model,
         "data": config.data,
         "test_data": config.test_data,
@@ -145,7 +206,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]], fields: list[str]) -> Non
             writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in fields})
 
 
-def write_outputs(result: StudyResult, out: str | Path, *, command: str = "") -> list[Path]:
+def write_outputs(result: StudyResult, out: str | Path, *, command: str | None = None) -> list[Path]:
     """results.md, summary.csv, runs.csv, results.json, accuracy_vs_stages.png, loss_curves.png."""
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -153,6 +214,7 @@ def write_outputs(result: StudyResult, out: str | Path, *, command: str = "") ->
     written = []
     md = folder / "results.md"
     text = []
+    command = study_command(result.config) + f" --out {out}" if command is None else command
     if command:
         text += ["Command:", "", f"    {command}", ""]
     text += [f"Mean ± std of test accuracy (%) over seeds · median final training loss (non-diverged runs); "

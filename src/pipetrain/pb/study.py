@@ -35,7 +35,7 @@ from pipetrain.schedule import pb_delays
 from pipetrain.stages import split_model
 
 __all__ = ["StudyConfig", "RunSpec", "RunResult", "StudyResult", "plan_runs", "run_study", "is_diverged",
-           "CURVE_POINTS"]
+           "runs_per_engine", "CURVE_POINTS"]
 
 #: points of each run's training-loss curve (means over equal shares of its samples)
 CURVE_POINTS = 40
@@ -60,7 +60,8 @@ class StudyConfig:
     delay_scales: tuple[float, ...] = (1.0,)
     decay_fraction: float = 0.2
     dtype: str = "float32"
-    max_runs: int = 8
+    max_runs: int = 0  # runs per engine; 0: by stage count (runs_per_engine)
+    workers: int = 1  # processes training engines in parallel
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -81,8 +82,10 @@ class StudyConfig:
             raise ConfigError(f"--decay-fraction must lie in [0, 1], got {self.decay_fraction}")
         if self.dtype not in ("float32", "float64"):
             raise ConfigError(f"--dtype must be float32 or float64, got {self.dtype!r}")
-        if self.max_runs < 1:
-            raise ConfigError(f"--max-runs must be >= 1, got {self.max_runs}")
+        if self.max_runs < 0:
+            raise ConfigError(f"--max-runs must be >= 0 (0: automatic), got {self.max_runs}")
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
         translate_hyperparameters(self.reference_batch, self.lr, self.momentum, self.weight_decay)
 
     @property
@@ -330,6 +333,75 @@ class _Trainer:
         )
 
 
+def runs_per_engine(stages: int, limit: int) -> int:
+    """How many runs train together: ``limit`` if set (> 0), else more for short pipelines.
+
+    A tick of S stages costs Python overhead per unit position (a 4-stage pipeline of a 32-unit
+    model has 8 positions, a 32-stage one 1) plus memory traffic per run (every weight is read
+    and written once per sample). Short pipelines gain from stacking many runs, long ones from
+    keeping a few runs' weights in cache: 16 runs for S <= 4, 8 for S = 8, 4 from S = 16.
+    """
+    if limit > 0:
+        return limit
+    return max(4, min(16, 64 // max(stages, 1)))
+
+
+def _chunks(config: StudyConfig, trainer: "_Trainer", specs: list[RunSpec]) -> list[list[RunSpec]]:
+    """The runs of each engine, the most expensive engines first."""
+    batches: dict[tuple[int, int], list[RunSpec]] = {}
+    for spec in specs:
+        batches.setdefault((spec.pipeline_stages, trainer.settings(spec)[0]), []).append(spec)
+    chunks = []
+    for (stages, _), group in batches.items():
+        limit = runs_per_engine(stages, config.max_runs)
+        chunks += [group[first : first + limit] for first in range(0, len(group), limit)]
+
+    def cost(chunk: list[RunSpec]) -> float:
+        batch = trainer.settings(chunk[0])[0]
+        positions = math.ceil(trainer.units / chunk[0].pipeline_stages)
+        return trainer.updates(batch) * (positions + len(chunk))
+
+    return sorted(chunks, key=cost, reverse=True)
+
+
+_WORKER_TRAINER: dict[StudyConfig, "_Trainer"] = {}
+
+
+def _train_in_worker(config: StudyConfig, chunk: list[RunSpec], queue: Any) -> list[RunResult]:
+    """Train one engine's runs in a worker process; progress goes through ``queue``."""
+    torch.set_num_threads(1)
+    trainer = _WORKER_TRAINER.get(config)
+    if trainer is None:
+        trainer = _WORKER_TRAINER[config] = _Trainer(config, None)
+    trainer.progress = queue.put
+    return trainer.train(chunk)
+
+
+def _train_parallel(config, chunks, progress) -> list[tuple[RunSpec, RunResult]]:
+    import multiprocessing
+    import queue as queue_module
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    context = multiprocessing.get_context("spawn")
+    pairs: list[tuple[RunSpec, RunResult]] = []
+    with context.Manager() as manager, ProcessPoolExecutor(config.workers, mp_context=context) as pool:
+        messages = manager.Queue()
+        pending = {pool.submit(_train_in_worker, config, chunk, messages): chunk for chunk in chunks}
+        while pending:
+            done, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            while True:
+                try:
+                    count = messages.get_nowait()
+                except queue_module.Empty:
+                    break
+                if progress is not None:
+                    progress(count)
+            for future in done:
+                chunk = pending.pop(future)
+                pairs += list(zip(chunk, future.result()))
+    return pairs
+
+
 def run_study(
     config: StudyConfig,
     *,
@@ -337,22 +409,20 @@ def run_study(
     on_start: Callable[[int], None] | None = None,
 ) -> StudyResult:
     """Train every run of ``config``. ``on_start(total_samples)`` is called once before training,
-    ``progress(samples)`` as run-samples complete (for a progress bar)."""
+    ``progress(samples)`` as run-samples complete (for a progress bar). With ``config.workers``
+    > 1 the engines train in that many processes (one thread each)."""
     start = time.perf_counter()
     trainer = _Trainer(config, progress)
     specs = plan_runs(config)
     if on_start is not None:
         on_start(sum(trainer.updates(trainer.settings(s)[0]) * trainer.settings(s)[0] for s in specs))
-    batches: dict[tuple[int, int], list[RunSpec]] = {}
-    for spec in specs:
-        batches.setdefault((spec.pipeline_stages, trainer.settings(spec)[0]), []).append(spec)
+    chunks = _chunks(config, trainer, specs)
     results: dict[RunSpec, RunResult] = {}
-    for (stages, _), group in batches.items():
-        limit = config.max_runs if stages > 1 else max(config.max_runs, 16)
-        for first in range(0, len(group), limit):
-            chunk = group[first : first + limit]
-            for spec, result in zip(chunk, trainer.train(chunk)):
-                results[spec] = result
+    if config.workers > 1 and len(chunks) > 1:
+        results.update(_train_parallel(config, chunks, progress))
+    else:
+        for chunk in chunks:
+            results.update(zip(chunk, trainer.train(chunk)))
     t = trainer.translated
     hyper = {
         "reference": {"batch_size": config.reference_batch, "lr": config.lr, "momentum": config.momentum,
