@@ -7,7 +7,6 @@ import math
 import sys
 
 import pytest
-import torch
 
 from pipetrain.cli import main
 from pipetrain.errors import ConfigError, PipetrainError
@@ -160,3 +159,24 @@ def test_bad_input_clear_messages(tmp_path, monkeypatch, capsys):
     assert "--stages 9" in err and "only 4 top-level units" in err
     assert main(base + ["--model", SMALL, "--methods", "pb+xyz"]) == 2
     assert "pb+xyz" in capsys.readouterr().err
+
+
+def test_parallel_workers_give_the_same_results():
+    config = _config(methods=tuple(parse_methods("sgd,pb+lwp")), stages=(2, 4), epochs=0.5)
+    serial = run_study(config)
+    parallel = run_study(_config(methods=config.methods, stages=(2, 4), epochs=0.5, workers=2))
+    assert [r.row() for r in parallel.runs] == [
+        {**r.row(), "seconds": p.seconds} for r, p in zip(serial.runs, parallel.runs)
+    ]
+
+
+def test_results_json_round_trip(small_study, tmp_path):
+    from pipetrain.pb.report import load_results, study_command
+
+    write_outputs(small_study, tmp_path)
+    loaded = load_results(tmp_path / "results.json")
+    assert loaded.config == small_study.config
+    assert [r.row(curve=True) for r in loaded.runs] == [r.row(curve=True) for r in small_study.runs]
+    command = study_command(small_study.config)
+    assert command.startswith("pipetrain pb --model resmlp:depth=2,width=16,groups=4 --data")
+    assert "--methods sgd-batch,sgd,pb,pb+sc,pb+lwp,pb+sc0.5+lwp0.5" in command

@@ -631,7 +631,7 @@ class BatchedPB:
                 block_y = labels[indices[torch.from_numpy(np.clip(span - S + 1, 0, updates - 1))]]
             k = tick % block
             rates, valid, all_valid = block_rates[k], block_valid[k], bool(block_all[k])
-            x, y = block_x[k], block_y[k]
+            x = block_x[k]
             tensors["data"] = [x]
             tensors["fcur"] = [None] * len(self.groups)
             tensors["bcur"] = [None] * len(self.groups)

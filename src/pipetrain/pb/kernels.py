@@ -152,7 +152,7 @@ class Linear(Kernel):
         return (p[0], p[0].transpose(1, 2), p[1].unsqueeze(1) if self.bias else None)
 
     def forward(self, p, x):
-        weight, weight_t, bias = p
+        _, weight_t, bias = p
         x3 = x if x.dim() == 3 else x.reshape(x.shape[0], -1, self.in_features)
         y = torch.baddbmm(bias, x3, weight_t) if bias is not None else torch.bmm(x3, weight_t)
         return (y if x.dim() == 3 else y.view(x.shape[:-1] + (self.out_features,))), [x3]
