@@ -101,8 +101,8 @@ def test_report_tables_and_files(small_study, tmp_path):
 def test_divergence_rule():
     assert is_diverged(float("nan"), True, 10)
     assert is_diverged(0.1, False, 10)
-    assert is_diverged(math.log(10) + 0.01, True, 10)
-    assert not is_diverged(0.5, True, 10)
+    assert is_diverged(0.5 * math.log(10) + 0.01, True, 10)
+    assert not is_diverged(0.5 * math.log(10) - 0.01, True, 10)
 
 
 def test_command_json(capsys):

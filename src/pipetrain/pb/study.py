@@ -158,9 +158,11 @@ class StudyResult:
 
 
 def is_diverged(final_train_loss: float, finite_weights: bool, num_classes: int) -> bool:
-    """A run diverged if its weights or final training loss are not finite, or if the final
-    training loss is above ln(C), the loss of guessing uniformly: it learned nothing that lasted."""
-    return not finite_weights or not math.isfinite(final_train_loss) or final_train_loss > math.log(num_classes)
+    """A run diverged if its weights or final training loss are not finite, or if its final
+    training loss is above ln(C)/2, half the loss of guessing uniformly among C classes: the run
+    blew up or lost most of what it had learned (normalised models such as resmlp rarely reach
+    NaN; they get stuck near chance instead)."""
+    return not finite_weights or not math.isfinite(final_train_loss) or final_train_loss > 0.5 * math.log(num_classes)
 
 
 def plan_runs(config: StudyConfig) -> list[RunSpec]:
@@ -429,6 +431,7 @@ def run_study(
                       "weight_decay": config.weight_decay},
         "translated": {"batch_size": 1, "lr": t.lr, "momentum": t.momentum, "weight_decay": t.weight_decay},
         "units": trainer.units,
+        "num_classes": trainer.info.num_classes,
         "epochs": config.epochs,
         "decay_fraction": config.decay_fraction,
     }
