@@ -98,8 +98,9 @@ class _Group:
     ring: Tensor | None = None
     ring_depth: int = 1
     read_index: list[Tensor] | None = None
-    saved_shapes: list[tuple[int, ...]] | None = None
-    saved_sizes: list[int] | None = None
+    ring_rows: Tensor | None = None  # the ring as [depth * G, K] rows
+    loaded: Tensor | None = None  # [G, K] rows gathered for this tick's backward
+    loaded_views: list[Tensor] = field(default_factory=list)  # the saved tensors, as views of `loaded`
     records: dict[int, Any] = field(default_factory=dict)
     # optimizer options of the group's members (shapes [G, 1])
     momentum: Tensor | float = 0.0
@@ -478,19 +479,21 @@ class BatchedPB:
             return
         g = group.size
         if group.ring is None:
-            group.saved_shapes = [tuple(t.shape) for t in saved]
-            group.saved_sizes = [t.numel() // g for t in saved]
-            group.ring = torch.zeros((group.ring_depth, g, sum(group.saved_sizes)), dtype=self.dtype)
-        flat = [t.reshape(g, -1) for t in saved]
-        torch.cat(flat, 1, out=group.ring[tick % group.ring_depth])
+            sizes = [t.numel() // g for t in saved]
+            group.ring = torch.zeros((group.ring_depth, g, sum(sizes)), dtype=self.dtype)
+            group.ring_rows = group.ring.view(group.ring_depth * g, -1)
+            # the backward gathers each member's row into one buffer, seen through fixed views
+            group.loaded = torch.zeros((g, sum(sizes)), dtype=self.dtype)
+            parts = group.loaded.split(sizes, 1)
+            group.loaded_views = [p.view(t.shape) for p, t in zip(parts, saved)]  # members first
+        torch.cat([t.reshape(g, -1) for t in saved], 1, out=group.ring[tick % group.ring_depth])
 
     def _load(self, group: _Group, tick: int) -> list[Tensor]:
-        depth, g = group.ring_depth, group.size
+        """The activations each member stored ``D`` ticks ago (valid until the next load)."""
         if group.uniform:
-            return group.pending[(tick - group.delays[0]) % depth]
-        flat = group.ring.view(depth * g, -1).index_select(0, group.read_index[tick % depth])  # type: ignore[union-attr,index]
-        parts = flat.split(group.saved_sizes, 1)  # type: ignore[arg-type]
-        return [p.reshape(shape) for p, shape in zip(parts, group.saved_shapes)]  # type: ignore[arg-type]
+            return group.pending[(tick - group.delays[0]) % group.ring_depth]
+        torch.index_select(group.ring_rows, 0, group.read_index[tick % group.ring_depth], out=group.loaded)  # type: ignore[index]
+        return group.loaded_views
 
     def _generic_forward(self, group: _Group, tick: int, x: Tensor) -> Tensor:
         member = group.members[0]
@@ -640,8 +643,8 @@ class BatchedPB:
                 for group in position:
                     if group.lwp:  # Linear Weight Prediction: w - lr*T*v
                         horizon = rates[2, group.member_slice]
-                        for w, v, p in zip(group.storage_w, group.storage_v, group.flat_predicted):
-                            torch.addcmul(w.view(p.shape), v.view(p.shape), horizon, out=p)
+                        for (_, _, w2, v2), p2 in zip(group.update_views, group.flat_predicted):
+                            torch.addcmul(w2, v2, horizon, out=p2)
                     inp = group.in_plan(tensors)
                     if group.kernel is None:
                         out = self._generic_forward(group, tick, inp)

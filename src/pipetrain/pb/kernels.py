@@ -89,7 +89,7 @@ class Kernel:
     """
 
     params: tuple[tuple[str, Shape], ...] = ()
-    #: number of tensors :meth:`forward` returns in ``saved``
+    #: number of tensors :meth:`forward` returns in ``saved`` (each with the G members first)
     num_saved: int = 0
 
     def bind(self, in_shape: Shape) -> Shape:
@@ -454,10 +454,10 @@ class Conv2d(Kernel):
         g = x.shape[0]
         xs = self._stack(x)
         y = torch.conv2d(xs, p[1], p[2], self.stride, self.padding, self.dilation, g * self.groups)
-        return self._unstack(y, g, self.out_channels), [xs]
+        return self._unstack(y, g, self.out_channels), [x]
 
     def backward(self, p, saved, gy, need_gx):
-        xs = saved[0]
+        xs = self._stack(saved[0])
         g = gy.shape[0]
         w = p[1]
         gys = self._stack(gy)
