@@ -103,6 +103,10 @@ def test_divergence_rule():
     assert is_diverged(0.1, False, 10)
     assert is_diverged(0.5 * math.log(10) + 0.01, True, 10)
     assert not is_diverged(0.5 * math.log(10) - 0.01, True, 10)
+    # when batch-1 SGD with the same seed and lr did not get far either, that is no divergence
+    assert not is_diverged(1.5, True, 10, reference_loss=0.5)
+    assert is_diverged(1.5, True, 10, reference_loss=0.01)
+    assert is_diverged(float("inf"), True, 10, reference_loss=0.5)
 
 
 def test_command_json(capsys):

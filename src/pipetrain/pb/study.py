@@ -157,12 +157,31 @@ class StudyResult:
     test_samples: int
 
 
-def is_diverged(final_train_loss: float, finite_weights: bool, num_classes: int) -> bool:
-    """A run diverged if its weights or final training loss are not finite, or if its final
-    training loss is above ln(C)/2, half the loss of guessing uniformly among C classes: the run
-    blew up or lost most of what it had learned (normalised models such as resmlp rarely reach
-    NaN; they get stuck near chance instead)."""
-    return not finite_weights or not math.isfinite(final_train_loss) or final_train_loss > 0.5 * math.log(num_classes)
+def is_diverged(final_train_loss: float, finite_weights: bool, num_classes: int,
+                reference_loss: float | None = None) -> bool:
+    """Did a run diverge (blow up, or lose most of what it learned)?
+
+    Yes if its weights or final training loss are not finite, or if the final training loss is
+    above ln(C)/2 (half the loss of guessing uniformly among C classes): normalised models such as
+    resmlp rarely reach NaN, an unstable run gets stuck near chance instead. ``reference_loss`` is
+    the final training loss of batch-size-1 SGD with the same seed and lr scale, when the study has
+    it: the threshold is then at least 10 times that, so that a setting too short for anything to
+    train well (SGD ends high too) is not called diverged.
+    """
+    if not finite_weights or not math.isfinite(final_train_loss):
+        return True
+    threshold = 0.5 * math.log(num_classes)
+    if reference_loss is not None and math.isfinite(reference_loss):
+        threshold = max(threshold, 10.0 * reference_loss)
+    return final_train_loss > threshold
+
+
+def _mark_divergence(runs: list["RunResult"], num_classes: int) -> None:
+    """Set ``diverged`` of every run, against the paired batch-1 SGD run where there is one."""
+    sgd = {(r.seed, r.lr_scale): r.final_train_loss for r in runs if r.method == "sgd"}
+    for run in runs:
+        finite = math.isfinite(run.final_train_loss)
+        run.diverged = is_diverged(run.final_train_loss, finite, num_classes, sgd.get((run.seed, run.lr_scale)))
 
 
 def plan_runs(config: StudyConfig) -> list[RunSpec]:
@@ -330,7 +349,7 @@ class _Trainer:
             delay_scale=spec.delay_scale, seed=spec.seed, lr=lr, momentum=momentum, batch_size=batch,
             samples=updates * batch, test_accuracy=test_acc, test_loss=test_loss,
             train_accuracy=train_acc, final_train_loss=train_loss,
-            diverged=is_diverged(train_loss, finite, self.info.num_classes), seconds=seconds,
+            diverged=not finite, seconds=seconds,  # decided against the paired SGD run later
             engine=kind, curve=curve,
         )
 
@@ -425,6 +444,8 @@ def run_study(
     else:
         for chunk in chunks:
             results.update(zip(chunk, trainer.train(chunk)))
+    ordered = [results[s] for s in specs]
+    _mark_divergence(ordered, trainer.info.num_classes)
     t = trainer.translated
     hyper = {
         "reference": {"batch_size": config.reference_batch, "lr": config.lr, "momentum": config.momentum,
@@ -435,5 +456,4 @@ def run_study(
         "epochs": config.epochs,
         "decay_fraction": config.decay_fraction,
     }
-    return StudyResult(config, [results[s] for s in specs], hyper, time.perf_counter() - start,
-                       len(trainer.x), len(trainer.x_test))
+    return StudyResult(config, ordered, hyper, time.perf_counter() - start, len(trainer.x), len(trainer.x_test))
