@@ -21,8 +21,9 @@ __all__ = ["main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "schedule": ("pipetrain.commands.schedule", "generate, validate, simulate and draw a schedule"),
     "train": ("pipetrain.commands.train", "train a model with a pipeline schedule (emulated or distributed)"),
-    "plan": ("pipetrain.commands.plan", "partition a profiled model into stages and replicas"),
     "profile": ("pipetrain.commands.profile", "measure per-layer times and sizes of a model"),
+    "plan": ("pipetrain.commands.plan", "partition a profiled model into stages and replicas"),
+    "pb": ("pipetrain.commands.pb", "Pipelined Backpropagation study: PB, SC, LWP against batch-size-1 SGD"),
 }
 
 

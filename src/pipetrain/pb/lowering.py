@@ -1,0 +1,130 @@
+"""Which modules the batched engine computes with stacked kernels, and how.
+
+:func:`lower` turns a pipeline unit into a :class:`~pipetrain.pb.kernels.Kernel` when every part
+of it is known; any other unit runs through autograd with the generic ``latest`` hooks (one
+stage at a time, slower, same semantics). Lowering matches exact types (a subclass of
+``nn.Linear`` may override ``forward``), and the engine checks each lowered unit against the
+module's own forward on a probe sample before trusting it.
+
+Covered: ``nn.Linear``, ``nn.Conv2d`` (zero padding, numeric padding), ``nn.GroupNorm``,
+``nn.LayerNorm``, ``nn.ReLU``, ``nn.GELU``, ``nn.Tanh``, ``nn.Sigmoid``, ``nn.Identity``,
+``nn.Flatten``, ``nn.Unflatten``, ``nn.AdaptiveAvgPool2d(1)``, ``nn.Dropout`` with p = 0 or in
+eval mode, ``nn.Sequential`` of covered modules, and the built-in residual units
+(:class:`pipetrain.models.ResidualBlock`, :class:`pipetrain.models.BasicBlock`).
+:func:`register_lowering` adds your own.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+
+from pipetrain.models import BasicBlock, ResidualBlock
+from pipetrain.pb import kernels as K
+
+__all__ = ["LOWERINGS", "lower", "register_lowering"]
+
+Lowering = Callable[[nn.Module], "K.Kernel | None"]
+
+
+def _linear(m: nn.Linear) -> K.Kernel:
+    return K.Linear(m.in_features, m.out_features, m.bias is not None)
+
+
+def _group_norm(m: nn.GroupNorm) -> K.Kernel:
+    return K.GroupNorm(m.num_groups, m.num_channels, m.eps, m.affine)
+
+
+def _layer_norm(m: nn.LayerNorm) -> K.Kernel:
+    return K.LayerNorm(tuple(m.normalized_shape), m.eps, m.weight is not None, m.bias is not None)
+
+
+def _gelu(m: nn.GELU) -> K.Kernel:
+    return K.Activation("gelu", m.approximate)
+
+
+def _conv2d(m: nn.Conv2d) -> K.Kernel | None:
+    if m.padding_mode != "zeros" or isinstance(m.padding, str):
+        return None
+    return K.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation,
+                    m.groups, m.bias is not None)
+
+
+def _pool(m: nn.AdaptiveAvgPool2d) -> K.Kernel | None:
+    size = m.output_size
+    return K.GlobalAvgPool() if size in (1, (1, 1)) else None
+
+
+def _dropout(m: nn.Dropout) -> K.Kernel | None:
+    return K.Reshape("identity") if m.p == 0 or not m.training else None
+
+
+def _sequential(m: nn.Sequential) -> K.Kernel | None:
+    children = []
+    for name, child in m.named_children():
+        kernel = lower(child)
+        if kernel is None:
+            return None
+        children.append((name, kernel))
+    return K.Chain(children)
+
+
+def _residual_block(m: ResidualBlock) -> K.Kernel | None:
+    inner = [("norm", lower(m.norm)), ("fc1", lower(m.fc1)), ("act", lower(m.act)), ("fc2", lower(m.fc2))]
+    if any(k is None for _, k in inner):
+        return None
+    return K.Residual(K.Chain(inner))  # type: ignore[arg-type]
+
+
+def _basic_block(m: BasicBlock) -> K.Kernel | None:
+    inner = [("conv1", lower(m.conv1)), ("norm1", lower(m.norm1)), ("relu", K.Activation("relu")),
+             ("conv2", lower(m.conv2)), ("norm2", lower(m.norm2))]
+    if any(k is None for _, k in inner):
+        return None
+    return K.Chain([("", K.Residual(K.Chain(inner))), ("out", K.Activation("relu"))])  # type: ignore[arg-type]
+
+
+#: exact module type -> function returning its kernel (or None when the instance is not covered)
+LOWERINGS: dict[type, Lowering] = {
+    nn.Linear: _linear,
+    nn.GroupNorm: _group_norm,
+    nn.LayerNorm: _layer_norm,
+    nn.ReLU: lambda m: K.Activation("relu"),
+    nn.GELU: _gelu,
+    nn.Tanh: lambda m: K.Activation("tanh"),
+    nn.Sigmoid: lambda m: K.Activation("sigmoid"),
+    nn.Identity: lambda m: K.Reshape("identity"),
+    nn.Flatten: lambda m: K.Reshape("flatten", m.start_dim, m.end_dim),
+    nn.Unflatten: lambda m: K.Reshape("unflatten", start=m.dim, sizes=tuple(m.unflattened_size)),
+    nn.Conv2d: _conv2d,
+    nn.AdaptiveAvgPool2d: _pool,
+    nn.Dropout: _dropout,
+    nn.Sequential: _sequential,
+    ResidualBlock: _residual_block,
+    BasicBlock: _basic_block,
+}
+
+
+def register_lowering(module_type: type, lowering: Lowering) -> None:
+    """Teach the batched engine a module type: ``lowering(module)`` returns a Kernel or None.
+
+    The kernel's parameter names must be the module's ``named_parameters()`` names.
+    """
+    LOWERINGS[module_type] = lowering
+
+
+def lower(module: nn.Module) -> K.Kernel | None:
+    """The kernel computing ``module``, or None if some part of it is not covered."""
+    lowering = LOWERINGS.get(type(module))
+    if lowering is None:
+        return None
+    if any(True for _ in module.buffers(recurse=False)):
+        return None
+    kernel = lowering(module)
+    if kernel is None:
+        return None
+    names = [name for name, _ in module.named_parameters()]
+    if sorted(names) != sorted(name for name, _ in kernel.params):
+        return None
+    return kernel

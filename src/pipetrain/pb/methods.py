@@ -1,0 +1,99 @@
+"""Training methods of the PB study: names like ``pb+sc0.5+lwp`` and what each one trains.
+
+=================  ===========================================================================
+``sgd-batch``      plain minibatch momentum SGD at the reference batch size, lr and momentum
+``sgd``            batch-size-1 momentum SGD with the translated lr and momentum, no pipeline
+``pb``             Pipelined Backpropagation (batch size 1, translated settings, no compensation)
+``pb+sc``          PB with Spike Compensation, delay ``D_s`` at stage s
+``pb+lwp``         PB with Linear Weight Prediction, horizon ``D_s``
+``pb+sc+lwp``      both, in full
+``pb+scA+lwpB``    both with the SC delay ``A*D_s`` and the LWP horizon ``B*D_s`` (e.g.
+                   ``pb+sc0.5+lwp0.5``: half of each, since the two together in full can
+                   over-correct); ``pb+sc0.5`` or ``pb+lwp2`` alone work the same way
+=================  ===========================================================================
+
+A study's ``--delay-scale`` multiplies both factors once more (a sweep of the compensation
+strength); it does not apply to methods without compensation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["Method", "parse_method", "parse_methods", "DEFAULT_METHODS"]
+
+#: what ``pipetrain pb`` trains when ``--methods`` is not given
+DEFAULT_METHODS = ("sgd-batch", "sgd", "pb", "pb+sc", "pb+lwp", "pb+sc+lwp")
+
+_PART = re.compile(r"^(sc|lwp)(\d+(?:\.\d*)?|\.\d+)?$")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of training: with or without pipeline, which compensation and how strong."""
+
+    name: str
+    pipelined: bool
+    batch: bool = False
+    sc: float = 0.0  # SC delay as a multiple of the stage delay D_s (0: off)
+    lwp: float = 0.0  # LWP horizon as a multiple of D_s (0: off)
+
+    @property
+    def compensated(self) -> bool:
+        return self.sc > 0 or self.lwp > 0
+
+    @property
+    def compensation(self) -> str:
+        """``none``, ``sc``, ``lwp`` or ``sc+lwp`` (for :func:`pipetrain.optim.build_stage_optimizers`)."""
+        parts = [name for name, value in (("sc", self.sc), ("lwp", self.lwp)) if value > 0]
+        return "+".join(parts) or "none"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_method(text: str) -> Method:
+    """``sgd``, ``sgd-batch``, ``pb``, ``pb+sc``, ``pb+lwp``, ``pb+sc+lwp``, ``pb+sc0.5+lwp0.5``."""
+    name = text.strip().lower()
+    if name == "sgd":
+        return Method("sgd", pipelined=False)
+    if name in ("sgd-batch", "sgd-b", "batch-sgd"):
+        return Method("sgd-batch", pipelined=False, batch=True)
+    parts = name.split("+")
+    if parts[0] != "pb":
+        raise ConfigError(
+            f"unknown method {text!r}; valid: sgd-batch, sgd, pb, pb+sc, pb+lwp, pb+sc+lwp, or "
+            f"scaled compensation such as pb+sc0.5+lwp0.5"
+        )
+    scales = {"sc": 0.0, "lwp": 0.0}
+    for part in parts[1:]:
+        match = _PART.match(part)
+        if match is None:
+            raise ConfigError(
+                f"method {text!r}: {part!r} is not sc, lwp, scN or lwpN (N: a multiple of the stage "
+                f"delay, e.g. sc0.5)"
+            )
+        kind, value = match.group(1), match.group(2)
+        if scales[kind]:
+            raise ConfigError(f"method {text!r} names {kind} twice")
+        scale = 1.0 if value is None else float(value)
+        if scale <= 0:
+            raise ConfigError(f"method {text!r}: the {kind} scale must be > 0 (leave {kind} out instead)")
+        scales[kind] = scale
+    return Method(name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"])
+
+
+def parse_methods(text: str) -> list[Method]:
+    """A comma-separated list of methods, duplicates removed, order kept."""
+    methods: list[Method] = []
+    for part in text.split(","):
+        if part.strip():
+            method = parse_method(part)
+            if method not in methods:
+                methods.append(method)
+    if not methods:
+        raise ConfigError("--methods is empty; give e.g. sgd,pb,pb+sc,pb+lwp,pb+sc+lwp")
+    return methods

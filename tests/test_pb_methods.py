@@ -1,0 +1,51 @@
+"""Tests of pipetrain.pb.methods: method names of the PB study."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipetrain.errors import ConfigError
+from pipetrain.pb.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
+
+
+@pytest.mark.parametrize(
+    "text, pipelined, batch, sc, lwp, compensation",
+    [
+        ("sgd", False, False, 0, 0, "none"),
+        ("sgd-batch", False, True, 0, 0, "none"),
+        ("pb", True, False, 0, 0, "none"),
+        ("pb+sc", True, False, 1, 0, "sc"),
+        ("pb+lwp", True, False, 0, 1, "lwp"),
+        ("PB+SC+LWP", True, False, 1, 1, "sc+lwp"),
+        ("pb+sc0.5+lwp0.5", True, False, 0.5, 0.5, "sc+lwp"),
+        ("pb+lwp2", True, False, 0, 2, "lwp"),
+        ("pb+lwp.25+sc", True, False, 1, 0.25, "sc+lwp"),
+    ],
+)
+def test_parse(text, pipelined, batch, sc, lwp, compensation):
+    method = parse_method(text)
+    assert (method.pipelined, method.batch, method.sc, method.lwp) == (pipelined, batch, sc, lwp)
+    assert method.compensation == compensation
+    assert method.compensated == (sc > 0 or lwp > 0)
+    assert parse_method(str(method)) == method
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("adam", "unknown method"),
+        ("pb+foo", "is not sc, lwp"),
+        ("pb+sc+sc0.5", "names sc twice"),
+        ("pb+sc0", "must be > 0"),
+    ],
+)
+def test_errors(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_method(text)
+
+
+def test_lists_and_defaults():
+    assert [m.name for m in parse_methods("sgd, pb,pb,pb+sc")] == ["sgd", "pb", "pb+sc"]
+    assert all(isinstance(parse_method(m), Method) for m in DEFAULT_METHODS)
+    with pytest.raises(ConfigError, match="empty"):
+        parse_methods(" , ")
