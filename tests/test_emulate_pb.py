@@ -141,3 +141,19 @@ def test_delays_are_two_s_minus_one_minus_s():
     from pipetrain.schedule import staleness
 
     assert staleness(pipe.last_schedule) == [8, 6, 4, 2, 0]
+
+
+def test_emulator_agrees_with_the_pb_reference_implementation():
+    """The schedule-driven emulator and pipetrain.pb's own reference (written independently)
+    compute the same PB, bit for bit in float64, with and without compensation."""
+    from pipetrain.pb.reference import pb_sequential
+
+    data = samples(30)
+    for compensation in ("", "sc", "lwp", "sc+lwp"):
+        a, b = mlp_stages(), mlp_stages()
+        pipelined(a, data, compensation)
+        optimizers = [optimizer(s, d, compensation) for s, d in enumerate(pb_delays(4))]
+        result = pb_sequential(b, optimizers, data)
+        for s, stage in enumerate(a):
+            for name, p in stage.named_parameters():
+                assert torch.equal(p.detach(), result.params[s][name]), f"{compensation} stage {s} {name}"
