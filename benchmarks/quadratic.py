@@ -14,7 +14,7 @@ companion matrix is below 1; the largest stable h (the first instability above h
 by a geometric scan and bisection. A few cells are cross-checked by long runs of the scalar
 recurrence (written separately, with a ring buffer) and by pipetrain's SGD itself.
 
-Usage:  PYTHONPATH=src python benchmarks/quadratic.py [--out benchmarks/RESULTS-optim.md]
+Usage:  python benchmarks/quadratic.py [--out FILE.md]   (recorded in benchmarks/RESULTS.md, section 5)
 """
 
 from __future__ import annotations
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--momenta", default="0.9,0.999177")
     parser.add_argument("--delays", default="1,4,16,64")
-    default_out = os.path.join(os.path.dirname(__file__), "RESULTS-optim.md")
-    parser.add_argument("--out", default=default_out, help="markdown file to write ('-': none)")
+    parser.add_argument("--out", default="-", help="markdown file to write (default '-': print only; the "
+                        "recorded table is section 5 of benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
     momenta = [float(x) for x in args.momenta.split(",")]
     delays = [int(x) for x in args.delays.split(",")]
