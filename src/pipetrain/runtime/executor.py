@@ -29,7 +29,7 @@ from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
 from pipetrain.runtime.p2p import Messenger, RecvHandle
-from pipetrain.runtime.reaper import SendReaper
+from pipetrain.runtime.sends import SendLedger
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 
 __all__ = ["RankRunner", "sync_groups"]
@@ -105,7 +105,7 @@ class RankRunner:
         self._releases = version_release_points(self.program)
         self._local: dict[tuple, Any] = {}
         self._labels: dict[int, torch.Tensor] = {}  # labels of microbatches passing through this rank
-        self._reaper = SendReaper()
+        self._sends = SendLedger(schedule, rank)
         self._posted: dict[tuple[int, str], RecvHandle] = {}
         self._queues: dict[tuple[int, str], deque] = {}
         self.start = start
@@ -137,18 +137,18 @@ class RankRunner:
                 channel[0], channel[1], what=_Waiting(action, channel[0]), expect_tag=action.microbatch
             )
 
-    def _receive(self, channel: tuple[int, str]):
+    def _receive(self, channel: tuple[int, str], position: int):
         handle = self._posted.pop(channel)
         payload = handle.wait()
         self._post_next(channel)
+        self._sends.received(position, channel[0])
         return payload, handle
 
     # -- sending -----------------------------------------------------------------------------------
 
-    def _send(self, payload, peer: int, kind: str, microbatch: int, action: Action, info=()) -> None:
-        self._reaper.add(
-            self.messenger.isend(payload, peer, kind, tag=microbatch, info=info, what=_Waiting(action, None))
-        )
+    def _send(self, payload, peer: int, kind: str, microbatch: int, action: Action, position: int, info=()) -> None:
+        handle = self.messenger.isend(payload, peer, kind, tag=microbatch, info=info, what=_Waiting(action, None))
+        self._sends.sent(position, peer, handle)
 
     # -- the program ---------------------------------------------------------------------------
 
@@ -173,7 +173,6 @@ class RankRunner:
         clock = time.perf_counter
         origin = clock() if origin is None else origin
         hooks = at_positions or {}
-        reaper = self._reaper
         program = self.program
         for pc in range(self.start, len(program)):
             if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
@@ -204,21 +203,21 @@ class RankRunner:
                 elif kind is _SEND_F:
                     payload = local.pop(("F", stage + 1, k)) + (self._labels[k],)
                     self._send(payload, peer if peer is not None else schedule.rank_of(stage + 1, k),
-                               "act" + str(stage + 1), k, action)
+                               "act" + str(stage + 1), k, action, pc)
                 elif kind is _SEND_B:
                     grads = local.pop(("B", stage - 1, k))
                     mask = sum(1 << i for i, g in enumerate(grads) if g is not None)
                     present = tuple(g for g in grads if g is not None)
                     self._send(present, peer if peer is not None else schedule.rank_of(stage - 1, k),
-                               "grad" + str(stage - 1), k, action, info=(mask,))
+                               "grad" + str(stage - 1), k, action, pc, info=(mask,))
                 elif kind is _RECV_F:
                     source = peer if peer is not None else schedule.rank_of(stage - 1, k)
-                    payload, _ = self._receive((source, "act" + str(stage)))
+                    payload, _ = self._receive((source, "act" + str(stage)), pc)
                     local[("F", stage, k)] = payload[:-1]
                     self._labels[k] = payload[-1]
                 elif kind is _RECV_B:
                     source = peer if peer is not None else schedule.rank_of(stage + 1, k)
-                    payload, handle = self._receive((source, "grad" + str(stage)))
+                    payload, handle = self._receive((source, "grad" + str(stage)), pc)
                     local[("B", stage, k)] = _unmask(payload, handle.info[0] if handle.info else None)
                 elif kind is _SYNC:
                     self._all_reduce(stage)
@@ -234,14 +233,12 @@ class RankRunner:
                 executors[release_stage].versions.release(release_version)
             if done is not None:
                 done(action)
-            if reaper.error is not None:
-                reaper.check()
             ends[pc] = clock() - origin
         if len(program) in hooks:
             paused = clock()
             hooks[len(program)]()
             self.paused += clock() - paused
-        reaper.drain()
+        self._sends.drain()
         return self.losses
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -305,7 +302,7 @@ class RankRunner:
         self.losses = dict(state["losses"])
         self._labels = dict(state["labels"])
         restore_rng(state["rng"])
-        crossing = {(program[p].stage, program[p].microbatch): program[p] for p in cut.crossing_sends[rank]}
+        crossing = {(program[p].stage, program[p].microbatch): (p, program[p]) for p in cut.crossing_sends[rank]}
         later_forwards = {(a.stage, a.microbatch) for a in program[position:] if a.kind is _F}
         for stage in sorted(self.executors):
             replayed = self.executors[stage].restore(state["stages"][stage])
@@ -316,9 +313,9 @@ class RankRunner:
                     if (stage + 1, k) in later_forwards:
                         self._local[("F", stage + 1, k)] = out
                 elif (stage, k) in crossing:
-                    action = crossing[(stage, k)]
+                    position, action = crossing[(stage, k)]
                     peer = action.peer if action.peer is not None else schedule.rank_of(stage + 1, k)
-                    self._send(out + (self._labels[k],), peer, "act" + str(stage + 1), k, action)
+                    self._send(out + (self._labels[k],), peer, "act" + str(stage + 1), k, action, position)
         return position
 
     def _forward(self, action: Action, executor: StageExecutor, on_loss) -> None:
