@@ -3,11 +3,20 @@
 The same stage executors as the emulator (:class:`~pipetrain.execution.StageExecutor`) do the
 arithmetic; this module moves tensors between ranks. Activations and gradients travel as
 point-to-point messages; the labels of a microbatch ride along with its activations to the last
-stage (one message per boundary, not two). All are (:class:`~pipetrain.runtime.p2p.Messenger`), one channel per receiving
-stage and direction, so messages of a channel arrive in the order the programs send them. Each
-channel always has its next receive posted ahead of time, so transfers overlap compute; sends
-are asynchronous and checked for completion as the program goes on. SYNC all-reduces the
-accumulated gradients of a stage's replicas (a process group per replicated stage).
+stage (one message per boundary, not two). All travel through a
+:class:`~pipetrain.runtime.p2p.Messenger`, one channel per receiving stage and direction, so
+messages of a channel arrive in the order the programs send them. SYNC all-reduces the accumulated
+gradients of a stage's replicas (a process group per replicated stage).
+
+When receives are posted (``receives=``): ``"on-demand"`` posts each receive when the program
+reaches it and, once it arrived, waits for this rank's earlier sends, so transfers run while the
+rank waits anyway; on a CPU, a transfer that lands during computation costs the computing core a context
+switch, and the overhead-bound benchmark runs about 25 % faster this way (benchmarks/RESULTS.md,
+section 3). ``"ahead"`` keeps the next receive of every channel posted and completes sends without
+blocking (:class:`~pipetrain.runtime.sends.SendLedger`). ``"auto"`` (the default) picks on-demand
+when a dry run proves it free of deadlock (:func:`~pipetrain.runtime.sends.on_demand_is_safe`)
+and the run neither pauses at cuts (checkpoints, evaluation) nor resumes mid-program; ahead
+otherwise.
 
 Every wait is bounded by the run's timeout: a dead or stuck peer ends the run with a message that
 names the action this rank was waiting for and the last actions of every rank.
@@ -29,7 +38,7 @@ from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
 from pipetrain.runtime.p2p import Messenger, RecvHandle
-from pipetrain.runtime.sends import SendLedger
+from pipetrain.runtime.sends import SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 
 __all__ = ["RankRunner", "sync_groups"]
@@ -73,6 +82,7 @@ class RankRunner:
             the unit sizes and loss scales.
         messenger: point-to-point transport; ``groups``: :func:`sync_groups`.
         status: an optional status board (recent actions, current wait).
+        receives: ``"auto"``, ``"on-demand"`` or ``"ahead"`` (see the module docstring).
     """
 
     def __init__(
@@ -86,6 +96,7 @@ class RankRunner:
         groups: dict[int, Any],
         status: Any = None,
         start: int = 0,
+        receives: str = "auto",
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -109,7 +120,10 @@ class RankRunner:
         self._posted: dict[tuple[int, str], RecvHandle] = {}
         self._queues: dict[tuple[int, str], deque] = {}
         self.start = start
-        self._plan_receives(start)
+        if receives not in ("auto", "on-demand", "ahead"):
+            raise PipetrainError(f"receives must be 'auto', 'on-demand' or 'ahead', not {receives!r}")
+        self.receives = receives
+        self.on_demand = False
 
     # -- receives posted ahead of need ----------------------------------------------------------
 
@@ -129,6 +143,17 @@ class RankRunner:
         for channel in self._queues:
             self._post_next(channel)
 
+    def _choose_receives(self, paused: bool) -> None:
+        """On demand when asked, or under ``auto`` when the dry run proves it safe for a run from
+        the start without pauses (a checkpoint or evaluation pause blocks a rank at its cut while
+        its peers may still wait for it to take their sends; a resumed run starts mid-program)."""
+        if self.receives == "on-demand":
+            self.on_demand = True
+        elif self.receives == "auto":
+            self.on_demand = not paused and self.start == 0 and on_demand_is_safe(self.schedule)
+        if not self.on_demand:
+            self._plan_receives(self.start)
+
     def _post_next(self, channel: tuple[int, str]) -> None:
         queue = self._queues[channel]
         if queue:
@@ -138,6 +163,14 @@ class RankRunner:
             )
 
     def _receive(self, channel: tuple[int, str], position: int):
+        if self.on_demand:
+            action = self.program[position]
+            handle = self.messenger.irecv(
+                channel[0], channel[1], what=_Waiting(action, channel[0]), expect_tag=action.microbatch
+            )
+            payload = handle.wait()
+            self._sends.drain()  # after the receive: the first message of a channel needs the receiver's wait
+            return payload, handle
         handle = self._posted.pop(channel)
         payload = handle.wait()
         self._post_next(channel)
@@ -174,6 +207,7 @@ class RankRunner:
         origin = clock() if origin is None else origin
         hooks = at_positions or {}
         program = self.program
+        self._choose_receives(bool(hooks))
         for pc in range(self.start, len(program)):
             if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
                 paused = clock()

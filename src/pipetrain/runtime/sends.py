@@ -1,5 +1,4 @@
-"""Completing sends without ever blocking on one: a send is waited for once its receiver must have
-taken it.
+"""Completing sends: waited for once the receiver must have taken them, or at the next receive.
 
 A gloo send completes only when the receiver has received it, and its work cannot be polled.
 Waiting for a send right away could block a rank on a peer that is itself waiting for this rank;
@@ -8,6 +7,11 @@ this rank receives a message that peer P sent at position ``s`` of P's program, 
 every action before ``s``, including the receive of each of our sends whose RECV sits before ``s``.
 Those sends are complete (or completing), so the ledger waits for them then; what remains is
 waited for at the end of the program.
+
+When receives are posted on demand (:func:`on_demand_is_safe`), a rank instead waits for all its
+sends at its next receive, after that receive completed (much as torch.distributed.pipelining
+waits for its sends and receives together): transfers then
+happen while the rank would wait anyway, instead of interrupting its computation.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from pipetrain.schedule.ir import Kind, Schedule
 
-__all__ = ["SendLedger"]
+__all__ = ["SendLedger", "on_demand_is_safe"]
 
 _MATCH = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
 
@@ -74,3 +78,69 @@ class SendLedger:
             for _, handle in pending:
                 handle.wait()
         self._pending.clear()
+
+
+def on_demand_is_safe(schedule: Schedule) -> bool:
+    """Whether every rank may post each receive only when it reaches it and wait there for all its
+    earlier sends, without any rank waiting forever.
+
+    A dry run of all programs under those rules: a SEND never blocks; a RECV proceeds once its
+    message was sent and every send of this rank still open has a receiver that arrived at the
+    matching RECV (a receiver there takes the message: it was sent, and the receiver waits for
+    its receive before its own sends); a SYNC proceeds once every replica of the stage arrived at the same SYNC;
+    the end of a program waits for the open sends. Schedules this refuses keep their receives
+    posted ahead (which never blocks on a send).
+    """
+    programs = schedule.programs
+    send_at: dict[tuple, tuple[int, int]] = {}
+    receive_at: dict[tuple, tuple[int, int]] = {}
+    for rank, program in enumerate(programs):
+        for position, action in enumerate(program):
+            kind = action.kind
+            if kind is Kind.SEND_F:
+                send_at[(Kind.RECV_F, action.stage + 1, action.microbatch)] = (rank, position)
+            elif kind is Kind.SEND_B:
+                send_at[(Kind.RECV_B, action.stage - 1, action.microbatch)] = (rank, position)
+            elif kind is Kind.RECV_F or kind is Kind.RECV_B:
+                receive_at[(kind, action.stage, action.microbatch)] = (rank, position)
+    pcs = [0] * len(programs)
+    open_sends: list[list[tuple[int, int]]] = [[] for _ in programs]
+    sync_count: dict[tuple[int, int], int] = {}  # (rank, stage) -> SYNCs done
+    sync_arrived: dict[tuple[int, int], int] = {}  # (stage, occurrence) -> replicas arrived
+    arrived_at_sync: set[tuple[int, int]] = set()  # (rank, position) counted in sync_arrived
+
+    def sends_taken(rank: int) -> bool:
+        return all(pcs[peer] >= position for peer, position in open_sends[rank])
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, program in enumerate(programs):
+            pc = pcs[rank]
+            while pc < len(program):
+                action = program[pc]
+                kind = action.kind
+                if kind is Kind.SEND_F or kind is Kind.SEND_B:
+                    match = Kind.RECV_F if kind is Kind.SEND_F else Kind.RECV_B
+                    stage = action.stage + 1 if kind is Kind.SEND_F else action.stage - 1
+                    open_sends[rank].append(receive_at[(match, stage, action.microbatch)])
+                elif kind is Kind.RECV_F or kind is Kind.RECV_B:
+                    pcs[rank] = pc  # posted: peers waiting for their sends to us may go on
+                    sender, position = send_at[(kind, action.stage, action.microbatch)]
+                    if pcs[sender] <= position or not sends_taken(rank):
+                        break
+                    open_sends[rank].clear()
+                elif kind is Kind.SYNC:
+                    replicas = len(schedule.stage_ranks[action.stage])
+                    if replicas > 1:
+                        occurrence = (action.stage, sync_count.get((rank, action.stage), 0))
+                        if (rank, pc) not in arrived_at_sync:
+                            arrived_at_sync.add((rank, pc))
+                            sync_arrived[occurrence] = sync_arrived.get(occurrence, 0) + 1
+                        if sync_arrived[occurrence] < replicas:
+                            break
+                        sync_count[(rank, action.stage)] = occurrence[1] + 1
+                pc += 1
+                progress = True
+            pcs[rank] = pc
+    return all(pcs[r] == len(p) and sends_taken(r) for r, p in enumerate(programs))
