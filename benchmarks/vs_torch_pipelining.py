@@ -255,7 +255,7 @@ def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
 # -- pipetrain's runtime ---------------------------------------------------------------------------
 
 
-def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str) -> float:
+def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto") -> float:
     """`pipetrain train --executor distributed` on the same model, split and optimizer; the rate is
     taken from the last stage's update times after the warm-up updates. PipeDream updates after
     every minibatch of the microbatch size (its unit), the flushing schedules after each batch."""
@@ -277,6 +277,7 @@ def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str) -> float:
         progress=False,
         eval_samples=0,
         timeout=600.0,
+        receives=receives,
     )
     result = train_distributed(config)
     times = result.extra["update_seconds"]
@@ -292,6 +293,11 @@ def pipetrain_1f1b(cfg: Config, steps: int, warmup: int) -> float:
     return _pipetrain(cfg, steps, warmup, "1f1b")
 
 
+def pipetrain_1f1b_ahead(cfg: Config, steps: int, warmup: int) -> float:
+    """1F1B with every channel's next receive posted ahead (the runtime's previous transfer mode)."""
+    return _pipetrain(cfg, steps, warmup, "1f1b", receives="ahead")
+
+
 def pipetrain_pipedream(cfg: Config, steps: int, warmup: int) -> float:
     return _pipetrain(cfg, steps, warmup, "pipedream")
 
@@ -304,6 +310,7 @@ CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "loop-1f1b": ("hand loop on Messenger, 1f1b", messenger_1f1b),
     "pipetrain-gpipe": ("pipetrain gpipe", pipetrain_gpipe),
     "pipetrain-1f1b": ("pipetrain 1f1b", pipetrain_1f1b),
+    "pipetrain-1f1b-ahead": ("pipetrain 1f1b, receives ahead", pipetrain_1f1b_ahead),
     "pipetrain-pipedream": ("pipetrain pipedream (limit 2R)", pipetrain_pipedream),
 }
 

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="distributed (one process per stage replica, the default) or emulate (one process)")
     run_group.add_argument("--workers", type=int, help="worker processes (default: one per stage replica)")
     run_group.add_argument("--threads-per-worker", type=int, default=1)
+    run_group.add_argument("--receives", default="auto", choices=["auto", "on-demand", "ahead"],
+                           help="distributed: post each receive when it is reached (on-demand), keep every channel's "
+                                "next receive posted (ahead), or on-demand where provably deadlock-free (auto)")
     run_group.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking wait may take")
     out = parser.add_argument_group("outputs")
     out.add_argument("--save", help="write the trained (unsplit) model's state_dict")
@@ -84,7 +87,7 @@ def config_from_args(args: argparse.Namespace):
         policy=args.policy, microbatches=args.microbatches, batch_size=args.batch_size, steps=args.steps,
         epochs=args.epochs, optimizer=optimizer, lr_schedule=args.lr_schedule, compensation=args.compensation,
         executor=args.executor, workers=args.workers, threads_per_worker=args.threads_per_worker,
-        timeout=args.timeout, seed=args.seed, shuffle=not args.no_shuffle, dtype=args.dtype,
+        receives=args.receives, timeout=args.timeout, seed=args.seed, shuffle=not args.no_shuffle, dtype=args.dtype,
         eval_every=args.eval_every, eval_samples=args.eval_samples, save=args.save, report_json=args.report_json,
         trace=args.trace, plot=args.plot,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,

@@ -32,6 +32,7 @@ class TrainConfig:
     executor: str = "distributed"
     workers: int | None = None
     threads_per_worker: int = 1
+    receives: str = "auto"  # runtime: when receives are posted (auto, on-demand, ahead)
     timeout: float = 60.0
     seed: int = 0
     shuffle: bool = True
