@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 from pipetrain.runtime.launch import init_distributed, launch
 
@@ -89,6 +90,19 @@ def split_model(model: nn.Sequential, cfg: Config) -> tuple[nn.Sequential, nn.Se
 def make_batch(cfg: Config, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(cfg.batch, cfg.width, generator=g), torch.randint(0, cfg.classes, (cfg.batch,), generator=g)
+
+
+def pipetrain_model(width: int, hidden: int, classes: int) -> nn.Sequential:
+    """:func:`build_model` as a pipetrain model factory, so pipetrain trains the very weights the
+    other contenders train (``--model benchmarks.vs_torch_pipelining:pipetrain_model:...``)."""
+    return build_model(Config(width=width, batch=1, microbatches=1, steps=1, warmup=0, classes=classes, hidden=hidden))
+
+
+def pipetrain_data(width: int, batch: int, classes: int, split: str = "train") -> TensorDataset:
+    """:func:`make_batch` as a pipetrain data factory: the batch every other contender trains on
+    (the held-out split is its first 64 samples; the benchmark evaluates nothing)."""
+    x, y = make_batch(Config(width=width, batch=batch, microbatches=1, steps=1, warmup=0, classes=classes))
+    return TensorDataset(x, y) if split == "train" else TensorDataset(x[:64], y[:64])
 
 
 def _timed(step: Callable[[], None], cfg: Config, steps: int, warmup: int) -> float:
@@ -264,10 +278,12 @@ def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: st
 
     per_batch = cfg.microbatches if schedule == "pipedream" else 1
     config = TrainConfig(
-        model=f"mlp:depth={cfg.hidden},width={cfg.width}",
-        data=f"synthetic:features={cfg.width},classes={cfg.classes},samples={4 * cfg.batch}",
+        model=f"benchmarks.vs_torch_pipelining:pipetrain_model:width={cfg.width},hidden={cfg.hidden},"
+        f"classes={cfg.classes}",
+        data=f"benchmarks.vs_torch_pipelining:pipetrain_data:width={cfg.width},batch={cfg.batch},"
+        f"classes={cfg.classes}",
         schedule=schedule,
-        balance=[cfg.hidden // 2, cfg.hidden - cfg.hidden // 2 + 1],
+        balance=[2 * (cfg.hidden // 2), 2 * (cfg.hidden - cfg.hidden // 2) + 1],  # Linear and ReLU are modules
         batch_size=cfg.microbatch if schedule == "pipedream" else cfg.batch,
         microbatches=1 if schedule == "pipedream" else cfg.microbatches,
         steps=(warmup + steps) * per_batch,
