@@ -13,11 +13,11 @@ reaches it and, once it arrived, waits for this rank's earlier sends, so transfe
 rank waits anyway. On a CPU, a transfer that lands during computation takes the core from it for a
 moment; the overhead-bound benchmark runs 20-25 % faster on demand (benchmarks/RESULTS.md,
 section 3). Forced on demand, a schedule that the dry run refuses, or a run that pauses at cuts,
-can deadlock (and then times out). ``"ahead"`` keeps the next receive of every channel posted and completes sends without
-blocking (:class:`~pipetrain.runtime.sends.SendLedger`). ``"auto"`` (the default) picks on-demand
-when a dry run proves it free of deadlock (:func:`~pipetrain.runtime.sends.on_demand_is_safe`)
-and the run neither pauses at cuts (checkpoints, evaluation) nor resumes mid-program; ahead
-otherwise.
+can deadlock (and then times out). ``"ahead"`` keeps the next receive of every channel posted
+and completes sends without blocking (:class:`~pipetrain.runtime.sends.SendLedger`). ``"auto"``
+(the default) picks on-demand when a dry run proves it free of deadlock
+(:func:`~pipetrain.runtime.sends.on_demand_is_safe`) and the run neither pauses at cuts
+(checkpoints, evaluation) nor resumes mid-program; ahead otherwise.
 
 Every wait is bounded by the run's timeout: a dead or stuck peer ends the run with a message that
 names the action this rank was waiting for and the last actions of every rank.
@@ -39,7 +39,7 @@ from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
 from pipetrain.runtime.p2p import Messenger, RecvHandle
-from pipetrain.runtime.sends import SendLedger, on_demand_is_safe
+from pipetrain.runtime.sends import Messages, SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 
 __all__ = ["RankRunner", "sync_groups"]
@@ -117,7 +117,8 @@ class RankRunner:
         self._releases = version_release_points(self.program)
         self._local: dict[tuple, Any] = {}
         self._labels: dict[int, torch.Tensor] = {}  # labels of microbatches passing through this rank
-        self._sends = SendLedger(schedule, rank)
+        self._messages = Messages(schedule)
+        self._sends = SendLedger(schedule, rank, self._messages)
         self._posted: dict[tuple[int, str], RecvHandle] = {}
         self._queues: dict[tuple[int, str], deque] = {}
         self.start = start
@@ -151,7 +152,8 @@ class RankRunner:
         if self.receives == "on-demand":
             self.on_demand = True
         elif self.receives == "auto":
-            self.on_demand = not paused and self.start == 0 and on_demand_is_safe(self.schedule)
+            fresh = not paused and self.start == 0
+            self.on_demand = fresh and on_demand_is_safe(self.schedule, self._messages)
         if not self.on_demand:
             self._plan_receives(self.start)
 

@@ -20,38 +20,56 @@ from typing import Any
 
 from pipetrain.schedule.ir import Kind, Schedule
 
-__all__ = ["SendLedger", "on_demand_is_safe"]
+__all__ = ["Messages", "SendLedger", "on_demand_is_safe"]
 
-_MATCH = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
+
+class Messages:
+    """Where every point-to-point message of a schedule is sent and received.
+
+    A message is named by its receive: ``(RECV_F or RECV_B, receiving stage, microbatch)``;
+    ``sent_at[message]`` and ``received_at[message]`` are ``(rank, program position)``.
+    """
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.sent_at: dict[tuple, tuple[int, int]] = {}
+        self.received_at: dict[tuple, tuple[int, int]] = {}
+        for rank, program in enumerate(schedule.programs):
+            for position, action in enumerate(program):
+                message = self.of(action)
+                if message is not None:
+                    ends = self.received_at if message[0] is action.kind else self.sent_at
+                    ends[message] = (rank, position)
+
+    @staticmethod
+    def of(action: Any) -> tuple | None:
+        """The message a SEND or RECV action moves (None for other actions)."""
+        kind = action.kind
+        if kind is Kind.RECV_F or kind is Kind.RECV_B:
+            return (kind, action.stage, action.microbatch)
+        if kind is Kind.SEND_F:
+            return (Kind.RECV_F, action.stage + 1, action.microbatch)
+        if kind is Kind.SEND_B:
+            return (Kind.RECV_B, action.stage - 1, action.microbatch)
+        return None
 
 
 class SendLedger:
     """Send handles of one rank, waited for as soon as the schedule proves them received."""
 
-    def __init__(self, schedule: Schedule, rank: int) -> None:
-        receive_at: dict[tuple, int] = {}  # (kind, stage, microbatch) -> position in its rank's program
-        send_at: dict[tuple, int] = {}
-        for program in schedule.programs:
-            for position, action in enumerate(program):
-                kind = action.kind
-                if kind is Kind.RECV_F or kind is Kind.RECV_B:
-                    receive_at[(kind, action.stage, action.microbatch)] = position
-                elif kind is Kind.SEND_F or kind is Kind.SEND_B:
-                    send_at[(kind, action.stage, action.microbatch)] = position
+    def __init__(self, schedule: Schedule, rank: int, messages: Messages | None = None) -> None:
+        messages = Messages(schedule) if messages is None else messages
         #: our SEND position -> where its receive sits in the peer's program
         self._receive_position: dict[int, int] = {}
         #: our RECV position -> where the matching send sits in the peer's program
         self._sent_at: dict[int, int] = {}
         for position, action in enumerate(schedule.programs[rank]):
-            kind, stage, k = action.kind, action.stage, action.microbatch
-            if kind is Kind.SEND_F:
-                self._receive_position[position] = receive_at[(Kind.RECV_F, stage + 1, k)]
-            elif kind is Kind.SEND_B:
-                self._receive_position[position] = receive_at[(Kind.RECV_B, stage - 1, k)]
-            elif kind is Kind.RECV_F:
-                self._sent_at[position] = send_at[(Kind.SEND_F, stage - 1, k)]
-            elif kind is Kind.RECV_B:
-                self._sent_at[position] = send_at[(Kind.SEND_B, stage + 1, k)]
+            message = Messages.of(action)
+            if message is None:
+                continue
+            if message[0] is action.kind:
+                self._sent_at[position] = messages.sent_at[message][1]
+            else:
+                self._receive_position[position] = messages.received_at[message][1]
         self._pending: dict[int, list[tuple[int, Any]]] = {}  # peer -> [(receive position, handle)]
 
     def sent(self, position: int, peer: int, handle: Any) -> None:
@@ -80,29 +98,20 @@ class SendLedger:
         self._pending.clear()
 
 
-def on_demand_is_safe(schedule: Schedule) -> bool:
+def on_demand_is_safe(schedule: Schedule, messages: Messages | None = None) -> bool:
     """Whether every rank may post each receive only when it reaches it and wait there for all its
     earlier sends, without any rank waiting forever.
 
     A dry run of all programs under those rules: a SEND never blocks; a RECV proceeds once its
     message was sent and every send of this rank still open has a receiver that arrived at the
     matching RECV (a receiver there takes the message: it was sent, and the receiver waits for
-    its receive before its own sends); a SYNC proceeds once every replica of the stage arrived at the same SYNC;
-    the end of a program waits for the open sends. Schedules this refuses keep their receives
-    posted ahead (which never blocks on a send).
+    its receive before its own sends); a SYNC proceeds once every replica of the stage arrived at
+    the same SYNC; the end of a program waits for the open sends. Schedules this refuses keep
+    their receives posted ahead (which never blocks on a send). ``messages``: the schedule's
+    :class:`Messages`, if already built.
     """
     programs = schedule.programs
-    send_at: dict[tuple, tuple[int, int]] = {}
-    receive_at: dict[tuple, tuple[int, int]] = {}
-    for rank, program in enumerate(programs):
-        for position, action in enumerate(program):
-            kind = action.kind
-            if kind is Kind.SEND_F:
-                send_at[(Kind.RECV_F, action.stage + 1, action.microbatch)] = (rank, position)
-            elif kind is Kind.SEND_B:
-                send_at[(Kind.RECV_B, action.stage - 1, action.microbatch)] = (rank, position)
-            elif kind is Kind.RECV_F or kind is Kind.RECV_B:
-                receive_at[(kind, action.stage, action.microbatch)] = (rank, position)
+    messages = Messages(schedule) if messages is None else messages
     pcs = [0] * len(programs)
     open_sends: list[list[tuple[int, int]]] = [[] for _ in programs]
     sync_count: dict[tuple[int, int], int] = {}  # (rank, stage) -> SYNCs done
@@ -121,12 +130,10 @@ def on_demand_is_safe(schedule: Schedule) -> bool:
                 action = program[pc]
                 kind = action.kind
                 if kind is Kind.SEND_F or kind is Kind.SEND_B:
-                    match = Kind.RECV_F if kind is Kind.SEND_F else Kind.RECV_B
-                    stage = action.stage + 1 if kind is Kind.SEND_F else action.stage - 1
-                    open_sends[rank].append(receive_at[(match, stage, action.microbatch)])
+                    open_sends[rank].append(messages.received_at[Messages.of(action)])
                 elif kind is Kind.RECV_F or kind is Kind.RECV_B:
                     pcs[rank] = pc  # posted: peers waiting for their sends to us may go on
-                    sender, position = send_at[(kind, action.stage, action.microbatch)]
+                    sender, position = messages.sent_at[Messages.of(action)]
                     if pcs[sender] <= position or not sends_taken(rank):
                         break
                     open_sends[rank].clear()
