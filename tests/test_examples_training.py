@@ -9,15 +9,13 @@ import dataclasses
 
 import pytest
 import torch
+from distributed_parity import assert_distributed_equals_emulated
 
 from pipetrain import Pipeline
 from pipetrain.data import get_batch, load_train_test
 from pipetrain.models import build_model
-from pipetrain.runtime.launch import launch
-from pipetrain.runtime.train import worker
 from pipetrain.training import TrainConfig
 from pipetrain.models.loss import cross_entropy
-from pipetrain.training.train import train
 
 
 def plain(model, batches, lr=0.05):
@@ -66,11 +64,6 @@ def test_split_model_trains_like_the_unsplit_one(name, make, split, microbatches
             torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=key)
 
 
-def run_all(configs):
-    for config in configs:
-        worker(config)
-
-
 def test_runtime_trains_real_models_like_the_emulator(tmp_path):
     base = dict(executor="distributed", progress=False, timeout=60.0, steps=3, optimizer="sgd:lr=0.05,momentum=0.9")
     configs = [
@@ -82,11 +75,4 @@ def test_runtime_trains_real_models_like_the_emulator(tmp_path):
                     schedule="pipedream", batch_size=4, **base),
     ]
     configs = [dataclasses.replace(c, save=str(tmp_path / f"{i}-distributed.pt")) for i, c in enumerate(configs)]
-    result = launch(run_all, (configs,), nprocs=2, timeout=300, quiet=True)
-    assert result.returncode == 0, result.message
-    for config in configs:
-        emulated = dataclasses.replace(config, executor="emulate", save=config.save.replace("distributed", "emulated"))
-        train(emulated)
-        a, b = torch.load(config.save), torch.load(emulated.save)
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a), config.model
+    assert_distributed_equals_emulated(configs, workers=2, timeout=300)

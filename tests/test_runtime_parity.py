@@ -11,18 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
+from distributed_parity import assert_distributed_equals_emulated
 
-from pipetrain.runtime.launch import launch
-from pipetrain.runtime.train import worker
 from pipetrain.training import TrainConfig
-from pipetrain.training.train import train
-
-
-def run_all(configs):
-    """Worker entry: run several configurations in one process group (saves each model)."""
-    for config in configs:
-        worker(config)
 
 
 BASE = dict(model="mlp:depth=5,width=16", data="synthetic:features=8,classes=3,samples=96", batch_size=12,
@@ -52,13 +43,4 @@ def configs_for(workers, tmp_path):
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_distributed_equals_emulated(tmp_path, workers):
-    configs = configs_for(workers, tmp_path)
-    result = launch(run_all, (configs,), nprocs=workers, timeout=240, quiet=True)
-    assert result.returncode == 0, result.message
-    for config in configs:
-        emulated = dataclasses.replace(config, executor="emulate", save=config.save.replace("distributed", "emulated"))
-        train(emulated)
-        a, b = torch.load(config.save), torch.load(emulated.save)
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]), (config.schedule, key)
+    assert_distributed_equals_emulated(configs_for(workers, tmp_path), workers, timeout=240)
