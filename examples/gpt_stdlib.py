@@ -20,7 +20,6 @@ A factory of your own works the same way: `--model examples.gpt_stdlib:make_mode
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
@@ -49,11 +48,11 @@ def main() -> None:
     parser.add_argument("--plot", default="docs/images/gpt_stdlib.png")
     args = parser.parse_args()
     directory = tempfile.mkdtemp()
-    report, weights = os.path.join(directory, "report.json"), os.path.join(directory, "gpt.pt")
+    weights = os.path.join(directory, "gpt.pt")
     result = train(TrainConfig(
         model=MODEL, data=DATA, stages=2, schedule=args.schedule, batch_size=16,
         microbatches=4 if args.schedule != "pipedream" else None, optimizer="adam:lr=0.002", steps=args.steps,
-        eval_every=max(args.steps // 6, 1), eval_samples=512, executor="distributed", report_json=report,
+        eval_every=max(args.steps // 6, 1), eval_samples=512, executor="distributed",
         save=weights, progress=True,
     ))
     for evaluation in result.evaluations:
@@ -65,8 +64,7 @@ def main() -> None:
     model.eval()
     print("sample (prompt 'def ', temperature 0.8):")
     print("def " + generate(model, train_set.vocab, prompt="def ", length=200, seed=0, temperature=0.8))
-    with open(report) as handle:
-        plot_loss_curves({args.schedule: json.load(handle)}, args.plot, f"{MODEL} on {DATA}, {args.schedule}")
+    plot_loss_curves({args.schedule: result.report()}, args.plot, f"{MODEL} on {DATA}, {args.schedule}")
     print(f"wrote {args.plot}")
 
 

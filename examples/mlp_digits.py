@@ -16,9 +16,6 @@ The same run as one command:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 
 from pipetrain.training import TrainConfig
 from pipetrain.training.curves import plot_loss_curves
@@ -32,19 +29,17 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=10)
     parser.add_argument("--plot", default="docs/images/mlp_digits.png")
     args = parser.parse_args()
-    report = os.path.join(tempfile.mkdtemp(), "report.json")
     result = train(TrainConfig(
         model="mlp:depth=2,width=128", data="digits", schedule=args.schedule, stages=args.stages,
         epochs=args.epochs, batch_size=32, optimizer="sgd:lr=0.02,momentum=0.9", eval_every=90,
-        executor="distributed", report_json=report, progress=True,
+        executor="distributed", progress=True,
     ))
     for evaluation in result.evaluations:
         print(f"after {evaluation['step']:4d} updates: test loss {evaluation['loss']:.4f}, "
               f"accuracy {100 * evaluation['accuracy']:.2f} %")
     print(f"{result.samples_per_s:.0f} samples/s on {result.workers} worker processes")
-    with open(report) as handle:
-        plot_loss_curves({args.schedule: json.load(handle)}, args.plot,
-                         f"mlp:depth=2,width=128 on digits, {args.schedule}, {args.stages} workers")
+    plot_loss_curves({args.schedule: result.report()}, args.plot,
+                     f"mlp:depth=2,width=128 on digits, {args.schedule}, {args.stages} workers")
     print(f"wrote {args.plot}")
 
 

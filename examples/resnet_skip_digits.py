@@ -18,9 +18,6 @@ The same run as one command:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 
 from pipetrain.models import build_model
 from pipetrain.stages import split_model
@@ -39,20 +36,18 @@ def main() -> None:
     split_at = args.split_at.split(",")
     staged = split_model(build_model("resnet-gn-skip", input_shape=(64,), num_classes=10, seed=0), split_at=split_at)
     print(staged.summary())
-    report = os.path.join(tempfile.mkdtemp(), "report.json")
     result = train(TrainConfig(
         model="resnet-gn-skip", data="digits", split_at=split_at, schedule=args.schedule,
         microbatches=4 if args.schedule != "pipedream" else None, epochs=args.epochs, batch_size=32,
-        optimizer="sgd:lr=0.05,momentum=0.9", eval_every=90, executor="distributed", report_json=report,
+        optimizer="sgd:lr=0.05,momentum=0.9", eval_every=90, executor="distributed",
         progress=True,
     ))
     for evaluation in result.evaluations:
         print(f"after {evaluation['step']:4d} updates: test loss {evaluation['loss']:.4f}, "
               f"accuracy {100 * evaluation['accuracy']:.2f} %")
     print(f"{result.samples_per_s:.0f} samples/s on {result.workers} worker processes")
-    with open(report) as handle:
-        plot_loss_curves({args.schedule: json.load(handle)}, args.plot,
-                         f"resnet-gn-skip on digits, split at {args.split_at}, {args.schedule}")
+    plot_loss_curves({args.schedule: result.report()}, args.plot,
+                     f"resnet-gn-skip on digits, split at {args.split_at}, {args.schedule}")
     print(f"wrote {args.plot}")
 
 
