@@ -271,9 +271,10 @@ def _one_iteration(model: nn.Module, units: Sequence[_Unit], output_of: Callable
             sizes[unit.name] = _nbytes(value)
             continue
         local = {src: _mark(env[src], ends[unit.name], clock) for src in unit.inputs}
+        takes_env = getattr(unit.run, "uses_env", False)
         t0 = clock.now()
-        if getattr(unit.run, "uses_env", False):
-            out = unit.run({**env, **local})
+        if takes_env:
+            out = unit.run(local)  # a node's runner reads only its own input nodes, all in local
         elif unit.inputs:
             out = unit.run(*[local[src] for src in unit.inputs])
         else:

@@ -45,13 +45,6 @@ class Simulated:
     bubble_fraction: float
 
 
-def _lcm(values: Sequence[int]) -> int:
-    out = 1
-    for v in values:
-        out = out * v // math.gcd(out, v)
-    return out
-
-
 def simulate_plan(plan: Plan, profile: Profile, topology: Topology) -> Simulated:
     """Simulate ``plan`` under ``plan.schedule``; raises ScheduleError if the generator refuses."""
     from pipetrain.schedule import Costs, build, memory_by_rank, simulate
@@ -82,7 +75,7 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology) -> Simulated
                   bandwidth=1.0)
     replicas = plan.replicas
     if plan.schedule == "pipedream":
-        unit = _lcm(replicas)
+        unit = math.lcm(*replicas)
         short = unit * max(1, math.ceil(max(4 * count, 2 * plan.workers_used) / unit))
         runs = [(short, {}), (2 * short, {})]
         per = short
@@ -120,18 +113,21 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
     names = [check_schedule(name) for name in schedules]
     counts = list(microbatches or DEFAULT_MICROBATCHES)
     tried: list[dict] = []
+    planned: set[tuple[str, int]] = set()  # (schedule, microbatches) with a plan in `tried`
     best: tuple[float, Plan, Simulated] | None = None
     for name in names:
         for m in ([1] if name == "pipedream" else counts):
+            if (name, m) in planned:
+                continue
             outcome = _candidate(cuts, profile, topology, name, m, memory_limit, cost_model,
-                                 straight or name == "zb-h1", fewer_machines or name == "zb-h1")
+                                 straight or name == "zb-h1", fewer_machines or name == "zb-h1", planned)
+            if outcome is None:
+                continue                # m was rounded up to a count already tried
             if isinstance(outcome, str):
                 tried.append({"schedule": name, "microbatches": m, "error": outcome})
                 continue
             plan, sim = outcome
-            if any(t.get("schedule") == name and t.get("microbatches") == plan.microbatches
-                   and "error" not in t for t in tried):
-                continue                # m was rounded up to a count already tried
+            planned.add((name, plan.microbatches))
             fits = memory_limit is None or max(sim.memory_bytes) <= memory_limit
             tried.append({"schedule": name, "microbatches": plan.microbatches,
                           "replicas": plan.replicas,
@@ -165,8 +161,9 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
     return plan
 
 
-def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, straight, fewer):
-    """A plan and its simulation, or the reason there is none."""
+def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, straight, fewer, planned):
+    """A plan and its simulation, the reason there is none, or None when ``m`` had to be rounded
+    up to a count already in ``planned``."""
     plan = None
     for attempt in range(2):
         try:
@@ -176,12 +173,13 @@ def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, strai
             return plan, simulate_plan(plan, profile, topology)
         except ScheduleError as error:
             # replicas must share the microbatches evenly: round m up once
-            unit = _lcm(plan.replicas) if plan is not None else 1
+            unit = math.lcm(*plan.replicas) if plan is not None else 1
             bigger = unit * math.ceil(m / unit)
-            if attempt == 0 and plan is not None and bigger != m:
-                m = bigger
-                continue
-            return str(error)
+            if attempt > 0 or plan is None or bigger == m:
+                return str(error)
+            if (name, bigger) in planned:
+                return None
+            m = bigger
         except PipetrainError as error:
             return str(error)
-    return "no plan"
+    raise AssertionError("unreachable: the second attempt returns")
