@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,3 +79,18 @@ def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
                       "--resume")
     assert other.returncode == 2
     assert "different run" in other.stderr and "'1f1b'" in other.stderr and "'gpipe'" in other.stderr
+
+
+def test_a_resumed_run_reports_the_evaluations_of_the_uninterrupted_one(tmp_path):
+    common = ["--schedule", "1f1b", "--stages", "2", "--steps", "8", "--eval-every", "3", "--checkpoint-every", "2",
+              "--checkpoint-dir", str(tmp_path / "ck")]
+    full = pipetrain(*common, "--report-json", str(tmp_path / "full.json"))
+    assert full.returncode == 0, full.stderr
+    # step 6 both evaluates and checkpoints: the checkpoint must hold that evaluation and the earlier one
+    resumed = pipetrain(*common, "--resume", str(tmp_path / "ck" / "step-000006"),
+                        "--report-json", str(tmp_path / "resumed.json"))
+    assert resumed.returncode == 0, resumed.stderr
+    a = json.loads((tmp_path / "full.json").read_text())["evaluations"]
+    b = json.loads((tmp_path / "resumed.json").read_text())["evaluations"]
+    assert [e["step"] for e in a] == [3, 6, 8]
+    assert a == b

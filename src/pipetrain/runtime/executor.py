@@ -338,6 +338,7 @@ class RankRunner:
         position = cut.positions[rank]
         self.losses = dict(state["losses"])
         self._labels = dict(state["labels"])
+        self.evaluations = list(state.get("evaluations", []))
         restore_rng(state["rng"])
         crossing = {(program[p].stage, program[p].microbatch): (p, program[p]) for p in cut.crossing_sends[rank]}
         later_forwards = {(a.stage, a.microbatch) for a in program[position:] if a.kind is _F}

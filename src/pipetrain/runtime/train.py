@@ -88,14 +88,13 @@ def worker(config: TrainConfig) -> TrainResult | None:
         runner.restore(resumed.state, resumed.cut)
     hooks = checkpoints.hooks(runner, after=resumed.step if resumed else 0)
     held_out = eval_batches(run)
-    evaluations: list[dict] = list(resumed.state.get("evaluations", [])) if resumed else []
+    evaluations = runner.evaluations  # restored with the rest of a resumed rank's state
 
     def evaluate_at(step: int):
         def evaluate() -> None:
             metrics = runner.evaluate(len(held_out), held_out.__getitem__, run.loss_fn)
             if metrics is not None:
                 evaluations.append({"step": step, **metrics})
-                runner.evaluations = evaluations
 
         return evaluate
 
@@ -105,7 +104,8 @@ def worker(config: TrainConfig) -> TrainResult | None:
                 continue
             position = run.evaluation_cut(step).positions[rank]
             hook = evaluate_at(step)
-            hooks[position] = hook if position not in hooks else _both(hooks[position], hook)
+            # evaluate before a checkpoint of the same step, so that the checkpoint holds it
+            hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
     _inject_fault(rank, hooks)
     progress = _progress(run, config)
     _collective("the start barrier", dist.barrier)
