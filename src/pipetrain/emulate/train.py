@@ -44,7 +44,7 @@ def train_emulated(run: Run) -> TrainResult:
 
         return evaluate
 
-    cuts = [(run.evaluation_cut(s).positions, evaluate_at(s)) for s in run.evaluation_steps()] if len(held_out) else []
+    cuts = [(run.cut_after(s).positions, evaluate_at(s)) for s in run.evaluation_steps()] if len(held_out) else []
     started = time.perf_counter()
     try:
         emulator.run(losses, cuts=cuts)

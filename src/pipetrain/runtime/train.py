@@ -102,7 +102,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
         for step in run.evaluation_steps():
             if resumed and step <= resumed.step:
                 continue
-            position = run.evaluation_cut(step).positions[rank]
+            position = run.cut_after(step).positions[rank]
             hook = evaluate_at(step)
             # evaluate before a checkpoint of the same step, so that the checkpoint holds it
             hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
@@ -187,11 +187,6 @@ class Checkpoints:
         self._store = None
         self.meta = {"config": config.fingerprint(), "workers": world_size, "schedule": run.schedule.name}
 
-    def _cut(self, step: int):
-        from pipetrain.runtime.cuts import cut
-
-        return cut(self.run.schedule, step * self.run.layout.units_per_update)
-
     def resume_point(self) -> _Resumed | None:
         if not self.run.config.resume:
             return None
@@ -201,7 +196,7 @@ class Checkpoints:
         checkpoint = resolve(named if isinstance(named, str) else self.directory)
         check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
         state = checkpoint.load(f"rank-{self.rank}.pt", weights_only=False)
-        return _Resumed(checkpoint.step, self._cut(checkpoint.step), state)
+        return _Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state)
 
     def hooks(self, runner, after: int) -> dict[int, Any]:
         hooks: dict[int, Any] = {}
@@ -211,7 +206,7 @@ class Checkpoints:
         for step in range(self.every, updates, self.every):
             if step <= after:
                 continue
-            position = self._cut(step).positions[self.rank]
+            position = self.run.cut_after(step).positions[self.rank]
             previous = hooks.get(position)
             save = self._saver(runner, step)
             hooks[position] = save if previous is None else _both(previous, save)

@@ -10,7 +10,7 @@ the same run; it then builds executors only for the stages it holds.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -46,6 +46,7 @@ class Run:
     grad_scales: list[float]
     updates: int
     dtype: torch.dtype
+    _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
 
     @property
     def num_stages(self) -> int:
@@ -63,11 +64,15 @@ class Run:
         steps = list(range(every, self.updates, every))
         return steps + [self.updates]
 
-    def evaluation_cut(self, step: int):
-        """Where each rank pauses for the evaluation after ``step`` updates: a consistent cut."""
-        from pipetrain.runtime.cuts import cut
+    def cut_after(self, step: int):
+        """Where each rank pauses after ``step`` updates (for an evaluation or a checkpoint): a
+        consistent cut, computed once per step."""
+        found = self._cuts.get(step)
+        if found is None:
+            from pipetrain.runtime.cuts import cut
 
-        return cut(self.schedule, step * self.layout.units_per_update)
+            found = self._cuts[step] = cut(self.schedule, step * self.layout.units_per_update)
+        return found
 
     def unit_data(self) -> UnitData:
         def get_batch(dataset: Dataset, indices: Tensor):
