@@ -210,6 +210,7 @@ class RankRunner:
         origin = clock() if origin is None else origin
         hooks = at_positions or {}
         program = self.program
+        first_held = min(executors)  # the lowest stage on this rank
         self._choose_receives(bool(hooks))
         for pc in range(self.start, len(program)):
             if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
@@ -233,7 +234,7 @@ class RankRunner:
                         grads = executor.backward_input(k, version, grad_out)
                     if stage > 0:
                         local[("B", stage - 1, k)] = grads
-                    if stage == min(self.executors) or schedule.rank_of(stage - 1, k) != rank:
+                    if stage == first_held or schedule.rank_of(stage - 1, k) != rank:
                         self._labels.pop(k, None)
                 elif kind is _W:
                     executors[stage].backward_weight(k, version)

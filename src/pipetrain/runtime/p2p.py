@@ -318,9 +318,9 @@ class Channel:
             return f"send of {self.kind!r} to rank {self.peer}"
         return f"receive of {self.kind!r} from rank {self.peer}"
 
-    def _wait(self, work: Any, what: object, sending: bool, timeout: float | None, report: bool = True) -> None:
+    def _wait(self, work: Any, what: object, sending: bool, timeout: float | None) -> None:
         messenger = self.messenger
-        status = messenger.status if report else None
+        status = messenger.status
         if status is not None:
             status.waiting = what if what is not None else self._what(None, sending)
             status.peer = self.peer
@@ -346,17 +346,16 @@ class SendHandle:
         self.what = what
         self._error: CommunicationError | None = None
 
-    def wait(self, timeout: float | None = None, *, report: bool = True) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Block until sent (gloo: until the receiver posted its receive); each message waits up
-        to ``timeout`` seconds (default: the messenger's). ``report=False`` leaves the status
-        board alone (for waits in a background thread)."""
+        to ``timeout`` seconds (default: the messenger's)."""
         if self._error is not None:
             raise self._error
         # A gloo work must be waited on once only (a second wait never returns): take them out first.
         works, self._works = self._works, []
         try:
             for work in works:
-                self.channel._wait(work, self.what, True, timeout, report)
+                self.channel._wait(work, self.what, True, timeout)
         except CommunicationError as error:
             self._error = error
             raise
