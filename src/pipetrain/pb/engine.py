@@ -32,6 +32,7 @@ count are members like stages are, so a whole row of a study trains in one engin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -83,10 +84,7 @@ class _Group:
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     weights: list[Tensor] = field(default_factory=list)  # per parameter, [G, *shape], contiguous
-    velocity: list[Tensor] = field(default_factory=list)  # momentum buffers, same shapes
-    predicted: list[Tensor] | None = None  # LWP forward weights
-    views: list[Tensor] = field(default_factory=list)  # what backward reads (= weights)
-    forward_views: list[Tensor] = field(default_factory=list)  # what forward reads
+    forward_views: list[Tensor] = field(default_factory=list)  # what forward reads (weights, or LWP's)
     forward_context: Any = None  # kernel.prepare(forward_views)
     backward_context: Any = None  # kernel.prepare(views)
     need_gx: bool = True
@@ -110,17 +108,31 @@ class _Group:
     small: list[int] = field(default_factory=list)  # parameters kept in the vector slab
     large: list[int] = field(default_factory=list)  # parameters kept as their own tensors
     storage_w: list[Tensor] = field(default_factory=list)  # large weights, then the slab
-    storage_v: list[Tensor] = field(default_factory=list)
     update_views: list[tuple[Tensor, Tensor, Tensor, Tensor]] = field(default_factory=list)  # w, v, [G,-1] views
     flat_predicted: list[Tensor] = field(default_factory=list)
     uniform: bool = True  # all members have the same delay (so they are the same stage)
     offset: int = 0  # uniform groups: the tick of the backward of sample n is n + offset
     idle_gradient: Tensor | None = None  # input gradient passed on in ticks without a backward
     pending: list[Any] = field(default_factory=list)  # saved activations by tick (uniform delay)
+    generic: tuple[dict, dict] | None = None  # generic units: current weights and buffers by name
 
     @property
     def size(self) -> int:
         return len(self.members)
+
+
+def _parameter_views(group: _Group, storage: Sequence[Tensor]) -> list[Tensor]:
+    """Per-parameter ``[G, *shape]`` views of storage laid out as ``group.storage_w`` is: the
+    large parameters' own tensors, then one slab holding the small ones in order."""
+    views: list[Tensor] = [None] * len(group.shapes)  # type: ignore[list-item]
+    for i, tensor in zip(group.large, storage):
+        views[i] = tensor
+    offset = 0
+    for i in group.small:
+        size = math.prod(group.shapes[i])
+        views[i] = storage[-1][:, offset : offset + size].view((group.size,) + group.shapes[i])
+        offset += size
+    return views
 
 
 def _sgd_options(opt: StageOptimizer) -> tuple[float, float, float, float, float, float, Any]:
@@ -342,35 +354,22 @@ class BatchedPB:
         vectors (biases, norm affine) views into one ``[G, P_small]`` slab so that they are
         updated together."""
         g = group.size
-        small = [i for i, shape in enumerate(group.shapes) if len(shape) < 2]
-        sizes = [int(np.prod(group.shapes[i])) if group.shapes[i] else 1 for i in small]
-        slab_w = torch.empty((g, sum(sizes)), dtype=self.dtype)
-        slab_v = torch.zeros_like(slab_w)
-        weights: list[Tensor] = []
-        velocity: list[Tensor] = []
-        offset = 0
-        for i, shape in enumerate(group.shapes):
-            if i in small:
-                size = sizes[small.index(i)]
-                weights.append(slab_w[:, offset : offset + size].view((g,) + shape))
-                velocity.append(slab_v[:, offset : offset + size].view((g,) + shape))
-                offset += size
-            else:
-                weights.append(torch.empty((g,) + shape, dtype=self.dtype))
-                velocity.append(torch.zeros((g,) + shape, dtype=self.dtype))
+        group.small = [i for i, shape in enumerate(group.shapes) if len(shape) < 2]
+        group.large = [i for i in range(len(group.shapes)) if i not in group.small]
+        slab = sum(math.prod(group.shapes[i]) for i in group.small)
+        group.storage_w = [torch.empty((g,) + group.shapes[i], dtype=self.dtype) for i in group.large]
+        if group.small:
+            group.storage_w.append(torch.empty((g, slab), dtype=self.dtype))
+        storage_v = [torch.zeros_like(w) for w in group.storage_w]
+        weights = _parameter_views(group, group.storage_w)
         with torch.no_grad():
             for row, member in enumerate(group.members):
                 named = dict(member.module.named_parameters())
                 for name, stacked in zip(group.names, weights):
                     stacked[row].copy_(named[name].detach())
-        group.weights, group.velocity = weights, velocity
-        group.views = weights
+        group.weights = weights
         group.forward_views = weights
-        group.small = small
-        group.large = [i for i in range(len(group.shapes)) if i not in small]
-        group.storage_w = [weights[i] for i in group.large] + ([slab_w] if small else [])
-        group.storage_v = [velocity[i] for i in group.large] + ([slab_v] if small else [])
-        group.update_views = [(w, v, w.view(g, -1), v.view(g, -1)) for w, v in zip(group.storage_w, group.storage_v)]
+        group.update_views = [(w, v, w.view(g, -1), v.view(g, -1)) for w, v in zip(group.storage_w, storage_v)]
 
     def _build_optimizer(self, optimizers: Sequence[Sequence[StageOptimizer]]) -> None:
         schedules: list[Any] = []
@@ -398,20 +397,10 @@ class BatchedPB:
             if group.lwp:
                 storage = [w.clone() for w in group.storage_w]
                 group.flat_predicted = [w.view(group.size, -1) for w in storage]
-                predicted: list[Tensor] = [None] * len(group.shapes)  # type: ignore[list-item]
-                for i, tensor in zip(group.large, storage):
-                    predicted[i] = tensor
-                if group.small:
-                    slab, offset = storage[-1], 0
-                    for i in group.small:
-                        size = group.weights[i][0].numel()
-                        predicted[i] = slab[:, offset : offset + size].view(group.weights[i].shape)
-                        offset += size
-                group.predicted = predicted
-                group.forward_views = predicted
+                group.forward_views = _parameter_views(group, storage)
             if group.kernel is not None:
                 group.forward_context = group.kernel.prepare(group.forward_views)
-                group.backward_context = group.kernel.prepare(group.views)
+                group.backward_context = group.kernel.prepare(group.weights)
             group.member_slice = slice(start, start + group.size)
             start += group.size
             a_list.extend(a_g)
@@ -498,9 +487,11 @@ class BatchedPB:
     def _generic_forward(self, group: _Group, tick: int, x: Tensor) -> Tensor:
         member = group.members[0]
         leaves = {n: v[0].detach().requires_grad_(True) for n, v in zip(group.names, group.forward_views)}
-        current = {n: v[0] for n, v in zip(group.names, group.views)}
+        if group.generic is None:  # views of weights updated in place: the same every tick
+            current = {n: v[0] for n, v in zip(group.names, group.weights)}
+            group.generic = (current, dict(member.module.named_buffers()))
+        current, buffers = group.generic
         xin = x[0].detach().requires_grad_(group.need_gx)
-        buffers = dict(member.module.named_buffers())
         with LatestWeights(leaves, lambda: current):
             out = functional_call(member.module, {**leaves, **buffers}, (xin,))
         group.records[tick] = (xin, out, leaves)
