@@ -32,7 +32,7 @@ from pipetrain.pb.engine import BatchedPB, NotBatchable
 from pipetrain.pb.methods import Method
 from pipetrain.pb.reference import pb_sequential
 from pipetrain.schedule import pb_delays
-from pipetrain.stages import split_model
+from pipetrain.stages import StagedModel, split_model
 
 __all__ = ["StudyConfig", "RunSpec", "RunResult", "StudyResult", "plan_runs", "run_study", "is_diverged",
            "runs_per_engine", "CURVE_POINTS"]
@@ -277,9 +277,9 @@ class _Trainer:
         return 1, self.translated.lr * spec.lr_scale, self.translated.momentum
 
     def updates(self, batch: int) -> int:
-        return math.ceil(self.config.epochs * self.n / batch - 1e-9)
+        return BatchSampler(self.n, batch).steps_for_epochs(self.config.epochs)
 
-    def _build(self, spec: RunSpec) -> tuple[nn.Module, list[nn.Module], list]:
+    def _build(self, spec: RunSpec) -> tuple[nn.Module, StagedModel, list]:
         batch, lr, momentum = self.settings(spec)
         model = build_model(
             self.config.model, input_shape=self.info.input_shape, num_classes=self.info.num_classes, seed=spec.seed
@@ -299,7 +299,7 @@ class _Trainer:
             lwp_horizons=[method.lwp * scale * d for d in delays] if method.lwp else None,
             lr_schedule=schedule,
         )
-        return model, staged.stages, optimizers
+        return model, staged, optimizers
 
     def train(self, specs: list[RunSpec]) -> list[RunResult]:
         """Train runs that share stage count and batch size together (one engine)."""
@@ -310,7 +310,7 @@ class _Trainer:
         start = time.perf_counter()
         try:
             engine = BatchedPB(
-                [b[1] for b in built], [b[2] for b in built], sample_shape=self.info.input_shape,
+                [b[1].stages for b in built], [b[2] for b in built], sample_shape=self.info.input_shape,
                 batch_size=batch, dtype=self.dtype,
             )
         except NotBatchable:
@@ -322,11 +322,10 @@ class _Trainer:
             kind = "batched"
         else:
             losses = torch.empty((updates, len(specs)), dtype=torch.float64)
-            for r, (model, stages, optimizers) in enumerate(built):
+            for r, (model, staged, optimizers) in enumerate(built):
                 samples = [(self.x[idx], self.y[idx]) for idx in streams[:, r]]
-                result = pb_sequential(stages, optimizers, samples)
+                result = pb_sequential(staged.stages, optimizers, samples)
                 losses[:, r] = torch.tensor(result.losses, dtype=torch.float64)
-                staged = split_model(model, stages=len(stages))
                 model.load_state_dict(staged.merge_state_dict(result.params))
                 if self.progress is not None:
                     self.progress(updates)
