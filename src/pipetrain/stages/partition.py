@@ -13,7 +13,7 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["balance_by_params", "check_balance", "parameter_counts", "partition_min_max"]
+__all__ = ["balance_by_params", "check_balance", "check_stages", "parameter_counts", "partition_min_max"]
 
 
 def parameter_counts(modules: nn.Sequential | Sequence[nn.Module]) -> list[int]:
@@ -105,13 +105,17 @@ def partition_min_max(weights: Sequence[int], parts: int) -> list[int]:
 
 def balance_by_params(model: nn.Sequential | Sequence[nn.Module], stages: int) -> list[int]:
     """A balance of ``stages`` stages for the top-level modules of ``model`` by parameter count."""
+    check_stages(stages, len(model))
+    return partition_min_max(parameter_counts(model), stages)
+
+
+def check_stages(stages: int, n: int) -> None:
+    """Refuse a stage count that is not a positive integer or exceeds the ``n`` top-level modules."""
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
         raise ConfigError(f"--stages must be a positive integer, got {stages!r}")
-    n = len(model)
     if stages > n:
         raise ConfigError(
             f"cannot split a model of {n} top-level modules into {stages} stages: every stage needs "
             f"at least one module, so use --stages {n} or fewer (or a deeper model, e.g. "
             f"mlp:depth=... / resmlp:depth=...)"
         )
-    return partition_min_max(parameter_counts(model), stages)

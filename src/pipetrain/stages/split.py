@@ -11,7 +11,7 @@ from torch import nn
 from pipetrain.errors import ConfigError
 from pipetrain.stages.cut import cut_graph
 from pipetrain.stages.nodes import ModulePositions, positioned_nodes
-from pipetrain.stages.partition import balance_by_params, check_balance, parameter_counts, partition_min_max
+from pipetrain.stages.partition import balance_by_params, check_balance, check_stages, partition_min_max
 from pipetrain.stages.points import (
     Plan,
     cost_weights,
@@ -101,9 +101,7 @@ def balance_from_split_at(model: nn.Sequential, names: Sequence[str]) -> list[in
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _sequential_weights(model: nn.Sequential, costs: Mapping[str, float] | None) -> list[int] | list[float]:
-    if costs is None:
-        return parameter_counts(model)
+def _sequential_weights(model: nn.Sequential, costs: Mapping[str, float]) -> list[float]:
     children = [name for name, _ in model.named_children()]
     weights = [0.0] * len(children)
     for key, value in costs.items():
@@ -190,7 +188,7 @@ def split_model(
         if costs is None:
             balance = balance_by_params(model, stages)
         else:
-            balance_by_params(model, stages)  # the same checks and messages
+            check_stages(stages, len(model))
             weights = _sequential_weights(model, costs)
             total = sum(weights)
             balance = partition_min_max([int(round(w * 1e9 / total)) if total else 0 for w in weights], stages)
