@@ -204,7 +204,7 @@ class Emulator:
                 except PipetrainError as error:
                     raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
                 for release_stage, release_version in releases.get(pc, ()):
-                    stages[release_stage].versions.release(release_version)
+                    stages[release_stage].release(release_version)
                 ends[pc] = clock() - origin
                 pc += 1
             pcs[rank] = pc

@@ -354,12 +354,19 @@ class StageExecutor:
         self.pending_samples = 0
         self.grads = None
         for version in release:
-            self.versions.release(version)
+            self.release(version)
         made = self.versions.push(new)
-        held = set(self.versions.held())
+        held = set(self.versions.held())  # the push dropped a current version released before it
         for version in [v for v in self._leaves if v not in held]:
             del self._leaves[version]
         return made
+
+    def release(self, version: int) -> None:
+        """Drop ``version`` once no action reads it, with the autograd leaves cached for it (the
+        current version stays until the next update)."""
+        self.versions.release(version)
+        if version in self._leaves and version not in self.versions.held():
+            del self._leaves[version]
 
     # -- checkpoints -----------------------------------------------------------------------------
 

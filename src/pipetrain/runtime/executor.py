@@ -268,7 +268,7 @@ class RankRunner:
             except RuntimeError as error:
                 raise _runtime_error(rank, action, error) from None
             for release_stage, release_version in releases.get(pc, ()):
-                executors[release_stage].versions.release(release_version)
+                executors[release_stage].release(release_version)
             if done is not None:
                 done(action)
             ends[pc] = clock() - origin
