@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipetrain.errors import ConfigError
+from pipetrain.runtime.sends import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
 __all__ = ["Cut", "cut"]
@@ -42,17 +43,12 @@ def _position(schedule: Schedule, rank: int, units: int) -> int:
     return position
 
 
-def cut(schedule: Schedule, units: int) -> Cut:
+def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut:
     """The cut after ``units`` units, or a ConfigError if it is not consistent or leaves a split
-    backward half done."""
+    backward half done. ``messages``: the schedule's :class:`~pipetrain.runtime.sends.Messages`,
+    if already built."""
     positions = [_position(schedule, rank, units) for rank in range(schedule.num_ranks)]
-    receive_at: dict[tuple, int] = {}  # (direction, receiving stage, microbatch) -> position
-    for program in schedule.programs:
-        for position, action in enumerate(program):
-            if action.kind is Kind.RECV_F:
-                receive_at[("F", action.stage, action.microbatch)] = position
-            elif action.kind is Kind.RECV_B:
-                receive_at[("B", action.stage, action.microbatch)] = position
+    messages = Messages(schedule) if messages is None else messages
     crossing_sends: list[list[int]] = [[] for _ in schedule.programs]
     for rank, program in enumerate(schedule.programs):
         inputs_done: set[tuple[int, int]] = set()
@@ -64,9 +60,7 @@ def cut(schedule: Schedule, units: int) -> Cut:
             elif kind is Kind.W and before:
                 inputs_done.discard((stage, k))
             elif kind in (Kind.SEND_F, Kind.SEND_B):
-                target = stage + 1 if kind is Kind.SEND_F else stage - 1
-                peer = action.peer if action.peer is not None else schedule.rank_of(target, k)
-                received = receive_at[("F" if kind is Kind.SEND_F else "B", target, k)]
+                peer, received = messages.received_at[Messages.of(action)]
                 if before and received >= positions[peer]:
                     if kind is Kind.SEND_B:
                         raise ConfigError(

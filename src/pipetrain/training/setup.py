@@ -47,6 +47,7 @@ class Run:
     updates: int
     dtype: torch.dtype
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
+    _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
 
     @property
     def num_stages(self) -> int:
@@ -70,8 +71,11 @@ class Run:
         found = self._cuts.get(step)
         if found is None:
             from pipetrain.runtime.cuts import cut
+            from pipetrain.runtime.sends import Messages
 
-            found = self._cuts[step] = cut(self.schedule, step * self.layout.units_per_update)
+            if self._messages is None:
+                self._messages = Messages(self.schedule)
+            found = self._cuts[step] = cut(self.schedule, step * self.layout.units_per_update, self._messages)
         return found
 
     def unit_data(self) -> UnitData:
