@@ -66,13 +66,17 @@ class UpdateLosses:
         self._mine = (lambda unit: True) if rank is None else (lambda unit: run.schedule.rank_of(last, unit) == rank)
         self.losses: list[float] = []
         self._pending: dict[int, float] = {}
+        self._expected: dict[int, list[int]] = {}  # first unit of an update -> its units seen here
         self._started = time.perf_counter()
 
     def __call__(self, unit: int, loss: float) -> None:
         self._pending[unit] = loss * self.layout.loss_scale(unit)
         first = unit // self.units * self.units
-        expected = [u for u in range(first, first + self.units) if self._mine(u)]
+        expected = self._expected.get(first)
+        if expected is None:  # once per update, not per unit
+            expected = self._expected[first] = [u for u in range(first, first + self.units) if self._mine(u)]
         if all(u in self._pending for u in expected):
+            del self._expected[first]
             self.losses.append(sum(self._pending.pop(u) for u in expected))
             if self.progress is not None:
                 self.progress.update(1, self.losses[-1], self.layout.batch_size, time.perf_counter() - self._started)
