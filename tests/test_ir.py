@@ -108,3 +108,15 @@ def test_loads_names_the_bad_line():
         loads("zero,0F0\n")
     with pytest.raises(ScheduleError, match=r"ranks \[1\] have no program"):
         loads("0,0F0\n2,1F0\n")
+
+
+def test_peer_of_names_the_other_end_of_every_message():
+    schedule = build("1f1b", stages=2, microbatches=4, replicas=[2, 1])
+    for rank, program in enumerate(schedule.programs):
+        for action in program:
+            if action.kind in (Kind.SEND_F, Kind.RECV_B):
+                assert schedule.peer_of(action) == schedule.rank_of(action.stage + 1, action.microbatch)
+            elif action.kind in (Kind.SEND_B, Kind.RECV_F):
+                assert schedule.peer_of(action) == schedule.rank_of(action.stage - 1, action.microbatch)
+    named = Action(Kind.SEND_F, 0, 1, None, 2)
+    assert schedule.peer_of(named) == 2

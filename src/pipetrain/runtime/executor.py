@@ -136,11 +136,7 @@ class RankRunner:
         for action in self.program[start:]:
             kind = action.kind
             if kind is _RECV_F or kind is _RECV_B:
-                peer = action.peer
-                if peer is None:
-                    source = action.stage - 1 if kind is _RECV_F else action.stage + 1
-                    peer = schedule.rank_of(source, action.microbatch)
-                channel = (peer, ("act" if kind is _RECV_F else "grad") + str(action.stage))
+                channel = (schedule.peer_of(action), ("act" if kind is _RECV_F else "grad") + str(action.stage))
                 self._queues.setdefault(channel, deque()).append(action)
         for channel in self._queues:
             self._post_next(channel)
@@ -220,7 +216,7 @@ class RankRunner:
                 origin += paused
                 self.paused += paused
             action = program[pc]
-            kind, stage, k, version, peer = action
+            kind, stage, k, version, _ = action
             starts[pc] = clock() - origin
             try:
                 if kind is _F:
@@ -240,22 +236,19 @@ class RankRunner:
                     executors[stage].backward_weight(k, version)
                 elif kind is _SEND_F:
                     payload = local.pop(("F", stage + 1, k)) + (self._labels[k],)
-                    self._send(payload, peer if peer is not None else schedule.rank_of(stage + 1, k),
-                               "act" + str(stage + 1), k, action, pc)
+                    self._send(payload, schedule.peer_of(action), "act" + str(stage + 1), k, action, pc)
                 elif kind is _SEND_B:
                     grads = local.pop(("B", stage - 1, k))
                     mask = sum(1 << i for i, g in enumerate(grads) if g is not None)
                     present = tuple(g for g in grads if g is not None)
-                    self._send(present, peer if peer is not None else schedule.rank_of(stage - 1, k),
-                               "grad" + str(stage - 1), k, action, pc, info=(mask,))
+                    self._send(present, schedule.peer_of(action), "grad" + str(stage - 1), k, action, pc,
+                               info=(mask,))
                 elif kind is _RECV_F:
-                    source = peer if peer is not None else schedule.rank_of(stage - 1, k)
-                    payload, _ = self._receive((source, "act" + str(stage)), pc)
+                    payload, _ = self._receive((schedule.peer_of(action), "act" + str(stage)), pc)
                     local[("F", stage, k)] = payload[:-1]
                     self._labels[k] = payload[-1]
                 elif kind is _RECV_B:
-                    source = peer if peer is not None else schedule.rank_of(stage + 1, k)
-                    payload, handle = self._receive((source, "grad" + str(stage)), pc)
+                    payload, handle = self._receive((schedule.peer_of(action), "grad" + str(stage)), pc)
                     local[("B", stage, k)] = _unmask(payload, handle.info[0] if handle.info else None)
                 elif kind is _SYNC:
                     self._all_reduce(stage)
@@ -353,8 +346,8 @@ class RankRunner:
                         self._local[("F", stage + 1, k)] = out
                 elif (stage, k) in crossing:
                     position, action = crossing[(stage, k)]
-                    peer = action.peer if action.peer is not None else schedule.rank_of(stage + 1, k)
-                    self._send(out + (self._labels[k],), peer, "act" + str(stage + 1), k, action, position)
+                    self._send(out + (self._labels[k],), schedule.peer_of(action), "act" + str(stage + 1), k, action,
+                               position)
         return position
 
     def _forward(self, action: Action, executor: StageExecutor, on_loss) -> None:

@@ -200,6 +200,15 @@ class Schedule:
         ranks = self.stage_ranks[stage]
         return ranks[microbatch % len(ranks)]
 
+    def peer_of(self, action: Action) -> int:
+        """The rank a SEND goes to or a RECV comes from: the action's own ``peer`` if it names
+        one, else the rank that runs the microbatch on the neighbouring stage."""
+        if action.peer is not None:
+            return action.peer
+        kind = action.kind
+        other = action.stage + 1 if kind is Kind.SEND_F or kind is Kind.RECV_B else action.stage - 1
+        return self.rank_of(other, action.microbatch)
+
     def replica_of(self, rank: int, stage: int) -> int:
         return self.stage_ranks[stage].index(rank)
 
