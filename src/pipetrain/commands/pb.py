@@ -6,23 +6,13 @@ import argparse
 import json
 import sys
 
+from pipetrain.commands._lists import number_list
 from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
 
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, e.g. 0.5,1,2; got {text!r}") from None
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 4,8,16; got {text!r}") from None
+_floats = number_list(float, "0.5,1,2")
+_ints = number_list(int, "4,8,16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

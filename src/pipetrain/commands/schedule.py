@@ -6,16 +6,12 @@ import argparse
 import json
 import sys
 
+from pipetrain.commands._lists import number_list
 from pipetrain.errors import ScheduleError
 
 __all__ = ["add_arguments", "run"]
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 3,1; got {text!r}") from None
+_int_list = number_list(int, "3,1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

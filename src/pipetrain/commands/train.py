@@ -5,16 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipetrain.commands._lists import number_list
 from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "config_from_args"]
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 2,2,1; got {text!r}") from None
+_int_list = number_list(int, "2,2,1")
 
 
 def _name_list(text: str) -> list[str]:
