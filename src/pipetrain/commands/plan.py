@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+from pipetrain.commands._text import aligned
 from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "HELP"]
@@ -124,9 +125,7 @@ def format_table(plan, baselines, source: str) -> str:
                      f"{stage.compute_s:.6f}", f"{stage.time_s:.6f}",
                      f"{stage.input_transfer_s:.6f}",
                      format_bytes(stage.memory_bytes or 0.0)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    lines.extend(aligned(rows))
     t = plan.predicted_time_per_minibatch
     ratio = (lambda a: f"{a / t:.3f}x") if t > 0 else (lambda a: "-")
     lines.append(f"predicted time per minibatch: {t:.9f} s (slowest stage, communication "
@@ -159,9 +158,7 @@ def format_table(plan, baselines, source: str) -> str:
                               f"{c['simulated_time_per_minibatch']:.6f}",
                               format_bytes(c["peak_memory_bytes"]),
                               "yes" if c["fits"] else "no"))
-        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-        for row in table:
-            lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.extend(aligned(table, indent="  "))
     if baselines:
         lines.append("")
         lines.append("comparison, same cost model (baselines: straight pipelines, slowest "
@@ -174,7 +171,5 @@ def format_table(plan, baselines, source: str) -> str:
                           "-".join(map(str, p.replicas))))
         table.append((f"data parallel ({plan.workers})", f"{plan.data_parallel_time:.6f}",
                       ratio(plan.data_parallel_time), str(plan.workers)))
-        widths = [max(len(row[i]) for row in table) for i in range(4)]
-        for row in table:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        lines.extend(aligned(table))
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pipetrain.commands._text import aligned
 from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "HELP"]
@@ -89,8 +90,7 @@ def format_profile(profile) -> str:
         rows.append((layer.name, kind, f"{layer.forward_s * 1e3:.4f}",
                      f"{layer.backward_s * 1e3:.4f}", f"{layer.activation_bytes:.0f}",
                      f"{layer.parameter_bytes:.0f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = aligned(rows)
     meta = profile.meta
     lines.append(f"{len(profile.layers)} layers, {len(profile.edge_list())} edges, batch "
                  f"{profile.batch_size}, forward+backward {profile.total_compute_s * 1e3:.3f} ms "

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from pipetrain.commands._lists import number_list
+from pipetrain.commands._text import number_list
 from pipetrain.errors import ScheduleError
 
 __all__ = ["add_arguments", "run"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipetrain.commands._lists import number_list
+from pipetrain.commands._text import number_list
 from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "config_from_args"]
