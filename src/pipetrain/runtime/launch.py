@@ -459,19 +459,15 @@ def _worker_main() -> None:
         print(f"pipetrain worker rank {rank}: failed (traceback above)", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(1)
-    _finish_worker()
+    finish_worker()
 
 
 def finish_worker() -> None:
-    """Public name of :func:`_finish_worker` for workers started by torchrun."""
-    _finish_worker()
-
-
-def _finish_worker() -> None:
-    """Leave the process group cleanly so that no peer sees a reset for a normal exit, then end
-    the process without running interpreter finalisation: destroying torch.distributed's C++
-    objects (pending p2p work, store clients) at interpreter exit intermittently aborted a worker
-    ("terminate called without an active exception") after its work was done."""
+    """End a worker, spawned or started by torchrun: leave the process group cleanly so that no
+    peer sees a reset for a normal exit, then end the process without running interpreter
+    finalisation: destroying torch.distributed's C++ objects (pending p2p work, store clients) at
+    interpreter exit intermittently aborted a worker ("terminate called without an active
+    exception") after its work was done."""
     sys.stdout.flush()
     sys.stderr.flush()
     try:

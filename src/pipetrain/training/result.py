@@ -65,10 +65,11 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     schedule = run.schedule
     busy = [timeline.busy(rank) for rank in range(schedule.num_ranks)]
     extra = {"units_per_update": run.layout.units_per_update}
-    steady = _steady_rate(run, timeline)
+    ends = _last_stage_updates(timeline)
+    steady = _steady_rate(run, ends)
     if steady is not None:
         extra["steady_samples_per_s"] = steady
-    extra["update_seconds"] = _last_stage_updates(timeline)  # loss curves against wall time
+    extra["update_seconds"] = ends  # loss curves against wall time
     return TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,
@@ -96,12 +97,11 @@ def _last_stage_updates(timeline: Any) -> list[float]:
     return [end for action, _, end in timeline.spans(rank) if action.kind is Kind.STEP and action.stage == last]
 
 
-def _steady_rate(run: Any, timeline: Any, skip: float = 0.25) -> float | None:
-    """Samples/s after the first ``skip`` of the updates (start-up excluded): from the end times of
-    the last stage's updates (its STEP actions) in the measured timeline."""
-    schedule = timeline.schedule
+def _steady_rate(run: Any, ends: list[float], skip: float = 0.25) -> float | None:
+    """Samples/s after the first ``skip`` of the updates (start-up excluded): from ``ends``, the end
+    times of the last stage's updates (:func:`_last_stage_updates`)."""
+    schedule = run.schedule
     last = schedule.num_stages - 1
-    ends = _last_stage_updates(timeline)
     first = int(len(ends) * skip)
     if len(ends) - first < 2 or ends[-1] <= ends[first]:
         return None
