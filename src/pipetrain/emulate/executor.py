@@ -116,8 +116,8 @@ class Emulator:
             releases = self._releases[rank]
             pc = pcs[rank]
             starts, ends = self.starts[rank], self.ends[rank]
+            stop = cut_position(rank)  # changes only when a cut fires
             while True:
-                stop = cut_position(rank)
                 if stop is not None and pc == stop:
                     arrived.add(rank)
                     if len(arrived) < len(programs):
@@ -128,6 +128,7 @@ class Emulator:
                     origin += paused  # timings leave evaluation pauses out
                     self.paused += paused
                     cut_index += 1
+                    stop = cut_position(rank)
                     arrived.clear()
                     for other in range(len(programs)):
                         if other != rank and not queued[other]:
@@ -147,9 +148,9 @@ class Emulator:
                         else:
                             inputs = mailbox.pop(("F", stage, k))
                             target = self.data.unit(k)[1] if stage == last_stage else None
-                        _, start, stop = layout.bounds(k)
+                        _, first, end = layout.bounds(k)
                         out = executor.forward(
-                            k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=stop - start
+                            k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=end - first
                         )
                         if stage == last_stage:
                             loss = float(out[0])
