@@ -78,6 +78,11 @@ def from_stages(stages: Sequence[nn.Module], model: nn.Module | None = None) -> 
     return StagedModel(stages, key_map, model_keys, None, aliases)
 
 
+def _did_you_mean(name: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=3)
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+
+
 def balance_from_split_at(model: nn.Sequential, names: Sequence[str]) -> list[int]:
     """The balance that starts a new stage at each named top-level module of ``model``."""
     children = [name for name, _ in model.named_children()]
@@ -85,10 +90,9 @@ def balance_from_split_at(model: nn.Sequential, names: Sequence[str]) -> list[in
     cuts: list[int] = []
     for name in names:
         if name not in position:
-            close = difflib.get_close_matches(name, children, n=3)
             raise ConfigError(
                 f"--split-at {name!r}: the model has no top-level module of that name"
-                + (f"; did you mean {' or '.join(map(repr, close))}?" if close else "")
+                + _did_you_mean(name, children)
                 + f" (top-level modules: {', '.join(children[:12])}"
                 + (" ...)" if len(children) > 12 else ")")
             )
@@ -107,10 +111,9 @@ def _sequential_weights(model: nn.Sequential, costs: Mapping[str, float]) -> lis
     for key, value in costs.items():
         head = key.split(".")[0]
         if head not in children:
-            close = difflib.get_close_matches(key, children, n=3)
             raise ConfigError(
                 f"cost key {key!r} names no module of the model"
-                + (f"; did you mean {' or '.join(map(repr, close))}?" if close else "")
+                + _did_you_mean(key, children)
                 + f" (its units are {', '.join(children[:12])})"
             )
         weights[children.index(head)] += float(value)
