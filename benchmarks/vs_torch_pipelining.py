@@ -14,6 +14,8 @@ Contenders (each a function ``(config, steps, warmup) -> samples/s``, run in fre
 pinned one core and one thread each by pipetrain's launcher):
 
 * ``sequential``            one process trains the whole model, microbatch by microbatch: rate R;
+* ``sequential-pair``       two such processes at once, one per core, their rates summed: what two
+                            cores of the machine deliver together (2R on truly independent cores);
 * ``torch ScheduleGPipe``   torch.distributed.pipelining, 2 processes, gloo;
 * ``torch Schedule1F1B``    the same with 1F1B;
 * ``hand loop on Messenger``  a hand-written 2-stage training loop (gpipe or 1f1b order) over
@@ -142,6 +144,19 @@ def _sequential_worker(cfg: Config, steps: int, warmup: int) -> float:
 
 def sequential(cfg: Config, steps: int, warmup: int) -> float:
     return _run(_sequential_worker, cfg, steps, warmup, nprocs=1)
+
+
+def _sequential_pair_worker(cfg: Config, steps: int, warmup: int) -> float:
+    init_distributed("gloo", timeout=600)  # only for the barriers that start and stop both clocks
+    return 2 * _sequential_worker(cfg, steps, warmup)
+
+
+def sequential_pair(cfg: Config, steps: int, warmup: int) -> float:
+    """Two independent sequential trainings at once, one per core, started and stopped together:
+    the samples/s two cores of this machine really deliver. On a machine with two independent
+    cores this is 2R; where the cores share a physical core's resources (as vCPUs often do) it is
+    less, and no pipeline on these two cores can beat it."""
+    return _run(_sequential_pair_worker, cfg, steps, warmup)
 
 
 # -- torch.distributed.pipelining ----------------------------------------------------------------
@@ -320,6 +335,7 @@ def pipetrain_pipedream(cfg: Config, steps: int, warmup: int) -> float:
 
 CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "sequential": ("sequential (1 process)", sequential),
+    "sequential-pair": ("2 sequential at once (sum)", sequential_pair),
     "torch-gpipe": ("torch ScheduleGPipe", torch_gpipe),
     "torch-1f1b": ("torch Schedule1F1B", torch_1f1b),
     "loop-gpipe": ("hand loop on Messenger, gpipe", messenger_gpipe),

@@ -47,8 +47,11 @@ def test_a_killed_worker_stops_the_run_with_a_clear_message():
 @pytest.mark.parametrize("schedule, extra", [("pipedream", []), ("1f1b", ["--microbatches", "3"])])
 def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, schedule, extra):
     common = ["--schedule", schedule, "--stages", "3", "--steps", "12", "--checkpoint-every", "4", *extra]
-    full = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "a"), "--save", str(tmp_path / "full.pt"))
+    full = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "a"), "--save", str(tmp_path / "full.pt"),
+                     "--report-json", str(tmp_path / "full.json"))
     assert full.returncode == 0, full.stderr
+    # pausing at its checkpoints, the full run receives on demand; the resumed one posts ahead
+    assert json.loads((tmp_path / "full.json").read_text())["receives"] == ["on-demand"] * 3
     args = dict(schedule=schedule, stages=3, steps=12, microbatches=3 if extra else None)
     position = position_after(args, 8, rank=2)
     killed = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "b"), "--timeout", "20",
@@ -56,8 +59,9 @@ def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, schedule, extra)
     assert killed.returncode != 0
     assert (tmp_path / "b" / "step-000008" / "manifest.json").exists()
     resumed = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "b"), "--resume", "--save",
-                        str(tmp_path / "resumed.pt"))
+                        str(tmp_path / "resumed.pt"), "--report-json", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "resumed.json").read_text())["receives"] == ["ahead"] * 3
     a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
     for key in a:
         assert torch.equal(a[key], b[key]), key
@@ -94,3 +98,4 @@ def test_a_resumed_run_reports_the_evaluations_of_the_uninterrupted_one(tmp_path
     b = json.loads((tmp_path / "resumed.json").read_text())["evaluations"]
     assert [e["step"] for e in a] == [3, 6, 8]
     assert a == b
+    assert json.loads((tmp_path / "full.json").read_text())["receives"] == ["on-demand"] * 2

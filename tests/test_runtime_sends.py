@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.runtime.sends import on_demand_is_safe
+from pipetrain.runtime.cuts import cut
+from pipetrain.runtime.sends import Messages, on_demand_is_safe
 from pipetrain.schedule import build, dry_run
 from pipetrain.schedule.ir import Action, Kind, Schedule
 
@@ -47,3 +48,29 @@ def test_a_send_waited_for_before_the_peer_can_take_it_is_refused():
     assert not on_demand_is_safe(schedule)
     programs[1] = [_action(Kind.SEND_F, 1), _action(Kind.RECV_F, 1), _action(Kind.RECV_F, 3)]
     assert on_demand_is_safe(Schedule(programs, stage_ranks=[[0], [1], [0], [1]]))
+
+
+@pytest.mark.parametrize("name, extra, units", [
+    ("1f1b", {"steps": 4}, [8, 16, 24]), ("gpipe", {"steps": 3}, [8, 16]), ("pipedream", {}, [3, 4, 9]),
+    ("2bw", {"steps": 3}, [8, 16]), ("pb", {}, [5, 6]),
+])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_runs_that_pause_at_cuts_may_receive_on_demand(name, extra, units, stages):
+    # Pipedream's cuts leave activations in flight: their sends cross the pause and are waited
+    # for after it; waiting for them before would deadlock, the receiver takes them after its cut.
+    schedule = build(name, stages=stages, microbatches=8, **extra)
+    messages = Messages(schedule)
+    pauses = [cut(schedule, count, messages).positions for count in units]
+    assert on_demand_is_safe(schedule, messages, pauses)
+    if name == "pipedream":
+        assert any(cut(schedule, count, messages).crossing_sends[0] for count in units)
+
+
+def test_a_pause_that_a_message_must_cross_backwards_is_refused():
+    # Rank 1 needs rank 0's message before its pause, but rank 0 sends it only after its own.
+    programs = [[_action(Kind.SEND_F, 0)], [_action(Kind.RECV_F, 1)]]
+    schedule = Schedule(programs, stage_ranks=[[0], [1]])
+    assert on_demand_is_safe(schedule)
+    assert not on_demand_is_safe(schedule, pauses=[[0, 1]])
+    assert on_demand_is_safe(schedule, pauses=[[1, 1]])
+    assert on_demand_is_safe(schedule, pauses=[[1, 0], [1, 1]])  # the send crosses the first pause

@@ -16,8 +16,9 @@ section 3). Forced on demand, a schedule that the dry run refuses, or a run that
 can deadlock (and then times out). ``"ahead"`` keeps the next receive of every channel posted
 and completes sends without blocking (:class:`~pipetrain.runtime.sends.SendLedger`). ``"auto"``
 (the default) picks on-demand when a dry run proves it free of deadlock
-(:func:`~pipetrain.runtime.sends.on_demand_is_safe`) and the run neither pauses at cuts
-(checkpoints, evaluation) nor resumes mid-program; ahead otherwise.
+(:func:`~pipetrain.runtime.sends.on_demand_is_safe`), including the cuts where all ranks pause
+together (checkpoints, evaluation; sends that cross such a cut are waited for after it), and the
+run does not resume mid-program; ahead otherwise.
 
 Every wait is bounded by the run's timeout: a dead or stuck peer ends the run with a message that
 names the action this rank was waiting for and the last actions of every rank.
@@ -126,6 +127,8 @@ class RankRunner:
             raise PipetrainError(f"receives must be 'auto', 'on-demand' or 'ahead', not {receives!r}")
         self.receives = receives
         self.on_demand = False
+        self._pauses: list[list[int]] = []  # every rank's position of each cut where all pause
+        self._next_pause = 0
 
     # -- receives posted ahead of need ----------------------------------------------------------
 
@@ -141,15 +144,17 @@ class RankRunner:
         for channel in self._queues:
             self._post_next(channel)
 
-    def _choose_receives(self, paused: bool) -> None:
+    def _choose_receives(self, hooks: dict, pauses: list[list[int]]) -> None:
         """On demand when asked, or under ``auto`` when the dry run proves it safe for a run from
-        the start without pauses (a checkpoint or evaluation pause blocks a rank at its cut while
-        its peers may still wait for it to take their sends; a resumed run starts mid-program)."""
+        the start with these pauses. A hook that is not one of the pauses (all ranks stopping
+        together at a cut) could block this rank while a peer waits for it to take a send, and a
+        resumed run starts mid-program: both keep their receives posted ahead."""
         if self.receives == "on-demand":
             self.on_demand = True
         elif self.receives == "auto":
-            fresh = not paused and self.start == 0
-            self.on_demand = fresh and on_demand_is_safe(self.schedule, self._messages)
+            known = {pause[self.rank] for pause in pauses}
+            fresh = self.start == 0 and all(position in known for position in hooks)
+            self.on_demand = fresh and on_demand_is_safe(self.schedule, self._messages, pauses)
         if not self.on_demand:
             self._plan_receives(self.start)
 
@@ -168,7 +173,9 @@ class RankRunner:
                 channel[0], channel[1], what=_Waiting(action, channel[0]), expect_tag=action.microbatch
             )
             payload = handle.wait()
-            self._sends.drain()  # after the receive: the first message of a channel needs the receiver's wait
+            # after the receive: the first message of a channel needs the receiver's wait
+            pauses = self._pauses
+            self._sends.drain(pauses[self._next_pause] if self._next_pause < len(pauses) else None)
             return payload, handle
         handle = self._posted.pop(channel)
         payload = handle.wait()
@@ -190,10 +197,13 @@ class RankRunner:
         origin: float | None = None,
         *,
         at_positions: dict[int, Callable[[], None]] | None = None,
+        pauses: list[list[int]] | None = None,
     ) -> dict[int, float]:
         """Run the program from the runner's start position; returns the losses of the units whose last
         stage ran here. ``at_positions[p]()`` runs before the action at position ``p`` (or at the
-        end, for ``p == len(program)``): checkpoints are taken there."""
+        end, for ``p == len(program)``): checkpoints are taken there. ``pauses`` lists the cuts
+        (every rank's position, in order) where the hooks of all ranks run together, which lets
+        such runs receive on demand."""
         schedule = self.schedule
         executors = self.executors
         last = self.last_stage
@@ -207,7 +217,10 @@ class RankRunner:
         hooks = at_positions or {}
         program = self.program
         first_held = min(executors)  # the lowest stage on this rank
-        self._choose_receives(bool(hooks))
+        self._pauses = list(pauses or ())
+        self._next_pause = 0
+        self._choose_receives(hooks, self._pauses)
+        pause_at = self._pauses[0][rank] if self._pauses else -1
         for pc in range(self.start, len(program)):
             if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
                 paused = clock()
@@ -215,6 +228,8 @@ class RankRunner:
                 paused = clock() - paused
                 origin += paused
                 self.paused += paused
+            if pc == pause_at:
+                pause_at = self._pass_pauses(pc)
             action = program[pc]
             kind, stage, k, version, _ = action
             starts[pc] = clock() - origin
@@ -271,6 +286,14 @@ class RankRunner:
             self.paused += clock() - paused
         self._sends.drain()
         return self.losses
+
+    def _pass_pauses(self, position: int) -> int:
+        """This rank has run its hooks at ``position``: the pauses there are behind it. Returns its
+        position of the next pause (-1 when none is left)."""
+        pauses = self._pauses
+        while self._next_pause < len(pauses) and pauses[self._next_pause][self.rank] == position:
+            self._next_pause += 1
+        return pauses[self._next_pause][self.rank] if self._next_pause < len(pauses) else -1
 
     # -- evaluation ----------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ happen while the rank would wait anyway, instead of interrupting its computation
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from pipetrain.schedule.ir import Kind, Schedule
 
@@ -90,15 +90,29 @@ class SendLedger:
                 still.append((receive_position, handle))
         self._pending[peer] = still
 
-    def drain(self) -> None:
-        """Wait for every send still under way (end of the program)."""
-        for pending in self._pending.values():
-            for _, handle in pending:
-                handle.wait()
-        self._pending.clear()
+    def drain(self, before: Sequence[int] | None = None) -> None:
+        """Wait for every send still under way (end of the program), or with ``before`` (each
+        rank's position of the next pause) for those its receiver takes before that pause."""
+        if before is None:
+            for pending in self._pending.values():
+                for _, handle in pending:
+                    handle.wait()
+            self._pending.clear()
+            return
+        for peer, pending in self._pending.items():
+            limit = before[peer]
+            still = []
+            for receive_position, handle in pending:
+                if receive_position < limit:
+                    handle.wait()
+                else:
+                    still.append((receive_position, handle))
+            self._pending[peer] = still
 
 
-def on_demand_is_safe(schedule: Schedule, messages: Messages | None = None) -> bool:
+def on_demand_is_safe(
+    schedule: Schedule, messages: Messages | None = None, pauses: Sequence[Sequence[int]] = ()
+) -> bool:
     """Whether every rank may post each receive only when it reaches it and wait there for all its
     earlier sends, without any rank waiting forever.
 
@@ -109,34 +123,66 @@ def on_demand_is_safe(schedule: Schedule, messages: Messages | None = None) -> b
     the same SYNC; the end of a program waits for the open sends. Schedules this refuses keep
     their receives posted ahead (which never blocks on a send). ``messages``: the schedule's
     :class:`Messages`, if already built.
+
+    ``pauses`` lists the cuts where every rank stops together (evaluation, checkpoints) as each
+    rank's program position, in program order: no rank goes past its position of a pause before
+    every rank has reached its own. A send that crosses a pause (received after the receiver's
+    position of it) is not waited for before the sender has passed that pause
+    (:meth:`SendLedger.drain` with ``before``).
     """
     programs = schedule.programs
     messages = Messages(schedule) if messages is None else messages
+    ranks = range(len(programs))
     pcs = [0] * len(programs)
+    posted = [False] * len(programs)  # stopped at a RECV it has posted (not at a pause before it)
+    passed = [0] * len(programs)  # pauses each rank has gone past
     open_sends: list[list[tuple[int, int]]] = [[] for _ in programs]
     sync_count: dict[tuple[int, int], int] = {}  # (rank, stage) -> SYNCs done
     sync_arrived: dict[tuple[int, int], int] = {}  # (stage, occurrence) -> replicas arrived
     arrived_at_sync: set[tuple[int, int]] = set()  # (rank, position) counted in sync_arrived
 
+    def taken(peer: int, position: int) -> bool:
+        return pcs[peer] > position or (pcs[peer] == position and posted[peer])
+
     def sends_taken(rank: int) -> bool:
-        return all(pcs[peer] >= position for peer, position in open_sends[rank])
+        """Every open send of ``rank`` that must complete before its next pause was taken."""
+        limits = pauses[passed[rank]] if passed[rank] < len(pauses) else None
+        return all(
+            taken(peer, position) for peer, position in open_sends[rank] if limits is None or position < limits[peer]
+        )
+
+    def pause_complete(index: int) -> bool:
+        return all(passed[q] > index or (passed[q] == index and pcs[q] == pauses[index][q]) for q in ranks)
 
     progress = True
     while progress:
         progress = False
         for rank, program in enumerate(programs):
             pc = pcs[rank]
-            while pc < len(program):
+            while True:
+                posted[rank] = False
+                while passed[rank] < len(pauses) and pauses[passed[rank]][rank] == pc:
+                    pcs[rank] = pc  # arrived
+                    if not pause_complete(passed[rank]):
+                        break
+                    passed[rank] += 1
+                    progress = True
+                if passed[rank] < len(pauses) and pauses[passed[rank]][rank] == pc or pc == len(program):
+                    break
                 action = program[pc]
                 kind = action.kind
                 if kind is Kind.SEND_F or kind is Kind.SEND_B:
                     open_sends[rank].append(messages.received_at[Messages.of(action)])
                 elif kind is Kind.RECV_F or kind is Kind.RECV_B:
                     pcs[rank] = pc  # posted: peers waiting for their sends to us may go on
+                    posted[rank] = True
                     sender, position = messages.sent_at[Messages.of(action)]
                     if pcs[sender] <= position or not sends_taken(rank):
                         break
-                    open_sends[rank].clear()
+                    limits = pauses[passed[rank]] if passed[rank] < len(pauses) else None
+                    open_sends[rank] = [
+                        (peer, p) for peer, p in open_sends[rank] if limits is not None and p >= limits[peer]
+                    ]
                 elif kind is Kind.SYNC:
                     replicas = len(schedule.stage_ranks[action.stage])
                     if replicas > 1:
@@ -150,4 +196,7 @@ def on_demand_is_safe(schedule: Schedule, messages: Messages | None = None) -> b
                 pc += 1
                 progress = True
             pcs[rank] = pc
-    return all(pcs[r] == len(p) and sends_taken(r) for r, p in enumerate(programs))
+    return all(
+        pcs[r] == len(p) and passed[r] == len(pauses) and all(taken(q, position) for q, position in open_sends[r])
+        for r, p in enumerate(programs)
+    )

@@ -86,7 +86,9 @@ def worker(config: TrainConfig) -> TrainResult | None:
                         start=resumed.cut.positions[rank] if resumed else 0, receives=config.receives)
     if resumed:
         runner.restore(resumed.state, resumed.cut)
-    hooks = checkpoints.hooks(runner, after=resumed.step if resumed else 0)
+    after = resumed.step if resumed else 0
+    hooks = checkpoints.hooks(runner, after=after)
+    pause_steps = set(checkpoints.steps(after))
     held_out = eval_batches(run)
     evaluations = runner.evaluations  # restored with the rest of a resumed rank's state
 
@@ -100,18 +102,20 @@ def worker(config: TrainConfig) -> TrainResult | None:
 
     if len(held_out):
         for step in run.evaluation_steps():
-            if resumed and step <= resumed.step:
+            if step <= after:
                 continue
+            pause_steps.add(step)
             position = run.cut_after(step).positions[rank]
             hook = evaluate_at(step)
             # evaluate before a checkpoint of the same step, so that the checkpoint holds it
             hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
+    pauses = [run.cut_after(step).positions for step in sorted(pause_steps)]  # all ranks stop together
     _inject_fault(rank, hooks)
     progress = _progress(run, config)
     _collective("the start barrier", dist.barrier)
     started = time.perf_counter()
     try:
-        runner.run(progress, origin=started, at_positions=hooks)
+        runner.run(progress, origin=started, at_positions=hooks, pauses=pauses)
     finally:
         if progress:
             progress.progress.close()
@@ -134,6 +138,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
         "states": states,
         "digests": digests,
         "evaluations": evaluations,
+        "receives": "on-demand" if runner.on_demand else "ahead",
     }
     gathered: list[Any] = [None] * env.world_size if rank == 0 else None
     _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
@@ -198,14 +203,15 @@ class Checkpoints:
         state = checkpoint.load(f"rank-{self.rank}.pt", weights_only=False)
         return _Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state)
 
+    def steps(self, after: int) -> list[int]:
+        """The steps after ``after`` at whose cut a checkpoint is taken."""
+        if not self.every:
+            return []
+        return [step for step in range(self.every, self.run.updates, self.every) if step > after]
+
     def hooks(self, runner, after: int) -> dict[int, Any]:
         hooks: dict[int, Any] = {}
-        if not self.every:
-            return hooks
-        updates = self.run.updates
-        for step in range(self.every, updates, self.every):
-            if step <= after:
-                continue
+        for step in self.steps(after):
             position = self.run.cut_after(step).positions[self.rank]
             previous = hooks.get(position)
             save = self._saver(runner, step)
@@ -290,5 +296,6 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     seconds = max(p["seconds"] for p in gathered)
     evaluations = max((p["evaluations"] for p in gathered), key=len)
     result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations)
+    result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
     write_outputs(run.config, result, run.model.state_dict())
     return result
