@@ -362,7 +362,9 @@ class StageExecutor:
         if self.optimizer is None:
             new = dict(current)
         else:
-            new = self.optimizer.step(current, grads, self.samples_seen)
+            # nothing reads the replaced version any more (its autograd leaves go with it): update in place
+            in_place = self.versions.current in release
+            new = self.optimizer.step(current, grads, self.samples_seen, out=current if in_place else None)
         self.samples_seen += self.pending_samples
         self.pending_samples = 0
         self.grads = None

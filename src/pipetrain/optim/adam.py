@@ -65,7 +65,7 @@ class Adam(StageOptimizer):
     def state_slots(self) -> int:
         return 3 if self.amsgrad else 2
 
-    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float) -> Tensor:
+    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float, out: Tensor | None = None) -> Tensor:
         beta1, beta2 = self.betas
         slots = self.state.get(name)
         if slots is None:
@@ -99,7 +99,7 @@ class Adam(StageOptimizer):
             second = slots["max_exp_avg_sq"]
             torch.maximum(second, exp_avg_sq, out=second)
         denom = (second.sqrt() / bias_correction2_sqrt).add_(self.eps)
-        return torch.addcdiv(param, exp_avg, denom, value=-step_size)
+        return torch.addcdiv(param, exp_avg, denom, value=-step_size, out=out)
 
     def velocity(self, name: str) -> Tensor | None:
         slots = self.state.get(name)

@@ -35,6 +35,10 @@ class StageOptimizer(ABC):
 
     Returned tensors are plain leaf tensors with ``requires_grad`` copied from the input
     parameter; a parameter whose gradient is ``None`` (or absent) is returned as the same object.
+    The one exception is the caller's to make: ``step(..., out=params)`` writes the new values
+    into the old tensors when no reader of the old version remains (the stage executor does so
+    when an update releases the version it replaces), which saves an allocation and a memory
+    stream per parameter; the arithmetic, and so every bit of the result, is the same.
     """
 
     #: Short name used in specs and state dicts (``"sgd"``, ``"adam"``, ``"adamw"``).
@@ -68,11 +72,15 @@ class StageOptimizer(ABC):
 
     # -- update ----------------------------------------------------------------------------------
 
-    def step(self, params: Params, grads: Grads, samples_seen: int) -> dict[str, Tensor]:
+    def step(
+        self, params: Params, grads: Grads, samples_seen: int, *, out: Params | None = None
+    ) -> dict[str, Tensor]:
         """Apply one update; returns new parameter tensors (``params`` and ``grads`` are unchanged).
 
         ``samples_seen`` counts the samples applied by earlier updates and selects the learning
         rate. Parameters whose gradient is ``None`` or missing keep their tensor and their state.
+        ``out`` gives tensors to write the new values into (``out=params``: in place, for a
+        version nothing reads any more).
         """
         unknown = [name for name in grads if name not in params]
         if unknown:
@@ -93,14 +101,15 @@ class StageOptimizer(ABC):
                         f"gradient of {name!r} has shape {tuple(grad.shape)} but the parameter "
                         f"has shape {tuple(param.shape)}"
                     )
-                new = self._update(name, param.detach(), grad.detach(), lr)
+                new = self._update(name, param.detach(), grad.detach(), lr, None if out is None else out[name])
                 updated[name] = new.requires_grad_(True) if param.requires_grad else new
         self.steps += 1
         return updated
 
     @abstractmethod
-    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float) -> Tensor:
-        """One parameter's update; must return a new tensor and may change ``self.state[name]``."""
+    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float, out: Tensor | None = None) -> Tensor:
+        """One parameter's update; must return a new tensor (``out``, when given, which may be
+        ``param`` itself: the last operation writes there) and may change ``self.state[name]``."""
 
     # -- Linear Weight Prediction ----------------------------------------------------------------
 

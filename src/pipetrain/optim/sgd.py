@@ -75,13 +75,13 @@ class SGD(StageOptimizer):
     def state_slots(self) -> int:
         return 1 if self.momentum != 0.0 or self._keep_last_grad else 0
 
-    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float) -> Tensor:
+    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float, out: Tensor | None = None) -> Tensor:
         if self.weight_decay != 0:
             grad = grad.add(param, alpha=self.weight_decay)
         if self.momentum == 0:
             if self._keep_last_grad:
                 self.state[name] = {"momentum_buffer": grad.clone()}
-            return torch.add(param, grad, alpha=-lr)
+            return torch.add(param, grad, alpha=-lr, out=out)
 
         slots = self.state.setdefault(name, {})
         buf = slots.get("momentum_buffer")
@@ -99,7 +99,7 @@ class SGD(StageOptimizer):
             direction = grad.add(buf, alpha=self._spike_a)
         else:
             direction = grad.mul(self._spike_b).add_(buf, alpha=self._spike_a)
-        return torch.add(param, direction, alpha=-lr)
+        return torch.add(param, direction, alpha=-lr, out=out)
 
     def velocity(self, name: str) -> Tensor | None:
         slots = self.state.get(name)
