@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -351,7 +352,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each contender; the best is kept")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each contender; ratios use the best, the median is shown beside it")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: per config)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: per config)")
     args = parser.parse_args()
@@ -366,21 +368,23 @@ def main() -> None:
         m = cfg.microbatches
         print(
             f"\n{config_name}: width {cfg.width}, batch {cfg.batch} = {m} x {cfg.microbatch}, "
-            f"{steps} timed steps after {warmup}, best of {args.repeats}"
+            f"{steps} timed steps after {warmup}, best of {args.repeats} rounds (every contender once per round)"
         )
-        rates: dict[str, list[float]] = {}
-        for name in names:
-            label, fn = CONTENDERS[name]
-            rates[name] = [fn(cfg, steps, warmup) for _ in range(args.repeats)]
+        # Round robin: each repeat runs every contender once, so that the machine's drift over
+        # minutes (large on shared vCPUs) spreads over all contenders instead of favouring some.
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name in names:
+                rates[name].append(CONTENDERS[name][1](cfg, steps, warmup))
         r = max(rates["sequential"])
         bound = 2 * r * m / (m + 1)
-        print(f"  {'contender':28s} {'samples/s':>10s} {'x R':>6s} {'/ 2R':>6s} {'/ 2Rm/(m+1)':>12s}   runs")
+        print(f"  {'contender':30s} {'samples/s':>10s} {'median':>8s} {'x R':>6s} {'/ 2R':>6s} {'/ 2Rm/(m+1)':>12s}   runs")
         for name in names:
             best = max(rates[name])
             runs = ", ".join(f"{v:.0f}" for v in rates[name])
             print(
-                f"  {CONTENDERS[name][0]:28s} {best:10.0f} {best / r:6.2f} {best / (2 * r):6.2f} "
-                f"{best / bound:12.2f}   {runs}"
+                f"  {CONTENDERS[name][0]:30s} {best:10.0f} {statistics.median(rates[name]):8.0f} {best / r:6.2f} "
+                f"{best / (2 * r):6.2f} {best / bound:12.2f}   {runs}"
             )
 
 
