@@ -16,6 +16,7 @@ happen while the rank would wait anyway, instead of interrupting its computation
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 from pipetrain.schedule.ir import Kind, Schedule
@@ -78,36 +79,24 @@ class SendLedger:
 
     def received(self, position: int, peer: int) -> None:
         """Our RECV at ``position`` from ``peer`` completed: wait for the sends it proves received."""
-        pending = self._pending.get(peer)
-        if not pending:
-            return
-        horizon = self._sent_at[position]
-        still = []
-        for receive_position, handle in pending:
-            if receive_position < horizon:
-                handle.wait()
-            else:
-                still.append((receive_position, handle))
-        self._pending[peer] = still
+        if self._pending.get(peer):
+            self._complete(peer, self._sent_at[position])
 
     def drain(self, before: Sequence[int] | None = None) -> None:
         """Wait for every send still under way (end of the program), or with ``before`` (each
         rank's position of the next pause) for those its receiver takes before that pause."""
-        if before is None:
-            for pending in self._pending.values():
-                for _, handle in pending:
-                    handle.wait()
-            self._pending.clear()
-            return
-        for peer, pending in self._pending.items():
-            limit = before[peer]
-            still = []
-            for receive_position, handle in pending:
-                if receive_position < limit:
-                    handle.wait()
-                else:
-                    still.append((receive_position, handle))
-            self._pending[peer] = still
+        for peer in list(self._pending):
+            self._complete(peer, math.inf if before is None else before[peer])
+
+    def _complete(self, peer: int, limit: float) -> None:
+        """Wait for our sends to ``peer`` whose receive sits before ``limit`` in its program."""
+        still = []
+        for receive_position, handle in self._pending[peer]:
+            if receive_position < limit:
+                handle.wait()
+            else:
+                still.append((receive_position, handle))
+        self._pending[peer] = still
 
 
 def on_demand_is_safe(
@@ -144,12 +133,13 @@ def on_demand_is_safe(
     def taken(peer: int, position: int) -> bool:
         return pcs[peer] > position or (pcs[peer] == position and posted[peer])
 
-    def sends_taken(rank: int) -> bool:
-        """Every open send of ``rank`` that must complete before its next pause was taken."""
+    def due(rank: int) -> list[tuple[int, int]]:
+        """The open sends of ``rank`` that must complete before its next pause."""
         limits = pauses[passed[rank]] if passed[rank] < len(pauses) else None
-        return all(
-            taken(peer, position) for peer, position in open_sends[rank] if limits is None or position < limits[peer]
-        )
+        return [(peer, position) for peer, position in open_sends[rank] if limits is None or position < limits[peer]]
+
+    def sends_taken(rank: int) -> bool:
+        return all(taken(peer, position) for peer, position in due(rank))
 
     def pause_complete(index: int) -> bool:
         return all(passed[q] > index or (passed[q] == index and pcs[q] == pauses[index][q]) for q in ranks)
@@ -179,10 +169,8 @@ def on_demand_is_safe(
                     sender, position = messages.sent_at[Messages.of(action)]
                     if pcs[sender] <= position or not sends_taken(rank):
                         break
-                    limits = pauses[passed[rank]] if passed[rank] < len(pauses) else None
-                    open_sends[rank] = [
-                        (peer, p) for peer, p in open_sends[rank] if limits is not None and p >= limits[peer]
-                    ]
+                    done = set(due(rank))
+                    open_sends[rank] = [send for send in open_sends[rank] if send not in done]
                 elif kind is Kind.SYNC:
                     replicas = len(schedule.stage_ranks[action.stage])
                     if replicas > 1:
