@@ -69,6 +69,8 @@ BAD_MODULE = textwrap.dedent('''
         (["--stages", "2", "--workers", "3"], "--workers 3 does not match"),
         (["--schedule", "zb-h2", "--stages", "2"], "unknown schedule"),
         (["--stages", "2", "--checkpoint-every", "2"], "checkpoints are written by the distributed runtime"),
+        (["--schedule", "pipedream", "--stages", "2", "--replicas", "2,1", "--steps", "8", "--eval-every", "3"],
+         "--eval-every 3 would pause the run in the middle of an update that the replicas of a stage make together"),
     ],
 )
 def test_bad_input_gets_one_clear_message(capsys, tmp_path, monkeypatch, argv, message):

@@ -3,7 +3,7 @@
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.runtime.cuts import cut
+from pipetrain.runtime.cuts import cut, shared_updates
 from pipetrain.schedule import Kind, build, loads
 
 
@@ -48,3 +48,14 @@ def test_inconsistent_cut_is_refused():
     """)
     with pytest.raises(ConfigError, match="before its cut"):
         cut(schedule, 1)
+
+
+def test_a_stop_inside_an_update_that_replicas_share_is_refused():
+    # Stage 0 has two replicas: minibatches 0 and 1 make one update together, 2 and 3 the next.
+    schedule = build("pipedream", 2, 8, replicas=[2, 1])
+    assert shared_updates(schedule) == [(0, 0, 1), (0, 2, 3), (0, 4, 5), (0, 6, 7)]
+    assert shared_updates(build("pipedream", 3, 8)) == []
+    for units in (2, 4, 6):
+        cut(schedule, units)
+    with pytest.raises(ConfigError, match="replicas of stage 0 update together over units 2..3"):
+        cut(schedule, 3)

@@ -44,15 +44,21 @@ def test_a_killed_worker_stops_the_run_with_a_clear_message():
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("schedule, extra", [("pipedream", []), ("1f1b", ["--microbatches", "3"])])
+@pytest.mark.parametrize("schedule, extra", [
+    ("pipedream", {}), ("1f1b", {"microbatches": 3}), ("pipedream", {"stages": 2, "replicas": [2, 1]}),
+])
 def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, schedule, extra):
-    common = ["--schedule", schedule, "--stages", "3", "--steps", "12", "--checkpoint-every", "4", *extra]
+    args = {"schedule": schedule, "stages": 3, "steps": 12, **extra}
+    common = ["--schedule", schedule, "--stages", str(args["stages"]), "--steps", "12", "--checkpoint-every", "4"]
+    if "microbatches" in extra:
+        common += ["--microbatches", str(extra["microbatches"])]
+    if "replicas" in extra:
+        common += ["--replicas", ",".join(map(str, extra["replicas"]))]
     full = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "a"), "--save", str(tmp_path / "full.pt"),
                      "--report-json", str(tmp_path / "full.json"))
     assert full.returncode == 0, full.stderr
     # pausing at its checkpoints, the full run receives on demand; the resumed one posts ahead
     assert json.loads((tmp_path / "full.json").read_text())["receives"] == ["on-demand"] * 3
-    args = dict(schedule=schedule, stages=3, steps=12, microbatches=3 if extra else None)
     position = position_after(args, 8, rank=2)
     killed = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "b"), "--timeout", "20",
                        env={"PIPETRAIN_FAULT_INJECT": f"2:{position}"})

@@ -17,7 +17,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.runtime.sends import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
-__all__ = ["Cut", "cut"]
+__all__ = ["Cut", "cut", "shared_updates"]
 
 
 @dataclass
@@ -43,10 +43,41 @@ def _position(schedule: Schedule, rank: int, units: int) -> int:
     return position
 
 
+def shared_updates(schedule: Schedule) -> list[tuple[int, int, int]]:
+    """The updates that replicas of a stage make together: ``(stage, first, last)`` units.
+
+    The replicas of a stage sum their gradients at each SYNC, each over the microbatches it ran
+    since the previous one. No rank can stop after ``c`` units while such an update holds units
+    on both sides of ``c`` (``first < c <= last``): one replica would wait at the SYNC for a
+    backward that another runs only after its own stop.
+    """
+    groups: dict[tuple[int, int], list[int]] = {}  # (stage, SYNC occurrence) -> its units
+    for rank, program in enumerate(schedule.programs):
+        pending: dict[int, list[int]] = {}
+        seen: dict[int, int] = {}
+        for action in program:
+            stage = action.stage
+            if len(schedule.stage_ranks[stage]) < 2:
+                continue
+            if action.kind in (Kind.B, Kind.W):
+                pending.setdefault(stage, []).append(action.microbatch)
+            elif action.kind is Kind.SYNC:
+                occurrence = seen.get(stage, 0)
+                seen[stage] = occurrence + 1
+                groups.setdefault((stage, occurrence), []).extend(pending.pop(stage, []))
+    return [(stage, min(units), max(units)) for (stage, _), units in sorted(groups.items()) if units]
+
+
 def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut:
     """The cut after ``units`` units, or a ConfigError if it is not consistent or leaves a split
     backward half done. ``messages``: the schedule's :class:`~pipetrain.runtime.sends.Messages`,
     if already built."""
+    for stage, first, last in shared_updates(schedule):
+        if first < units <= last:
+            raise ConfigError(
+                f"cannot stop after {units} units: the replicas of stage {stage} update together over units "
+                f"{first}..{last}; choose another --checkpoint-every or --eval-every"
+            )
     positions = [_position(schedule, rank, units) for rank in range(schedule.num_ranks)]
     messages = Messages(schedule) if messages is None else messages
     crossing_sends: list[list[int]] = [[] for _ in schedule.programs]

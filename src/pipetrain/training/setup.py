@@ -181,6 +181,28 @@ def apply_plan(config: TrainConfig) -> TrainConfig:
     )
 
 
+def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: int) -> None:
+    """Refuse --eval-every/--checkpoint-every values whose pauses would split an update that the
+    replicas of a stage make together (asynchronous schedules with replicas)."""
+    every = {"--eval-every": config.eval_every, "--checkpoint-every": config.checkpoint_every}
+    if not any(every.values()) or all(len(ranks) < 2 for ranks in schedule.stage_ranks):
+        return
+    from pipetrain.runtime.cuts import shared_updates
+
+    split = {c for _, first, last in shared_updates(schedule) for c in range(first + 1, last + 1)}
+
+    def fits(period: int) -> bool:
+        return all(step * units not in split for step in range(period, updates, period))
+
+    for flag, period in every.items():
+        if period and not fits(period):
+            better = next(p for p in range(period + 1, updates + 1) if fits(p))
+            raise ConfigError(
+                f"{flag} {period} would pause the run in the middle of an update that the replicas of a stage "
+                f"make together (replicas {list(schedule.replicas)}); use for example {flag} {better}"
+            )
+
+
 def prepare(config: TrainConfig) -> Run:
     """Build everything the run needs from ``config`` (deterministic)."""
     from pipetrain.data import BatchSampler, dataset_info, load_dataset, load_train_test
@@ -262,6 +284,7 @@ def prepare(config: TrainConfig) -> Run:
             name, stages, units, steps=updates, chunks=config.chunks, replicas=config.replicas, policy=policy
         )
     check(schedule)
+    _check_pauses(config, schedule, units, updates)
     if schedule.policy in ("latest", "predict") or name == "pb":
         refuse_batchnorm(model, context=f"the {name} schedule with the {schedule.policy} version policy")
 
