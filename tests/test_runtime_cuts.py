@@ -3,7 +3,7 @@
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.runtime.cuts import cut, shared_updates
+from pipetrain.runtime.cuts import cut, cuts, shared_updates
 from pipetrain.schedule import Kind, build, loads
 
 
@@ -59,3 +59,28 @@ def test_a_stop_inside_an_update_that_replicas_share_is_refused():
         cut(schedule, units)
     with pytest.raises(ConfigError, match="replicas of stage 0 update together over units 2..3"):
         cut(schedule, 3)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("pipedream", dict(stages=3, microbatches=12)), ("pipedream", dict(stages=3, microbatches=12, replicas=[1, 2, 1])),
+    ("1f1b", dict(stages=3, microbatches=4, steps=3)), ("zb-h1", dict(stages=3, microbatches=4, steps=3)),
+    ("2bw", dict(stages=3, microbatches=3, steps=4)), ("pb", dict(stages=4, microbatches=10)),
+    ("interleaved", dict(stages=2, microbatches=4, steps=3, chunks=2)),
+])
+def test_all_cuts_in_one_pass_equal_each_cut_alone(name, options):
+    schedule = build(name, **options)
+    total = 1 + max(a.microbatch for program in schedule.programs for a in program if a.microbatch is not None)
+    alone, refused = {}, {}
+    for units in range(total + 1):
+        try:
+            alone[units] = cut(schedule, units)
+        except ConfigError as error:
+            refused[units] = str(error)
+    together = cuts(schedule, list(alone))
+    assert [(c.units, c.positions, c.crossing_sends) for c in together] == [
+        (c.units, c.positions, c.crossing_sends) for c in alone.values()
+    ]
+    for units, message in refused.items():  # one refused count among good ones: its own error
+        with pytest.raises(ConfigError) as error:
+            cuts(schedule, [*alone, units])
+        assert str(error.value) == message

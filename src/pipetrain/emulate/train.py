@@ -44,7 +44,8 @@ def train_emulated(run: Run) -> TrainResult:
 
         return evaluate
 
-    cuts = [(run.cut_after(s).positions, evaluate_at(s)) for s in run.evaluation_steps()] if len(held_out) else []
+    steps = run.evaluation_steps() if len(held_out) else []
+    cuts = [(c.positions, evaluate_at(s)) for s, c in zip(steps, run.cuts_after(steps))]
     started = time.perf_counter()
     try:
         emulator.run(losses, cuts=cuts)

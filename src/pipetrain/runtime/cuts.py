@@ -11,13 +11,15 @@ saved inputs and re-sends the messages that crossed the cut.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from pipetrain.errors import ConfigError
 from pipetrain.runtime.sends import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
-__all__ = ["Cut", "cut", "shared_updates"]
+__all__ = ["Cut", "cut", "cuts", "shared_updates"]
 
 
 @dataclass
@@ -110,3 +112,71 @@ def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut
                 f"{sorted(inputs_done)}; choose a --checkpoint-every that ends on a step"
             )
     return Cut(units, positions, crossing_sends)
+
+
+def cuts(schedule: Schedule, counts: Sequence[int], messages: Messages | None = None) -> list[Cut]:
+    """:func:`cut` for many unit counts at once, in one pass over the programs and messages
+    (evaluating or checkpointing after every update would otherwise scan the programs once per
+    update). Raises :func:`cut`'s error for the smallest count that has one."""
+    order = sorted(set(counts))
+    if not order:
+        return []
+    messages = Messages(schedule) if messages is None else messages
+    positions = [_positions(program, order) for program in schedule.programs]  # rank -> per count
+    bad = len(order)  # index of the smallest count that cannot be cut
+
+    def refuse(start: int, stop: int) -> None:
+        nonlocal bad
+        if start < stop:
+            bad = min(bad, start)
+
+    crossing: list[list[list[int]]] = [[[] for _ in schedule.programs] for _ in order]
+    for rank, program in enumerate(schedule.programs):
+        inputs: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> position of its I
+        for position, action in enumerate(program):
+            kind = action.kind
+            if kind is Kind.I:
+                inputs[(action.stage, action.microbatch)] = position
+            elif kind is Kind.W and (action.stage, action.microbatch) in inputs:
+                # an I before the cut and its W after it
+                start = inputs.pop((action.stage, action.microbatch))
+                refuse(bisect_right(positions[rank], start), bisect_right(positions[rank], position))
+            elif kind is Kind.SEND_F or kind is Kind.SEND_B:
+                peer, received = messages.received_at[Messages.of(action)]
+                sent_before = bisect_right(positions[rank], position)  # cuts from here on hold the send
+                taken_before = bisect_right(positions[peer], received)  # cuts before here miss the receive
+                refuse(taken_before, sent_before)  # received before the cut, sent after it
+                if kind is Kind.SEND_B:
+                    refuse(sent_before, taken_before)  # a gradient in flight
+                for index in range(sent_before, taken_before):
+                    crossing[index][rank].append(position)
+    for _, first, last in shared_updates(schedule):
+        refuse(bisect_right(order, first), bisect_right(order, last))
+    if bad < len(order):
+        cut(schedule, order[bad], messages)  # raises the error that names what is wrong
+        raise AssertionError(f"no error found for {order[bad]} units")  # pragma: no cover
+    found = {
+        units: Cut(units, [positions[rank][index] for rank in range(schedule.num_ranks)], crossing[index])
+        for index, units in enumerate(order)
+    }
+    return [found[units] for units in counts]
+
+
+def _positions(program: Sequence, order: Sequence[int]) -> list[int]:
+    """:func:`_position` of one rank's program for each count of ``order`` (ascending)."""
+    backwards = sorted(
+        (action.microbatch, position)
+        for position, action in enumerate(program)
+        if action.microbatch is not None and action.kind in (Kind.B, Kind.W)
+    )
+    after = list(range(len(program) + 1))  # position -> first position at or after it that is not tied to a backward
+    for position in range(len(program) - 1, -1, -1):
+        if program[position].kind in (Kind.SEND_B, Kind.SYNC, Kind.STEP):
+            after[position] = after[position + 1]
+    out, last, index = [], -1, 0
+    for units in order:
+        while index < len(backwards) and backwards[index][0] < units:
+            last = max(last, backwards[index][1])
+            index += 1
+        out.append(after[last + 1])
+    return out

@@ -87,9 +87,11 @@ def worker(config: TrainConfig) -> TrainResult | None:
     if resumed:
         runner.restore(resumed.state, resumed.cut)
     after = resumed.step if resumed else 0
-    hooks = checkpoints.hooks(runner, after=after)
-    pause_steps = set(checkpoints.steps(after))
     held_out = eval_batches(run)
+    evaluation_steps = [step for step in run.evaluation_steps() if step > after] if len(held_out) else []
+    pause_steps = sorted(set(checkpoints.steps(after)) | set(evaluation_steps))
+    pauses = [c.positions for c in run.cuts_after(pause_steps)]  # all ranks stop together there
+    hooks = checkpoints.hooks(runner, after=after)
     evaluations = runner.evaluations  # restored with the rest of a resumed rank's state
 
     def evaluate_at(step: int):
@@ -100,16 +102,11 @@ def worker(config: TrainConfig) -> TrainResult | None:
 
         return evaluate
 
-    if len(held_out):
-        for step in run.evaluation_steps():
-            if step <= after:
-                continue
-            pause_steps.add(step)
-            position = run.cut_after(step).positions[rank]
-            hook = evaluate_at(step)
-            # evaluate before a checkpoint of the same step, so that the checkpoint holds it
-            hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
-    pauses = [run.cut_after(step).positions for step in sorted(pause_steps)]  # all ranks stop together
+    for step in evaluation_steps:
+        position = run.cut_after(step).positions[rank]
+        hook = evaluate_at(step)
+        # evaluate before a checkpoint of the same step, so that the checkpoint holds it
+        hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
     _inject_fault(rank, hooks)
     progress = _progress(run, config)
     _collective("the start barrier", dist.barrier)

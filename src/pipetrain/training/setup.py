@@ -68,15 +68,21 @@ class Run:
     def cut_after(self, step: int):
         """Where each rank pauses after ``step`` updates (for an evaluation or a checkpoint): a
         consistent cut, computed once per step."""
-        found = self._cuts.get(step)
-        if found is None:
-            from pipetrain.runtime.cuts import cut
+        return self.cuts_after([step])[0]
+
+    def cuts_after(self, steps: list[int]) -> list:
+        """:meth:`cut_after` for many steps, those not yet known computed in one pass."""
+        missing = sorted({step for step in steps if step not in self._cuts})
+        if missing:
+            from pipetrain.runtime.cuts import cuts
             from pipetrain.runtime.sends import Messages
 
             if self._messages is None:
                 self._messages = Messages(self.schedule)
-            found = self._cuts[step] = cut(self.schedule, step * self.layout.units_per_update, self._messages)
-        return found
+            units = self.layout.units_per_update
+            for step, found in zip(missing, cuts(self.schedule, [s * units for s in missing], self._messages)):
+                self._cuts[step] = found
+        return [self._cuts[step] for step in steps]
 
     def unit_data(self) -> UnitData:
         def get_batch(dataset: Dataset, indices: Tensor):
