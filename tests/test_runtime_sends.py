@@ -74,3 +74,16 @@ def test_a_pause_that_a_message_must_cross_backwards_is_refused():
     assert not on_demand_is_safe(schedule, pauses=[[0, 1]])
     assert on_demand_is_safe(schedule, pauses=[[1, 1]])
     assert on_demand_is_safe(schedule, pauses=[[1, 0], [1, 1]])  # the send crosses the first pause
+
+
+@pytest.mark.parametrize("name, extra, resume_at", [("pipedream", {}, 5), ("1f1b", {"steps": 4}, 16)])
+def test_a_resumed_run_may_receive_on_demand(name, extra, resume_at):
+    # The resumed ranks start at their cut with the messages that crossed it sent again.
+    schedule = build(name, stages=3, microbatches=8, **extra)
+    messages = Messages(schedule)
+    start = cut(schedule, resume_at, messages)
+    if name == "pipedream":
+        assert any(start.crossing_sends)
+    assert on_demand_is_safe(schedule, messages, start=start)
+    later = [cut(schedule, resume_at + 1, messages).positions] if name == "pipedream" else []
+    assert on_demand_is_safe(schedule, messages, later, start=start)

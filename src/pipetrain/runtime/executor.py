@@ -16,9 +16,9 @@ section 3). Forced on demand, a schedule that the dry run refuses, or a run that
 can deadlock (and then times out). ``"ahead"`` keeps the next receive of every channel posted
 and completes sends without blocking (:class:`~pipetrain.runtime.sends.SendLedger`). ``"auto"``
 (the default) picks on-demand when a dry run proves it free of deadlock
-(:func:`~pipetrain.runtime.sends.on_demand_is_safe`), including the cuts where all ranks pause
-together (checkpoints, evaluation; sends that cross such a cut are waited for after it), and the
-run does not resume mid-program; ahead otherwise.
+(:func:`~pipetrain.runtime.sends.on_demand_is_safe`) for the run as it is, from the start or
+from a resumed cut, with the cuts where all ranks pause together (checkpoints, evaluation; sends
+that cross such a cut are waited for after it); ahead otherwise.
 
 Every wait is bounded by the run's timeout: a dead or stuck peer ends the run with a message that
 names the action this rank was waiting for and the last actions of every rank.
@@ -128,6 +128,7 @@ class RankRunner:
         self.receives = receives
         self.on_demand = False
         self._pauses: list[list[int]] = []  # every rank's position of each cut where all pause
+        self._resumed_cut: Any = None  # the cut a resumed run starts from (see restore)
         self._next_pause = 0
 
     # -- receives posted ahead of need ----------------------------------------------------------
@@ -145,16 +146,17 @@ class RankRunner:
             self._post_next(channel)
 
     def _choose_receives(self, hooks: dict, pauses: list[list[int]]) -> None:
-        """On demand when asked, or under ``auto`` when the dry run proves it safe for a run from
-        the start with these pauses. A hook that is not one of the pauses (all ranks stopping
-        together at a cut) could block this rank while a peer waits for it to take a send, and a
-        resumed run starts mid-program: both keep their receives posted ahead."""
+        """On demand when asked, or under ``auto`` when the dry run proves it safe for this run:
+        from the start or the resumed cut, with these pauses. A hook that is not one of the pauses
+        (all ranks stopping together at a cut) could block this rank while a peer waits for it to
+        take a send: it keeps the receives posted ahead."""
         if self.receives == "on-demand":
             self.on_demand = True
         elif self.receives == "auto":
             known = {pause[self.rank] for pause in pauses}
-            fresh = self.start == 0 and all(position in known for position in hooks)
-            self.on_demand = fresh and on_demand_is_safe(self.schedule, self._messages, pauses)
+            self.on_demand = all(position in known for position in hooks) and on_demand_is_safe(
+                self.schedule, self._messages, pauses, start=self._resumed_cut
+            )
         if not self.on_demand:
             self._plan_receives(self.start)
 
@@ -353,6 +355,7 @@ class RankRunner:
         crossed the cut; returns the program position to continue from."""
         schedule, rank, program = self.schedule, self.rank, self.program
         position = cut.positions[rank]
+        self._resumed_cut = cut
         self.losses = dict(state["losses"])
         self._labels = dict(state["labels"])
         self.evaluations = list(state.get("evaluations", []))

@@ -100,7 +100,10 @@ class SendLedger:
 
 
 def on_demand_is_safe(
-    schedule: Schedule, messages: Messages | None = None, pauses: Sequence[Sequence[int]] = ()
+    schedule: Schedule,
+    messages: Messages | None = None,
+    pauses: Sequence[Sequence[int]] = (),
+    start: Any = None,
 ) -> bool:
     """Whether every rank may post each receive only when it reaches it and wait there for all its
     earlier sends, without any rank waiting forever.
@@ -118,14 +121,20 @@ def on_demand_is_safe(
     every rank has reached its own. A send that crosses a pause (received after the receiver's
     position of it) is not waited for before the sender has passed that pause
     (:meth:`SendLedger.drain` with ``before``).
+
+    ``start``: a resumed run's :class:`~pipetrain.runtime.cuts.Cut`; every rank begins at its
+    position, with the messages that crossed the cut sent again and still open.
     """
     programs = schedule.programs
     messages = Messages(schedule) if messages is None else messages
     ranks = range(len(programs))
-    pcs = [0] * len(programs)
+    pcs = [0] * len(programs) if start is None else list(start.positions)
     posted = [False] * len(programs)  # stopped at a RECV it has posted (not at a pause before it)
     passed = [0] * len(programs)  # pauses each rank has gone past
-    open_sends: list[list[tuple[int, int]]] = [[] for _ in programs]
+    open_sends: list[list[tuple[int, int]]] = [
+        [] if start is None else [messages.received_at[Messages.of(program[p])] for p in start.crossing_sends[rank]]
+        for rank, program in enumerate(programs)
+    ]
     sync_count: dict[tuple[int, int], int] = {}  # (rank, stage) -> SYNCs done
     sync_arrived: dict[tuple[int, int], int] = {}  # (stage, occurrence) -> replicas arrived
     arrived_at_sync: set[tuple[int, int]] = set()  # (rank, position) counted in sync_arrived
