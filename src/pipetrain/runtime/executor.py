@@ -10,10 +10,11 @@ gradients of a stage's replicas (a process group per replicated stage).
 
 When receives are posted (``receives=``): ``"on-demand"`` posts each receive when the program
 reaches it and, once it arrived, waits for this rank's earlier sends, so transfers run while the
-rank waits anyway. On a CPU, a transfer that lands during computation takes the core from it for a
-moment; the overhead-bound benchmark runs 20-25 % faster on demand (benchmarks/RESULTS.md,
-section 3). Forced on demand, a schedule that the dry run refuses, or a run that pauses at cuts,
-can deadlock (and then times out). ``"ahead"`` keeps the next receive of every channel posted
+rank waits anyway. Gloo sends a message only once its receive is posted, and on a CPU its I/O
+thread, which writes a message whose receive was posted late, competes with the computation for
+the rank's core; the overhead-bound benchmark runs 20-25 % faster on demand (benchmarks/RESULTS.md,
+section 3). Forced on demand, a schedule that the dry run refuses can deadlock (and then times
+out). ``"ahead"`` keeps the next receive of every channel posted
 and completes sends without blocking (:class:`~pipetrain.runtime.sends.SendLedger`). ``"auto"``
 (the default) picks on-demand when a dry run proves it free of deadlock
 (:func:`~pipetrain.runtime.sends.on_demand_is_safe`) for the run as it is, from the start or
