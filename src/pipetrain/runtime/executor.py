@@ -86,6 +86,7 @@ class RankRunner:
         messenger: point-to-point transport; ``groups``: :func:`sync_groups`.
         status: an optional status board (recent actions, current wait).
         receives: ``"auto"``, ``"on-demand"`` or ``"ahead"`` (see the module docstring).
+        messages: the schedule's :class:`~pipetrain.runtime.sends.Messages`, if already built.
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class RankRunner:
         status: Any = None,
         start: int = 0,
         receives: str = "auto",
+        messages: Messages | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -119,7 +121,7 @@ class RankRunner:
         self._releases = version_release_points(self.program)
         self._local: dict[tuple, Any] = {}
         self._labels: dict[int, torch.Tensor] = {}  # labels of microbatches passing through this rank
-        self._messages = Messages(schedule)
+        self._messages = Messages(schedule) if messages is None else messages
         self._sends = SendLedger(schedule, rank, self._messages)
         self._posted: dict[tuple[int, str], RecvHandle] = {}
         self._queues: dict[tuple[int, str], deque] = {}
@@ -177,8 +179,7 @@ class RankRunner:
             )
             payload = handle.wait()
             # after the receive: the first message of a channel needs the receiver's wait
-            pauses = self._pauses
-            self._sends.drain(pauses[self._next_pause] if self._next_pause < len(pauses) else None)
+            self._sends.drain(self._upcoming())
             return payload, handle
         handle = self._posted.pop(channel)
         payload = handle.wait()
@@ -223,7 +224,7 @@ class RankRunner:
         self._pauses = list(pauses or ())
         self._next_pause = 0
         self._choose_receives(hooks, self._pauses)
-        pause_at = self._pauses[0][rank] if self._pauses else -1
+        pause_at = self._pauses[0][rank] if self._pauses else -1  # this rank's position of the next pause
         for pc in range(self.start, len(program)):
             if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
                 paused = clock()
@@ -290,13 +291,18 @@ class RankRunner:
         self._sends.drain()
         return self.losses
 
+    def _upcoming(self) -> list[int] | None:
+        """Every rank's position of the next pause this rank has not passed (None: no more)."""
+        return self._pauses[self._next_pause] if self._next_pause < len(self._pauses) else None
+
     def _pass_pauses(self, position: int) -> int:
         """This rank has run its hooks at ``position``: the pauses there are behind it. Returns its
         position of the next pause (-1 when none is left)."""
-        pauses = self._pauses
-        while self._next_pause < len(pauses) and pauses[self._next_pause][self.rank] == position:
+        upcoming = self._upcoming()
+        while upcoming is not None and upcoming[self.rank] == position:
             self._next_pause += 1
-        return pauses[self._next_pause][self.rank] if self._next_pause < len(pauses) else -1
+            upcoming = self._upcoming()
+        return -1 if upcoming is None else upcoming[self.rank]
 
     # -- evaluation ----------------------------------------------------------------------------
 

@@ -83,7 +83,8 @@ def worker(config: TrainConfig) -> TrainResult | None:
     checkpoints = Checkpoints(run, rank, env.world_size)
     resumed = checkpoints.resume_point()
     runner = RankRunner(schedule, rank, executors, data, run.layout, messenger, groups, status,
-                        start=resumed.cut.positions[rank] if resumed else 0, receives=config.receives)
+                        start=resumed.cut.positions[rank] if resumed else 0, receives=config.receives,
+                        messages=run.messages)
     if resumed:
         runner.restore(resumed.state, resumed.cut)
     after = resumed.step if resumed else 0

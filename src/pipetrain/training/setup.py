@@ -75,14 +75,21 @@ class Run:
         missing = sorted({step for step in steps if step not in self._cuts})
         if missing:
             from pipetrain.runtime.cuts import cuts
-            from pipetrain.runtime.sends import Messages
 
-            if self._messages is None:
-                self._messages = Messages(self.schedule)
             units = self.layout.units_per_update
-            for step, found in zip(missing, cuts(self.schedule, [s * units for s in missing], self._messages)):
+            for step, found in zip(missing, cuts(self.schedule, [s * units for s in missing], self.messages)):
                 self._cuts[step] = found
         return [self._cuts[step] for step in steps]
+
+    @property
+    def messages(self):
+        """Where each message of the schedule is sent and received
+        (:class:`~pipetrain.runtime.sends.Messages`), built once per run."""
+        if self._messages is None:
+            from pipetrain.runtime.sends import Messages
+
+            self._messages = Messages(self.schedule)
+        return self._messages
 
     def unit_data(self) -> UnitData:
         def get_batch(dataset: Dataset, indices: Tensor):
