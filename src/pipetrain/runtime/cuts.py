@@ -32,19 +32,6 @@ class Cut:
     crossing_sends: list[list[int]] = field(default_factory=list)
 
 
-def _position(schedule: Schedule, rank: int, units: int) -> int:
-    program = schedule.programs[rank]
-    last = -1
-    for position, action in enumerate(program):
-        kind = action.kind
-        if action.microbatch is not None and action.microbatch < units and kind in (Kind.B, Kind.W):
-            last = position
-    position = last + 1
-    while position < len(program) and program[position].kind in (Kind.SEND_B, Kind.SYNC, Kind.STEP):
-        position += 1
-    return position
-
-
 def shared_updates(schedule: Schedule) -> list[tuple[int, int, int]]:
     """The updates that replicas of a stage make together: ``(stage, first, last)`` units.
 
@@ -80,7 +67,7 @@ def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut
                 f"cannot stop after {units} units: the replicas of stage {stage} update together over units "
                 f"{first}..{last}; choose another --checkpoint-every or --eval-every"
             )
-    positions = [_position(schedule, rank, units) for rank in range(schedule.num_ranks)]
+    positions = [_positions(program, [units])[0] for program in schedule.programs]
     messages = Messages(schedule) if messages is None else messages
     crossing_sends: list[list[int]] = [[] for _ in schedule.programs]
     for rank, program in enumerate(schedule.programs):
@@ -163,7 +150,9 @@ def cuts(schedule: Schedule, counts: Sequence[int], messages: Messages | None = 
 
 
 def _positions(program: Sequence, order: Sequence[int]) -> list[int]:
-    """:func:`_position` of one rank's program for each count of ``order`` (ascending)."""
+    """Where one rank's cut lies for each count of ``order`` (ascending): right after the action
+    that finishes the backward of its last microbatch below the count, with the SEND_B, SYNC and
+    STEP that follow it."""
     backwards = sorted(
         (action.microbatch, position)
         for position, action in enumerate(program)
