@@ -7,6 +7,7 @@ import time
 from pipetrain.emulate.executor import Emulator
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.schedule.timeline import Timeline
+from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.evaluate import evaluate_chain
 from pipetrain.training.outputs import Progress, UpdateLosses, eval_batches
 from pipetrain.training.result import TrainResult, result_of
@@ -46,11 +47,12 @@ def train_emulated(run: Run) -> TrainResult:
 
     steps = run.evaluation_steps() if len(held_out) else []
     cuts = [(c.positions, evaluate_at(s)) for s, c in zip(steps, run.cuts_after(steps))]
-    started = time.perf_counter()
-    try:
-        emulator.run(losses, cuts=cuts)
-    finally:
-        progress.close()
+    with setup_heap_frozen():
+        started = time.perf_counter()
+        try:
+            emulator.run(losses, cuts=cuts)
+        finally:
+            progress.close()
     seconds = time.perf_counter() - started - emulator.paused
     for executor in first_replicas:
         executor.write_back()

@@ -59,6 +59,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
     from pipetrain.runtime.launch import init_distributed
     from pipetrain.runtime.p2p import Messenger
     from pipetrain.runtime.status import StatusBoard
+    from pipetrain.training.collector import setup_heap_frozen
     from pipetrain.training.outputs import eval_batches
     from pipetrain.training.setup import prepare
 
@@ -110,14 +111,15 @@ def worker(config: TrainConfig) -> TrainResult | None:
         hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
     _inject_fault(rank, hooks)
     progress = _progress(run, config)
-    _collective("the start barrier", dist.barrier)
-    started = time.perf_counter()
-    try:
-        runner.run(progress, origin=started, at_positions=hooks, pauses=pauses)
-    finally:
-        if progress:
-            progress.progress.close()
-        status.close()
+    with setup_heap_frozen():
+        _collective("the start barrier", dist.barrier)
+        started = time.perf_counter()
+        try:
+            runner.run(progress, origin=started, at_positions=hooks, pauses=pauses)
+        finally:
+            if progress:
+                progress.progress.close()
+            status.close()
     seconds = time.perf_counter() - started - runner.paused
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
