@@ -30,7 +30,7 @@ Usage::
 
     PYTHONPATH=src python benchmarks/vs_torch_pipelining.py [--configs compute-bound,overhead-bound]
         [--contenders sequential,torch-gpipe,torch-1f1b,loop-gpipe,loop-1f1b] [--repeats 2]
-        [--steps N] [--warmup N]
+        [--steps N] [--warmup N] [--reference torch-1f1b]
 """
 
 from __future__ import annotations
@@ -356,6 +356,8 @@ def main() -> None:
                         help="runs of each contender; ratios use the best, the median is shown beside it")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: per config)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: per config)")
+    parser.add_argument("--reference", default="torch-1f1b",
+                        help="contender every other is compared with round by round (when it runs)")
     args = parser.parse_args()
     names = args.contenders.split(",")
     if "sequential" not in names:
@@ -372,19 +374,34 @@ def main() -> None:
         )
         # Round robin: each repeat runs every contender once, so that the machine's drift over
         # minutes (large on shared vCPUs) spreads over all contenders instead of favouring some.
+        # Odd rounds run the contenders in reverse order, so that a drift within a round does not
+        # always favour the same neighbour.
         rates: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(args.repeats):
-            for name in names:
+        for round_ in range(args.repeats):
+            for name in names if round_ % 2 == 0 else names[::-1]:
                 rates[name].append(CONTENDERS[name][1](cfg, steps, warmup))
         r = max(rates["sequential"])
         bound = 2 * r * m / (m + 1)
-        print(f"  {'contender':30s} {'samples/s':>10s} {'median':>8s} {'x R':>6s} {'/ 2R':>6s} {'/ 2Rm/(m+1)':>12s}   runs")
+        reference = rates.get(args.reference)
+        print(
+            f"  {'contender':30s} {'samples/s':>10s} {'median':>8s} {'x R':>6s} {'/ 2R':>6s} {'/ 2Rm/(m+1)':>12s}"
+            + (f" {'/ ref':>6s} {'ahead':>6s}" if reference else "") + "   runs"
+        )
         for name in names:
             best = max(rates[name])
             runs = ", ".join(f"{v:.0f}" for v in rates[name])
+            versus = ""
+            if reference:
+                ratios = [mine / theirs for mine, theirs in zip(rates[name], reference)]
+                versus = f" {statistics.median(ratios):6.2f} {sum(x > 1 for x in ratios):>3d}/{len(ratios):<2d}"
             print(
                 f"  {CONTENDERS[name][0]:30s} {best:10.0f} {statistics.median(rates[name]):8.0f} {best / r:6.2f} "
-                f"{best / (2 * r):6.2f} {best / bound:12.2f}   {runs}"
+                f"{best / (2 * r):6.2f} {best / bound:12.2f}{versus}   {runs}"
+            )
+        if reference:
+            print(
+                f"  / ref: median over the rounds of the ratio to {CONTENDERS[args.reference][0]} in the same round "
+                "(neighbouring runs share the machine's state of the minute); ahead: rounds it was faster"
             )
 
 
