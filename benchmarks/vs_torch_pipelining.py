@@ -21,6 +21,10 @@ pinned one core and one thread each by pipetrain's launcher):
 * ``hand loop on Messenger``  a hand-written 2-stage training loop (gpipe or 1f1b order) over
                             pipetrain's ``Messenger``: no executor, no schedule IR; a check that
                             the transport itself is lean, and a target for the runtime.
+* ``loop-1f1b-on-demand``   torch.distributed.pipelining's 1F1B order and waits, hand-written over
+                            the ``Messenger``; ``loop-1f1b-executors`` the same loop computing
+                            through pipetrain's ``StageExecutor``: with ``pipetrain-1f1b`` they
+                            split the runtime's time into transport, stage arithmetic and the rest.
 
 Each is printed as samples/s and as a ratio to R, to 2R (two stages without bubbles) and to
 2R*m/(m+1) (the bound of a flushing 2-stage schedule with m microbatches). pipetrain's runtime
@@ -274,6 +278,93 @@ def messenger_1f1b(cfg: Config, steps: int, warmup: int) -> float:
     return _run(_messenger_worker, cfg, steps, warmup, "1f1b")
 
 
+def _on_demand_worker(cfg: Config, steps: int, warmup: int, stage_code: str) -> float:
+    """1F1B in torch.distributed.pipelining's order and waits, over pipetrain's ``Messenger``: each
+    receive is posted when needed and waited for together with the send before it (stage 0: two
+    warm-up forwards, then send F(k+1) and receive the gradient of k, backward k, forward k+2;
+    stage 1: forward+loss and backward of k, then send its input gradient and receive k+1). With
+    ``stage_code="executors"`` both stages compute through pipetrain's ``StageExecutor`` instead
+    of the bare modules. Together with the runtime's own row this splits pipetrain's time into
+    transport, stage arithmetic, and the rest of the runtime."""
+    from pipetrain.execution.stage import StageExecutor
+    from pipetrain.models.loss import cross_entropy
+    from pipetrain.runtime.p2p import ACTIVATIONS, GRADIENTS, Messenger
+
+    env = init_distributed("gloo", timeout=600)
+    module = split_model(build_model(cfg), cfg)[env.rank]
+    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
+    x, y = make_batch(cfg)
+    xs, ys = x.split(cfg.microbatch), y.split(cfg.microbatch)
+    m = cfg.microbatches
+    messenger = Messenger(timeout=600)
+    peer = 1 - env.rank
+    acts, grads = messenger.channel(peer, ACTIVATIONS), messenger.channel(peer, GRADIENTS)
+    executor = None
+    if stage_code == "executors":
+        executor = StageExecutor(env.rank, module, None, loss_fn=cross_entropy if env.rank == 1 else None)
+    unit = [0]  # the executor's microbatch numbers run on across steps
+
+    def forward0(k: int, outs: dict) -> torch.Tensor:
+        if executor is None:
+            outs[k] = module(xs[k])
+            return outs[k].detach()
+        return executor.forward(unit[0] + k, 0, xs[k], samples=cfg.microbatch)[0]
+
+    def backward0(k: int, grad: torch.Tensor, outs: dict) -> None:
+        if executor is None:
+            outs.pop(k).backward(grad)
+        else:
+            executor.backward(unit[0] + k, 0, (grad,))
+
+    def step0() -> None:
+        outs: dict[int, torch.Tensor] = {}
+        first = acts.isend(forward0(0, outs), tag=0)
+        ready = forward0(1, outs)
+        first.wait()
+        for k in range(m):
+            send = acts.isend(ready, tag=k + 1) if ready is not None else None
+            grad = grads.irecv().wait()
+            if send is not None:
+                send.wait()
+            backward0(k, grad, outs)
+            ready = forward0(k + 2, outs) if k + 2 < m else None
+        finish()
+
+    def step1() -> None:
+        inputs = acts.irecv().wait()
+        for k in range(m):
+            if executor is None:
+                inputs.requires_grad_(True)
+                (F.cross_entropy(module(inputs), ys[k]) / m).backward()
+                grad = inputs.grad
+            else:
+                executor.forward(unit[0] + k, 0, inputs, target=ys[k], loss_scale=1 / m, samples=cfg.microbatch)
+                (grad,) = executor.backward(unit[0] + k, 0, None)
+            send = grads.isend(grad, tag=k)
+            if k + 1 < m:
+                inputs = acts.irecv().wait()
+            send.wait()
+        finish()
+
+    def finish() -> None:
+        if executor is None:
+            opt.step()
+            opt.zero_grad()
+        else:  # the executors have no optimizer here: drop the sums (the update is not what is timed)
+            executor.grads = None
+            unit[0] += m
+
+    return _timed(step0 if env.rank == 0 else step1, cfg, steps, warmup)
+
+
+def on_demand_modules(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_on_demand_worker, cfg, steps, warmup, "modules")
+
+
+def on_demand_executors(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_on_demand_worker, cfg, steps, warmup, "executors")
+
+
 def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
     result = launch(worker, args, nprocs, threads_per_worker=1, timeout=900, grace=2.0)
     if result.returncode != 0:
@@ -341,6 +432,8 @@ CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "torch-1f1b": ("torch Schedule1F1B", torch_1f1b),
     "loop-gpipe": ("hand loop on Messenger, gpipe", messenger_gpipe),
     "loop-1f1b": ("hand loop on Messenger, 1f1b", messenger_1f1b),
+    "loop-1f1b-on-demand": ("torch's 1F1B loop on Messenger", on_demand_modules),
+    "loop-1f1b-executors": ("  same, StageExecutor stages", on_demand_executors),
     "pipetrain-gpipe": ("pipetrain gpipe", pipetrain_gpipe),
     "pipetrain-1f1b": ("pipetrain 1f1b", pipetrain_1f1b),
     "pipetrain-1f1b-ahead": ("pipetrain 1f1b, receives ahead", pipetrain_1f1b_ahead),
