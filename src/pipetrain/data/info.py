@@ -77,6 +77,17 @@ def dataset_info(dataset: Dataset) -> DataInfo:
     return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
 
 
+def reads_by_index(dataset: Dataset) -> bool:
+    """Whether :func:`get_batch` reads ``dataset`` in one indexing operation (a data set of two
+    tensors, or one with a ``batch(indices)`` method): its batches are then a function of their
+    indices alone, and may be read ahead on another thread. Others are read sample by sample
+    through ``__getitem__``, which may draw random numbers (augmentation)."""
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    tensors = getattr(dataset, "tensors", None)
+    return callable(getattr(dataset, "batch", None)) or (isinstance(tensors, tuple) and len(tensors) == 2)
+
+
 def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack the samples ``indices`` of ``dataset`` into ``(x, y)`` with a leading batch dimension.
 

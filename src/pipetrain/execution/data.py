@@ -10,12 +10,13 @@ exactly the mean over the whole batch, the reduction of non-pipelined training.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.data import Dataset
 
 from pipetrain.errors import ConfigError
+from pipetrain.execution.prefetch import BatchPrefetcher
 
 __all__ = ["UnitLayout", "UnitData"]
 
@@ -48,7 +49,11 @@ class UnitLayout:
 
 
 class UnitData:
-    """Inputs and targets of each unit, read through the batch sampler (cached per update)."""
+    """Inputs and targets of each unit, read through the batch sampler (cached per update).
+
+    With ``prefetch`` (the updates this rank reads, in the order it reads them), a
+    :class:`~pipetrain.execution.prefetch.BatchPrefetcher` reads each batch on a background
+    thread one update ahead, when the data set allows it."""
 
     def __init__(
         self,
@@ -56,20 +61,39 @@ class UnitData:
         layout: UnitLayout,
         indices_of_update: Callable[[int], torch.Tensor],
         get_batch: Callable[[Dataset, Any], tuple[Any, torch.Tensor]] | None = None,
+        prefetch: Sequence[int] | None = None,
     ) -> None:
         from pipetrain.data import get_batch as default_get_batch
+        from pipetrain.data.info import reads_by_index
 
         self.dataset = dataset
         self.layout = layout
         self.indices_of_update = indices_of_update
         self.get_batch = get_batch or default_get_batch
         self._cached: tuple[int, Any, torch.Tensor] | None = None
+        self._prefetcher: BatchPrefetcher | None = None
+        if prefetch is not None and reads_by_index(dataset):
+            self._prefetcher = BatchPrefetcher(self._read, prefetch)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether batches are read ahead on a background thread (``prefetch=`` the updates this
+        rank reads, in order, and a data set that :func:`~pipetrain.data.info.reads_by_index`)."""
+        return self._prefetcher is not None
+
+    def _read(self, update: int) -> tuple[Any, torch.Tensor]:
+        return self.get_batch(self.dataset, self.indices_of_update(update))
 
     def batch(self, update: int) -> tuple[Any, torch.Tensor]:
         if self._cached is None or self._cached[0] != update:
-            x, y = self.get_batch(self.dataset, self.indices_of_update(update))
+            x, y = self._read(update) if self._prefetcher is None else self._prefetcher.get(update)
             self._cached = (update, x, y)
         return self._cached[1], self._cached[2]
+
+    def close(self) -> None:
+        """Stop reading ahead (a no-op without prefetching)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
 
     def unit(self, unit: int) -> tuple[Any, torch.Tensor]:
         update, start, stop = self.layout.bounds(unit)

@@ -78,7 +78,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
     groups = sync_groups(schedule)
     held = schedule.rank_stages()[rank]
     executors = {stage: run.make_executor(rank, stage) for stage in held}
-    data = run.unit_data() if 0 in held else None
+    data = run.unit_data(prefetch=_updates_read(schedule, rank, run.layout)) if 0 in held else None
     status = StatusBoard.from_env()
     messenger = Messenger(timeout=config.timeout, status=status)
     checkpoints = Checkpoints(run, rank, env.world_size)
@@ -120,6 +120,8 @@ def worker(config: TrainConfig) -> TrainResult | None:
             if progress:
                 progress.progress.close()
             status.close()
+            if data is not None:
+                data.close()
     seconds = time.perf_counter() - started - runner.paused
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
@@ -252,6 +254,15 @@ def _progress(run, config):
 
     bar = Progress(run.updates, True, f"{run.schedule.name} ({run.schedule.num_ranks} workers)")
     return UpdateLosses(run, bar, rank=_rank())
+
+
+def _updates_read(schedule, rank: int, layout) -> list[int]:
+    """The updates whose batches ``rank`` reads (its forwards of stage 0), each once, in the order
+    of their first read."""
+    from pipetrain.schedule.ir import Kind
+
+    updates = {layout.bounds(a.microbatch)[0]: None for a in schedule.programs[rank] if a.kind is Kind.F and a.stage == 0}
+    return list(updates)
 
 
 def _rank() -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -91,7 +91,10 @@ class Run:
             self._messages = Messages(self.schedule)
         return self._messages
 
-    def unit_data(self) -> UnitData:
+    def unit_data(self, prefetch: Sequence[int] | None = None) -> UnitData:
+        """The run's training data by unit; ``prefetch``: the updates the caller reads, in order,
+        to read each batch ahead on a background thread (see :class:`UnitData`)."""
+
         def get_batch(dataset: Dataset, indices: Tensor):
             from pipetrain.data import get_batch as read
 
@@ -100,7 +103,7 @@ class Run:
                 x = x.to(self.dtype)
             return x, y
 
-        return UnitData(self.train_set, self.layout, self.sampler.indices, get_batch)
+        return UnitData(self.train_set, self.layout, self.sampler.indices, get_batch, prefetch=prefetch)
 
     def make_executor(self, rank: int, stage: int) -> StageExecutor:
         """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies)."""
