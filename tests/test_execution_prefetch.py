@@ -98,3 +98,20 @@ def test_only_data_sets_read_by_index_are_read_ahead() -> None:
     assert not data.prefetching
     data.unit(0)
     data.close()
+
+
+def test_runtime_reads_ahead_in_the_order_of_its_stage_0_forwards() -> None:
+    from pipetrain.runtime.train import _updates_read
+    from pipetrain.schedule import build
+
+    # 1F1B, 2 steps of 4 microbatches: rank 0 reads update 0 then 1; rank 1 reads nothing
+    schedule = build("1f1b", 2, 4, steps=2)
+    layout = UnitLayout(8, 4)
+    assert _updates_read(schedule, 0, layout) == [0, 1]
+    assert _updates_read(schedule, 1, layout) == []
+    # PipeDream with stage 0 on two replicas: each unit is an update, and each replica reads its own
+    schedule = build("pipedream", 2, 8, replicas=[2, 1])
+    layout = UnitLayout(4, 1)
+    first, second = (_updates_read(schedule, rank, layout) for rank in schedule.stage_ranks[0])
+    assert sorted(first + second) == list(range(8)) and not set(first) & set(second)
+    assert first == sorted(first) and second == sorted(second)

@@ -261,8 +261,12 @@ def _updates_read(schedule, rank: int, layout) -> list[int]:
     of their first read."""
     from pipetrain.schedule.ir import Kind
 
-    updates = {layout.bounds(a.microbatch)[0]: None for a in schedule.programs[rank] if a.kind is Kind.F and a.stage == 0}
-    return list(updates)
+    first_reads = {
+        layout.bounds(action.microbatch)[0]: None
+        for action in schedule.programs[rank]
+        if action.kind is Kind.F and action.stage == 0
+    }
+    return list(first_reads)
 
 
 def _rank() -> int:
