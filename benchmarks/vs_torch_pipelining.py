@@ -201,22 +201,28 @@ def torch_1f1b(cfg: Config, steps: int, warmup: int) -> float:
 # -- a hand-written 2-stage loop over pipetrain's Messenger (a check of the transport alone) --------
 
 
-def _messenger_worker(cfg: Config, steps: int, warmup: int, order: str) -> float:
-    """Stage 0 runs all forwards then all backwards (gpipe) or one warm-up forward then
-    alternates (1f1b); stage 1 alternates forward+loss and backward. The next receive is always
-    posted before computing, so communication overlaps compute. No executor, no IR: a lower bound
-    of the overhead pipetrain's runtime can reach."""
+def _loop_stage(cfg: Config):
+    """What a hand-written loop's rank needs: its stage of the model, SGD, the microbatches, and
+    the activation and gradient channels to the other rank."""
     from pipetrain.runtime.p2p import ACTIVATIONS, GRADIENTS, Messenger
 
     env = init_distributed("gloo", timeout=600)
     module = split_model(build_model(cfg), cfg)[env.rank]
     opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
     x, y = make_batch(cfg)
-    xs, ys = x.split(cfg.microbatch), y.split(cfg.microbatch)
-    m = cfg.microbatches
     messenger = Messenger(timeout=600)
     peer = 1 - env.rank
     acts, grads = messenger.channel(peer, ACTIVATIONS), messenger.channel(peer, GRADIENTS)
+    return env, module, opt, x.split(cfg.microbatch), y.split(cfg.microbatch), acts, grads
+
+
+def _messenger_worker(cfg: Config, steps: int, warmup: int, order: str) -> float:
+    """Stage 0 runs all forwards then all backwards (gpipe) or one warm-up forward then
+    alternates (1f1b); stage 1 alternates forward+loss and backward. The next receive is always
+    posted before computing, so communication overlaps compute. No executor, no IR: a lower bound
+    of the overhead pipetrain's runtime can reach."""
+    env, module, opt, xs, ys, acts, grads = _loop_stage(cfg)
+    m = cfg.microbatches
 
     def step0() -> None:
         outs: list[torch.Tensor] = []
@@ -288,17 +294,8 @@ def _on_demand_worker(cfg: Config, steps: int, warmup: int, stage_code: str) -> 
     transport, stage arithmetic, and the rest of the runtime."""
     from pipetrain.execution.stage import StageExecutor
     from pipetrain.models.loss import cross_entropy
-    from pipetrain.runtime.p2p import ACTIVATIONS, GRADIENTS, Messenger
-
-    env = init_distributed("gloo", timeout=600)
-    module = split_model(build_model(cfg), cfg)[env.rank]
-    opt = torch.optim.SGD(module.parameters(), lr=cfg.lr)
-    x, y = make_batch(cfg)
-    xs, ys = x.split(cfg.microbatch), y.split(cfg.microbatch)
+    env, module, opt, xs, ys, acts, grads = _loop_stage(cfg)
     m = cfg.microbatches
-    messenger = Messenger(timeout=600)
-    peer = 1 - env.rank
-    acts, grads = messenger.channel(peer, ACTIVATIONS), messenger.channel(peer, GRADIENTS)
     executor = None
     if stage_code == "executors":
         executor = StageExecutor(env.rank, module, None, loss_fn=cross_entropy if env.rank == 1 else None)
