@@ -1,0 +1,158 @@
+"""The ceiling that the stage split sets: each stage's compute alone on a core, against the model's.
+
+`vs_torch_pipelining.py` compares every pipeline with 2R, twice the sequential rate. A 2-stage
+pipeline can only reach it if the two stages cost the same and cutting the model costs nothing.
+This script measures both on the benchmark's own model, split and batches, with no pipeline and no
+communication. Each is timed alone on one core with one thread:
+
+* the whole model as the ``sequential`` contender trains it: forward, loss and backward of each
+  microbatch and an SGD step per batch (its time per microbatch is 1/R);
+* each stage through :class:`~pipetrain.execution.StageExecutor`, as the runtime computes it,
+  with its SGD update per batch as 1F1B and GPipe make it;
+* with ``--update``, each stage with an update after every microbatch instead, as PipeDream makes
+  one per minibatch (out of place on stage 0, whose stashed version is still read, in place on
+  stage 1, as their 2-stage programs allow).
+
+The pipeline's rate is bounded by its slower stage, so 1/max(stage) is the most any runtime can
+reach on this split, before any message or bubble. The script prints that ceiling as a fraction of
+2R and of 2R·m/(m+1). The measurements run in rounds (each measurement once per round) and the
+medians are reported, so that the machine's drift spreads over all of them::
+
+    python benchmarks/stage_costs.py [--configs overhead-bound,compute-bound] [--rounds 9] [--update]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` as a package from a checkout
+
+from benchmarks.vs_torch_pipelining import CONFIGS, Config, build_model, make_batch, split_model  # noqa: E402
+from pipetrain.execution.stage import StageExecutor  # noqa: E402
+from pipetrain.optim import build_stage_optimizer  # noqa: E402
+
+
+def _whole(cfg: Config) -> Callable[[int], None]:
+    """One microbatch of the sequential contender: forward, loss and backward, and after the
+    batch's last microbatch its SGD step."""
+    model = build_model(cfg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    x, y = make_batch(cfg)
+    xs, ys = x.split(cfg.microbatch), y.split(cfg.microbatch)
+
+    def run(k: int) -> None:
+        k %= cfg.microbatches
+        (F.cross_entropy(model(xs[k]), ys[k]) / cfg.microbatches).backward()
+        if k == cfg.microbatches - 1:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    return run
+
+
+def _stage(cfg: Config, index: int, every: int) -> Callable[[int], None]:
+    """One microbatch of stage ``index`` through a StageExecutor, as the runtime computes it, with
+    an SGD update after every ``every`` microbatches: the batch (1F1B, GPipe) or each microbatch
+    (PipeDream). The last stage computes the loss; the first receives its output's gradient."""
+    module = split_model(build_model(cfg), cfg)[index]
+    last = index == 1
+    optimizer = build_stage_optimizer(f"sgd:lr={cfg.lr}")
+    executor = StageExecutor(index, module, optimizer, loss_fn=F.cross_entropy if last else None, policy="stash")
+    x, y = make_batch(cfg)
+    with torch.no_grad():
+        inputs = split_model(build_model(cfg), cfg)[0](x) if last else x
+    xs, ys = inputs.split(cfg.microbatch), y.split(cfg.microbatch)
+    grad = torch.ones(cfg.microbatch, cfg.width) / cfg.batch
+
+    def run(k: int) -> None:
+        part = k % cfg.microbatches
+        version = executor.versions.current
+        executor.forward(k, version, xs[part], target=ys[part] if last else None,
+                         loss_scale=1 / cfg.microbatches, samples=cfg.microbatch)
+        executor.backward(k, version, None if last else (grad,))
+        if (k + 1) % every:
+            return
+        # as the schedules' programs release versions (see version_release_points): PipeDream's
+        # stage 0 still reads the version before for its next backward, so it updates out of
+        # place; every other update replaces a version that nothing reads any more, in place
+        if every == 1 and not last:
+            executor.step()
+            executor.release(version)
+        else:
+            executor.step([version])
+
+    run.executor = executor  # type: ignore[attr-defined]  # for the tests
+    return run
+
+
+def _per_microbatch(run: Callable[[int], None], count: int, start: int) -> float:
+    began = time.perf_counter()
+    for k in range(start, start + count):
+        run(k)
+    return (time.perf_counter() - began) / count
+
+
+def measure(cfg: Config, rounds: int, update: bool) -> dict[str, float]:
+    """Median seconds per microbatch of the whole model and of each stage (``+update`` variants
+    with PipeDream's update after every microbatch)."""
+    m = cfg.microbatches
+    runs = {"whole": _whole(cfg), "stage 0": _stage(cfg, 0, m), "stage 1": _stage(cfg, 1, m)}
+    if update:
+        runs.update({"stage 0+update": _stage(cfg, 0, 1), "stage 1+update": _stage(cfg, 1, 1)})
+    for run in runs.values():  # warm-up: allocator, autograd, first calls, one update at least
+        _per_microbatch(run, m, 0)
+    per_batch = max(1, round(0.3 / (m * _per_microbatch(runs["whole"], m, 0))))
+    count = per_batch * m  # whole batches (each with its update), about 0.3 s per measurement
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(rounds):
+        order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+        for name in order:
+            times[name].append(_per_microbatch(runs[name], count, (round_ + 2) * count))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def report(name: str, cfg: Config, t: dict[str, float], rounds: int) -> None:
+    m = cfg.microbatches
+    us = {k: v * 1e6 for k, v in t.items()}
+    print(f"\n{name}: width {cfg.width}, microbatch {cfg.microbatch}, m = {m}; "
+          f"median of {rounds} rounds, microseconds per microbatch")
+    print(f"  whole model (1/R)            {us['whole']:9.0f}")
+    print(f"  stage 0                      {us['stage 0']:9.0f}")
+    print(f"  stage 1                      {us['stage 1']:9.0f}   {t['stage 1'] / t['stage 0']:.2f}x stage 0")
+    together = t["stage 0"] + t["stage 1"]
+    print(f"  stages together              {together * 1e6:9.0f}   {together / t['whole']:.2f}x the whole model")
+    ceiling = t["whole"] / (2 * max(t["stage 0"], t["stage 1"]))  # (1/max) / 2R
+    print(f"  ceiling of any 2-stage pipeline on this split: {ceiling:.2f} of 2R, "
+          f"{ceiling * (m + 1) / m:.2f} of 2R·m/(m+1)")
+    if "stage 0+update" in t:
+        slow = max(t["stage 0+update"], t["stage 1+update"])
+        print(f"  with an update per microbatch (PipeDream): stage 0 {us['stage 0+update']:.0f}, "
+              f"stage 1 {us['stage 1+update']:.0f}; ceiling {t['whole'] / (2 * slow):.2f} of 2R")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="overhead-bound,compute-bound")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--update", action="store_true", help="also time PipeDream's update per microbatch")
+    parser.add_argument("--core", type=int, default=os.cpu_count() - 1, help="the core to run on")
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    print(f"machine: {os.cpu_count()} CPUs; alone on core {args.core}, 1 thread, no pipeline")
+    for name in args.configs.split(","):
+        cfg = CONFIGS[name]
+        report(name, cfg, measure(cfg, args.rounds, args.update), args.rounds)
+
+
+if __name__ == "__main__":
+    main()
