@@ -15,10 +15,12 @@ communication. Each is timed alone on one core with one thread:
 
 The pipeline's rate is bounded by its slower stage, so 1/max(stage) is the most any runtime can
 reach on this split, before any message or bubble. The script prints that ceiling as a fraction of
-2R and of 2R·m/(m+1). The measurements run in rounds (each measurement once per round) and the
-medians are reported, so that the machine's drift spreads over all of them::
+2R and of 2R·m/(m+1). The measurements run in rounds, each measurement once per round, and every
+ratio is taken within a round and then its median over the rounds, because the machine's speed
+drifts between rounds::
 
     python benchmarks/stage_costs.py [--configs overhead-bound,compute-bound] [--rounds 9] [--update]
+        [--first N]
 """
 
 from __future__ import annotations
@@ -36,9 +38,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` as a package from a checkout
 
-from benchmarks.vs_torch_pipelining import CONFIGS, Config, build_model, make_batch, split_model  # noqa: E402
+from benchmarks.vs_torch_pipelining import CONFIGS, Config, build_model, make_batch  # noqa: E402
 from pipetrain.execution.stage import StageExecutor  # noqa: E402
 from pipetrain.optim import build_stage_optimizer  # noqa: E402
+from pipetrain.stages.staged import StageSequential  # noqa: E402
+
+
+def split(cfg: Config, first: int | None = None) -> tuple[StageSequential, StageSequential]:
+    """The model cut after ``first`` hidden layers (default: half of them, the benchmark's split)."""
+    model = build_model(cfg)
+    cut = 2 * (cfg.hidden // 2 if first is None else first)  # each hidden layer is Linear and ReLU
+    return StageSequential(*model[:cut]), StageSequential(*model[cut:])
 
 
 def _whole(cfg: Config) -> Callable[[int], None]:
@@ -59,17 +69,17 @@ def _whole(cfg: Config) -> Callable[[int], None]:
     return run
 
 
-def _stage(cfg: Config, index: int, every: int) -> Callable[[int], None]:
+def _stage(cfg: Config, index: int, every: int, first: int | None = None) -> Callable[[int], None]:
     """One microbatch of stage ``index`` through a StageExecutor, as the runtime computes it, with
     an SGD update after every ``every`` microbatches: the batch (1F1B, GPipe) or each microbatch
     (PipeDream). The last stage computes the loss; the first receives its output's gradient."""
-    module = split_model(build_model(cfg), cfg)[index]
+    module = split(cfg, first)[index]
     last = index == 1
     optimizer = build_stage_optimizer(f"sgd:lr={cfg.lr}")
     executor = StageExecutor(index, module, optimizer, loss_fn=F.cross_entropy if last else None, policy="stash")
     x, y = make_batch(cfg)
     with torch.no_grad():
-        inputs = split_model(build_model(cfg), cfg)[0](x) if last else x
+        inputs = split(cfg, first)[0](x) if last else x
     xs, ys = inputs.split(cfg.microbatch), y.split(cfg.microbatch)
     grad = torch.ones(cfg.microbatch, cfg.width) / cfg.batch
 
@@ -101,13 +111,13 @@ def _per_microbatch(run: Callable[[int], None], count: int, start: int) -> float
     return (time.perf_counter() - began) / count
 
 
-def measure(cfg: Config, rounds: int, update: bool) -> dict[str, float]:
-    """Median seconds per microbatch of the whole model and of each stage (``+update`` variants
-    with PipeDream's update after every microbatch)."""
+def measure(cfg: Config, rounds: int, update: bool, first: int | None = None) -> dict[str, list[float]]:
+    """Seconds per microbatch of the whole model and of each stage, one figure per round
+    (``+update``: PipeDream's update after every microbatch); ``first`` hidden layers on stage 0."""
     m = cfg.microbatches
-    runs = {"whole": _whole(cfg), "stage 0": _stage(cfg, 0, m), "stage 1": _stage(cfg, 1, m)}
+    runs = {"whole": _whole(cfg), "stage 0": _stage(cfg, 0, m, first), "stage 1": _stage(cfg, 1, m, first)}
     if update:
-        runs.update({"stage 0+update": _stage(cfg, 0, 1), "stage 1+update": _stage(cfg, 1, 1)})
+        runs.update({"stage 0+update": _stage(cfg, 0, 1, first), "stage 1+update": _stage(cfg, 1, 1, first)})
     for run in runs.values():  # warm-up: allocator, autograd, first calls, one update at least
         _per_microbatch(run, m, 0)
     per_batch = max(1, round(0.3 / (m * _per_microbatch(runs["whole"], m, 0))))
@@ -117,26 +127,42 @@ def measure(cfg: Config, rounds: int, update: bool) -> dict[str, float]:
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for name in order:
             times[name].append(_per_microbatch(runs[name], count, (round_ + 2) * count))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
 
 
-def report(name: str, cfg: Config, t: dict[str, float], rounds: int) -> None:
-    m = cfg.microbatches
-    us = {k: v * 1e6 for k, v in t.items()}
-    print(f"\n{name}: width {cfg.width}, microbatch {cfg.microbatch}, m = {m}; "
-          f"median of {rounds} rounds, microseconds per microbatch")
-    print(f"  whole model (1/R)            {us['whole']:9.0f}")
-    print(f"  stage 0                      {us['stage 0']:9.0f}")
-    print(f"  stage 1                      {us['stage 1']:9.0f}   {t['stage 1'] / t['stage 0']:.2f}x stage 0")
-    together = t["stage 0"] + t["stage 1"]
-    print(f"  stages together              {together * 1e6:9.0f}   {together / t['whole']:.2f}x the whole model")
-    ceiling = t["whole"] / (2 * max(t["stage 0"], t["stage 1"]))  # (1/max) / 2R
+def ceilings(times: dict[str, list[float]], suffix: str = "") -> list[float]:
+    """Per round: the slower stage's rate over 2R, (1/max(stage)) / (2/whole)."""
+    return [whole / (2 * max(s0, s1))
+            for whole, s0, s1 in zip(times["whole"], times["stage 0" + suffix], times["stage 1" + suffix])]
+
+
+def report(name: str, cfg: Config, times: dict[str, list[float]], first: int | None = None) -> None:
+    """Medians of the times, and of the ratios taken within each round: the machine drifts between
+    rounds, and neighbouring measurements share its speed."""
+    def median_us(key: str) -> float:
+        return statistics.median(times[key]) * 1e6
+
+    def median_ratio(num: list[float], den: list[float]) -> float:
+        return statistics.median(a / b for a, b in zip(num, den))
+
+    m, rounds = cfg.microbatches, len(times["whole"])
+    first = cfg.hidden // 2 if first is None else first
+    together = [a + b for a, b in zip(times["stage 0"], times["stage 1"])]
+    ceiling = statistics.median(ceilings(times))
+    print(f"\n{name}: width {cfg.width}, microbatch {cfg.microbatch}, m = {m}, {first} of {cfg.hidden} hidden "
+          f"layers on stage 0; medians of {rounds} rounds, microseconds per microbatch")
+    print(f"  whole model (1/R)            {median_us('whole'):9.0f}")
+    print(f"  stage 0                      {median_us('stage 0'):9.0f}")
+    print(f"  stage 1                      {median_us('stage 1'):9.0f}   "
+          f"{median_ratio(times['stage 1'], times['stage 0']):.2f}x stage 0")
+    print(f"  stages together              {statistics.median(together) * 1e6:9.0f}   "
+          f"{median_ratio(together, times['whole']):.2f}x the whole model")
     print(f"  ceiling of any 2-stage pipeline on this split: {ceiling:.2f} of 2R, "
           f"{ceiling * (m + 1) / m:.2f} of 2R·m/(m+1)")
-    if "stage 0+update" in t:
-        slow = max(t["stage 0+update"], t["stage 1+update"])
-        print(f"  with an update per microbatch (PipeDream): stage 0 {us['stage 0+update']:.0f}, "
-              f"stage 1 {us['stage 1+update']:.0f}; ceiling {t['whole'] / (2 * slow):.2f} of 2R")
+    if "stage 0+update" in times:
+        print(f"  with an update per microbatch (PipeDream): stage 0 {median_us('stage 0+update'):.0f}, "
+              f"stage 1 {median_us('stage 1+update'):.0f}; "
+              f"ceiling {statistics.median(ceilings(times, '+update')):.2f} of 2R")
 
 
 def main() -> None:
@@ -144,6 +170,8 @@ def main() -> None:
     parser.add_argument("--configs", default="overhead-bound,compute-bound")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--update", action="store_true", help="also time PipeDream's update per microbatch")
+    parser.add_argument("--first", type=int, default=None,
+                        help="hidden layers on stage 0 (default: half, the split of vs_torch_pipelining.py)")
     parser.add_argument("--core", type=int, default=os.cpu_count() - 1, help="the core to run on")
     args = parser.parse_args()
     os.sched_setaffinity(0, {args.core})
@@ -151,7 +179,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs; alone on core {args.core}, 1 thread, no pipeline")
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
-        report(name, cfg, measure(cfg, args.rounds, args.update), args.rounds)
+        report(name, cfg, measure(cfg, args.rounds, args.update, args.first), args.first)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ TINY = stage_costs.Config(width=8, batch=8, microbatches=2, steps=1, warmup=0, h
 def test_every_measurement_is_reported():
     times = stage_costs.measure(TINY, rounds=1, update=True)
     assert set(times) == {"whole", "stage 0", "stage 1", "stage 0+update", "stage 1+update"}
-    assert all(t > 0 for t in times.values())
+    assert all(len(values) == 1 and values[0] > 0 for values in times.values())
+    assert 0 < stage_costs.ceilings(times)[0] == times["whole"][0] / (2 * max(times["stage 0"][0], times["stage 1"][0]))
 
 
 def test_a_stage_updates_as_its_schedule_does():
