@@ -38,17 +38,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` as a package from a checkout
 
-from benchmarks.vs_torch_pipelining import CONFIGS, Config, build_model, make_batch  # noqa: E402
+from benchmarks.vs_torch_pipelining import CONFIGS, Config, build_model, make_batch, split_model  # noqa: E402
 from pipetrain.execution.stage import StageExecutor  # noqa: E402
 from pipetrain.optim import build_stage_optimizer  # noqa: E402
-from pipetrain.stages.staged import StageSequential  # noqa: E402
-
-
-def split(cfg: Config, first: int | None = None) -> tuple[StageSequential, StageSequential]:
-    """The model cut after ``first`` hidden layers (default: half of them, the benchmark's split)."""
-    model = build_model(cfg)
-    cut = 2 * (cfg.hidden // 2 if first is None else first)  # each hidden layer is Linear and ReLU
-    return StageSequential(*model[:cut]), StageSequential(*model[cut:])
 
 
 def _whole(cfg: Config) -> Callable[[int], None]:
@@ -73,13 +65,13 @@ def _stage(cfg: Config, index: int, every: int, first: int | None = None) -> Cal
     """One microbatch of stage ``index`` through a StageExecutor, as the runtime computes it, with
     an SGD update after every ``every`` microbatches: the batch (1F1B, GPipe) or each microbatch
     (PipeDream). The last stage computes the loss; the first receives its output's gradient."""
-    module = split(cfg, first)[index]
-    last = index == 1
+    stages = split_model(build_model(cfg), cfg, first)
+    module, last = stages[index], index == 1
     optimizer = build_stage_optimizer(f"sgd:lr={cfg.lr}")
     executor = StageExecutor(index, module, optimizer, loss_fn=F.cross_entropy if last else None, policy="stash")
     x, y = make_batch(cfg)
     with torch.no_grad():
-        inputs = split(cfg, first)[0](x) if last else x
+        inputs = stages[0](x) if last else x
     xs, ys = inputs.split(cfg.microbatch), y.split(cfg.microbatch)
     grad = torch.ones(cfg.microbatch, cfg.width) / cfg.batch
 

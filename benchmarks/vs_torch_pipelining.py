@@ -88,9 +88,10 @@ def build_model(cfg: Config, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def split_model(model: nn.Sequential, cfg: Config) -> tuple[nn.Sequential, nn.Sequential]:
-    """Stage 0: the first half of the hidden layers; stage 1: the other half and the head."""
-    cut = cfg.hidden  # each hidden layer is 2 modules (Linear, ReLU)
+def split_model(model: nn.Sequential, cfg: Config, first: int | None = None) -> tuple[nn.Sequential, nn.Sequential]:
+    """Stage 0: the first half of the hidden layers (or the first ``first``); stage 1: the rest
+    and the head."""
+    cut = 2 * (cfg.hidden // 2 if first is None else first)  # each hidden layer is 2 modules (Linear, ReLU)
     return nn.Sequential(*model[:cut]), nn.Sequential(*model[cut:])
 
 
