@@ -38,25 +38,21 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` as a package from a checkout
 
-from benchmarks.vs_torch_pipelining import CONFIGS, Config, build_model, make_batch, split_model  # noqa: E402
+from benchmarks.vs_torch_pipelining import (  # noqa: E402
+    CONFIGS, Config, build_model, make_batch, sequential_step, split_model,
+)
 from pipetrain.execution.stage import StageExecutor  # noqa: E402
 from pipetrain.optim import build_stage_optimizer  # noqa: E402
 
 
 def _whole(cfg: Config) -> Callable[[int], None]:
-    """One microbatch of the sequential contender: forward, loss and backward, and after the
-    batch's last microbatch its SGD step."""
-    model = build_model(cfg)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    x, y = make_batch(cfg)
-    xs, ys = x.split(cfg.microbatch), y.split(cfg.microbatch)
+    """The sequential contender's training, called per microbatch: a batch's step runs at its last
+    microbatch (every measurement times whole batches, so the time per microbatch is 1/R)."""
+    step = sequential_step(cfg)
 
     def run(k: int) -> None:
-        k %= cfg.microbatches
-        (F.cross_entropy(model(xs[k]), ys[k]) / cfg.microbatches).backward()
-        if k == cfg.microbatches - 1:
-            optimizer.step()
-            optimizer.zero_grad()
+        if k % cfg.microbatches == cfg.microbatches - 1:
+            step()
 
     return run
 

@@ -133,7 +133,9 @@ def _timed(step: Callable[[], None], cfg: Config, steps: int, warmup: int) -> fl
 # -- sequential ------------------------------------------------------------------------------------
 
 
-def _sequential_worker(cfg: Config, steps: int, warmup: int) -> float:
+def sequential_step(cfg: Config) -> Callable[[], None]:
+    """One optimizer step of plain single-process training, the rate R: forward, loss and
+    backward of every microbatch (each loss divided by their number), then SGD."""
     model = build_model(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     x, y = make_batch(cfg)
@@ -145,7 +147,11 @@ def _sequential_worker(cfg: Config, steps: int, warmup: int) -> float:
         opt.step()
         opt.zero_grad()
 
-    return _timed(step, cfg, steps, warmup)
+    return step
+
+
+def _sequential_worker(cfg: Config, steps: int, warmup: int) -> float:
+    return _timed(sequential_step(cfg), cfg, steps, warmup)
 
 
 def sequential(cfg: Config, steps: int, warmup: int) -> float:
