@@ -200,26 +200,22 @@ def test_saved_state_dict_round_trip():
     assert [set(p) for p in parts] == [set(s.state_dict()) for s in staged.stages]
 
 
-def test_tied_embedding_is_refused_with_the_fix():
+def test_tied_embedding_across_stages_is_recorded():
     model = gpt(tie="true")
-    with pytest.raises(ConfigError) as info:
-        split_model(model, stages=2)
-    message = str(info.value)
-    for word in ("'wte.weight'", "'head.weight'", "stage 0", "stage 1", "tie=false", "nn.Parameter(model.wte.weight"):
-        assert word in message, word
-    # untied by hand as the message says, the model splits
-    model.head.weight = nn.Parameter(model.wte.weight.detach().clone())
-    assert len(split_model(model, stages=2)) == 2
+    staged = split_model(model, stages=2)
+    assert [(t.name, t.stages) for t in staged.tied] == [("wte.weight", (0, 1))]
+    assert staged.stages[0].wte.weight is staged.stages[1].head.weight  # one parameter, two holders
+    x = torch.randint(0, 11, (2, 12))
+    check_transparent(model, staged, x, torch.randint(0, 11, (2, 12)))
 
 
 def test_tied_weights_inside_one_stage_are_aliases():
     model = gpt(tie="true", n_layer=1)
     staged = split_model(model, stages=1)
-    assert staged.aliases == {"head.weight": "wte.weight"}
+    assert staged.aliases == {"head.weight": "wte.weight"} and staged.tied == []
     merged = staged.merge_state_dict([staged.stages[0].state_dict()])
     assert merged["head.weight"] is merged["wte.weight"]
-    with pytest.raises(ConfigError, match="stages cannot share"):
-        split_model(model, split_at=["blocks.0.mlp"])
+    assert [t.stages for t in split_model(model, split_at=["blocks.0.mlp"]).tied] == [(0, 1)]
 
 
 class TupleCross(nn.Module):

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from pipetrain.emulate.executor import Emulator
 from pipetrain.errors import ConfigError
-from pipetrain.execution import StageExecutor, UnitData, UnitLayout
+from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 
 __all__ = ["Pipeline"]
@@ -47,6 +47,12 @@ class Pipeline:
             factory ``(stage, delay) -> StageOptimizer``.
         compensation: ``none``, ``sc``, ``lwp`` or ``sc+lwp`` (with a spec optimizer).
         replicas, chunks, policy: as for :func:`pipetrain.schedule.build`.
+        leaf_modules, concrete_args: for models cut by tracing (see
+            :func:`pipetrain.stages.trace_model`): modules called as a whole (qualified names,
+            classes or class names) and values fixed for non-tensor ``forward`` arguments.
+
+    A parameter that several stages share (tied weights) trains as one parameter on the
+    synchronous schedules (its holders sum its gradient); the others refuse it.
     """
 
     def __init__(
@@ -65,12 +71,17 @@ class Pipeline:
         chunks: int = 1,
         policy: str | None = None,
         seed: int = 0,
+        leaf_modules: Sequence[str | type] = (),
+        concrete_args: dict[str, Any] | None = None,
     ) -> None:
         from pipetrain.stages import split_model
         from pipetrain.models.loss import cross_entropy
 
         self.schedule_name = resolve_name(schedule)
-        self.staged = split_model(model, stages=stages, balance=balance, split_at=split_at)
+        self.staged = split_model(
+            model, stages=stages, balance=balance, split_at=split_at, leaf_modules=leaf_modules,
+            concrete_args=concrete_args,
+        )
         self.model = model
         asynchronous = self.schedule_name in ASYNCHRONOUS and self.schedule_name != "2bw"
         self.microbatches = microbatches if microbatches is not None else (1 if asynchronous else 4)
@@ -83,6 +94,8 @@ class Pipeline:
         self.seed = seed
         self._asynchronous = asynchronous
         self.last_schedule: Schedule | None = None
+        if self.staged.tied:  # refuse a schedule that cannot keep tied copies equal, before any work
+            TiedGradients(self.staged.tied, self._schedule(1))
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -140,7 +153,8 @@ class Pipeline:
                 )
         layout = UnitLayout(size, self.microbatches)
         data = UnitData(None, layout, lambda update: update, lambda _dataset, update: batches[update])
-        losses = Emulator(schedule, executors, data).run()
+        tied = TiedGradients(self.staged.tied, schedule, [per_update[-1] / u for u in per_update])
+        losses = Emulator(schedule, executors, data, tied=tied).run()
         for stage, ranks in enumerate(schedule.stage_ranks):
             executors[ranks[0]][stage].write_back()
         units = self.microbatches

@@ -33,7 +33,7 @@ def train_emulated(run: Run) -> TrainResult:
     schedule = run.schedule
     executors = run.make_executors()
     first_replicas = [executors[ranks[0]][stage] for stage, ranks in enumerate(schedule.stage_ranks)]
-    emulator = Emulator(schedule, executors, run.unit_data())
+    emulator = Emulator(schedule, executors, run.unit_data(), tied=run.tied)
     held_out = eval_batches(run)
     evaluations: list[dict[str, float]] = []
     progress = Progress(run.updates, run.config.progress, f"{schedule.name} (emulated)")

@@ -75,7 +75,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
             f"uses {schedule.num_ranks}; start {schedule.num_ranks} workers or change --stages/--replicas"
         )
     rank = env.rank
-    groups = sync_groups(schedule)
+    groups = sync_groups(schedule, run.tied)
     held = schedule.rank_stages()[rank]
     executors = {stage: run.make_executor(rank, stage) for stage in held}
     data = run.unit_data(prefetch=_updates_read(schedule, rank, run.layout)) if 0 in held else None
@@ -85,7 +85,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
     resumed = checkpoints.resume_point()
     runner = RankRunner(schedule, rank, executors, data, run.layout, messenger, groups, status,
                         start=resumed.cut.positions[rank] if resumed else 0, receives=config.receives,
-                        messages=run.messages)
+                        messages=run.messages, tied=run.tied)
     if resumed:
         runner.restore(resumed.state, resumed.cut)
     after = resumed.step if resumed else 0
@@ -302,6 +302,9 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     from pipetrain.training.train import write_outputs
 
     _check_replicas(run, gathered)
+    from pipetrain.stages.tied import check_tied_copies
+
+    check_tied_copies(run.staged.tied, {s: state for p in gathered for s, state in p["states"].items()})
     losses: dict[int, float] = {}
     for payload in gathered:
         losses.update(payload["losses"])

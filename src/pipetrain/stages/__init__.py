@@ -5,21 +5,25 @@ from pipetrain.stages.partition import balance_by_params, check_balance, paramet
 from pipetrain.stages.points import Plan, normalize_plan
 from pipetrain.stages.split import balance_from_split_at, from_stages, split_model
 from pipetrain.stages.staged import StagedModel, StageSequential, call_stage, run_stages
+from pipetrain.stages.tied import TiedParameter, find_tied, refuse_tied
 from pipetrain.stages.trace import trace_model
 
 __all__ = [
     "Plan",
     "StageSequential",
     "StagedModel",
+    "TiedParameter",
     "balance_by_params",
     "balance_from_split_at",
     "call_stage",
     "check_balance",
+    "find_tied",
     "from_stages",
     "measure_node_costs",
     "normalize_plan",
     "parameter_counts",
     "partition_min_max",
+    "refuse_tied",
     "run_stages",
     "split_model",
     "trace_model",

@@ -22,6 +22,7 @@ from pipetrain.stages.points import (
     starts_from_split_at,
 )
 from pipetrain.stages.staged import StagedModel, StageSequential
+from pipetrain.stages.tied import find_tied
 from pipetrain.stages.trace import trace_model
 
 __all__ = ["balance_from_split_at", "from_stages", "split_model"]
@@ -75,7 +76,7 @@ def from_stages(stages: Sequence[nn.Module], model: nn.Module | None = None) -> 
     if model is None:
         model = nn.Sequential(*stages)
     key_map, model_keys, aliases, _ = _key_maps(stages, model)
-    return StagedModel(stages, key_map, model_keys, None, aliases)
+    return StagedModel(stages, key_map, model_keys, None, aliases, tied=find_tied(stages, model))
 
 
 def _did_you_mean(name: str, choices: Sequence[str]) -> str:
@@ -206,7 +207,7 @@ def split_model(
         parts.append(StageSequential(OrderedDict(children[start : start + count])))
         start += count
     key_map, model_keys, aliases, _ = _key_maps(parts, model)
-    return StagedModel(parts, key_map, model_keys, list(balance), aliases)
+    return StagedModel(parts, key_map, model_keys, list(balance), aliases, tied=find_tied(parts, model))
 
 
 def _split_traced(
@@ -244,4 +245,6 @@ def _split_traced(
     key_map, model_keys, aliases, unused = _key_maps(parts, model, allow_unused=True)
     state = model.state_dict(keep_vars=True)
     frozen = {key: state[key].detach() for key in unused}
-    return StagedModel(parts, key_map, model_keys, None, aliases, list(names), boundaries, frozen)
+    return StagedModel(
+        parts, key_map, model_keys, None, aliases, list(names), boundaries, frozen, tied=find_tied(parts, model)
+    )

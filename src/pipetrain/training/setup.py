@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from pipetrain.errors import ConfigError
-from pipetrain.execution import StageExecutor, UnitData, UnitLayout
+from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.models.loss import loss_for
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.training.config import TrainConfig
@@ -46,6 +46,7 @@ class Run:
     grad_scales: list[float]
     updates: int
     dtype: torch.dtype
+    tied: TiedGradients | None = None  # where stages sharing a parameter sum its gradient (None: none shared)
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
 
@@ -307,6 +308,7 @@ def prepare(config: TrainConfig) -> Run:
     delays = staleness(schedule)
     per_update = units_per_update(schedule)
     grad_scales = [per_update[-1] / u for u in per_update]
+    tied = TiedGradients(staged.tied, schedule, grad_scales)  # refuses versioned schedules
     loss_fn = loss_for(model)
     from pipetrain.optim import build_stage_optimizer
 
@@ -317,5 +319,5 @@ def prepare(config: TrainConfig) -> Run:
     return Run(
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=loss_fn, delays=delays, grad_scales=grad_scales,
-        updates=updates, dtype=dtype,
+        updates=updates, dtype=dtype, tied=tied if tied else None,
     )
