@@ -36,7 +36,11 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     from pipetrain.training.setup import prepare
 
     run = prepare(replace(config, progress=False))  # checks the configuration before spawning
+    from pipetrain.training.outputs import announce_stages
+
+    announce_stages(run)
     workers = run.schedule.num_ranks
+    config = replace(config, stage_costs=run.config.stage_costs)  # the workers cut as measured here
     result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
                     timeout=None)
     if result.returncode != 0:
@@ -67,6 +71,10 @@ def worker(config: TrainConfig) -> TrainResult | None:
     if "PIPETRAIN_THREADS" not in os.environ:
         torch.set_num_threads(config.threads_per_worker)
     run = prepare(config)
+    if "TORCHELASTIC_RUN_ID" in os.environ and env.rank == 0:  # started by torchrun: no parent announced them
+        from pipetrain.training.outputs import announce_stages
+
+        announce_stages(run)
     schedule = run.schedule
     if env.world_size != schedule.num_ranks:
         raise ConfigError(

@@ -16,7 +16,8 @@ The earliest module of each stage after the first is its split point; every name
 wholly inside its stage (checked). Modules a plan does not name go where execution order puts them.
 
 **Automatic** splits cut at the start of *pipeline units*: the model's top-level children, with
-containers (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) opened into their elements and,
+containers (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``, and the layer stacks of
+``nn.TransformerEncoder``/``Decoder`` traced without masks) opened into their elements and,
 while there are fewer units than stages, the unit with the most parameters opened into its
 children. The cut minimises the largest stage's cost, where cost is the parameter count or the
 per-node/per-module costs the caller measured (see :func:`cost_weights`).
@@ -51,7 +52,7 @@ __all__ = [
 #: A plan: module names per stage, a module -> stage mapping, or its text / JSON-file form.
 Plan = Union[Sequence[Sequence[str]], Mapping[str, int], str]
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict, nn.TransformerEncoder, nn.TransformerDecoder)
 
 
 def _module_list_hint(model: nn.Module, positions: ModulePositions, name: str) -> str:
@@ -64,6 +65,18 @@ def _module_list_hint(model: nn.Module, positions: ModulePositions, name: str) -
     shown = ", ".join(top[:12]) + (" ..." if len(top) > 12 else "")
     parts.append(f"top-level modules: {shown}")
     return "; ".join(parts)
+
+
+def why_whole(model: nn.Module, name: str) -> str:
+    """Why module ``name`` runs as one operation (a leaf of the trace), in words."""
+    module = model.get_submodule(name)
+    kind = type(module).__name__
+    if type(module) in (nn.TransformerEncoder, nn.TransformerDecoder):
+        return (f"an nn.{kind} called with a mask, which is traced whole (called without masks it opens "
+                f"into its layers)")
+    if type(module).__module__.startswith("torch.nn"):
+        return f"a torch.nn layer ({kind})"
+    return f"a leaf module ({kind}, made one by leaf_modules / --leaf-modules)"
 
 
 def resolve_module(model: nn.Module, name: str, positions: ModulePositions, what: str = "split point") -> str:
@@ -81,8 +94,8 @@ def resolve_module(model: nn.Module, name: str, positions: ModulePositions, what
     leaf = positions.enclosing_leaf(canonical)
     if leaf is not None:
         raise ConfigError(
-            f"{what} {name!r} lies inside {leaf!r}, which runs as one operation (a torch.nn layer "
-            f"or a leaf module); split at {leaf!r} or at a module outside it"
+            f"{what} {name!r} lies inside {leaf!r}, which runs as one operation: it is "
+            f"{why_whole(model, leaf)}; split at {leaf!r} or at a module outside it"
         )
     if canonical not in positions.first:
         raise ConfigError(
@@ -309,10 +322,14 @@ def starts_by_weight(
     first_compute = _first_compute(nodes)
     cuts = [u for u in units[1:] if positions.first[u] > first_compute]
     if stages - 1 > len(cuts):
+        further = (
+            "none can be cut further (each runs as one operation: a torch.nn layer, a leaf module, or a "
+            "module without submodules)" if len(units) < stages else "a split may start only at a unit"
+        )
         raise ConfigError(
             f"cannot split the model into {stages} stages by {what}: it has {len(cuts) + 1} "
-            f"pipeline units ({', '.join(units[:10])}{' ...' if len(units) > 10 else ''}); use "
-            f"--stages {len(cuts) + 1} or fewer, or name split points inside them with --split-at"
+            f"pipeline units ({', '.join(units[:10])}{' ...' if len(units) > 10 else ''}), and "
+            f"{further}; use --stages {len(cuts) + 1} or fewer"
         )
     bounds = [0, *[positions.first[u] for u in cuts], len(nodes)]
     segments = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]

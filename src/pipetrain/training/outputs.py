@@ -10,7 +10,7 @@ import torch
 
 from pipetrain.training.setup import Run
 
-__all__ = ["EvalBatches", "eval_batches", "save_state_dict", "Progress", "UpdateLosses"]
+__all__ = ["EvalBatches", "announce_stages", "eval_batches", "save_state_dict", "Progress", "UpdateLosses"]
 
 
 class EvalBatches:
@@ -38,6 +38,13 @@ class EvalBatches:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.to(self.dtype)
         return x, y
+
+
+def announce_stages(run: Run) -> None:
+    """Print the chosen stages (how, parameters, measured time shares, where each starts) before
+    training; the report holds the same as ``stage_choice``."""
+    if run.stage_choice is not None and len(run.staged.stages) > 1:
+        print("\n".join(run.stage_choice.lines()), flush=True)
 
 
 def eval_batches(run: Run, batch_size: int | None = None) -> EvalBatches:

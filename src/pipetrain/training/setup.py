@@ -47,6 +47,7 @@ class Run:
     updates: int
     dtype: torch.dtype
     tied: TiedGradients | None = None  # where stages sharing a parameter sum its gradient (None: none shared)
+    stage_choice: Any = None  # pipetrain.stages.StageChoice: how the stages were chosen, their sizes and times
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
 
@@ -220,11 +221,136 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
             )
 
 
+def _units_per_update(config: TrainConfig, name: str) -> int:
+    """Microbatches per update: ``--microbatches``, else 1 for pipedream and pb, else up to 4."""
+    if config.microbatches is not None:
+        return config.microbatches
+    return 1 if name in ASYNCHRONOUS and name != "2bw" else min(4, config.batch_size)
+
+
+BALANCE_BY = ("auto", "time", "params")
+
+
+def _balance_by(config: TrainConfig, name: str, model: nn.Module) -> tuple[str, str]:
+    """``("time" | "params", why)`` for an automatic split. ``auto`` measures time where the cut
+    cannot change what the run computes: a synchronous schedule trains the same for every cut
+    (bitwise, as plain training), while on an asynchronous one the cut sets each layer's delay,
+    dropout masks are drawn per stage, and tied weights add their stages' gradients in an order
+    set by the cut. There it keeps the deterministic parameter count, so that two runs (or the
+    emulator and the runtime) cut alike."""
+    if config.balance_by not in BALANCE_BY:
+        raise ConfigError(f"unknown --balance-by {config.balance_by!r}; choose auto, time or params")
+    if config.balance_by != "auto":
+        return config.balance_by, ""
+    if name in ASYNCHRONOUS:
+        return "params", f"{name}: the cut sets each stage's delay; --balance-by time to time it"
+    from pipetrain.execution.stage import _STOCHASTIC
+
+    if any(isinstance(m, _STOCHASTIC) and m.p > 0 and m.training for m in model.modules()):
+        return "params", "dropout masks depend on the cut; --balance-by time to time it"
+    params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+    if len({id(p) for p in params}) < len(params):
+        return "params", "tied weights add in an order set by the cut; --balance-by time to time it"
+    return "time", ""
+
+
+def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_set: Dataset, dtype: torch.dtype):
+    """The stages, the record of how they were chosen, and ``config`` with the measured unit times
+    (``stage_costs``) when the split balanced time, so that worker processes cut alike."""
+    from dataclasses import replace
+
+    from pipetrain.stages import StageChoice, split_by_time, split_model, unit_names
+
+    trace = dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
+    if config.balance:
+        staged = split_model(model, balance=config.balance, **trace)
+        return staged, StageChoice.of(staged, "--plan" if config.plan else "--balance", _names(model)), config
+    if config.split_at:
+        staged = split_model(model, split_at=config.split_at, **trace)
+        return staged, StageChoice.of(staged, "--split-at", _names(model)), config
+    by, why = _balance_by(config, name, model)
+    if by == "params" or pieces == 1:
+        staged = split_model(model, stages=pieces, **trace)
+        names = unit_names(model, pieces, **trace) if staged.balance is not None else None
+        return staged, StageChoice.of(staged, "parameter count", names, note=why), config
+    costs = config.stage_costs or _resumed_costs(config)
+    inputs = target = None
+    if costs is None:
+        inputs, target = _first_microbatch(config, name, train_set, dtype)
+    from pipetrain.models.loss import loss_for
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads_per_worker)  # time the units as a worker will run them
+    try:
+        staged, choice = _measured_once(
+            lambda: split_by_time(model, pieces, inputs, target, loss_for(model), costs=costs, **trace), model,
+            pieces, trace,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return staged, choice, replace(config, stage_costs=choice.unit_seconds)
+
+
+def _names(model: nn.Module) -> list[str] | None:
+    from pipetrain.stages.split import declared_units
+
+    declared = declared_units(model)
+    if declared is not None:
+        return [n for n, _ in declared]
+    return [n for n, _ in model.named_children()] if isinstance(model, nn.Sequential) else None
+
+
+def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype: torch.dtype):
+    """The inputs and targets of the run's first microbatch, read without touching any random state."""
+    from pipetrain.data import BatchSampler, get_batch
+
+    layout = UnitLayout(config.batch_size, max(_units_per_update(config, name), 1))
+    _, start, stop = layout.bounds(0)
+    with torch.random.fork_rng(devices=[]):
+        indices = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle).indices(0)
+        x, y = get_batch(train_set, indices[start:stop])
+    if isinstance(x, Tensor) and x.is_floating_point():
+        x = x.to(dtype)
+    return x, y
+
+
+def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, trace: dict):
+    """``split()`` in this process; under torch.distributed only rank 0 measures and every rank cuts
+    by its unit times (ranks measuring each for itself could cut differently)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return split()
+    from pipetrain.stages import split_by_time
+
+    shared: list[Any] = [None]
+    if dist.get_rank() == 0:
+        staged, choice = split()
+        shared[0] = choice.unit_seconds
+    dist.broadcast_object_list(shared, src=0)
+    if dist.get_rank() == 0:
+        return staged, choice
+    return split_by_time(model, pieces, None, None, None, costs=shared[0], **trace)  # type: ignore[arg-type]
+
+
+def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
+    """The unit times of the run being resumed (its checkpoint's configuration), so that it is cut
+    as before."""
+    if not config.resume:
+        return None
+    from pipetrain.runtime.checkpoint import resolve
+
+    try:
+        checkpoint = resolve(config.resume if isinstance(config.resume, str) else config.checkpoint_dir or "")
+    except Exception:  # noqa: BLE001 - no usable checkpoint: the runtime reports it when it resumes
+        return None
+    return checkpoint.meta.get("config", {}).get("stage_costs")
+
+
 def prepare(config: TrainConfig) -> Run:
     """Build everything the run needs from ``config`` (deterministic)."""
     from pipetrain.data import BatchSampler, dataset_info, load_dataset, load_train_test
     from pipetrain.models import build_model, refuse_batchnorm
-    from pipetrain.stages import split_model
 
     config = apply_plan(config)
     name = resolve_name(config.schedule)
@@ -248,17 +374,12 @@ def prepare(config: TrainConfig) -> Run:
     pieces = stages * (config.chunks if name == "interleaved" else 1)
     if config.chunks != 1 and name != "interleaved":
         raise ConfigError(f"--chunks applies to the interleaved schedule only, not to {name}")
-    if config.balance:
-        if config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
-            raise ConfigError(
-                f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
-                f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
-            )
-        staged = split_model(model, balance=config.balance)
-    elif config.split_at:
-        staged = split_model(model, split_at=config.split_at)
-    else:
-        staged = split_model(model, stages=pieces)
+    if config.balance and config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
+        raise ConfigError(
+            f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
+            f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
+        )
+    staged, choice, config = _cut(config, model, name, pieces, train_set, dtype)
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
@@ -266,7 +387,7 @@ def prepare(config: TrainConfig) -> Run:
         )
 
     asynchronous = name in ASYNCHRONOUS and name != "2bw"
-    units = config.microbatches if config.microbatches is not None else (1 if asynchronous else min(4, config.batch_size))
+    units = _units_per_update(config, name)
     if units < 1:
         raise ConfigError(f"--microbatches must be at least 1, got {units}")
     layout = UnitLayout(config.batch_size, units)
@@ -319,5 +440,5 @@ def prepare(config: TrainConfig) -> Run:
     return Run(
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=loss_fn, delays=delays, grad_scales=grad_scales,
-        updates=updates, dtype=dtype, tied=tied if tied else None,
+        updates=updates, dtype=dtype, tied=tied if tied else None, stage_choice=choice,
     )

@@ -24,6 +24,9 @@ def train(config: TrainConfig) -> TrainResult | None:
         # and the emulator's parameters equal the runtime's bitwise
         torch.set_num_threads(config.threads_per_worker)
         run = prepare(config)
+        from pipetrain.training.outputs import announce_stages
+
+        announce_stages(run)
         result = train_emulated(run)
         write_outputs(config, result, run.model.state_dict())
         return result
