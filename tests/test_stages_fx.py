@@ -423,3 +423,59 @@ def test_trace_model_keeps_the_models_modules():
     model = gpt(n_layer=1)
     traced = trace_model(model)
     assert traced.get_submodule("blocks.0.attn.qkv") is model.blocks[0].attn.qkv
+
+
+class Encoded(nn.Module):
+    """Token embedding, an nn.TransformerEncoder of four layers, a pooled head."""
+
+    def __init__(self, masked: bool = False):
+        super().__init__()
+        self.masked = masked
+        self.embed = nn.Embedding(11, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 4, norm=nn.LayerNorm(16), enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        if self.masked:
+            h = self.encoder(h, mask=nn.Transformer.generate_square_subsequent_mask(12))
+        else:
+            h = self.encoder(h)
+        return self.head(h.mean(dim=1))
+
+
+@pytest.mark.parametrize("cut", [{"stages": 2}, {"stages": 4}, {"split_at": ["encoder.layers.1", "encoder.norm"]}],
+                         ids=str)
+def test_transformer_encoder_is_cut_between_its_layers_transparently(cut):
+    model = Encoded().double()
+    staged = split_model(model, **cut)
+    assert all(name.startswith(("encoder.", "head")) for name in staged.split_at)
+    x, y = torch.randint(0, 11, (3, 12)), torch.tensor([0, 1, 2])
+    check_transparent(model, staged, x, y)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(run_stages(staged.stages, x), model(x))
+
+
+def test_units_of_an_encoder_are_its_layers_and_a_masked_encoder_stays_whole():
+    staged = split_model(Encoded(), stages=3)
+    assert staged.split_at == ["encoder.layers.1", "encoder.layers.3"]
+    with pytest.raises(ConfigError) as info:
+        split_model(Encoded(masked=True), split_at=["encoder.layers.2"])
+    message = str(info.value)
+    assert "lies inside 'encoder'" in message and "called with a mask" in message and "split at 'encoder'" in message
+    with pytest.raises(ConfigError) as info:
+        split_model(Encoded(masked=True), stages=4)
+    message = str(info.value)
+    assert "3 pipeline units (embed, encoder, head)" in message and "--stages 3 or fewer" in message
+    assert "inside" not in message  # no advice that the other errors contradict
+    assert split_model(Encoded(), stages=2, leaf_modules=["encoder"]).split_at == ["encoder"]  # whole
+
+
+def test_leaf_advice_names_the_flag():
+    with pytest.raises(ConfigError) as info:
+        split_model(Outer(), stages=2)
+    assert "--leaf-modules inner" in str(info.value) and "cannot be cut inside" in str(info.value)
+    with pytest.raises(ConfigError, match=r"made one by leaf_modules / --leaf-modules"):
+        split_model(Outer(), split_at=["inner.l"], leaf_modules=["inner"])
