@@ -142,3 +142,16 @@ def test_runtime_equals_emulator_and_saves_one_tensor(tmp_path, monkeypatch):
     assert fresh[2][1].weight is fresh[0].wte.weight
     saved = torch.load(tmp_path / "1-distributed.pt")
     assert torch.equal(saved["wte.weight"], saved["head.weight"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_a_tie_inside_one_stage_reads_one_version(schedule):
+    """Both uses of the shared weight in one stage read the version the action names (a regression:
+    the head used to read the module's own, never updated, parameter)."""
+    model = tied_gpt()
+    reference = copy.deepcopy(model)
+    data = batches(size=4)
+    Pipeline(model, stages=1, schedule=schedule, microbatches=1, optimizer=OPTIMIZER).train(data)
+    plain_tied_training(reference, data)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(a, b), name
