@@ -115,6 +115,13 @@ import test_stages_balance as t
 
 def heavy_first(num_classes):
     return t.heavy_first(num_classes)
+
+
+def tied_inside(num_classes):
+    """Units 1 and 3 share a weight: some cuts put them in one stage, others not."""
+    first, second = nn.Linear(t.WIDTH, t.WIDTH), nn.Linear(t.WIDTH, t.WIDTH)
+    second.weight = first.weight
+    return [nn.Linear(8, t.WIDTH), first, nn.Tanh(), second, nn.Linear(t.WIDTH, num_classes)]
 '''
 
 
@@ -153,11 +160,14 @@ def test_auto_times_synchronous_schedules_and_counts_parameters_on_asynchronous_
         prepare(config(factory, balance_by="speed"))
 
 
-def test_dropout_and_tied_weights_keep_the_parameter_count_under_auto():
+def test_dropout_and_tied_weights_keep_the_parameter_count_under_auto(factory):
     run = prepare(config("gpt:n_layer=2,n_embd=16,n_head=2,dropout=0.1", data="text:block_size=8"))
     assert run.stage_choice.how == "parameter count" and "dropout" in run.stage_choice.note
-    run = prepare(config("gpt:n_layer=2,n_embd=16,n_head=2,tie=true", data="text:block_size=8"))
+    run = prepare(config(factory.replace("heavy_first", "tied_inside"), stages=3))
     assert run.stage_choice.how == "parameter count" and "tied" in run.stage_choice.note
+    # an LM head tied to the input embedding: every cut gives it to the first and the last stage
+    run = prepare(config("gpt:n_layer=2,n_embd=16,n_head=2,tie=true", data="text:block_size=8"))
+    assert run.stage_choice.how == "measured time" and [t.stages for t in run.staged.tied] == [(0, 1)]
 
 
 def test_given_stage_costs_cut_without_measuring_and_reach_the_report(factory, tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Cutting models into pipeline stages and mapping stage state dicts back to the whole model."""
 
-from pipetrain.stages.balance import StageChoice, measure_unit_costs, split_by_time, unit_names
+from pipetrain.stages.balance import StageChoice, measure_unit_costs, split_by_time, unit_names, unit_pieces
 from pipetrain.stages.costs import measure_node_costs
 from pipetrain.stages.partition import balance_by_params, check_balance, parameter_counts, partition_min_max
 from pipetrain.stages.points import Plan, normalize_plan
@@ -32,4 +32,5 @@ __all__ = [
     "split_model",
     "trace_model",
     "unit_names",
+    "unit_pieces",
 ]

@@ -30,7 +30,7 @@ from pipetrain.stages.split import declared_units, split_model
 from pipetrain.stages.staged import StagedModel
 from pipetrain.stages.trace import trace_model
 
-__all__ = ["StageChoice", "measure_unit_costs", "split_by_time", "unit_names"]
+__all__ = ["StageChoice", "measure_unit_costs", "split_by_time", "unit_names", "unit_pieces"]
 
 
 @dataclass
@@ -138,6 +138,16 @@ def unit_names(
     return units[:1] + [u for u in units[1:] if positions.first[u] > first_compute]
 
 
+def unit_pieces(
+    model: nn.Module, stages: int, *, leaf_modules: Sequence[str | type] = (), concrete_args: Mapping[str, Any] | None = None
+) -> tuple[list[str], StagedModel]:
+    """The :func:`unit_names` and the model cut before every one of them (one stage per unit)."""
+    names = unit_names(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    if declared_units(model) is not None or _cut_between_children(model, leaf_modules, concrete_args):
+        return names, split_model(model, balance=[1] * len(names))
+    return names, split_model(model, split_at=names[1:], leaf_modules=leaf_modules, concrete_args=concrete_args)
+
+
 def _cut_between_children(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Any) -> bool:
     """Whether an automatic split cuts ``model`` between its children without tracing."""
     return isinstance(model, nn.Sequential) and not leaf_modules and not concrete_args
@@ -171,11 +181,7 @@ def measure_unit_costs(
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
-    names = unit_names(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args)
-    if declared_units(model) is not None or _cut_between_children(model, leaf_modules, concrete_args):
-        pieces = split_model(model, balance=[1] * len(names))
-    else:
-        pieces = split_model(model, split_at=names[1:], leaf_modules=leaf_modules, concrete_args=concrete_args)
+    names, pieces = unit_pieces(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args)
     buffers = {k: b.clone() for k, b in model.named_buffers()}
     last = len(pieces) - 1
     executors = [StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)

@@ -231,12 +231,12 @@ def _units_per_update(config: TrainConfig, name: str) -> int:
 BALANCE_BY = ("auto", "time", "params")
 
 
-def _balance_by(config: TrainConfig, name: str, model: nn.Module) -> tuple[str, str]:
+def _balance_by(config: TrainConfig, name: str, model: nn.Module, pieces: int) -> tuple[str, str]:
     """``("time" | "params", why)`` for an automatic split. ``auto`` measures time where the cut
     cannot change what the run computes: a synchronous schedule trains the same for every cut
     (bitwise, as plain training), while on an asynchronous one the cut sets each layer's delay,
     dropout masks are drawn per stage, and tied weights add their stages' gradients in an order
-    set by the cut. There it keeps the deterministic parameter count, so that two runs (or the
+    set by the cut (unless only the first and the last unit use them). There it keeps the deterministic parameter count, so that two runs (or the
     emulator and the runtime) cut alike."""
     if config.balance_by not in BALANCE_BY:
         raise ConfigError(f"unknown --balance-by {config.balance_by!r}; choose auto, time or params")
@@ -249,9 +249,20 @@ def _balance_by(config: TrainConfig, name: str, model: nn.Module) -> tuple[str, 
     if any(isinstance(m, _STOCHASTIC) and m.p > 0 and m.training for m in model.modules()):
         return "params", "dropout masks depend on the cut; --balance-by time to time it"
     params = [p for _, p in model.named_parameters(remove_duplicate=False)]
-    if len({id(p) for p in params}) < len(params):
+    if len({id(p) for p in params}) < len(params) and not _ties_fixed_by_any_cut(config, model, pieces):
         return "params", "tied weights add in an order set by the cut; --balance-by time to time it"
     return "time", ""
+
+
+def _ties_fixed_by_any_cut(config: TrainConfig, model: nn.Module, pieces: int) -> bool:
+    """Whether every shared parameter is used by the first unit and the last only (an input
+    embedding and the LM head reusing it): every cut then gives it to the first and the last stage,
+    which sum its gradient in the same order."""
+    from pipetrain.stages import unit_pieces
+
+    names, units = unit_pieces(model, pieces, leaf_modules=list(config.leaf_modules or ()),
+                               concrete_args=config.concrete_args)
+    return all(set(t.stages) <= {0, len(names) - 1} for t in units.tied)
 
 
 def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_set: Dataset, dtype: torch.dtype):
@@ -268,7 +279,7 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
     if config.split_at:
         staged = split_model(model, split_at=config.split_at, **trace)
         return staged, StageChoice.of(staged, "--split-at", _names(model)), config
-    by, why = _balance_by(config, name, model)
+    by, why = _balance_by(config, name, model, pieces)
     if by == "params" or pieces == 1:
         staged = split_model(model, stages=pieces, **trace)
         names = unit_names(model, pieces, **trace) if staged.balance is not None else None
