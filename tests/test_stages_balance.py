@@ -188,3 +188,49 @@ def test_stage_choice_of_an_unnamed_list():
     staged = split_model([nn.Linear(2, 2), nn.Linear(2, 2)])
     choice = StageChoice.of(staged, "stage modules")
     assert choice.starts == [None, None] and choice.split_at == [] and choice.lines()[0] == "stages given by stage modules:"
+
+
+class Trunk(nn.Module):
+    """Two heavy parts inside an ordinary module (not a container): one unit until timed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Heavy(), Heavy()
+
+    def forward(self, x):
+        return self.second(self.first(x)) + x
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, WIDTH)
+        self.trunk = Trunk()
+        self.head = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        return self.head(self.trunk(self.inp(x)))
+
+
+def test_a_unit_holding_most_of_the_time_is_opened_and_timed_in_parts():
+    torch.manual_seed(0)
+    model = Deep()
+    assert unit_names(model, 2) == ["inp", "trunk", "head"]
+    assert split_model(model, stages=2).split_at == ["trunk"]  # by parameters: the trunk has none
+    x, y = batch()
+    staged, choice = split_by_time(model, 2, x, y, cross_entropy)
+    assert staged.split_at == ["trunk.second"]
+    assert set(choice.unit_seconds) == {"inp", "trunk.first", "trunk.second", "head"}
+    again, _ = split_by_time(model, 2, None, None, None, costs=choice.unit_seconds)  # reproduced
+    assert again.split_at == ["trunk.second"]
+
+
+def test_parameter_balance_opens_a_unit_bigger_than_a_stage():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.cut_balance import vit
+
+    model = vit((3 * 16 * 16,), 1000, layers=4, dim=32)  # the encoder holds most parameters: opened
+    assert split_model(model, stages=2).split_at[0].startswith("encoder.layers.encoder_layer_")

@@ -25,7 +25,7 @@ from torch import nn
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.stages.nodes import ModulePositions, is_compute, positioned_nodes
-from pipetrain.stages.points import pipeline_units
+from pipetrain.stages.points import cost_units, largest_block, open_unit, pipeline_units
 from pipetrain.stages.split import declared_units, split_model
 from pipetrain.stages.staged import StagedModel
 from pipetrain.stages.trace import trace_model
@@ -130,19 +130,35 @@ def unit_names(
         return [name for name, _ in declared]
     if _cut_between_children(model, leaf_modules, concrete_args):
         return [name for name, _ in model.named_children()]
+    positions, first_compute = _positions(model, leaf_modules, concrete_args)
+    return _startable(pipeline_units(model, positions, at_least=stages), positions, first_compute)
+
+
+def _positions(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Any) -> tuple[ModulePositions, int]:
     traced = trace_model(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
     nodes = positioned_nodes(traced.graph)
-    positions = ModulePositions.of(nodes)
-    units = pipeline_units(model, positions, at_least=stages)
-    first_compute = next((i for i, n in enumerate(nodes) if is_compute(n)), len(nodes))
-    return units[:1] + [u for u in units[1:] if positions.first[u] > first_compute]
+    return ModulePositions.of(nodes), next((i for i, n in enumerate(nodes) if is_compute(n)), len(nodes))
+
+
+def _startable(units: Sequence[str], positions: ModulePositions, first_compute: int) -> list[str]:
+    """The first unit, then the units a stage may start at (after the model's first operation)."""
+    units = sorted(units, key=lambda n: positions.first[n])
+    out = list(units[:1])
+    for u in units[1:]:
+        if positions.first[u] > first_compute and positions.first[u] != positions.first[out[-1]]:
+            out.append(u)
+    return out
 
 
 def unit_pieces(
-    model: nn.Module, stages: int, *, leaf_modules: Sequence[str | type] = (), concrete_args: Mapping[str, Any] | None = None
+    model: nn.Module, stages: int, *, leaf_modules: Sequence[str | type] = (), concrete_args: Mapping[str, Any] | None = None,
+    names: Sequence[str] | None = None,
 ) -> tuple[list[str], StagedModel]:
-    """The :func:`unit_names` and the model cut before every one of them (one stage per unit)."""
-    names = unit_names(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    """The :func:`unit_names` (or the given ``names``) and the model cut before every one of them
+    (one stage per unit)."""
+    names = list(names) if names is not None else unit_names(
+        model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args
+    )
     if declared_units(model) is not None or _cut_between_children(model, leaf_modules, concrete_args):
         return names, split_model(model, balance=[1] * len(names))
     return names, split_model(model, split_at=names[1:], leaf_modules=leaf_modules, concrete_args=concrete_args)
@@ -166,13 +182,15 @@ def measure_unit_costs(
     warmup: int = 2,
     budget: float = 0.3,
     most: int = 30,
+    units: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Fastest forward + backward seconds of each piece of ``model`` cut at every unit
     (:func:`unit_names`), run on ``(inputs, target)`` as stage executors run them.
 
     After ``warmup`` rounds, at least ``repeats`` timed rounds, more while they took less than
     ``budget`` seconds in all (at most ``most``): on a busy machine a round of a small model is
-    often interrupted, and a few more rounds cost little.
+    often interrupted, and a few more rounds cost little. ``units``: the pieces' names (default
+    :func:`unit_names`).
 
     The model is left as it was: parameters are not updated, buffers (BatchNorm statistics) are
     restored and the random state too. Run it with the thread count the training will use.
@@ -181,7 +199,7 @@ def measure_unit_costs(
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
-    names, pieces = unit_pieces(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    names, pieces = unit_pieces(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args, names=units)
     buffers = {k: b.clone() for k, b in model.named_buffers()}
     last = len(pieces) - 1
     executors = [StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)
@@ -233,16 +251,53 @@ def split_by_time(
 ) -> tuple[StagedModel, StageChoice]:
     """``model`` cut into ``stages`` stages of near-equal measured time, and the record of it.
 
+    A traced model's unit that takes more than ``1/stages`` of the time is opened into its parts
+    and the parts are timed, as long as that lowers the slowest stage's time (at most 3 times).
     ``costs`` (a previous measurement, :attr:`StageChoice.unit_seconds`) replaces measuring, and
     reproduces that cut.
     """
-    names = unit_names(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    trace = dict(leaf_modules=leaf_modules, concrete_args=concrete_args)
     if costs is None:
-        costs = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, leaf_modules=leaf_modules,
-                                   concrete_args=concrete_args, repeats=repeats)
-    missing = [n for n in names if n not in costs]
-    if missing:
-        raise ConfigError(f"the unit costs lack {missing[:3]}: they were measured for another model or --stages")
-    staged = split_model(model, stages=stages, costs=dict(costs), leaf_modules=leaf_modules,
-                         concrete_args=concrete_args)
+        names = unit_names(model, stages, **trace)
+        costs = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, repeats=repeats, units=names, **trace)
+        if declared_units(model) is None and not _cut_between_children(model, leaf_modules, concrete_args):
+            costs = _refined(model, stages, names, costs, inputs, target, loss_fn, repeats, trace)
+    names = _cost_order(model, costs, trace)
+    staged = split_model(model, stages=stages, costs=dict(costs), **trace)
     return staged, StageChoice.of(staged, "measured time", names, costs)
+
+
+def _cost_order(model: nn.Module, costs: Mapping[str, float], trace: dict) -> list[str]:
+    """The units that ``costs`` times, in execution order (checked to fit the model)."""
+    declared = declared_units(model)
+    if declared is not None or _cut_between_children(model, trace["leaf_modules"], trace["concrete_args"]):
+        names = [n for n, _ in declared] if declared is not None else [n for n, _ in model.named_children()]
+        missing = [n for n in names if n not in costs]
+        if missing:
+            raise ConfigError(f"the unit costs lack {missing[:3]}: they were measured for another model")
+        return names
+    positions, _ = _positions(model, trace["leaf_modules"], trace["concrete_args"])
+    order = cost_units(model, positions, costs)
+    if order is None:
+        unknown = [k for k in costs if k not in positions.first][:3]
+        raise ConfigError(f"the unit costs name {unknown}, which are not modules this model runs: they were "
+                          f"measured for another model")
+    return order
+
+
+def _refined(model, stages, names, costs, inputs, target, loss_fn, repeats, trace) -> dict[str, float]:
+    positions, first_compute = _positions(model, trace["leaf_modules"], trace["concrete_args"])
+    for _ in range(3):
+        total = sum(costs.values())
+        heavy = [u for u in names if costs[u] * stages > total and open_unit(model, positions, u)]
+        if not heavy:
+            break
+        unit = max(heavy, key=costs.__getitem__)
+        i = names.index(unit)
+        trial = _startable(names[:i] + open_unit(model, positions, unit) + names[i + 1 :], positions, first_compute)
+        timed = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, repeats=repeats, units=trial,
+                                   **trace)
+        if largest_block([timed[n] for n in trial], stages) >= largest_block([costs[n] for n in names], stages):
+            break
+        names, costs = trial, timed
+    return costs

@@ -14,6 +14,7 @@ from pipetrain.stages.nodes import ModulePositions, positioned_nodes
 from pipetrain.stages.partition import balance_by_params, check_balance, check_stages, partition_min_max
 from pipetrain.stages.points import (
     Plan,
+    cost_units,
     cost_weights,
     parameter_weights,
     pipeline_units,
@@ -281,7 +282,9 @@ def _split_traced(
         what = "--split-at"
     elif stages is not None:
         weights = parameter_weights(model, nodes) if costs is None else cost_weights(model, nodes, positions, costs)
-        units = pipeline_units(model, positions, at_least=stages)
+        units = (None if costs is None else cost_units(model, positions, costs)) or pipeline_units(
+            model, positions, at_least=stages
+        )
         starts, names = starts_by_weight(
             nodes, positions, units, weights, stages, "parameter count" if costs is None else "cost"
         )
