@@ -479,3 +479,23 @@ def test_leaf_advice_names_the_flag():
     assert "--leaf-modules inner" in str(info.value) and "cannot be cut inside" in str(info.value)
     with pytest.raises(ConfigError, match=r"made one by leaf_modules / --leaf-modules"):
         split_model(Outer(), split_at=["inner.l"], leaf_modules=["inner"])
+
+
+def test_pipeline_takes_leaf_modules_and_concrete_args():
+    from pipetrain import Pipeline
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.inner, self.b = nn.Linear(3, 3), Branchy(), nn.Linear(3, 2)
+
+        def forward(self, x, scale=1.0):
+            return self.b(self.inner(self.a(x)) * scale)
+
+    with pytest.raises(ConfigError, match="--leaf-modules inner"):
+        Pipeline(Scaled(), stages=2)
+    model = Scaled()
+    pipe = Pipeline(model, split_at=["b"], leaf_modules=["inner"], concrete_args={"scale": 2.0}, microbatches=1)
+    x = torch.randn(4, 3)
+    assert torch.equal(pipe.staged(x), model(x, scale=2.0))
+    assert len(pipe.train([(x, torch.tensor([0, 1, 0, 1]))])) == 1
