@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from pipetrain import Pipeline
+from pipetrain.training.callbacks import Callback
 
 STEPS, BATCH = 6, 8
 
@@ -34,15 +35,26 @@ class Points(Dataset):
         return self.x[index], int(self.y[index])
 
 
+class Saved(Callback):
+    def __init__(self, paths: list) -> None:
+        self.paths = paths
+
+    def on_checkpoint(self, step: int, path: str) -> None:
+        self.paths.append([step, os.path.basename(path)])
+
+
 def one_run(schedule: str, mode: str, executor: str, out: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     pipe = Pipeline(model, stages=2, schedule=schedule, executor=executor, microbatches=2 if schedule == "1f1b" else 1,
                     optimizer=torch.optim.SGD, optimizer_options=dict(lr=0.05, momentum=0.9), timeout=60)
     data = Points()
-    in_flight = []
+    in_flight, checkpoints = [], []
     if mode == "fit":
-        result = pipe.fit(data, batch_size=BATCH, steps=STEPS, shuffle=False, progress=False)
+        kept = executor == "distributed" and schedule == "pipedream"  # checkpoints: the runtime's
+        result = pipe.fit(data, batch_size=BATCH, steps=STEPS, shuffle=False, progress=False,
+                          checkpoint_dir=os.path.join(out, "checkpoints") if kept else None,
+                          checkpoint_every=3 if kept else 0, callbacks=[Saved(checkpoints)])
     else:
         pipe.start(steps=STEPS, batch_size=BATCH)
         finished = []
@@ -61,7 +73,7 @@ def one_run(schedule: str, mode: str, executor: str, out: str) -> None:
         programs = [[str(a) for a in p] for p in pipe.last_schedule.programs] if pipe.last_schedule else None
         with open(os.path.join(out, f"{schedule}-{mode}.json"), "w") as handle:
             json.dump({"losses": result.update_losses, "in_flight": in_flight, "workers": result.workers,
-                       "programs": programs}, handle)
+                       "programs": programs, "checkpoints": checkpoints}, handle)
 
 
 def main(argv=None) -> None:

@@ -55,6 +55,8 @@ def test_python_train_py_spawns_its_workers_and_equals_the_emulator(tmp_path, em
         _assert_same(tmp_path, emulated, name)
         with open(tmp_path / f"{name}.json") as f:
             assert json.load(f)["workers"] == 2
+    with open(tmp_path / "pipedream-fit.json") as f:
+        assert json.load(f)["checkpoints"] == [[3, "step-000003"]]  # every 3 updates, before the end
 
 
 def test_the_same_script_under_two_torchrun_agents_equals_the_emulator(tmp_path, emulated):

@@ -166,7 +166,7 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
 
     config = run.config
     rank = env.rank
-    checkpoints = Checkpoints(run, rank, env.world_size)
+    checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
     resumed = checkpoints.resume_point()
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
     runner = setup.runner
@@ -246,8 +246,8 @@ class Checkpoints:
     """Where this rank checkpoints (its cut after every ``--checkpoint-every`` updates) and how a
     run resumes from the newest complete checkpoint."""
 
-    def __init__(self, run, rank: int, world_size: int) -> None:
-        self.run, self.rank, self.world_size = run, rank, world_size
+    def __init__(self, run, rank: int, world_size: int, callbacks: Any = None) -> None:
+        self.run, self.rank, self.world_size, self.callbacks = run, rank, world_size, callbacks
         config = run.config
         self.directory = config.checkpoint_dir
         if config.checkpoint_every and not self.directory:
@@ -291,11 +291,13 @@ class Checkpoints:
 
             if self._store is None:  # one store client for the whole run: save rounds must match across ranks
                 self._store = env_store(self.run.config.timeout)
-            save_distributed(
+            path = save_distributed(
                 self.directory, step, {f"rank-{self.rank}.pt": runner.snapshot()}, self.meta,
                 rank=self.rank, world_size=self.world_size, store=self._store,
                 timeout=self.run.config.timeout,
             )
+            if self.callbacks is not None:
+                self.callbacks.checkpoint(step, str(path))
             if self.rank == 0:
                 prune(self.directory, keep=2)
 
