@@ -152,7 +152,18 @@ class RankSetup:
         result = _assemble(self.run, gathered) if self.rank == 0 else None
         shared = [None if result is None else replace(result, timeline=None)]
         _collective("sharing the result", lambda: dist.broadcast_object_list(shared, src=0))
+        self._release()
         return result if result is not None else replace(shared[0], is_main=False)
+
+    def _release(self) -> None:
+        """Drop the transport and the runner, and collect what a run leaves in reference cycles
+        now, while the process group lives: left to the end of the process, torch.distributed
+        objects of earlier runs destroyed during interpreter shutdown aborted a worker of a
+        script that trained several times ("terminate called without an active exception")."""
+        import gc
+
+        self.runner = self.messenger = self.status = None
+        gc.collect()
 
 
 def run_worker(run, env, callbacks: Any = None) -> TrainResult:
