@@ -57,6 +57,8 @@ def test_python_train_py_spawns_its_workers_and_equals_the_emulator(tmp_path, em
             assert json.load(f)["workers"] == 2
     with open(tmp_path / "pipedream-fit.json") as f:
         assert json.load(f)["checkpoints"] == [[3, "step-000003"]]  # every 3 updates, before the end
+    with open(tmp_path / "pipedream-step-eval.json") as f, open(emulated / "pipedream-step-eval.json") as g:
+        assert json.load(f) == json.load(g)  # evaluation between two steps, through the pipeline
 
 
 def test_the_same_script_under_two_torchrun_agents_equals_the_emulator(tmp_path, emulated):
