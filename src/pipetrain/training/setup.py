@@ -266,7 +266,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     elif config.split_at:
         staged = split_model(model, split_at=config.split_at)
     else:
-        staged = split_model(list(parts.model) if isinstance(parts.model, (list, tuple)) else model, stages=pieces)
+        staged = split_model(model, stages=pieces)
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
