@@ -98,8 +98,8 @@ def test_1f1b_training_equals_plain_training_of_the_hf_model(which, microbatches
     model = tiny_gpt2(shift=True) if which == "gpt2" else tiny_bert()
     reference = copy.deepcopy(model)
     batches = [(ids, ids) for ids in tokens()] if which == "gpt2" else [masked(ids) for ids in tokens()]
-    pipe = Pipeline(model, stages=3, schedule="1f1b", microbatches=microbatches, loss_fn=model.pipeline_loss,
-                    optimizer="sgd:lr=0.1,momentum=0.9")
+    pipe = Pipeline(model, executor="emulate", stages=3, schedule="1f1b", microbatches=microbatches,
+                    loss_fn=model.pipeline_loss, optimizer="sgd:lr=0.1,momentum=0.9")
     losses = pipe.train(batches)
     plain_hf_training(reference, batches, microbatches)
     trained = dict(model.named_parameters())

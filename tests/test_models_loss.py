@@ -151,7 +151,7 @@ def test_training_with_ignore_labels_equals_plain_training():
         y = torch.randint(0, 11, (4, 8), generator=g)
         y[:, 5:] = -100
         data.append((x, y))
-    Pipeline(model, stages=2, schedule="1f1b", microbatches=1, optimizer="sgd:lr=0.1").train(data)
+    Pipeline(model, executor="emulate", stages=2, schedule="1f1b", microbatches=1, optimizer="sgd:lr=0.1").train(data)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for x, y in data:
         opt.zero_grad()

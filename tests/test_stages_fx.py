@@ -493,9 +493,10 @@ def test_pipeline_takes_leaf_modules_and_concrete_args():
             return self.b(self.inner(self.a(x)) * scale)
 
     with pytest.raises(ConfigError, match="--leaf-modules inner"):
-        Pipeline(Scaled(), stages=2)
+        Pipeline(Scaled(), executor="emulate", stages=2)
     model = Scaled()
-    pipe = Pipeline(model, split_at=["b"], leaf_modules=["inner"], concrete_args={"scale": 2.0}, microbatches=1)
+    pipe = Pipeline(model, executor="emulate", split_at=["b"], leaf_modules=["inner"], concrete_args={"scale": 2.0},
+                    microbatches=1)
     x = torch.randn(4, 3)
     assert torch.equal(pipe.staged(x), model(x, scale=2.0))
     assert len(pipe.train([(x, torch.tensor([0, 1, 0, 1]))])) == 1

@@ -19,9 +19,9 @@ from torch.utils.data import Dataset
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
-from pipetrain.models.loss import loss_for
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.training.config import TrainConfig
+from pipetrain.training.parts import RunParts
 
 __all__ = ["Run", "prepare", "EXECUTORS"]
 
@@ -46,6 +46,7 @@ class Run:
     grad_scales: list[float]
     updates: int
     dtype: torch.dtype
+    optimizer_factory: Any = None  # see RunParts.optimizer
     tied: TiedGradients | None = None  # where stages sharing a parameter sum its gradient (None: none shared)
     stage_choice: Any = None  # pipetrain.stages.StageChoice: how the stages were chosen, their sizes and times
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
@@ -107,29 +108,33 @@ class Run:
 
         return UnitData(self.train_set, self.layout, self.sampler.indices, get_batch, prefetch=prefetch)
 
-    def make_executor(self, rank: int, stage: int) -> StageExecutor:
-        """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies)."""
+    def stage_optimizer(self, stage: int):
+        """A new optimizer for a replica of ``stage``: the parts' factory, or ``--optimizer``'s spec
+        (with ``--compensation`` and ``--lr-schedule``), given the stage's delay."""
+        if self.optimizer_factory is not None:
+            return self.optimizer_factory(stage, self.delays[stage])
         from pipetrain.optim import build_stage_optimizer
 
+        config = self.config
+        return build_stage_optimizer(
+            config.optimizer, stage_delay=self.delays[stage], compensation=(config.compensation or "none"),
+            lr_schedule=config.lr_schedule,
+        )
+
+    def make_executor(self, rank: int, stage: int) -> StageExecutor:
+        """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies)."""
         replica = self.schedule.replica_of(rank, stage)
         module = self.staged.stages[stage]
         if replica > 0:
             module = copy.deepcopy(module)
-        config = self.config
-        optimizer = build_stage_optimizer(
-            config.optimizer,
-            stage_delay=self.delays[stage],
-            compensation=config.compensation,
-            lr_schedule=config.lr_schedule,
-        )
         return StageExecutor(
             stage,
             module,
-            optimizer,
+            self.stage_optimizer(stage),
             loss_fn=self.loss_fn if stage == self.num_stages - 1 else None,
             policy=self.schedule.policy,
             grad_scale=self.grad_scales[stage],
-            seed=config.seed,
+            seed=self.config.seed,
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
@@ -265,7 +270,8 @@ def _ties_fixed_by_any_cut(config: TrainConfig, model: nn.Module, pieces: int) -
     return all(set(t.stages) <= {0, len(names) - 1} for t in units.tied)
 
 
-def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_set: Dataset, dtype: torch.dtype):
+def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_set: Dataset, dtype: torch.dtype,
+         loss_fn: Callable[[Any, Tensor], Tensor]):
     """The stages, the record of how they were chosen, and ``config`` with the measured unit times
     (``stage_costs``) when the split balanced time, so that worker processes cut alike."""
     from dataclasses import replace
@@ -288,13 +294,11 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
     inputs = target = None
     if costs is None:
         inputs, target = _first_microbatch(config, name, train_set, dtype)
-    from pipetrain.models.loss import loss_for
-
     threads = torch.get_num_threads()
     torch.set_num_threads(config.threads_per_worker)  # time the units as a worker will run them
     try:
         staged, choice = _measured_once(
-            lambda: split_by_time(model, pieces, inputs, target, loss_for(model), costs=costs, **trace), model,
+            lambda: split_by_time(model, pieces, inputs, target, loss_fn, costs=costs, **trace), model,
             pieces, trace,
         )
     finally:
@@ -358,39 +362,47 @@ def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
     return checkpoint.meta.get("config", {}).get("stage_costs")
 
 
-def prepare(config: TrainConfig) -> Run:
-    """Build everything the run needs from ``config`` (deterministic)."""
-    from pipetrain.data import BatchSampler, dataset_info, load_dataset, load_train_test
-    from pipetrain.models import build_model, refuse_batchnorm
+def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
+    """Build everything the run needs from ``config`` and its ``parts`` (deterministic); without
+    ``parts``, they are built from the configuration's specs (the command line)."""
+    from pipetrain.data import BatchSampler
+    from pipetrain.models import refuse_batchnorm
+    from pipetrain.training.parts import parts_from_config
 
     config = apply_plan(config)
     name = resolve_name(config.schedule)
     if config.executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
-    if config.dtype not in _DTYPES:
+    if config.dtype is not None and config.dtype not in _DTYPES:
         raise ConfigError(f"unknown --dtype {config.dtype!r}; choose float32 or float64")
-    dtype = _DTYPES[config.dtype]
     if config.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
     stages = _stage_count(config, name)
 
-    if config.test_data:
-        train_set, test_set = load_dataset(config.data), load_dataset(config.test_data)
-    else:
-        train_set, test_set = load_train_test(config.data)
-    info = dataset_info(train_set)
-    model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed)
-    model = model.to(dtype)
+    parts = parts_from_config(config) if parts is None else parts
+    train_set, test_set = parts.train_set, parts.test_set
+    model = parts.model
+    if isinstance(model, (list, tuple)):
+        model = nn.Sequential(*model)  # the unsplit model of a list of stages (keys "0.", "1.", ...)
+    if config.dtype is not None:
+        model = model.to(_DTYPES[config.dtype])
+    dtype = _DTYPES[config.dtype] if config.dtype is not None else _model_dtype(model)
 
     pieces = stages * (config.chunks if name == "interleaved" else 1)
     if config.chunks != 1 and name != "interleaved":
         raise ConfigError(f"--chunks applies to the interleaved schedule only, not to {name}")
-    if config.balance and config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
-        raise ConfigError(
-            f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
-            f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
-        )
-    staged, choice, config = _cut(config, model, name, pieces, train_set, dtype)
+    if parts.staged is not None:
+        staged = parts.staged
+        from pipetrain.stages import StageChoice
+
+        choice = StageChoice.of(staged, "the caller's cut", _names(model))
+    else:
+        if config.balance and config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
+            raise ConfigError(
+                f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
+                f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
+            )
+        staged, choice, config = _cut(config, model, name, pieces, train_set, dtype, parts.loss_fn)
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
@@ -441,15 +453,19 @@ def prepare(config: TrainConfig) -> Run:
     per_update = units_per_update(schedule)
     grad_scales = [per_update[-1] / u for u in per_update]
     tied = TiedGradients(staged.tied, schedule, grad_scales)  # refuses versioned schedules
-    loss_fn = loss_for(model)
-    from pipetrain.optim import build_stage_optimizer
-
-    # build one optimizer now so that a bad --optimizer/--compensation fails before any work
-    build_stage_optimizer(
-        config.optimizer, stage_delay=max(delays), compensation=compensation, lr_schedule=config.lr_schedule
-    )
-    return Run(
+    run = Run(
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
-        layout=layout, sampler=sampler, loss_fn=loss_fn, delays=delays, grad_scales=grad_scales,
-        updates=updates, dtype=dtype, tied=tied if tied else None, stage_choice=choice,
+        layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
+        updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
+        stage_choice=choice,
     )
+    run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
+    return run
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype of the model's parameters (inputs are cast to it), float32 if none."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
