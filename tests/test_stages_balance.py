@@ -187,7 +187,8 @@ def test_given_stage_costs_cut_without_measuring_and_reach_the_report(factory, t
 def test_stage_choice_of_an_unnamed_list():
     staged = split_model([nn.Linear(2, 2), nn.Linear(2, 2)])
     choice = StageChoice.of(staged, "stage modules")
-    assert choice.starts == [None, None] and choice.split_at == [] and choice.lines()[0] == "stages given by stage modules:"
+    assert choice.starts == [None, None] and choice.split_at == []
+    assert choice.lines()[0] == "stages given by stage modules:"
 
 
 class Trunk(nn.Module):

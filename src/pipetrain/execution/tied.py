@@ -23,7 +23,7 @@ are refused: the copies would be read at different versions and diverge.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ from pipetrain.execution.stage import StageExecutor
 from pipetrain.schedule.ir import Kind, Schedule
 from pipetrain.stages.tied import TiedParameter, refuse_tied
 
-__all__ = ["TiedGradients", "tied_sum"]
+__all__ = ["TiedGradients", "gradient_of", "tied_sum"]
 
 _ASYNCHRONOUS = frozenset({"pipedream", "2bw", "pb"})
 _CHANGES_GRADIENT = frozenset({Kind.B, Kind.W, Kind.SYNC})
@@ -158,8 +158,3 @@ def gradient_of(executor: StageExecutor, name: str) -> Tensor:
     grads = executor.grads or {}
     value = grads.get(name)
     return value if value is not None else torch.zeros_like(executor.versions.latest[name])
-
-
-def local_parts(executors: Mapping[int, StageExecutor]) -> Callable[[int, str], Tensor]:
-    """``part(stage, name)`` reading the executors of one process, by stage."""
-    return lambda stage, name: gradient_of(executors[stage], name)

@@ -484,7 +484,10 @@ class RankRunner:
 
             def part(stage: int, name: str, group: Any = group, like: torch.Tensor = like) -> torch.Tensor:
                 source = first[stage][0]
-                value = gradient_of(self.executors[stage], name).contiguous() if source == rank else torch.empty_like(like)
+                if source == rank:
+                    value = gradient_of(self.executors[stage], name).contiguous()
+                else:
+                    value = torch.empty_like(like)
                 if group is not None:
                     dist.broadcast(value, src=source, group=group)
                 return value

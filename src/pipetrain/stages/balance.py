@@ -17,7 +17,7 @@ printed and in the run's report) with the measurements, which reproduce it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -120,7 +120,11 @@ def _stage_seconds(staged: StagedModel, starts: Sequence[str | None], names: Seq
 
 
 def unit_names(
-    model: nn.Module, stages: int, *, leaf_modules: Sequence[str | type] = (), concrete_args: Mapping[str, Any] | None = None
+    model: nn.Module,
+    stages: int,
+    *,
+    leaf_modules: Sequence[str | type] = (),
+    concrete_args: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The names of the pieces an automatic split into ``stages`` chooses from, in order: the
     top-level modules of an ``nn.Sequential``, a model's declared units, or (traced) the first
@@ -151,7 +155,11 @@ def _startable(units: Sequence[str], positions: ModulePositions, first_compute: 
 
 
 def unit_pieces(
-    model: nn.Module, stages: int, *, leaf_modules: Sequence[str | type] = (), concrete_args: Mapping[str, Any] | None = None,
+    model: nn.Module,
+    stages: int,
+    *,
+    leaf_modules: Sequence[str | type] = (),
+    concrete_args: Mapping[str, Any] | None = None,
     names: Sequence[str] | None = None,
 ) -> tuple[list[str], StagedModel]:
     """The :func:`unit_names` (or the given ``names``) and the model cut before every one of them

@@ -215,7 +215,9 @@ def declared_units(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
         )
     names = [n for n, _ in pairs]
     if any(not n or "." in n for n in names):
-        raise ConfigError(f"{type(model).__name__}.pipeline_units: unit names must be non-empty and without '.', got {names}")
+        raise ConfigError(
+            f"{type(model).__name__}.pipeline_units: unit names must be non-empty and without '.', got {names}"
+        )
     if len(set(names)) != len(names):
         raise ConfigError(f"{type(model).__name__}.pipeline_units: unit names must be distinct, got {names}")
     return pairs  # type: ignore[return-value]

@@ -241,8 +241,8 @@ def _balance_by(config: TrainConfig, name: str, model: nn.Module, pieces: int) -
     cannot change what the run computes: a synchronous schedule trains the same for every cut
     (bitwise, as plain training), while on an asynchronous one the cut sets each layer's delay,
     dropout masks are drawn per stage, and tied weights add their stages' gradients in an order
-    set by the cut (unless only the first and the last unit use them). There it keeps the deterministic parameter count, so that two runs (or the
-    emulator and the runtime) cut alike."""
+    set by the cut (unless only the first and the last unit use them). There it keeps the
+    deterministic parameter count, so that two runs (or the emulator and the runtime) cut alike."""
     if config.balance_by not in BALANCE_BY:
         raise ConfigError(f"unknown --balance-by {config.balance_by!r}; choose auto, time or params")
     if config.balance_by != "auto":
