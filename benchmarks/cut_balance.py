@@ -14,7 +14,11 @@ reports each one's throughput and its ratio to the best hand cut::
 
 A run's throughput is 32 samples over its median update time after the first quarter of its
 updates (the median, not the mean: on a shared machine other jobs' bursts stretch some updates).
-Across rounds the script reports the median and the best of each contender.
+Across rounds the script reports the median and the best of each contender. It also reports each
+run's balance, the busiest worker's share of the two workers' busy time (0.5: perfectly
+balanced): other jobs slow both workers alike, so the share moves much less than the
+throughput, and with one worker per core the slowest stage sets the pace, so
+``share of the best hand cut / share`` estimates the speed relative to it.
 """
 
 from __future__ import annotations
@@ -128,7 +132,8 @@ def run_one(options: dict, steps: int):
     ends = report["update_seconds"][steps // 4:]  # after start-up
     intervals = [b - a for a, b in zip(ends, ends[1:])]
     rate = 32 / statistics.median(intervals)  # the median update: robust to other jobs' bursts
-    return rate, report["stage_choice"]["split_at"]
+    busy = report["stage_busy_seconds"]
+    return rate, max(busy) / sum(busy), report["stage_choice"]["split_at"]
 
 
 def main() -> None:
@@ -144,31 +149,39 @@ def main() -> None:
     print(f"model {MODEL}, data {DATA}, 1f1b, 32 samples per update in 4 microbatches, 2 workers x 1 thread")
     names = list(contenders(6))
     rates: dict[str, list[float]] = {name: [] for name in names}
+    shares: dict[str, list[float]] = {name: [] for name in names}
     cuts: dict[str, list[list[str]]] = {name: [] for name in names}
     for r in range(args.rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            rate, split_at = run_one(contenders(6)[name], args.steps)
+            rate, share, split_at = run_one(contenders(6)[name], args.steps)
             rates[name].append(rate)
+            shares[name].append(share)
             cuts[name].append(split_at)
-            print(f"round {r}: {name:32s} {rate:7.1f} samples/s  cut at {','.join(split_at)}", flush=True)
+            print(f"round {r}: {name:32s} {rate:7.1f} samples/s  busiest worker {share:.3f}  cut at "
+                  f"{','.join(split_at)}", flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     bests = {name: max(values) for name, values in rates.items()}
     hand = [name for name in names if name.startswith("hand")]
     best = max(hand, key=medians.__getitem__)
     best_of = max(hand, key=bests.__getitem__)
     per_round = [rates["--stages 2"][r] / max(rates[h][r] for h in hand) for r in range(args.rounds)]
-    print(f"\n{'cut':32s} {'median':>8s} {'/ best':>7s} {'best':>8s} {'/ best':>7s}  cuts chosen   (samples/s)")
+    balance = {name: statistics.median(values) for name, values in shares.items()}
+    balanced = min(hand, key=balance.__getitem__)
+    print(f"\n{'cut':32s} {'median':>8s} {'/ best':>7s} {'best':>8s} {'/ best':>7s} {'busiest':>8s} {'speed est.':>10s}"
+          f"  cuts chosen   (samples/s; busiest worker's share of busy time, median)")
     for name in names:
         chosen = sorted({",".join(c) for c in cuts[name]})
         print(f"{name:32s} {medians[name]:8.1f} {medians[name] / medians[best]:7.3f} {bests[name]:8.1f} "
-              f"{bests[name] / bests[best_of]:7.3f}  {' '.join(chosen)}")
+              f"{bests[name] / bests[best_of]:7.3f} {balance[name]:8.3f} {balance[balanced] / balance[name]:10.3f}  "
+              f"{' '.join(chosen)}")
     print(f"\nbest hand cut: {best} (median), {best_of} (best of {args.rounds}); --stages 2 / the best hand cut of "
           f"its round: {', '.join(f'{x:.3f}' for x in per_round)} (median {statistics.median(per_round):.3f})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump({"rates": rates, "cuts": cuts, "medians": medians, "bests": bests, "best_hand": best,
-                   "per_round": per_round, "load": load, "load_after": os.getloadavg()[0]}, handle, indent=1)
+        json.dump({"rates": rates, "shares": shares, "cuts": cuts, "medians": medians, "bests": bests,
+                   "best_hand": best, "per_round": per_round, "load": load, "load_after": os.getloadavg()[0]},
+                  handle, indent=1)
     print(f"wrote {args.out}")
 
 

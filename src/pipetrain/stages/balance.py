@@ -5,8 +5,9 @@ no parameters, a classifier head to many classes is mostly parameters and little
 automatic split can time the model instead: cut it at every place an automatic split may cut (its
 pipeline units, see :mod:`pipetrain.stages.points`), run each piece as a stage executor runs a
 stage (forward with the loss on the last piece, then backward) on one microbatch, a warm-up and a
-few timed rounds, and take each piece's fastest forward + backward seconds as its cost (other
-work on the machine only ever adds time, so the minimum is the steadiest estimate). The split
+few timed rounds, and take each piece's fastest forward + backward seconds as its cost (CPU
+time of the thread with one torch thread, as a worker runs; other work on the machine only ever
+adds time, so the minimum is the steadiest estimate). The split
 then minimises the slowest stage's summed cost (:func:`~pipetrain.stages.split_model` with
 ``costs=``). That costs a few forward/backward passes of the model on one microbatch.
 
@@ -193,7 +194,9 @@ def measure_unit_costs(
     units: Sequence[str] | None = None,
 ) -> dict[str, float]:
     """Fastest forward + backward seconds of each piece of ``model`` cut at every unit
-    (:func:`unit_names`), run on ``(inputs, target)`` as stage executors run them.
+    (:func:`unit_names`), run on ``(inputs, target)`` as stage executors run them. With one torch
+    thread (a worker's default) the seconds are the thread's CPU time, which other processes on the
+    machine do not stretch; with more, wall time.
 
     After ``warmup`` rounds, at least ``repeats`` timed rounds, more while they took less than
     ``budget`` seconds in all (at most ``most``): on a busy machine a round of a small model is
@@ -214,11 +217,14 @@ def measure_unit_costs(
                  for s, piece in enumerate(pieces.stages)]
     rounds: list[list[float]] = [[] for _ in executors]
     samples = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() else 1
-    clock = time.perf_counter
+    # one thread (a worker's default): its CPU time is what the stage costs, however busy the
+    # machine (autograd runs a CPU backward on the calling thread); more threads: wall time
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    wall = time.perf_counter
     try:
         with torch.random.fork_rng(devices=[]):
-            began, r = clock(), 0
-            while r < warmup + repeats or (r < warmup + most and clock() - began < budget):
+            began, r = wall(), 0
+            while r < warmup + repeats or (r < warmup + most and wall() - began < budget):
                 spent = [0.0] * len(executors)
                 value = inputs
                 for s, executor in enumerate(executors):
@@ -234,7 +240,7 @@ def measure_unit_costs(
                     for s, seconds in enumerate(spent):
                         rounds[s].append(seconds)
                 else:
-                    began = clock()
+                    began = wall()
                 r += 1
     except PipetrainError as error:
         raise ConfigError(f"cannot time the model's units to balance its stages: {error}") from None
