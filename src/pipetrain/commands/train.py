@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-shuffle", action="store_true", help="update t consumes samples tB..(t+1)B-1 in order")
     train.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    train.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
+                       help="a NaN or infinite loss or gradient: stop the run naming the step and stage (default "
+                            "stop), or skip each update whose gradient is not finite (see docs/optim.md)")
     train.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every K updates (and at the end)")
     train.add_argument("--eval-samples", type=int, help="evaluate on the first N held-out samples only (default: all)")
     run_group = parser.add_argument_group("execution")
@@ -84,6 +87,7 @@ def config_from_args(args: argparse.Namespace):
         epochs=args.epochs, optimizer=optimizer, lr_schedule=args.lr_schedule, compensation=args.compensation,
         executor=args.executor, workers=args.workers, threads_per_worker=args.threads_per_worker,
         receives=args.receives, timeout=args.timeout, seed=args.seed, shuffle=not args.no_shuffle, dtype=args.dtype,
+        on_nonfinite=args.on_nonfinite,
         eval_every=args.eval_every, eval_samples=args.eval_samples, save=args.save, report_json=args.report_json,
         trace=args.trace, plot=args.plot,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,

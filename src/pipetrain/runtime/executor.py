@@ -34,9 +34,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData, UnitLayout
-from pipetrain.execution.stage import StageExecutor
+from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
@@ -275,6 +275,8 @@ class RankRunner:
                     executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
             except CommunicationError:
                 raise
+            except NonFiniteError as error:
+                raise located(error, rank, action, lambda k: self.layout.bounds(k)[0]) from None
             except PipetrainError as error:
                 raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
             except RuntimeError as error:

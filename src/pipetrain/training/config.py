@@ -37,6 +37,7 @@ class TrainConfig:
     seed: int = 0
     shuffle: bool = True
     dtype: str = "float32"
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run, or skip the update (docs/optim.md)
     eval_every: int = 0
     eval_samples: int | None = None  # held-out samples evaluated (default: all)
     save: str | None = None

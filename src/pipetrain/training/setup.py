@@ -128,6 +128,7 @@ class Run:
             policy=self.schedule.policy,
             grad_scale=self.grad_scales[stage],
             seed=config.seed,
+            nonfinite=config.on_nonfinite,
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
