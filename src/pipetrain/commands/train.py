@@ -130,12 +130,28 @@ def run(args: argparse.Namespace) -> int:
         final = result.evaluations[-1]
         line += f", test loss {final['loss']:.4f}, test accuracy {100 * final['accuracy']:.2f} %"
     print(line)
+    skipped = result.extra.get("skipped_updates") or []
+    if any(skipped):
+        print(f"skipped updates whose gradient was not finite (--on-nonfinite skip): "
+              + "; ".join(f"stage {stage}: {_ranges(steps)}" for stage, steps in enumerate(skipped) if steps))
     for flag, path in (("model", config.save), ("report", config.report_json), ("trace", config.trace),
                        ("plot", config.plot)):
         if path:
             print(f"wrote {flag}: {path}")
     _finish_if_worker()
     return 0
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"steps 3-5, 9"``."""
+    parts: list[list[int]] = []
+    for step in steps:
+        if parts and step == parts[-1][1] + 1:
+            parts[-1][1] = step
+        else:
+            parts.append([step, step])
+    return "step" + ("s " if len(steps) > 1 else " ") + ", ".join(
+        str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def _finish_if_worker() -> None:

@@ -59,4 +59,6 @@ def train_emulated(run: Run) -> TrainResult:
     if len(held_out) and not run.config.eval_every:
         evaluate_at(run.updates)()
     timeline = Timeline(schedule, emulator.starts, emulator.ends)
-    return result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
+    result = result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
+    result.extra["skipped_updates"] = [executor.skipped for executor in first_replicas]  # --on-nonfinite skip
+    return result

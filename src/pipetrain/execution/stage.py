@@ -38,11 +38,15 @@ from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
 
-__all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "all_finite", "located"]
+__all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
 
 #: What a stage does with a NaN or infinite loss or gradient: ``stop`` the run (the default),
 #: ``skip`` the update (keep the weights), or ``off`` (no test; for measuring what the tests cost).
 NONFINITE = ("stop", "skip", "off")
+#: Under ``skip``, a stage that skips this many updates in a row stops the run: its weights (or
+#: the data) keep producing non-finite values, and the run would otherwise end with weights that
+#: no update has moved for a long time, as if it had succeeded.
+SKIP_LIMIT = 10
 
 Gradients = tuple[Tensor | None, ...]
 _INCONSISTENT = frozenset({"latest", "predict"})
@@ -87,11 +91,18 @@ def _nonfinite_names(tensors: Mapping[str, Tensor]) -> str:
     return text + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
 
 
-_ADVICE = (
-    "a loss or gradient that is not finite usually comes from a learning rate too large for the model "
-    "(lower lr in --optimizer) or from NaN or infinite values in the data; --on-nonfinite skip "
-    "(on_nonfinite='skip') drops an update whose gradient is not finite instead of stopping"
-)
+def _advice(skip: bool) -> str:
+    """What to change, appended to every non-finite message."""
+    text = (
+        "A loss or gradient that is not finite usually comes from a learning rate too large for the model "
+        "(lower lr in --optimizer) or from NaN or infinite values in the data"
+    )
+    if skip:
+        text += (
+            "; --on-nonfinite skip (on_nonfinite='skip') drops an update whose gradient is not finite "
+            "instead of stopping"
+        )
+    return text
 
 
 def located(error: NonFiniteError, rank: int, action: Action, step_of_unit: Callable[[int], int]) -> NonFiniteError:
@@ -100,8 +111,7 @@ def located(error: NonFiniteError, rank: int, action: Action, step_of_unit: Call
     step = error.step if error.step is not None else step_of_unit(error.microbatch) + 1
     detail = str(error).partition(": ")[2] or str(error)
     return NonFiniteError(
-        f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}; training "
-        f"stopped there. {_ADVICE[0].upper()}{_ADVICE[1:]}",
+        f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
         stage=error.stage, step=step, microbatch=error.microbatch, rank=rank,
     )
 
@@ -316,8 +326,9 @@ class StageExecutor:
             self.last_loss = loss.detach()
             if self.nonfinite == "stop" and not _finite_loss(self.last_loss):
                 raise NonFiniteError(
-                    f"stage {self.stage}: the loss of microbatch {microbatch} is "
-                    f"{_nonfinite_kind(self.last_loss)}", stage=self.stage, microbatch=microbatch,
+                    f"stage {self.stage}: the loss of microbatch {microbatch} is {_nonfinite_kind(self.last_loss)}; "
+                    f"training stopped there. {_advice(skip=True)}",
+                    stage=self.stage, microbatch=microbatch,
                 )
             scaled = loss * loss_scale if loss_scale != 1.0 else loss
             record.roots = (scaled,)
@@ -475,9 +486,18 @@ class StageExecutor:
             if self.nonfinite == "stop":
                 raise NonFiniteError(
                     f"stage {self.stage}: the gradient of update {step} is not finite in "
-                    f"{_nonfinite_names(grads)}; it was not applied", stage=self.stage, step=step,
+                    f"{_nonfinite_names(grads)}; training stopped before applying it. {_advice(skip=True)}",
+                    stage=self.stage, step=step,
                 )
-            self.skipped.append(step)  # the new version equals the last (a copy, so that both stay immutable)
+            self.skipped.append(step)
+            if len(self.skipped) >= SKIP_LIMIT and self.skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
+                raise NonFiniteError(
+                    f"stage {self.stage}: the gradients of updates {step - SKIP_LIMIT + 1} to {step} were all not "
+                    f"finite (the last in {_nonfinite_names(grads)}) and all were skipped: the weights or the data "
+                    f"keep producing NaN or infinite values; training stopped there. {_advice(skip=False)}",
+                    stage=self.stage, step=step,
+                )
+            # the new version equals the last (a copy where the last stays held, so both stay immutable)
             new = current if in_place else {n: t.clone() for n, t in current.items()}
         elif self.optimizer is None:
             new = dict(current)
@@ -578,7 +598,8 @@ class StageExecutor:
             step = self.versions.current
             raise NonFiniteError(
                 f"stage {self.stage}: the weights after update {step} are not finite in "
-                f"{_nonfinite_names(latest)}; they were not written back. {_ADVICE[0].upper()}{_ADVICE[1:]}",
+                f"{_nonfinite_names(latest)}; they were not written back. "
+                f"{_advice(skip=self.nonfinite == 'stop')}",
                 stage=self.stage, step=step,
             )
         with torch.no_grad():

@@ -141,6 +141,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
         "digests": digests,
         "evaluations": evaluations,
         "receives": "on-demand" if runner.on_demand else "ahead",
+        "skipped": {stage: executors[stage].skipped for stage in held},  # --on-nonfinite skip
     }
     gathered: list[Any] = [None] * env.world_size if rank == 0 else None
     _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
@@ -312,5 +313,7 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     evaluations = max((p["evaluations"] for p in gathered), key=len)
     result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations)
     result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
+    skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
+    result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]
     write_outputs(run.config, result, run.model.state_dict())
     return result
