@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipetrain.paths import check_outputs
+
+    check_outputs(directories={"--out": args.out})  # before PyTorch and the study
     import torch
 
     from pipetrain.pb.methods import parse_methods

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 from pipetrain.commands._text import aligned
 from pipetrain.errors import ConfigError
@@ -67,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.plan.profile import load_profile
     from pipetrain.plan.topology import Topology
 
+    from pipetrain.paths import check_outputs
+
+    check_outputs(files={"--out": args.out, "--plot": args.plot})  # before solving
     if args.microbatches is not None and args.microbatches < 1:
         raise ConfigError(f"--microbatches must be >= 1, got {args.microbatches}")
     topology = Topology.parse(args.workers, args.topology, args.bandwidth)
@@ -91,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
                           max(s.memory_bytes or 0.0 for s in b.stages) <= memory}
                          for b in baselines]
     if args.out:
-        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        from pipetrain.training.result import write_json_atomic
+
+        write_json_atomic(args.out, data)
     if args.plot:
         from pipetrain.plan.plot import plot_plan
 

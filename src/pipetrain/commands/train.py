@@ -114,9 +114,12 @@ def _translated(spec_text: str, reference_batch: int, batch_size: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipetrain.training.train import train
+    from pipetrain.training.validate import check_config
 
     config = config_from_args(args)
+    check_config(config)  # choices, specs, plan and output paths, before PyTorch is imported
+    from pipetrain.training.train import train
+
     result = train(config)
     if result is None:  # a worker process of the distributed runtime: rank 0 reports
         _finish_if_worker()
