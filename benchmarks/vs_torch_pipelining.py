@@ -403,6 +403,7 @@ def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: st
         executor="distributed",
         shuffle=False,
         progress=False,
+        quiet=True,
         eval_samples=0,
         timeout=600.0,
         receives=receives,

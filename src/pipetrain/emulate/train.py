@@ -9,7 +9,7 @@ from pipetrain.execution.stage import StageExecutor
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.evaluate import evaluate_chain
-from pipetrain.training.outputs import Progress, UpdateLosses, eval_batches
+from pipetrain.training.outputs import Progress, UpdateLosses, describe_run, eval_batches, evaluation_line, say
 from pipetrain.training.result import TrainResult, result_of
 from pipetrain.training.setup import Run
 
@@ -31,6 +31,8 @@ def chain_forward(executors: list[StageExecutor]):
 def train_emulated(run: Run) -> TrainResult:
     """Train ``run`` with the single-process emulator; the model ends with the trained weights."""
     schedule = run.schedule
+    if not run.config.quiet:
+        say(describe_run(run))
     executors = run.make_executors()
     first_replicas = [executors[ranks[0]][stage] for stage, ranks in enumerate(schedule.stage_ranks)]
     emulator = Emulator(schedule, executors, run.unit_data())
@@ -42,6 +44,8 @@ def train_emulated(run: Run) -> TrainResult:
     def evaluate_at(step: int):
         def evaluate() -> None:
             evaluations.append({"step": step, **evaluate_chain(chain_forward(first_replicas), held_out, run.loss_fn)})
+            if run.config.eval_every and not run.config.quiet:
+                progress.write(evaluation_line(evaluations[-1], run.updates))
 
         return evaluate
 

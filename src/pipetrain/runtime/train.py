@@ -36,6 +36,10 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     from pipetrain.training.setup import prepare
 
     run = prepare(replace(config, progress=False))  # checks the configuration before spawning
+    if not config.quiet:
+        from pipetrain.training.outputs import describe_run, say
+
+        say(describe_run(run))
     workers = run.schedule.num_ranks
     result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
                     timeout=None)
@@ -75,6 +79,10 @@ def worker(config: TrainConfig) -> TrainResult | None:
             f"uses {schedule.num_ranks}; start {schedule.num_ranks} workers or change --stages/--replicas"
         )
     rank = env.rank
+    if rank == 0 and env.launcher != "pipetrain" and not config.quiet:  # torchrun: no launcher said it
+        from pipetrain.training.outputs import describe_run, say
+
+        say(describe_run(run))
     groups = sync_groups(schedule)
     held = schedule.rank_stages()[rank]
     executors = {stage: run.make_executor(rank, stage) for stage in held}
@@ -101,6 +109,10 @@ def worker(config: TrainConfig) -> TrainResult | None:
             metrics = runner.evaluate(len(held_out), held_out.__getitem__, run.loss_fn)
             if metrics is not None:
                 evaluations.append({"step": step, **metrics})
+                if config.eval_every and not config.quiet:
+                    from pipetrain.training.outputs import evaluation_line, say
+
+                    say(evaluation_line(evaluations[-1], run.updates), progress.progress if progress else None)
 
         return evaluate
 

@@ -47,7 +47,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool | str = False
-    progress: bool = True
+    progress: bool = True  # a progress bar (the command line shows it on a terminal only)
+    quiet: bool = False  # no lines before and during training (the chosen stages, --eval-every's results)
     extra: dict[str, str] = field(default_factory=dict)
 
     def fingerprint(self) -> dict[str, object]:
