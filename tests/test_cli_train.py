@@ -176,3 +176,23 @@ def test_a_factory_or_data_set_that_raises_is_named_in_one_line(capfd, tmp_path,
     assert code == 2
     assert message in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("executor", ["emulate", "distributed"])
+def test_the_stages_and_each_evaluation_are_printed_without_a_terminal(capfd, executor):
+    # pytest's capture is not a terminal: no progress bar, but the lines must come all the same
+    code = main(["train", "--executor", executor, *SMALL, "--schedule", "1f1b", "--stages", "2", "--steps", "6",
+                 "--eval-every", "2"])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"1f1b: 2 stages on 2 {'workers' if executor == 'distributed' else 'emulated ranks'}, "
+                               "6 updates of 8 samples (4 microbatches each)")
+    assert lines[1].startswith("stage 0: ") and lines[2].startswith("stage 1: ")
+    assert [line.split(":")[0] for line in lines[3:6]] == ["after 2 of 6 updates", "after 4 of 6 updates",
+                                                           "after 6 of 6 updates"]
+    assert "test accuracy" in lines[6]
+    code = main(["train", "--executor", executor, *SMALL, "--stages", "2", "--steps", "6", "--eval-every", "2",
+                 "--quiet"])
+    out, err = capfd.readouterr()
+    assert code == 0 and len(out.splitlines()) == 1, out
