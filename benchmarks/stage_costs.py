@@ -111,11 +111,10 @@ def measure(cfg: Config, rounds: int, update: bool, first: int | None = None,
     the non-finite tests); ``first`` hidden layers on stage 0."""
     m = cfg.microbatches
     runs = {"whole": _whole(cfg), "stage 0": _stage(cfg, 0, m, first), "stage 1": _stage(cfg, 1, m, first)}
-    if update or nonfinite:
-        runs.update({"stage 0+update": _stage(cfg, 0, 1, first), "stage 1+update": _stage(cfg, 1, 1, first)})
-    if nonfinite:
-        runs.update({"stage 0+update unchecked": _stage(cfg, 0, 1, first, "off"),
-                     "stage 1+update unchecked": _stage(cfg, 1, 1, first, "off")})
+    for stage in (0, 1) if update or nonfinite else ():
+        runs[f"stage {stage}+update"] = _stage(cfg, stage, 1, first)
+        if nonfinite:  # next to its checked twin: the pair shares the machine's state of the moment
+            runs[f"stage {stage}+update unchecked"] = _stage(cfg, stage, 1, first, "off")
     for run in runs.values():  # warm-up: allocator, autograd, first calls, one update at least
         _per_microbatch(run, m, 0)
     per_batch = max(1, round(0.3 / (m * _per_microbatch(runs["whole"], m, 0))))

@@ -10,6 +10,9 @@ __all__ = ["train", "write_outputs"]
 
 def train(config: TrainConfig) -> TrainResult | None:
     """Run training; returns the result (``None`` on distributed ranks other than 0)."""
+    from pipetrain.training.validate import check_config
+
+    check_config(config)  # options and output paths, before any work
     if config.executor == "emulate":
         if config.checkpoint_dir or config.resume or config.checkpoint_every:
             from pipetrain.errors import ConfigError
