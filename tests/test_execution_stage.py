@@ -90,24 +90,30 @@ def test_a_nan_loss_stops_the_stage_naming_the_microbatch():
     executor = StageExecutor(1, _module(), SGD(lr=0.1), loss_fn=F.cross_entropy)
     (x, y), = _batches(1)
     x[2, 1] = float("nan")
-    with pytest.raises(NonFiniteError, match="the loss of microbatch 7 is nan") as caught:
+    with pytest.raises(NonFiniteError, match=r"the loss of microbatch 7 is nan \(its input from stage 0 already "
+                                             r"holds nan\)") as caught:
         executor.forward(7, 0, x, target=y, samples=5)
     assert (caught.value.stage, caught.value.microbatch) == (1, 7)
 
 
-def test_a_gradient_that_is_not_finite_is_not_applied():
+def test_under_stop_a_gradient_that_is_not_finite_stops_at_the_next_loss_or_checkpoint():
+    # stop tests no gradient (that would cost a pass over it per update): the weights it makes are
+    # caught by the next loss computed through them, by a checkpoint, and at the end
     from pipetrain.errors import NonFiniteError
 
-    executor = StageExecutor(0, _module(), SGD(lr=0.1), nonfinite="stop")
-    (x, _), = _batches(1)
-    before = {n: t.clone() for n, t in executor.versions.latest.items()}
-    executor.forward(0, 0, x, samples=5)
-    executor.backward(0, 0, (torch.full((5, 3), float("inf")),))
-    with pytest.raises(NonFiniteError, match=r"the gradient of update 1 is not finite in .*weight \((nan|inf)\)") as caught:
-        executor.step([0])
-    assert (caught.value.stage, caught.value.step) == (0, 1)
-    for name, value in executor.versions.latest.items():
-        assert torch.equal(value, before[name]), name
+    executor = StageExecutor(1, _module(), SGD(lr=0.1), loss_fn=F.cross_entropy, nonfinite="stop")
+    (x, y), = _batches(1)
+    executor.forward(0, 0, x, target=y, samples=5)
+    executor.backward(0, 0)
+    executor.grads = {name: torch.full_like(g, float("inf")) for name, g in executor.grads.items()}
+    executor.step([0])
+    with pytest.raises(NonFiniteError, match=r"the weights after update 1 are not finite in .*; no checkpoint was "
+                                             r"written") as caught:
+        executor.snapshot()
+    assert (caught.value.stage, caught.value.step) == (1, 1)
+    with pytest.raises(NonFiniteError, match=r"the loss of microbatch 1 is nan \(the weights of this stage are not "
+                                             r"finite in 0.weight \((nan|inf)\)"):
+        executor.forward(1, 1, x, target=y, samples=5)
 
 
 @pytest.mark.parametrize("release", [True, False])

@@ -48,7 +48,8 @@ def test_nan_in_the_data_stops_at_its_step_on_the_last_stage(capfd, tmp_path, na
     code, out, err = train(capfd, *SMALL, *nan_data, "--steps", "6", "--executor", executor, "--save", str(saved))
     assert code == 2, err
     # 4 microbatches of 2 samples per update: sample 20 is in microbatch 10, of update 3
-    assert "step 3, stage 1 on rank 1 (1F10@v2): the loss of microbatch 10 is nan" in err
+    assert ("step 3, stage 1 on rank 1 (1F10@v2): the loss of microbatch 10 is nan (its input from stage 0 already "
+            "holds nan)") in err
     assert "Traceback" not in err and "status of every rank" not in err
     assert len(err.strip().splitlines()) == 1, err
     assert not saved.exists()
@@ -62,7 +63,7 @@ def test_a_diverging_learning_rate_stops_naming_the_step_and_stage(capfd, tmp_pa
     assert code == 2, err
     assert "pipetrain train: error: step " in err and ", stage 1 on rank 1 " in err and " is nan" in err
     assert "lower lr in --optimizer" in err
-    assert not report.exists() and out == ""
+    assert not report.exists() and "samples/s" not in out  # no final line: nothing came of the run
 
 
 def _plain_training_skipping_updates_whose_gradient_is_not_finite(steps: int) -> dict[str, torch.Tensor]:
@@ -112,3 +113,28 @@ def test_skip_on_pipedream_skips_the_same_update_on_every_stage_and_the_runtime_
     assert emulated_report["skipped_updates"] == distributed_report["skipped_updates"] == [[3], [3]]
     for name, value in emulated.items():
         assert torch.isfinite(value).all() and torch.equal(distributed[name], value), name
+
+
+HUGE_DATA = textwrap.dedent('''
+    import torch
+    from torch.utils.data import TensorDataset
+
+    def huge(split="train"):
+        g = torch.Generator().manual_seed(0 if split == "train" else 1)
+        return TensorDataset(torch.randn(64, 8, generator=g) * 1e20, torch.randint(0, 3, (64,), generator=g))
+''')
+
+
+def test_no_checkpoint_holds_weights_that_are_not_finite(capfd, tmp_path, monkeypatch):
+    # inputs of 1e20 give a finite loss (about 1e21) and gradient (about 1e20), but lr 1e20 makes the
+    # weights of the first update infinite: the checkpoint after it is refused, before any loss sees them
+    (tmp_path / "hugedata.py").write_text(HUGE_DATA)
+    monkeypatch.chdir(tmp_path)
+    directory = tmp_path / "checkpoints"
+    code, out, err = train(capfd, "--model", "mlp:depth=1,width=16", "--data", "hugedata:huge", "--batch-size", "8",
+                           "--stages", "2", "--optimizer", "sgd:lr=1e20", "--steps", "6", "--no-progress",
+                           "--timeout", "30", "--checkpoint-dir", str(directory), "--checkpoint-every", "1")
+    assert code == 2, err
+    assert "the weights after update 1 are not finite in" in err and "no checkpoint was written" in err, err
+    assert ", stage " in err and err.count("rank ") >= 1 and len(err.strip().splitlines()) == 1
+    assert not list(directory.glob("step-*/manifest.json"))

@@ -16,12 +16,15 @@ Conv, embeddings, norm affine parameters, attention projections). A layer that s
 *computed* from a parameter (e.g. weight normalisation's ``g * v / |v|``) keeps the forward-time
 value for that tensor.
 
-Non-finite values (``nonfinite=``): a NaN or infinite loss stops the run at the forward that
-computed it (``stop``, the default); at each update the accumulated gradient is tested with one
-read of the host (the sum of the per-tensor sums), and a non-finite one stops the run before it is
-applied (``stop``) or leaves the weights as they are (``skip``: the update still makes a version,
-equal to the last, and the optimizer's state does not move). :meth:`StageExecutor.write_back`
-refuses weights that are not finite. docs/optim.md says what ``skip`` means for each schedule.
+Non-finite values (``nonfinite=``), tested where it costs nothing on the way: the last stage tests
+each microbatch's loss (a number every executor reads anyway) and a NaN or infinite one stops the
+run (``stop``, the default; a non-finite gradient makes the weights non-finite, and so the next
+loss that goes through them); :meth:`StageExecutor.snapshot` and :meth:`StageExecutor.write_back`
+refuse weights that are not finite, so that no checkpoint and no saved model holds them. With
+``skip`` every update tests its gradient first (one pass over it and one read of the host, the
+price of skipping) and leaves the weights as they are when it is not finite: the update still
+makes a version, equal to the last, and the optimizer's state does not move. docs/optim.md says
+what ``skip`` means for each schedule.
 """
 
 from __future__ import annotations
@@ -326,8 +329,8 @@ class StageExecutor:
             self.last_loss = loss.detach()
             if self.nonfinite == "stop" and not _finite_loss(self.last_loss):
                 raise NonFiniteError(
-                    f"stage {self.stage}: the loss of microbatch {microbatch} is {_nonfinite_kind(self.last_loss)}; "
-                    f"training stopped there. {_advice(skip=True)}",
+                    f"stage {self.stage}: the loss of microbatch {microbatch} is {_nonfinite_kind(self.last_loss)}"
+                    f"{self._nonfinite_origin(inputs)}; training stopped there. {_advice(skip=True)}",
                     stage=self.stage, microbatch=microbatch,
                 )
             scaled = loss * loss_scale if loss_scale != 1.0 else loss
@@ -338,6 +341,18 @@ class StageExecutor:
         record.roots = outputs
         self.in_flight[microbatch] = record
         return tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+
+    def _nonfinite_origin(self, inputs: tuple) -> str:
+        """Where a non-finite loss came from, as far as this stage can tell (the error path only)."""
+        bad = [kind for x in inputs if isinstance(x, Tensor) and x.is_floating_point()
+               and (kind := _nonfinite_kind(x)) is not None]
+        if bad:
+            origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
+            return f" (its input from {origin} already holds {bad[0]})"
+        weights = self.versions.latest
+        if not all_finite(list(weights.values())):
+            return f" (the weights of this stage are not finite in {_nonfinite_names(weights)})"
+        return " (its input and weights are finite)"
 
     def _forward_error(self, error: Exception, inputs: tuple, target: Any) -> PipetrainError:
         """A failing forward, explained in terms of stages and shapes."""
@@ -481,14 +496,8 @@ class StageExecutor:
         current = self.versions.latest
         # nothing reads the replaced version any more (its autograd leaves go with it): update in place
         in_place = self.versions.current in release
-        if self.nonfinite != "off" and not all_finite(list(grads.values())):
+        if self.nonfinite == "skip" and not all_finite(list(grads.values())):
             step = self.versions.current + 1
-            if self.nonfinite == "stop":
-                raise NonFiniteError(
-                    f"stage {self.stage}: the gradient of update {step} is not finite in "
-                    f"{_nonfinite_names(grads)}; training stopped before applying it. {_advice(skip=True)}",
-                    stage=self.stage, step=step,
-                )
             self.skipped.append(step)
             if len(self.skipped) >= SKIP_LIMIT and self.skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
                 raise NonFiniteError(
@@ -525,9 +534,25 @@ class StageExecutor:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    def check_weights(self, consequence: str) -> None:
+        """Raise a :class:`~pipetrain.errors.NonFiniteError` if a weight version this stage holds is
+        not finite (one pass over each, for checkpoints and the end of a run; not with ``off``)."""
+        if self.nonfinite == "off":
+            return
+        for version in self.versions.held():
+            params = self.versions[version]
+            if not all_finite(list(params.values())):
+                raise NonFiniteError(
+                    f"stage {self.stage}: the weights after update {version} are not finite in "
+                    f"{_nonfinite_names(params)}; {consequence}. {_advice(skip=self.nonfinite == 'stop')}",
+                    stage=self.stage, step=version,
+                )
+
     def snapshot(self) -> dict[str, Any]:
         """Everything needed to continue exactly: versions, optimizer, counters, accumulated
-        gradients, buffers, and the microbatches in flight (inputs and weights their forward read)."""
+        gradients, buffers, and the microbatches in flight (inputs and weights their forward read).
+        Weights that are not finite are refused: no checkpoint holds them."""
+        self.check_weights("no checkpoint was written")
         predicted = self.policy == "predict"
         return {
             "versions": {v: dict(p) for v, p in self.versions.state().items()},
@@ -593,15 +618,7 @@ class StageExecutor:
     def write_back(self) -> None:
         """Copy the current version into the module's own parameters (for saving or inspection);
         weights that are not finite are refused (unless ``nonfinite="off"``)."""
-        latest = self.versions.latest
-        if self.nonfinite != "off" and not all_finite(list(latest.values())):
-            step = self.versions.current
-            raise NonFiniteError(
-                f"stage {self.stage}: the weights after update {step} are not finite in "
-                f"{_nonfinite_names(latest)}; they were not written back. "
-                f"{_advice(skip=self.nonfinite == 'stop')}",
-                stage=self.stage, step=step,
-            )
+        self.check_weights("they were not written back")
         with torch.no_grad():
             for name, param in self.module.named_parameters():
                 param.copy_(self.versions.latest[name])

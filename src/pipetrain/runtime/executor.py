@@ -351,8 +351,13 @@ class RankRunner:
         """This rank's state at its cut (see :mod:`pipetrain.runtime.cuts`). Sends still under way
         are not waited for: a message that crosses the cut is received only after the receiver's
         own cut, and a resumed run sends it again."""
+        try:
+            stages = {stage: executor.snapshot() for stage, executor in self.executors.items()}
+        except NonFiniteError as error:  # no checkpoint of weights that are not finite
+            raise NonFiniteError(f"rank {self.rank}, {error}", stage=error.stage, step=error.step,
+                                 rank=self.rank) from None
         return {
-            "stages": {stage: executor.snapshot() for stage, executor in self.executors.items()},
+            "stages": stages,
             "losses": dict(self.losses),
             "labels": dict(self._labels),
             "evaluations": list(self.evaluations),
