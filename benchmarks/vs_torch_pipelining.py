@@ -385,7 +385,7 @@ def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: st
     """`pipetrain train --executor distributed` on the same model, split and optimizer; the rate is
     taken from the last stage's update times after the warm-up updates. PipeDream updates after
     every minibatch of the microbatch size (its unit), the flushing schedules after each batch."""
-    from pipetrain.runtime.train import train_distributed
+    from pipetrain.training.distributed import train_distributed
     from pipetrain.training import TrainConfig
 
     per_batch = cfg.microbatches if schedule == "pipedream" else 1

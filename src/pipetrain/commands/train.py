@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.training.train import train
 
     result = train(config)
-    if result is None:  # a worker process of the distributed runtime: rank 0 reports
+    if result is None or not result.is_main:  # a worker process of the distributed runtime: rank 0 reports
         _finish_if_worker()
         return 0
     line = (

@@ -30,15 +30,17 @@ _DTYPES = ("float32", "float64")
 _RECEIVES = ("auto", "on-demand", "ahead")
 
 
-def check_config(config: TrainConfig, *, rank: int | None = None) -> None:
+def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = True) -> None:
     """Raise a :class:`~pipetrain.errors.ConfigError` (or ``ScheduleError``) for the first problem
     of ``config`` found without PyTorch: choices, counts, specs, the plan file, checkpoint options
     and output paths. ``rank``: under a launcher such as torchrun, this process's rank (only rank 0
     writes ``--save``, ``--report-json``, ``--trace`` and ``--plot``; every rank writes
-    checkpoints); default: from the environment's ``RANK``, else 0."""
+    checkpoints); default: from the environment's ``RANK``, else 0. ``specs=False``: the model,
+    data and optimizer are live objects (the Python API), and their fields only describe them."""
     _check_choices(config)
     _check_counts(config)
-    _check_specs(config)
+    if specs:
+        _check_specs(config)
     _check_plan(config)
     _check_checkpoints(config)
     if rank is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pipetrain.emulate.executor import Emulator
 from pipetrain.execution.stage import StageExecutor
@@ -28,8 +29,9 @@ def chain_forward(executors: list[StageExecutor]):
     return forward
 
 
-def train_emulated(run: Run) -> TrainResult:
-    """Train ``run`` with the single-process emulator; the model ends with the trained weights."""
+def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
+    """Train ``run`` with the single-process emulator; the model ends with the trained weights.
+    ``callbacks``: a :class:`~pipetrain.training.callbacks.Callbacks` (losses, evaluations)."""
     schedule = run.schedule
     if not run.config.quiet:
         say(describe_run(run))
@@ -39,13 +41,16 @@ def train_emulated(run: Run) -> TrainResult:
     held_out = eval_batches(run)
     evaluations: list[dict[str, float]] = []
     progress = Progress(run.updates, run.config.progress, f"{schedule.name} (emulated)")
-    losses = UpdateLosses(run, progress)
+    losses = UpdateLosses(run, progress, on_update=None if callbacks is None else callbacks.update)
 
     def evaluate_at(step: int):
         def evaluate() -> None:
-            evaluations.append({"step": step, **evaluate_chain(chain_forward(first_replicas), held_out, run.loss_fn)})
+            metrics = evaluate_chain(chain_forward(first_replicas), held_out, run.loss_fn)
+            evaluations.append({"step": step, **metrics})
             if run.config.eval_every and not run.config.quiet:
                 progress.write(evaluation_line(evaluations[-1], run.updates))
+            if callbacks is not None:
+                callbacks.evaluation(step, metrics)
 
         return evaluate
 
