@@ -138,3 +138,27 @@ def test_no_checkpoint_holds_weights_that_are_not_finite(capfd, tmp_path, monkey
     assert "the weights after update 1 are not finite in" in err and "no checkpoint was written" in err, err
     assert ", stage " in err and err.count("rank ") >= 1 and len(err.strip().splitlines()) == 1
     assert not list(directory.glob("step-*/manifest.json"))
+
+
+def test_the_python_api_stops_or_skips_the_same_way():
+    from torch import nn
+
+    from pipetrain import Pipeline
+    from pipetrain.errors import NonFiniteError
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+    x[20, 3] = float("nan")  # in the third batch of 8
+    data = torch.utils.data.TensorDataset(x, y)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    stopping = Pipeline(model(), balance=[2, 1], schedule="1f1b", executor="emulate")
+    with pytest.raises(NonFiniteError, match=r"^step 3, stage 1 on rank 1 \(1F10@v2\): the loss of microbatch 10 is nan"):
+        stopping.fit(data, batch_size=8, steps=4, shuffle=False)
+    skipping = Pipeline(model(), balance=[2, 1], schedule="1f1b", executor="emulate", on_nonfinite="skip")
+    result = skipping.fit(data, batch_size=8, steps=4, shuffle=False)
+    assert result.extra["skipped_updates"] == [[3], [3]]
+    assert all(torch.isfinite(p).all() for p in skipping.model.parameters())

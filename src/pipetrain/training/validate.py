@@ -62,7 +62,8 @@ def _check_choices(config: TrainConfig) -> None:
     from pipetrain.schedule import POLICIES, resolve_name
 
     _choice("--executor", config.executor, EXECUTORS)
-    _choice("--dtype", config.dtype, _DTYPES)
+    if config.dtype is not None:  # None (the Python API): the model's own dtype
+        _choice("--dtype", config.dtype, _DTYPES)
     _choice("--receives", config.receives, _RECEIVES)
     _choice("--on-nonfinite", config.on_nonfinite, NONFINITE)
     if config.schedule is not None:
