@@ -45,8 +45,19 @@ def test_a_misspelt_option_does_not_import_pytorch():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode == 2
-    assert "unrecognized arguments: --no-such-option" in result.stderr
+    assert result.stderr == ("pipetrain train: error: unrecognized arguments: --no-such-option "
+                             "(`pipetrain train --help` lists the options)\n")
     assert "torch imported: False" in result.stdout
+
+
+def test_a_misspelt_option_gets_the_closest_one(capsys):
+    from pipetrain.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["train", "--optimiser", "sgd:lr=0.1"])
+    assert caught.value.code == 2
+    assert "unrecognized arguments: --optimiser sgd:lr=0.1; did you mean --optimizer for --optimiser?" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("argv, message", [
