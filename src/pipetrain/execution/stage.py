@@ -352,7 +352,7 @@ class StageExecutor:
         weights = self.versions.latest
         if not all_finite(list(weights.values())):
             return f" (the weights of this stage are not finite in {_nonfinite_names(weights)})"
-        return " (its input and weights are finite)"
+        return " (its input and weights are finite: its own computation overflowed)"
 
     def _forward_error(self, error: Exception, inputs: tuple, target: Any) -> PipetrainError:
         """A failing forward, explained in terms of stages and shapes."""
