@@ -63,6 +63,9 @@ class Pipeline:
             ``"cosine:total=10000"`` (see docs/optim.md).
         compensation: ``none``, ``sc``, ``lwp`` or ``sc+lwp`` (momentum SGD; LWP also Adam).
         seed: the data order and dropout; model initialisation is yours.
+        on_nonfinite: ``stop`` (a NaN or infinite loss ends the run with a
+            :class:`~pipetrain.errors.NonFiniteError` naming the step and stage) or ``skip``
+            (drop each update whose gradient is not finite); see docs/optim.md.
     Execution:
         executor: ``distributed`` (worker processes over torch.distributed) or ``emulate`` (this
             process; bitwise the same parameters).
@@ -94,6 +97,7 @@ class Pipeline:
         receives: str = "auto",
         timeout: float = 60.0,
         seed: int = 0,
+        on_nonfinite: str = "stop",
     ) -> None:
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
@@ -110,7 +114,7 @@ class Pipeline:
             replicas=list(replicas) if replicas else None, chunks=chunks, policy=policy, microbatches=microbatches,
             optimizer=spec, lr_schedule=lr_schedule, compensation=compensation, executor=executor,
             threads_per_worker=threads_per_worker, receives=receives, timeout=timeout, seed=seed, dtype=None,
-            progress=sys.stderr.isatty(),
+            on_nonfinite=on_nonfinite, progress=sys.stderr.isatty(),
         ))
         self.schedule_name = resolve_name(config.schedule)
         pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1

@@ -10,7 +10,8 @@ import torch
 
 from pipetrain.training.setup import Run
 
-__all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses"]
+__all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses", "say", "describe_run",
+           "evaluation_line"]
 
 
 class HeldOut:
@@ -122,6 +123,37 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}", refresh=False)
             self.bar.update(steps)
 
+    def write(self, text: str) -> None:
+        """A line above the bar (or on stdout when there is none)."""
+        say(text, self)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def say(text: str, progress: Progress | None = None) -> None:
+    """A line for whoever watches the run, on stdout, with or without a terminal (a bar, where
+    shown, stays below it)."""
+    if progress is not None and progress.bar is not None:
+        progress.bar.write(text)
+    else:
+        print(text, flush=True)
+
+
+def describe_run(run: Run) -> str:
+    """What is about to be trained: the schedule, its units and updates, then one line per stage
+    (printed before training unless ``quiet``)."""
+    schedule, layout = run.schedule, run.layout
+    units = layout.units_per_update
+    head = (f"{schedule.name}: {run.num_stages} stages on {schedule.num_ranks} "
+            f"{'workers' if run.config.executor == 'distributed' else 'emulated ranks'}, {run.updates} updates of "
+            f"{layout.batch_size} samples ({units} microbatch{'es' if units > 1 else ''} each)")
+    return head + "\n" + run.staged.summary()
+
+
+def evaluation_line(entry: dict[str, float], updates: int) -> str:
+    """``after  90 of 450 updates: test loss 0.7416, test accuracy 77.50 %``."""
+    width = len(str(updates))
+    return (f"after {int(entry['step']):>{width}} of {updates} updates: test loss {entry['loss']:.4f}, "
+            f"test accuracy {100 * entry['accuracy']:.2f} %")

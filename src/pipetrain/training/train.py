@@ -27,6 +27,9 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     """
     from pipetrain.training.callbacks import Callbacks
     from pipetrain.training.setup import prepare
+    from pipetrain.training.validate import check_config
+
+    check_config(config, specs=parts is None)  # options and output paths, before any work
 
     callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or ())
     if config.executor == "emulate":
