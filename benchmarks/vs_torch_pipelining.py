@@ -380,7 +380,8 @@ def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
 # -- pipetrain's runtime ---------------------------------------------------------------------------
 
 
-def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto") -> float:
+def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto",
+               on_nonfinite: str = "stop") -> float:
     """`pipetrain train --executor distributed` on the same model, split and optimizer; the rate is
     taken from the last stage's update times after the warm-up updates. PipeDream updates after
     every minibatch of the microbatch size (its unit), the flushing schedules after each batch."""
@@ -402,9 +403,11 @@ def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: st
         executor="distributed",
         shuffle=False,
         progress=False,
+        quiet=True,
         eval_samples=0,
         timeout=600.0,
         receives=receives,
+        on_nonfinite=on_nonfinite,
     )
     result = train_distributed(config)
     times = result.extra["update_seconds"]
@@ -429,6 +432,12 @@ def pipetrain_pipedream(cfg: Config, steps: int, warmup: int) -> float:
     return _pipetrain(cfg, steps, warmup, "pipedream")
 
 
+def pipetrain_pipedream_unchecked(cfg: Config, steps: int, warmup: int) -> float:
+    """PipeDream without the tests for NaN and infinite losses and gradients (``on_nonfinite="off"``):
+    against ``pipetrain-pipedream``, what those tests cost where updates are most frequent."""
+    return _pipetrain(cfg, steps, warmup, "pipedream", on_nonfinite="off")
+
+
 CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "sequential": ("sequential (1 process)", sequential),
     "sequential-pair": ("2 sequential at once (sum)", sequential_pair),
@@ -442,6 +451,7 @@ CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "pipetrain-1f1b": ("pipetrain 1f1b", pipetrain_1f1b),
     "pipetrain-1f1b-ahead": ("pipetrain 1f1b, receives ahead", pipetrain_1f1b_ahead),
     "pipetrain-pipedream": ("pipetrain pipedream (limit 2R)", pipetrain_pipedream),
+    "pipetrain-pipedream-unchecked": ("  same, no non-finite tests", pipetrain_pipedream_unchecked),
 }
 
 

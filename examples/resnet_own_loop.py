@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from pipetrain import Pipeline
+from pipetrain.paths import check_outputs
 
 
 class BasicBlock(nn.Module):
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--out", default="out/resnet_own_loop")
     args = parser.parse_args()
+    check_outputs(directories={"--out": args.out})  # an unwritable folder fails now, not after training
 
     torch.manual_seed(0)  # every rank builds the same initial model
     model = ResNet()

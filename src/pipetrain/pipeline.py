@@ -63,6 +63,9 @@ class Pipeline:
             ``"cosine:total=10000"`` (see docs/optim.md).
         compensation: ``none``, ``sc``, ``lwp`` or ``sc+lwp`` (momentum SGD; LWP also Adam).
         seed: the data order and dropout; model initialisation is yours.
+        on_nonfinite: ``stop`` (a NaN or infinite loss ends the run with a
+            :class:`~pipetrain.errors.NonFiniteError` naming the step and stage) or ``skip``
+            (drop each update whose gradient is not finite); see docs/optim.md.
     Execution:
         executor: ``distributed`` (worker processes over torch.distributed) or ``emulate`` (this
             process; bitwise the same parameters).
@@ -94,6 +97,7 @@ class Pipeline:
         receives: str = "auto",
         timeout: float = 60.0,
         seed: int = 0,
+        on_nonfinite: str = "stop",
     ) -> None:
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
@@ -110,7 +114,7 @@ class Pipeline:
             replicas=list(replicas) if replicas else None, chunks=chunks, policy=policy, microbatches=microbatches,
             optimizer=spec, lr_schedule=lr_schedule, compensation=compensation, executor=executor,
             threads_per_worker=threads_per_worker, receives=receives, timeout=timeout, seed=seed, dtype=None,
-            progress=sys.stderr.isatty(),
+            on_nonfinite=on_nonfinite, progress=sys.stderr.isatty(),
         ))
         self.schedule_name = resolve_name(config.schedule)
         pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1
@@ -186,6 +190,7 @@ class Pipeline:
         checkpoint_every: int = 0,
         resume: bool | str = False,
         progress: bool | None = None,
+        quiet: bool = False,
         save: str | None = None,
         report_json: str | None = None,
         trace: str | None = None,
@@ -198,7 +203,9 @@ class Pipeline:
         ``callbacks``: :class:`~pipetrain.training.callbacks.Callback` objects (or functions
         ``f(step, loss)``), called where the information is. Checkpoints (``checkpoint_dir``,
         ``checkpoint_every``, ``resume``) and the outputs (``save``: the unsplit ``state_dict``,
-        ``report_json``, ``trace``, ``plot``) are those of ``pipetrain train``. Returns the
+        ``report_json``, ``trace``, ``plot``) are those of ``pipetrain train``; so are the lines
+        printed before and during training (the chosen stages, each evaluation), which ``quiet``
+        leaves out, and the progress bar (default: on a terminal). Returns the
         :class:`~pipetrain.training.result.TrainResult`; ``model`` holds the trained weights.
         """
         from pipetrain.training.train import train
@@ -208,8 +215,8 @@ class Pipeline:
             self._config, data=describe_data(data), test_data=None if eval_data is None else describe_data(eval_data),
             batch_size=batch_size, epochs=epochs, steps=steps, eval_every=eval_every, eval_samples=eval_samples,
             shuffle=shuffle, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            progress=self._config.progress if progress is None else progress, save=save, report_json=report_json,
-            trace=trace, plot=plot,
+            progress=self._config.progress if progress is None else progress, quiet=quiet, save=save,
+            report_json=report_json, trace=trace, plot=plot,
         )
         parts = dataclasses.replace(self._parts, train_set=_dataset(data, "data"),
                                     test_set=None if eval_data is None else _dataset(eval_data, "eval_data"))

@@ -9,8 +9,9 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from pipetrain.errors import ConfigError
+from pipetrain.spec import describe_exception
 
-__all__ = ["DataInfo", "dataset_info", "get_batch", "check_sample"]
+__all__ = ["DataInfo", "dataset_info", "get_batch", "check_sample", "read_sample"]
 
 
 class DataInfo(NamedTuple):
@@ -75,7 +76,7 @@ def dataset_info(dataset: Dataset) -> DataInfo:
         raise ConfigError("data set has no len(): pipetrain needs a map-style Dataset") from error
     if n == 0:
         raise ConfigError("data set is empty")
-    x, _ = check_sample(dataset[0])
+    x, _ = check_sample(read_sample(dataset, 0))
     num_classes = getattr(dataset, "num_classes", None)
     if num_classes is None and isinstance(dataset, Subset):
         num_classes = getattr(dataset.dataset, "num_classes", None)
@@ -86,9 +87,42 @@ def dataset_info(dataset: Dataset) -> DataInfo:
         elif hasattr(dataset, "tensors") and len(dataset.tensors) == 2:  # type: ignore[attr-defined]
             labels = dataset.tensors[1]  # type: ignore[attr-defined]
         else:
-            labels = torch.stack([check_sample(dataset[i])[1] for i in range(n)])
+            labels = torch.stack([check_sample(read_sample(dataset, i))[1] for i in range(n)])
         num_classes = _class_count(labels)
     return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
+
+
+def read_sample(dataset: Dataset, index: int) -> object:
+    """``dataset[index]``; an exception of the data set's own code becomes one ConfigError naming
+    the data set's class and the index (the prefetcher and the workers pass it on as it is)."""
+    try:
+        return dataset[index]
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a user's __getitem__ may raise anything
+        inner, position = dataset, index  # name the user's data set and its index, not a Subset's
+        try:
+            while isinstance(inner, Subset):
+                inner, position = inner.dataset, int(inner.indices[position])
+        except Exception:  # noqa: BLE001 - the Subset itself is broken: name it
+            inner, position = dataset, index
+        raise ConfigError(
+            f"data set {type(inner).__qualname__}: reading sample {position} raised {describe_exception(error)}"
+        ) from None
+
+
+def _read_batch(dataset: Dataset, index: torch.Tensor):
+    """``dataset.batch(index)``, with an exception of its code named as :func:`read_sample` does."""
+    try:
+        return dataset.batch(index)  # type: ignore[attr-defined]
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        shown = index.tolist()
+        shown = shown if len(shown) <= 8 else shown[:8] + ["..."]
+        raise ConfigError(
+            f"data set {type(dataset).__qualname__}: batch({shown}) raised {describe_exception(error)}"
+        ) from None
 
 
 def reads_by_index(dataset: Dataset) -> bool:
@@ -117,10 +151,10 @@ def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[
         dataset = dataset.dataset
     batch = getattr(dataset, "batch", None)
     if callable(batch):
-        x, y = batch(index)
+        x, y = _read_batch(dataset, index)
         return x, y.to(torch.int64)
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) == 2:
         return tensors[0][index], tensors[1][index].to(torch.int64)
-    pairs = [check_sample(dataset[int(i)]) for i in index]
+    pairs = [check_sample(read_sample(dataset, int(i))) for i in index]
     return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]).to(torch.int64)

@@ -9,7 +9,7 @@ import numpy as np
 from torch.utils.data import Dataset, Subset
 
 from pipetrain.data.digits import load_digits
-from pipetrain.data.info import check_sample
+from pipetrain.data.info import check_sample, read_sample
 from pipetrain.data.synthetic import load_synthetic
 from pipetrain.data.text import load_text
 from pipetrain.errors import ConfigError
@@ -41,7 +41,7 @@ def _validate(dataset: Any, spec: Spec) -> Dataset:
         )
     if len(dataset) == 0:
         raise ConfigError(f"{where}: the data set is empty")
-    check_sample(dataset[0], where)
+    check_sample(read_sample(dataset, 0), where)
     return dataset
 
 

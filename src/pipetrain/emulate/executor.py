@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from pipetrain.errors import DeadlockError, PipetrainError
+from pipetrain.errors import DeadlockError, NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData
-from pipetrain.execution.stage import StageExecutor
+from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
 from pipetrain.execution.versions import version_release_points
 from pipetrain.schedule.ir import Kind, Schedule, format_action
@@ -248,6 +248,8 @@ class Emulator:
                             break
                         superseded = [v for st, v in releases.get(pc, ()) if st == stage]
                         stages[stage].step(superseded)
+                except NonFiniteError as error:
+                    raise located(error, rank, action, lambda k: layout.bounds(k)[0]) from None
                 except PipetrainError as error:
                     raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
                 for release_stage, release_version in releases.get(pc, ()):

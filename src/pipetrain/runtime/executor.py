@@ -34,9 +34,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData, UnitLayout
-from pipetrain.execution.stage import StageExecutor
+from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
@@ -314,6 +314,8 @@ class RankRunner:
                     executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
             except CommunicationError:
                 raise
+            except NonFiniteError as error:
+                raise located(error, rank, action, lambda k: self.layout.bounds(k)[0]) from None
             except PipetrainError as error:
                 raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
             except RuntimeError as error:
@@ -390,8 +392,13 @@ class RankRunner:
         """This rank's state at its cut (see :mod:`pipetrain.runtime.cuts`). Sends still under way
         are not waited for: a message that crosses the cut is received only after the receiver's
         own cut, and a resumed run sends it again."""
+        try:
+            stages = {stage: executor.snapshot() for stage, executor in self.executors.items()}
+        except NonFiniteError as error:  # no checkpoint of weights that are not finite
+            raise NonFiniteError(f"rank {self.rank}, {error}", stage=error.stage, step=error.step,
+                                 rank=self.rank) from None
         return {
-            "stages": {stage: executor.snapshot() for stage, executor in self.executors.items()},
+            "stages": stages,
             "losses": dict(self.losses),
             "labels": dict(self._labels),
             "evaluations": list(self.evaluations),

@@ -27,6 +27,7 @@ __all__ = [
     "LaunchResult",
     "plan_cores",
     "EXIT_USER_ERROR",
+    "report_worker_error",
     "EXIT_PEER_FAILURE",
 ]
 
@@ -409,7 +410,7 @@ def _watch(
     timeout: float | None,
     say: Callable[[str], None],
 ) -> LaunchResult:
-    from pipetrain.runtime.status import format_status, read_status
+    from pipetrain.runtime.status import format_status, read_errors, read_status
 
     start = time.monotonic()
     first: tuple[int, int] | None = None
@@ -422,17 +423,21 @@ def _watch(
             if failed:
                 # Peers of a dead rank exit within milliseconds of it: name the cause, not them.
                 first = min(failed, key=lambda rc: (rc[1] >= 0, rc[1] == EXIT_PEER_FAILURE, rc[0]))
-                message = f"worker rank {first[0]} {_describe_exit(first[1])}"
-                if first[1] == EXIT_PEER_FAILURE:
-                    message += " (it lost a peer or timed out waiting for one)"
-                    finished = [r for r, c in enumerate(codes) if c == 0]
-                    if finished:
-                        message += (
-                            f"; rank(s) {', '.join(map(str, finished))} had already finished "
-                            "normally, before the others (do the programs match?)"
-                        )
-                say(f"{message}; stopping the other workers")
-                say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
+                errors = read_errors(store, len(procs)) if first[1] == EXIT_USER_ERROR else {}
+                if first[0] in errors:  # the worker's own error (bad data, a NaN loss): the run's one message
+                    message = errors[first[0]]
+                else:
+                    message = f"worker rank {first[0]} {_describe_exit(first[1])}"
+                    if first[1] == EXIT_PEER_FAILURE:
+                        message += " (it lost a peer or timed out waiting for one)"
+                        finished = [r for r, c in enumerate(codes) if c == 0]
+                        if finished:
+                            message += (
+                                f"; rank(s) {', '.join(map(str, finished))} had already finished "
+                                "normally, before the others (do the programs match?)"
+                            )
+                    say(f"{message}; stopping the other workers")
+                    say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
                 stop_at = time.monotonic() + grace
         if all(c is not None for c in codes):
             break
@@ -559,8 +564,10 @@ def _run_and_exit(run: Callable[[], None], rank: int) -> None:
     except PipetrainError as error:
         from pipetrain.runtime.errors import CommunicationError
 
-        print(f"pipetrain worker rank {rank}: error: {error}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILURE if isinstance(error, CommunicationError) else EXIT_USER_ERROR)
+        lost_peer = isinstance(error, CommunicationError)
+        if not report_worker_error(rank, error):
+            print(f"pipetrain worker rank {rank}: error: {error}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILURE if lost_peer else EXIT_USER_ERROR)
     except KeyboardInterrupt:
         os._exit(130)
     except SystemExit as exit_:
@@ -577,6 +584,27 @@ def _run_and_exit(run: Callable[[], None], rank: int) -> None:
         sys.stderr.flush()
         os._exit(1)
     finish_worker()
+
+
+def report_worker_error(rank: int, error: PipetrainError) -> bool:
+    """Hand a worker's error to pipetrain's launcher, which prints it as the run's one message;
+    True if the launcher will (the worker then prints nothing). Its own error (a user error: bad
+    data, a NaN loss) is left in the launcher's store; a lost peer is not reported when another
+    rank left its error there first (the peers of a failed rank only echo its failure). Under
+    torchrun, or when the store does not answer, False: the worker prints the error itself."""
+    from pipetrain.runtime.errors import CommunicationError
+    from pipetrain.runtime.status import env_store, publish_error, read_errors
+
+    if "PIPETRAIN_LAUNCHER" not in os.environ:
+        return False
+    try:
+        store = env_store(timeout=2.0)
+    except Exception:
+        return False
+    if isinstance(error, CommunicationError):
+        world = int(os.environ.get("WORLD_SIZE", "0"))
+        return any(other != rank for other in read_errors(store, world))
+    return publish_error(store, rank, str(error))
 
 
 def finish_worker() -> None:

@@ -64,19 +64,27 @@ class StageChoice:
         total = sum(self.seconds)
         return [s / total if total > 0 else 0.0 for s in self.seconds]
 
-    def lines(self) -> list[str]:
-        """One line per stage, after a heading, for people."""
-        total = sum(self.parameters) or 1
+    def heading(self) -> str:
+        """``stages balanced by measured time`` (with the note, if any)."""
         head = f"stages balanced by {self.how}" if self.how in ("measured time", "parameter count") else (
             f"stages given by {self.how}")
-        out = [head + (f" ({self.note})" if self.note else "") + ":"]
+        return head + (f" ({self.note})" if self.note else "")
+
+    def stage_lines(self) -> list[str]:
+        """One line per stage: parameters (share), share of the measured time, where it starts."""
+        total = sum(self.parameters) or 1
         shares = self.time_shares
+        out = []
         for s, count in enumerate(self.parameters):
             start = self.starts[s]
             where = "from the input" if s == 0 else (f"from {start}" if start else "")
             timed = "" if shares is None else f", {100 * shares[s]:5.1f} % of the measured time"
-            out.append(f"  stage {s}: {count:>10} parameters ({100 * count / total:5.1f} %){timed}  {where}".rstrip())
+            out.append(f"stage {s}: {count:>10} parameters ({100 * count / total:5.1f} %){timed}  {where}".rstrip())
         return out
+
+    def lines(self) -> list[str]:
+        """The heading, then one indented line per stage, for people."""
+        return [self.heading() + ":", *("  " + line for line in self.stage_lines())]
 
     def as_dict(self) -> dict[str, Any]:
         """The report's ``stage_choice`` object."""

@@ -19,6 +19,7 @@ the outputs and reports.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -40,9 +41,10 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     from pipetrain.training.setup import prepare
 
     run = prepare(replace(config, progress=False))  # checks the configuration before spawning
-    from pipetrain.training.outputs import announce_stages
+    if not config.quiet:
+        from pipetrain.training.outputs import describe_run, say
 
-    announce_stages(run)
+        say(describe_run(run))
     workers = run.schedule.num_ranks
     config = replace(config, stage_costs=run.config.stage_costs)  # the workers cut as measured here
     result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
@@ -57,7 +59,13 @@ def spawn_script(run) -> None:
     configuration fails before any worker starts), wait for them, and exit with their status."""
     from pipetrain.runtime.launch import launch_script
 
+    if not run.config.quiet:
+        from pipetrain.training.outputs import describe_run, say
+
+        say(describe_run(run))
     result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker)
+    if result.returncode != 0 and result.message:  # a worker's own error is handed on, not printed, by it
+        print(f"pipetrain: error: {result.message}", file=sys.stderr, flush=True)
     raise SystemExit(result.returncode)
 
 
@@ -74,12 +82,7 @@ def worker(config: TrainConfig) -> TrainResult | None:
     from pipetrain.training.setup import prepare
 
     env = join(config)
-    run = prepare(config)
-    if "TORCHELASTIC_RUN_ID" in os.environ and env.rank == 0:  # started by torchrun: no parent announced them
-        from pipetrain.training.outputs import announce_stages
-
-        announce_stages(run)
-    return run_worker(run, env)
+    return run_worker(prepare(config), env)
 
 
 def join(config: TrainConfig):
@@ -149,6 +152,7 @@ class RankSetup:
             "digests": {stage: _digest(executors[stage].versions.latest) for stage in self.held},
             "evaluations": evaluations,
             "receives": "on-demand" if runner.on_demand else "ahead",
+            "skipped": {stage: executors[stage].skipped for stage in self.held},  # --on-nonfinite skip
         }
 
     def gather(self, payload: dict[str, Any]) -> TrainResult:
@@ -187,6 +191,10 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
 
     config = run.config
     rank = env.rank
+    if rank == 0 and env.launcher != "pipetrain" and not config.quiet:  # torchrun: no launcher said it
+        from pipetrain.training.outputs import describe_run, say
+
+        say(describe_run(run))
     checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
     resumed = checkpoints.resume_point()
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
@@ -206,6 +214,10 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
             metrics = runner.evaluate(len(held_out), held_out.__getitem__, Metrics(run.loss_fn))
             if metrics is not None:
                 evaluations.append({"step": step, **metrics})
+                if config.eval_every and not config.quiet:
+                    from pipetrain.training.outputs import evaluation_line, say
+
+                    say(evaluation_line(evaluations[-1], run.updates), progress.progress if progress else None)
                 if callbacks is not None:
                     callbacks.evaluation(step, metrics)
 
@@ -408,5 +420,7 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     evaluations = max((p["evaluations"] for p in gathered), key=len)
     result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations)
     result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
+    skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
+    result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]
     write_outputs(run.config, result, run.model.state_dict())
     return result

@@ -10,7 +10,8 @@ import torch
 
 from pipetrain.training.setup import Run
 
-__all__ = ["HeldOut", "announce_stages", "eval_batches", "save_state_dict", "Progress", "UpdateLosses"]
+__all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses", "say", "describe_run",
+           "evaluation_line"]
 
 
 class HeldOut:
@@ -47,13 +48,6 @@ class HeldOut:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.to(self.dtype)
         return x, y
-
-
-def announce_stages(run: Run) -> None:
-    """Print the chosen stages (how, parameters, measured time shares, where each starts) before
-    training; the report holds the same as ``stage_choice``."""
-    if run.stage_choice is not None and len(run.staged.stages) > 1:
-        print("\n".join(run.stage_choice.lines()), flush=True)
 
 
 def eval_batches(run: Run, batch_size: int | None = None) -> HeldOut:
@@ -129,6 +123,46 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}", refresh=False)
             self.bar.update(steps)
 
+    def write(self, text: str) -> None:
+        """A line above the bar (or on stdout when there is none)."""
+        say(text, self)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def say(text: str, progress: Progress | None = None) -> None:
+    """A line for whoever watches the run, on stdout, with or without a terminal (a bar, where
+    shown, stays below it)."""
+    if progress is not None and progress.bar is not None:
+        progress.bar.write(text)
+    else:
+        print(text, flush=True)
+
+
+def describe_run(run: Run) -> str:
+    """What is about to be trained: the schedule, its units and updates, how the stages were chosen,
+    then one line per stage: parameters, share of the measured time (when measured), where it
+    starts (printed before training unless ``quiet``; the report holds the same as
+    ``stage_choice``)."""
+    schedule, layout = run.schedule, run.layout
+    units = layout.units_per_update
+    head = (f"{schedule.name}: {run.num_stages} stages on {schedule.num_ranks} "
+            f"{'workers' if run.config.executor == 'distributed' else 'emulated ranks'}, {run.updates} updates of "
+            f"{layout.batch_size} samples ({units} microbatch{'es' if units > 1 else ''} each)")
+    choice = run.stage_choice
+    if choice is None or run.num_stages < 2:
+        return head + "\n" + run.staged.summary()
+    lines = choice.stage_lines()
+    if run.staged.boundaries is not None:  # a traced cut: what each stage receives
+        lines = [line + (f"  inputs: {', '.join(run.staged.boundaries[s - 1])}" if s else "")
+                 for s, line in enumerate(lines)]
+    return f"{head}; {choice.heading()}\n" + "\n".join(lines)
+
+
+def evaluation_line(entry: dict[str, float], updates: int) -> str:
+    """``after  90 of 450 updates: test loss 0.7416, test accuracy 77.50 %``."""
+    width = len(str(updates))
+    return (f"after {int(entry['step']):>{width}} of {updates} updates: test loss {entry['loss']:.4f}, "
+            f"test accuracy {100 * entry['accuracy']:.2f} %")

@@ -135,6 +135,7 @@ class Run:
             policy=self.schedule.policy,
             grad_scale=self.grad_scales[stage],
             seed=self.config.seed,
+            nonfinite=self.config.on_nonfinite,
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:

@@ -27,6 +27,9 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     """
     from pipetrain.training.callbacks import Callbacks
     from pipetrain.training.setup import prepare
+    from pipetrain.training.validate import check_config
+
+    check_config(config, specs=parts is None)  # options and output paths, before any work
 
     callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or ())
     if config.executor == "emulate":
@@ -42,10 +45,6 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
         # and the emulator's parameters equal the runtime's bitwise
         torch.set_num_threads(config.threads_per_worker)
         run = prepare(config, parts)
-        if parts is None:  # the command line's run: say how its stages were chosen
-            from pipetrain.training.outputs import announce_stages
-
-            announce_stages(run)
         result = train_emulated(run, callbacks or None)
         write_outputs(config, result, run.model.state_dict())
         callbacks.end(result)
