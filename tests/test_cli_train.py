@@ -113,6 +113,71 @@ def test_train_from_a_plan(capsys, tmp_path):
     assert code == 2 and "the plan decides" in err
 
 
+TRACING = '''
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.l = nn.Linear(width, width)
+
+    def forward(self, x):
+        if x.mean() > 0:  # control flow on a value: torch.fx cannot trace it
+            return self.l(x)
+        return -self.l(x)
+
+
+class Net(nn.Module):
+    def __init__(self, in_features, num_classes):
+        super().__init__()
+        self.inp = nn.Linear(in_features, 16)
+        self.gate = Gate(16)
+        self.out = nn.Linear(16, num_classes)
+
+    def forward(self, x, scale=1.0):
+        return self.out(self.gate(self.inp(x)) * scale)
+
+
+def net(in_features, num_classes):
+    return Net(in_features, num_classes)
+'''
+
+
+def test_leaf_modules_and_concrete_args_reach_the_tracer(capsys, tmp_path, monkeypatch):
+    (tmp_path / "tracenets.py").write_text(TRACING)
+    monkeypatch.chdir(tmp_path)
+    options = [*SMALL[2:], "--model", "tracenets:net", "--stages", "2", "--steps", "2", "--executor", "emulate"]
+    code, out, err = run(capsys, *options)
+    assert code == 2 and "--leaf-modules gate" in err and "Traceback" not in err
+    for extra in (["--leaf-modules", "gate"], ["--leaf-modules", "Gate", "--concrete-args", "scale=0.5"]):
+        report = tmp_path / "report.json"
+        code, out, err = run(capsys, *options, *extra, "--split-at", "out", "--report-json", str(report))
+        assert code == 0, err
+        assert json.loads(report.read_text())["stage_choice"]["split_at"] == ["out"]
+    code, out, err = run(capsys, *options, "--leaf-modules", "gate", "--split-at", "gate.l")
+    assert code == 2 and "lies inside 'gate'" in err
+    with pytest.raises(SystemExit) as info:
+        main(["train", *options, "--concrete-args", "scale"])
+    assert info.value.code == 2 and "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_concrete_args_are_baked_into_the_stages(tmp_path, monkeypatch):
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.setup import prepare
+
+    (tmp_path / "tracenets.py").write_text(TRACING)
+    monkeypatch.chdir(tmp_path)
+    config = TrainConfig(model="tracenets:net", data="synthetic:features=8,classes=3,samples=64", batch_size=8,
+                         steps=1, split_at=["out"], leaf_modules=["gate"], concrete_args={"scale": 0.0},
+                         executor="emulate", progress=False)
+    run_ = prepare(config)
+    x = torch.randn(2, 8)
+    assert torch.equal(run_.staged(x), run_.model(x, scale=0.0))
+    assert config.fingerprint()["leaf_modules"] == ["gate"] and config.fingerprint()["concrete_args"] == {"scale": 0.0}
+
+
 RAISING_MODULE = textwrap.dedent('''
     import torch
     from torch.utils.data import Dataset

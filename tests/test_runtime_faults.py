@@ -67,7 +67,12 @@ def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, schedule, extra)
     resumed = pipetrain(*common, "--checkpoint-dir", str(tmp_path / "b"), "--resume", "--save",
                         str(tmp_path / "resumed.pt"), "--report-json", str(tmp_path / "resumed.json"))
     assert resumed.returncode == 0, resumed.stderr
-    assert json.loads((tmp_path / "resumed.json").read_text())["receives"] == ["on-demand"] * 3
+    report = json.loads((tmp_path / "resumed.json").read_text())
+    assert report["receives"] == ["on-demand"] * 3
+    if schedule == "1f1b":  # stages balanced by measured time: the resumed run is cut as the checkpointed one
+        meta = json.loads((tmp_path / "b" / "step-000008" / "manifest.json").read_text())["meta"]["config"]
+        assert report["stage_choice"]["how"] == "measured time"
+        assert report["stage_choice"]["unit_seconds"] == meta["stage_costs"]
     a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
     for key in a:
         assert torch.equal(a[key], b[key]), key

@@ -200,26 +200,22 @@ def test_saved_state_dict_round_trip():
     assert [set(p) for p in parts] == [set(s.state_dict()) for s in staged.stages]
 
 
-def test_tied_embedding_is_refused_with_the_fix():
+def test_tied_embedding_across_stages_is_recorded():
     model = gpt(tie="true")
-    with pytest.raises(ConfigError) as info:
-        split_model(model, stages=2)
-    message = str(info.value)
-    for word in ("'wte.weight'", "'head.weight'", "stage 0", "stage 1", "tie=false", "nn.Parameter(model.wte.weight"):
-        assert word in message, word
-    # untied by hand as the message says, the model splits
-    model.head.weight = nn.Parameter(model.wte.weight.detach().clone())
-    assert len(split_model(model, stages=2)) == 2
+    staged = split_model(model, stages=2)
+    assert [(t.name, t.stages) for t in staged.tied] == [("wte.weight", (0, 1))]
+    assert staged.stages[0].wte.weight is staged.stages[1].head.weight  # one parameter, two holders
+    x = torch.randint(0, 11, (2, 12))
+    check_transparent(model, staged, x, torch.randint(0, 11, (2, 12)))
 
 
 def test_tied_weights_inside_one_stage_are_aliases():
     model = gpt(tie="true", n_layer=1)
     staged = split_model(model, stages=1)
-    assert staged.aliases == {"head.weight": "wte.weight"}
+    assert staged.aliases == {"head.weight": "wte.weight"} and staged.tied == []
     merged = staged.merge_state_dict([staged.stages[0].state_dict()])
     assert merged["head.weight"] is merged["wte.weight"]
-    with pytest.raises(ConfigError, match="stages cannot share"):
-        split_model(model, split_at=["blocks.0.mlp"])
+    assert [t.stages for t in split_model(model, split_at=["blocks.0.mlp"]).tied] == [(0, 1)]
 
 
 class TupleCross(nn.Module):
@@ -427,3 +423,80 @@ def test_trace_model_keeps_the_models_modules():
     model = gpt(n_layer=1)
     traced = trace_model(model)
     assert traced.get_submodule("blocks.0.attn.qkv") is model.blocks[0].attn.qkv
+
+
+class Encoded(nn.Module):
+    """Token embedding, an nn.TransformerEncoder of four layers, a pooled head."""
+
+    def __init__(self, masked: bool = False):
+        super().__init__()
+        self.masked = masked
+        self.embed = nn.Embedding(11, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 4, norm=nn.LayerNorm(16), enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        if self.masked:
+            h = self.encoder(h, mask=nn.Transformer.generate_square_subsequent_mask(12))
+        else:
+            h = self.encoder(h)
+        return self.head(h.mean(dim=1))
+
+
+@pytest.mark.parametrize("cut", [{"stages": 2}, {"stages": 4}, {"split_at": ["encoder.layers.1", "encoder.norm"]}],
+                         ids=str)
+def test_transformer_encoder_is_cut_between_its_layers_transparently(cut):
+    model = Encoded().double()
+    staged = split_model(model, **cut)
+    assert all(name.startswith(("encoder.", "head")) for name in staged.split_at)
+    x, y = torch.randint(0, 11, (3, 12)), torch.tensor([0, 1, 2])
+    check_transparent(model, staged, x, y)
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(run_stages(staged.stages, x), model(x))
+
+
+def test_units_of_an_encoder_are_its_layers_and_a_masked_encoder_stays_whole():
+    staged = split_model(Encoded(), stages=3)
+    assert staged.split_at == ["encoder.layers.1", "encoder.layers.3"]
+    with pytest.raises(ConfigError) as info:
+        split_model(Encoded(masked=True), split_at=["encoder.layers.2"])
+    message = str(info.value)
+    assert "lies inside 'encoder'" in message and "called with a mask" in message and "split at 'encoder'" in message
+    with pytest.raises(ConfigError) as info:
+        split_model(Encoded(masked=True), stages=4)
+    message = str(info.value)
+    assert "3 pipeline units (embed, encoder, head)" in message and "--stages 3 or fewer" in message
+    assert "inside" not in message  # no advice that the other errors contradict
+    assert split_model(Encoded(), stages=2, leaf_modules=["encoder"]).split_at == ["encoder"]  # whole
+
+
+def test_leaf_advice_names_the_flag():
+    with pytest.raises(ConfigError) as info:
+        split_model(Outer(), stages=2)
+    assert "--leaf-modules inner" in str(info.value) and "cannot be cut inside" in str(info.value)
+    with pytest.raises(ConfigError, match=r"made one by leaf_modules / --leaf-modules"):
+        split_model(Outer(), split_at=["inner.l"], leaf_modules=["inner"])
+
+
+def test_pipeline_takes_leaf_modules_and_concrete_args():
+    from pipetrain import Pipeline
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.inner, self.b = nn.Linear(3, 3), Branchy(), nn.Linear(3, 2)
+
+        def forward(self, x, scale=1.0):
+            return self.b(self.inner(self.a(x)) * scale)
+
+    with pytest.raises(ConfigError, match="--leaf-modules inner"):
+        Pipeline(Scaled(), executor="emulate", stages=2)
+    model = Scaled()
+    pipe = Pipeline(model, executor="emulate", split_at=["b"], leaf_modules=["inner"], concrete_args={"scale": 2.0},
+                    microbatches=1)
+    x = torch.randn(4, 3)
+    assert torch.equal(pipe.staged(x), model(x, scale=2.0))
+    assert len(pipe.train([(x, torch.tensor([0, 1, 0, 1]))])) == 1

@@ -10,15 +10,17 @@ import pytest
 
 from pipetrain.errors import PipetrainError
 from pipetrain.training.config import TrainConfig
-from pipetrain.training.validate import DATA_NAMES, EXECUTORS, MODEL_NAMES, NONFINITE, check_config
+from pipetrain.training.validate import BALANCE_BY, DATA_NAMES, EXECUTORS, MODEL_NAMES, NONFINITE, check_config
 
 
 def test_the_names_known_without_pytorch_are_those_of_the_registries():
     from pipetrain.data import DATASETS
     from pipetrain.execution.stage import NONFINITE as executor_modes
     from pipetrain.models import MODELS
+    from pipetrain.training.setup import BALANCE_BY as setup_balance_by
     from pipetrain.training.setup import EXECUTORS as setup_executors
 
+    assert BALANCE_BY == setup_balance_by
     assert set(MODEL_NAMES) == set(MODELS)
     assert set(DATA_NAMES) == set(DATASETS)
     assert NONFINITE == executor_modes and EXECUTORS == setup_executors

@@ -17,6 +17,19 @@ def _name_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def _options(text: str) -> dict:
+    """``k=v,...`` with values parsed as in specs (true/false/none, numbers, else strings)."""
+    from pipetrain.spec import parse_value
+
+    options = {}
+    for item in (part for part in text.split(",") if part.strip()):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise argparse.ArgumentTypeError(f"expected NAME=VALUE,..., e.g. use_cache=false; got {item!r}")
+        options[key.strip()] = parse_value(value)
+    return options
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("model and data")
     what.add_argument("--model", default="mlp:depth=2,width=128",
@@ -28,13 +41,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how = parser.add_argument_group("pipeline")
     how.add_argument("--schedule", help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the "
                      "plan's, else 1f1b)")
-    how.add_argument("--stages", type=int, help="number of pipeline stages (ranks for interleaved), cut by "
-                     "parameter count (default: as many as --balance, --split-at or --replicas give, else "
+    how.add_argument("--stages", type=int, help="number of pipeline stages (ranks for interleaved), cut as "
+                     "--balance-by says (default: as many as --balance, --split-at or --replicas give, else "
                      "--workers, else 2)")
-    how.add_argument("--balance", type=_int_list, help="modules per stage, e.g. 2,2,1 (default: --stages cut by "
-                     "parameter count)")
+    how.add_argument("--balance", type=_int_list, help="modules per stage, e.g. 2,2,1 (default: --stages cut as "
+                     "--balance-by says)")
     how.add_argument("--split-at", type=_name_list, help="module names that start a new stage (default: --stages "
-                     "cut by parameter count)")
+                     "cut as --balance-by says)")
+    how.add_argument("--balance-by", default="auto", choices=["auto", "time", "params"],
+                     help="what --stages S balances: measured time (time), parameter count (params), or auto: "
+                          "time on synchronous schedules, where the cut cannot change the result, parameter count "
+                          "on asynchronous ones, with dropout or with tied weights (default auto)")
+    how.add_argument("--leaf-modules", type=_name_list, metavar="NAMES",
+                     help="modules a traced model calls whole, by qualified name or class name (e.g. "
+                          "blocks.0.attn or Attention); a stage cannot start inside them (default: none)")
+    how.add_argument("--concrete-args", type=_options, metavar="K=V,...",
+                     help="values fixed for non-tensor forward arguments when tracing, e.g. use_cache=false "
+                          "(default: each argument's own default)")
     how.add_argument("--plan", help="a plan JSON from `pipetrain plan --out`: its stages, replicas, schedule and "
                      "microbatches (default: none)")
     how.add_argument("--replicas", type=_int_list, help="replicas per stage, e.g. 2,1 (default: 1 each)")
@@ -107,7 +130,8 @@ def config_from_args(args: argparse.Namespace):
         optimizer = _translated(optimizer, args.translate_from_batch, args.batch_size)
     return TrainConfig(
         model=args.model, data=args.data, test_data=args.test_data, schedule=args.schedule, stages=args.stages,
-        balance=args.balance, split_at=args.split_at, plan=args.plan, replicas=args.replicas, chunks=args.chunks,
+        balance=args.balance, split_at=args.split_at, plan=args.plan, balance_by=args.balance_by,
+        leaf_modules=args.leaf_modules, concrete_args=args.concrete_args, replicas=args.replicas, chunks=args.chunks,
         policy=args.policy, microbatches=args.microbatches, batch_size=args.batch_size, steps=args.steps,
         epochs=args.epochs, optimizer=optimizer, lr_schedule=args.lr_schedule, compensation=args.compensation,
         executor=args.executor, workers=args.workers, threads_per_worker=args.threads_per_worker,

@@ -47,12 +47,28 @@ def check_sample(sample: object, where: str = "data set") -> tuple[torch.Tensor,
     return x, y
 
 
+IGNORE_INDEX = -100  # a label that counts for nothing (pipetrain.models.loss.IGNORE_INDEX)
+
+
+def _class_count(labels: torch.Tensor) -> int:
+    """One more than the largest label; -100 (ignored: padding, unmasked tokens) is allowed."""
+    counted = labels[labels != IGNORE_INDEX]
+    if labels.numel() and not counted.numel():
+        raise ConfigError("every label of the data set is -100 (ignored): there is nothing to learn")
+    if counted.numel() and int(counted.min()) < 0:
+        raise ConfigError(
+            f"data set has a negative class label ({int(counted.min())}); labels must be 0..C-1, or -100 for "
+            f"targets that count for nothing (PyTorch's ignore_index)"
+        )
+    return int(counted.max()) + 1 if counted.numel() else 1
+
+
 def dataset_info(dataset: Dataset) -> DataInfo:
     """Input shape of one sample and the class count of ``dataset``.
 
     The class count is ``dataset.num_classes`` when the data set has it (built-ins do), else one
     more than the largest label (read from ``dataset.targets`` when present, else by visiting
-    every sample).
+    every sample). Labels of -100 are ignored targets (padding, unmasked tokens), not classes.
     """
     try:
         n = len(dataset)  # type: ignore[arg-type]
@@ -72,9 +88,7 @@ def dataset_info(dataset: Dataset) -> DataInfo:
             labels = dataset.tensors[1]  # type: ignore[attr-defined]
         else:
             labels = torch.stack([check_sample(read_sample(dataset, i))[1] for i in range(n)])
-        if labels.numel() and int(labels.min()) < 0:
-            raise ConfigError("data set has a negative class label; labels must be 0..C-1")
-        num_classes = int(labels.max()) + 1
+        num_classes = _class_count(labels)
     return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
 
 

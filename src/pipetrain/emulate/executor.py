@@ -18,6 +18,7 @@ import torch
 from pipetrain.errors import DeadlockError, NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData
 from pipetrain.execution.stage import StageExecutor, located
+from pipetrain.execution.tied import TiedGradients, gradient_of
 from pipetrain.execution.versions import version_release_points
 from pipetrain.schedule.ir import Kind, Schedule, format_action
 
@@ -50,10 +51,20 @@ class Emulator:
         schedule: a validated schedule with versions assigned.
         executors: ``executors[rank][stage]``, the replica of ``stage`` held by ``rank``.
         data: the samples of each unit (microbatch); stage 0 reads inputs, the last stage targets.
+        tied: where the stages sharing a parameter sum its gradient (:mod:`pipetrain.execution.tied`).
     """
 
-    def __init__(self, schedule: Schedule, executors: Sequence[dict[int, StageExecutor]], data: UnitData) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        executors: Sequence[dict[int, StageExecutor]],
+        data: UnitData,
+        tied: TiedGradients | None = None,
+    ) -> None:
         self.schedule = schedule
+        self.tied = tied if tied else None
+        self._tied_arrived: dict[tuple[int, int], set[int]] = {}  # (parameter, occurrence) -> ranks there
+        self._tied_summed: set[tuple[int, int]] = set()
         self.executors = list(executors)
         self.data = data
         self.losses: dict[int, float] = {}
@@ -127,6 +138,11 @@ class Emulator:
         def cut_position(rank: int) -> int | None:
             index = self._cut_index
             return pending_cuts[index][0][rank] if index < len(pending_cuts) else None
+
+        def wake(other: int) -> None:
+            if not queued[other]:
+                queued[other] = True
+                ready.append(other)
 
         def deliver(key: tuple, value: tuple) -> None:
             mailbox[key] = value
@@ -228,6 +244,8 @@ class Emulator:
                                     ready.append(other)
                         sync_seen[rank][stage] = index + 1
                     elif kind is STEP:
+                        if self.tied is not None and not self._tied_ready(rank, pc, wake):
+                            break
                         superseded = [v for st, v in releases.get(pc, ()) if st == stage]
                         stages[stage].step(superseded)
                 except NonFiniteError as error:
@@ -248,3 +266,28 @@ class Emulator:
     def end(self) -> dict[int, float]:
         """After :meth:`advance` reached the end of every program: the losses of every unit."""
         return self.losses
+
+    def _tied_ready(self, rank: int, position: int, wake: Callable[[int], None]) -> bool:
+        """Before ``rank``'s STEP at ``position``: a rendezvous of the ranks holding each shared
+        parameter summed here; the last to arrive sums the gradients and wakes the others."""
+        tied, executors = self.tied, self.executors
+        ready = True
+        for key in tied.due(rank, position):
+            if key in self._tied_summed:
+                continue
+            t = key[0]
+            arrived = self._tied_arrived.setdefault(key, set())
+            arrived.add(rank)
+            if len(arrived) < len(tied.ranks[t]):
+                ready = False
+                continue
+            first = self.schedule.stage_ranks
+            total = tied.total(t, lambda stage, name: gradient_of(executors[first[stage][0]][stage], name))
+            tied.assign(t, total, [e for r in tied.ranks[t] for e in executors[r].values()])
+            del self._tied_arrived[key]
+            self._tied_summed.add(key)
+            for other in tied.ranks[t]:
+                if other != rank:
+                    wake(other)
+        return ready
+

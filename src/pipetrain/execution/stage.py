@@ -131,9 +131,12 @@ class _Parameters:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.slots = []
-        for name, _ in module.named_parameters():
+        canonical = {id(p): name for name, p in module.named_parameters()}
+        # every place that holds a parameter, tied ones included (an LM head reusing the embedding's
+        # weight within this stage reads the same version as the embedding)
+        for name, p in module.named_parameters(remove_duplicate=False):
             owner, _, attr = name.rpartition(".")
-            self.slots.append((module.get_submodule(owner)._parameters, attr, name))
+            self.slots.append((module.get_submodule(owner)._parameters, attr, canonical[id(p)]))
 
     def __call__(self, params: Mapping[str, Tensor], inputs: tuple) -> Any:
         saved = [(table, attr, table[attr]) for table, attr, _ in self.slots]

@@ -3,7 +3,7 @@
 from pipetrain.models.batchnorm import find_batchnorm, refuse_batchnorm
 from pipetrain.models.generate import generate
 from pipetrain.models.gpt import GPT, Block, CausalSelfAttention, gpt
-from pipetrain.models.loss import LossFn, accuracy_counts, cross_entropy, loss_for
+from pipetrain.models.loss import IGNORE_INDEX, CrossEntropy, LossFn, accuracy_counts, cross_entropy, loss_for
 from pipetrain.models.metrics import evaluate
 from pipetrain.models.mlp import mlp
 from pipetrain.models.registry import MODELS, build_model
@@ -15,7 +15,9 @@ __all__ = [
     "BasicBlock",
     "Block",
     "CausalSelfAttention",
+    "CrossEntropy",
     "GPT",
+    "IGNORE_INDEX",
     "LossFn",
     "MODELS",
     "ResNetGNSkip",

@@ -3,12 +3,21 @@
 Every built-in model is trained with :func:`cross_entropy`: for ``mlp``/``resmlp``/``resnet-gn*``
 the output is logits ``(B, C)`` and the target class labels ``(B,)``; for ``gpt`` logits
 ``(B, T, V)`` and next-token targets ``(B, T)``. Both are the mean over all target elements
-(samples, or tokens), so microbatches of equal shape average to the batch's loss.
+(samples, or tokens) that count: a target equal to :data:`IGNORE_INDEX` (-100, PyTorch's
+``ignore_index``: padding, the unmasked tokens of a masked LM) counts for nothing, in the loss,
+its gradient and the accuracy.
+
+A loss can say how its predictions meet the targets, and metrics follow it: a loss object with
+``accuracy_counts(output, target) -> (correct, counted)`` is asked for the accuracy, and one with
+``count(output, target)`` for the number of targets its mean is over (held-out losses are
+weighted by it). :class:`CrossEntropy` has both, with a ``shift`` for models whose targets are
+their inputs (``CrossEntropy(shift=1)`` compares the logits at position t with the target at
+t + 1, as HuggingFace's causal LM heads do with ``labels=input_ids``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -16,10 +25,13 @@ from torch.nn import functional as F
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["LossFn", "accuracy_counts", "cross_entropy", "loss_for"]
+__all__ = ["IGNORE_INDEX", "CrossEntropy", "LossFn", "accuracy_counts", "cross_entropy", "loss_for", "target_count"]
 
 #: ``loss_fn(output, target) -> scalar tensor``, what the executors call on the last stage's output.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Targets with this value count for nothing (``torch.nn.functional.cross_entropy``'s default).
+IGNORE_INDEX = -100
 
 
 def _flat(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,16 +49,82 @@ def _flat(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, tor
     return output.reshape(-1, output.shape[-1]), target.reshape(-1)
 
 
+class CrossEntropy:
+    """Mean cross entropy of logits ``(..., C)`` against integer targets ``(...)``, over the
+    targets that count.
+
+    Args:
+        shift: compare the logits at position ``t`` of dimension 1 with the target at ``t + shift``
+            (``1``: next-token prediction from targets equal to the inputs); ``0``: position by
+            position.
+        ignore_index: targets of this value count for nothing.
+
+    A microbatch whose targets are all ignored has loss 0 and no gradient (not NaN).
+    """
+
+    def __init__(self, shift: int = 0, ignore_index: int = IGNORE_INDEX) -> None:
+        if not isinstance(shift, int) or shift < 0:
+            raise ConfigError(f"shift must be a non-negative integer, got {shift!r}")
+        self.shift = shift
+        self.ignore_index = ignore_index
+
+    def __repr__(self) -> str:
+        return f"CrossEntropy(shift={self.shift}, ignore_index={self.ignore_index})"
+
+    def pairs(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``(N, C)`` and targets ``(N,)`` compared with each other (ignored ones included)."""
+        if self.shift:
+            if not isinstance(output, torch.Tensor) or output.dim() < 3 or target.dim() < 2:
+                raise ConfigError(
+                    f"a shifted cross entropy compares positions along dimension 1: it needs logits (B, T, C) "
+                    f"and targets (B, T); got {tuple(getattr(output, 'shape', ()))} and {tuple(target.shape)}"
+                )
+            output, target = output[:, : -self.shift], target[:, self.shift :]
+        return _flat(output, target)
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits, labels = self.pairs(output, target)
+        if labels.numel() and not bool((labels != self.ignore_index).any()):
+            return logits.sum() * 0.0  # nothing counts: zero, with a zero gradient
+        return F.cross_entropy(logits, labels, ignore_index=self.ignore_index)
+
+    def count(self, output: torch.Tensor, target: torch.Tensor) -> int:
+        """The number of targets the mean is over."""
+        _, labels = self.pairs(output, target)
+        return int((labels != self.ignore_index).sum())
+
+    def accuracy_counts(self, output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
+        """``(correct, counted)``: arg-max predictions equal to the targets that count."""
+        logits, labels = self.pairs(output, target)
+        counted = labels != self.ignore_index
+        return int(((logits.argmax(dim=-1) == labels) & counted).sum()), int(counted.sum())
+
+
+_DEFAULT = CrossEntropy()
+
+
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of logits ``(..., C)`` against integer targets ``(...)``."""
-    logits, labels = _flat(output, target)
-    return F.cross_entropy(logits, labels)
+    """Mean cross entropy of logits ``(..., C)`` against integer targets ``(...)`` (targets equal to
+    :data:`IGNORE_INDEX` left out): ``CrossEntropy()``."""
+    return _DEFAULT(output, target)
 
 
-def accuracy_counts(output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
-    """``(correct, total)``: arg-max predictions equal to the target, over all target elements."""
-    logits, labels = _flat(output, target)
-    return int((logits.argmax(dim=-1) == labels).sum()), labels.numel()
+cross_entropy.count = _DEFAULT.count  # type: ignore[attr-defined]
+cross_entropy.accuracy_counts = _DEFAULT.accuracy_counts  # type: ignore[attr-defined]
+
+
+def accuracy_counts(output: torch.Tensor, target: torch.Tensor, loss_fn: Any = None) -> tuple[int, int]:
+    """``(correct, counted)`` of one batch, as ``loss_fn`` compares predictions with targets when it
+    says (an ``accuracy_counts`` method), else arg-max against every target that counts."""
+    counts = getattr(loss_fn, "accuracy_counts", None)
+    return counts(output, target) if callable(counts) else _DEFAULT.accuracy_counts(output, target)
+
+
+def target_count(output: Any, target: torch.Tensor, loss_fn: Any = None) -> int:
+    """How many targets ``loss_fn``'s mean is over: its ``count`` method's answer, else the samples
+    (a loss that does not say is taken to average over the batch)."""
+    count = getattr(loss_fn, "count", None)
+    return int(count(output, target)) if callable(count) else int(target.shape[0]) if target.dim() else 1
 
 
 def loss_for(model: nn.Module | None = None) -> LossFn:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from pipetrain.data.info import get_batch
-from pipetrain.models.loss import LossFn, accuracy_counts, cross_entropy
+from pipetrain.models.loss import LossFn, accuracy_counts, cross_entropy, target_count
 
 __all__ = ["evaluate"]
 
@@ -34,8 +34,10 @@ def evaluate(
     """``{"loss", "accuracy", "bits_per_target", "samples", "targets"}`` of ``model`` on ``dataset``.
 
     Samples are read in order, ``batch_size`` at a time, through :func:`pipetrain.data.get_batch`.
-    ``loss`` and ``accuracy`` are means over all target elements (per class label for
-    classifiers, per token for ``gpt``: then ``bits_per_target`` is bits per character).
+    ``loss`` and ``accuracy`` are means over all target elements that count (per class label for
+    classifiers, per token for ``gpt``: then ``bits_per_target`` is bits per character; targets
+    equal to -100 are left out), compared as ``loss_fn`` says (``accuracy_counts``/``count``
+    methods, see :mod:`pipetrain.models.loss`).
     ``model`` may be a module, a :class:`~pipetrain.stages.StagedModel` or a callable; modules run
     in eval mode (restored afterwards).
     """
@@ -46,20 +48,24 @@ def evaluate(
     total_loss = 0.0
     correct = 0
     targets = 0
+    weight = 0  # targets the losses average over
     n = len(dataset)  # type: ignore[arg-type]
     try:
         for start in range(0, n, batch_size):
             x, y = get_batch(dataset, torch.arange(start, min(start + batch_size, n)))
             out = model(x)
-            right, count = accuracy_counts(out, y)
-            total_loss += float(loss_fn(out, y)) * count
+            right, counted = accuracy_counts(out, y, loss_fn)
+            count = target_count(out, y, loss_fn)
+            if count:
+                total_loss += float(loss_fn(out, y)) * count
+            weight += count
             correct += right
-            targets += count
+            targets += counted
     finally:
         for module, flags in zip(modules, modes):
             for m, flag in zip(module.modules(), flags):
                 m.training = flag
-    loss = total_loss / max(targets, 1)
+    loss = total_loss / max(weight, 1)
     return {
         "loss": loss,
         "accuracy": correct / max(targets, 1),

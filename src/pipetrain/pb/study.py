@@ -32,7 +32,7 @@ from pipetrain.pb.engine import BatchedPB, NotBatchable
 from pipetrain.pb.methods import Method
 from pipetrain.pb.reference import pb_sequential
 from pipetrain.schedule import pb_delays
-from pipetrain.stages import StagedModel, split_model
+from pipetrain.stages import StagedModel, refuse_tied, split_model
 
 __all__ = ["StudyConfig", "RunSpec", "RunResult", "StudyResult", "plan_runs", "run_study", "is_diverged",
            "runs_per_engine", "CURVE_POINTS"]
@@ -286,6 +286,7 @@ class _Trainer:
         ).to(self.dtype)
         stages = spec.pipeline_stages
         staged = split_model(model, stages=stages)
+        refuse_tied(staged.tied, "Pipelined Backpropagation updates every stage at its own time, from stale gradients")
         delays = pb_delays(stages)
         method = spec.method
         scale = 1.0 if spec.delay_scale is None else spec.delay_scale

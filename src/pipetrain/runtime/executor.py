@@ -37,6 +37,7 @@ import torch.distributed as dist
 from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.stage import StageExecutor, located
+from pipetrain.execution.tied import TiedGradients, gradient_of
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
@@ -52,12 +53,16 @@ _SEND_F, _RECV_F, _SEND_B, _RECV_B, _SYNC, _STEP = (
 )
 
 
-def sync_groups(schedule: Schedule) -> dict[int, Any]:
-    """A process group for every replicated stage (every rank must call this, in the same order)."""
-    groups = {}
+def sync_groups(schedule: Schedule, tied: TiedGradients | None = None) -> dict[Any, Any]:
+    """A process group for every replicated stage, and one under ``("tied", t)`` for the ranks
+    holding shared parameter ``t`` (every rank must call this, in the same order)."""
+    groups: dict[Any, Any] = {}
     for stage, ranks in enumerate(schedule.stage_ranks):
         if len(ranks) > 1:
             groups[stage] = dist.new_group(ranks=sorted(ranks))
+    for t, ranks in enumerate(tied.ranks if tied else ()):
+        if len(ranks) > 1:
+            groups[("tied", t)] = dist.new_group(ranks=ranks)
     return groups
 
 
@@ -87,6 +92,8 @@ class RankRunner:
         status: an optional status board (recent actions, current wait).
         receives: ``"auto"``, ``"on-demand"`` or ``"ahead"`` (see the module docstring).
         messages: the schedule's :class:`~pipetrain.runtime.sends.Messages`, if already built.
+        tied: where the stages sharing a parameter sum its gradient (:mod:`pipetrain.execution.tied`;
+            its groups come from :func:`sync_groups`).
     """
 
     def __init__(
@@ -102,8 +109,10 @@ class RankRunner:
         start: int = 0,
         receives: str = "auto",
         messages: Messages | None = None,
+        tied: TiedGradients | None = None,
     ) -> None:
         self.schedule = schedule
+        self.tied = tied if tied else None
         self.rank = rank
         self.executors = executors
         self.data = data
@@ -300,6 +309,8 @@ class RankRunner:
                 elif kind is _SYNC:
                     self._all_reduce(stage)
                 elif kind is _STEP:
+                    if self.tied is not None:
+                        self._sum_tied(pc)
                     executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
             except CommunicationError:
                 raise
@@ -467,6 +478,28 @@ class RankRunner:
             offset += size
         executor.grads = total
         executor.pending_samples = int(counts[0])
+
+    def _sum_tied(self, position: int) -> None:
+        """Before a STEP: sum the gradients of the shared parameters due here. Each holder's part
+        is broadcast from its first replica's rank, and every rank adds the parts in stage order."""
+        tied, rank, first = self.tied, self.rank, self.schedule.stage_ranks
+        for t, _ in tied.due(rank, position):
+            group = self.groups.get(("tied", t))
+            holders = dict(tied.tied[t].holders)
+            mine = next(e for s, e in self.executors.items() if s in holders)
+            like = mine.versions.latest[holders[mine.stage]]
+
+            def part(stage: int, name: str, group: Any = group, like: torch.Tensor = like) -> torch.Tensor:
+                source = first[stage][0]
+                if source == rank:
+                    value = gradient_of(self.executors[stage], name).contiguous()
+                else:
+                    value = torch.empty_like(like)
+                if group is not None:
+                    dist.broadcast(value, src=source, group=group)
+                return value
+
+            tied.assign(t, tied.total(t, part), self.executors.values())
 
 
 def _unmask(payload, mask: int | None) -> tuple:

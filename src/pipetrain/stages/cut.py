@@ -114,33 +114,6 @@ def _fix_buffers_and_modes(stage: fx.GraphModule, model: nn.Module) -> None:
             module.training = original.training
 
 
-def _refuse_shared_parameters(stages: Sequence[fx.GraphModule], model: nn.Module) -> None:
-    names: dict[int, list[str]] = {}
-    for key, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(key)
-    uses: dict[int, dict[int, list[str]]] = {}
-    for s, stage in enumerate(stages):
-        for key, p in stage.named_parameters(remove_duplicate=False):
-            uses.setdefault(id(p), {}).setdefault(s, []).append(key)
-    for pid, by_stage in uses.items():
-        if len(by_stage) < 2:
-            continue
-        (a, keys_a), (b, keys_b) = sorted(by_stage.items())[:2]
-        owner = names.get(pid, keys_a)
-        later = keys_b[0].rpartition(".")[0] or keys_b[0]
-        raise ConfigError(
-            f"parameter {owner[0]!r}"
-            + (f" (also {', '.join(map(repr, owner[1:]))})" if len(owner) > 1 else "")
-            + f" is used by stage {a} (as {', '.join(keys_a)}) and by stage {b} (as "
-            f"{', '.join(keys_b)}): stages cannot share a parameter, as tied weights (an input "
-            f"embedding reused by the output head) would need. Untie it, giving the later use its "
-            f"own copy before splitting, e.g. model.{keys_b[0]} = "
-            f"nn.Parameter(model.{keys_a[0]}.detach().clone()) (the built-in gpt: tie=false, the "
-            f"default); or choose split points that keep {keys_a[0].rpartition('.')[0] or keys_a[0]!r} "
-            f"and {later!r} in one stage"
-        )
-
-
 def cut_graph(
     traced: fx.GraphModule, model: nn.Module, starts: Sequence[int]
 ) -> tuple[list[fx.GraphModule], list[list[str]]]:
@@ -206,5 +179,4 @@ def cut_graph(
         module = fx.GraphModule(model, g, f"Stage{s}")
         _fix_buffers_and_modes(module, model)
         stages.append(module)
-    _refuse_shared_parameters(stages, model)
     return stages, [[v.name for v in values] for values in crossing]

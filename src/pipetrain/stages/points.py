@@ -16,7 +16,8 @@ The earliest module of each stage after the first is its split point; every name
 wholly inside its stage (checked). Modules a plan does not name go where execution order puts them.
 
 **Automatic** splits cut at the start of *pipeline units*: the model's top-level children, with
-containers (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) opened into their elements and,
+containers (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``, and the layer stacks of
+``nn.TransformerEncoder``/``Decoder`` traced without masks) opened into their elements and,
 while there are fewer units than stages, the unit with the most parameters opened into its
 children. The cut minimises the largest stage's cost, where cost is the parameter count or the
 per-node/per-module costs the caller measured (see :func:`cost_weights`).
@@ -39,7 +40,10 @@ from pipetrain.stages.partition import partition_min_max
 __all__ = [
     "Plan",
     "cost_weights",
+    "cost_units",
+    "largest_block",
     "normalize_plan",
+    "open_unit",
     "parameter_weights",
     "pipeline_units",
     "resolve_module",
@@ -51,7 +55,7 @@ __all__ = [
 #: A plan: module names per stage, a module -> stage mapping, or its text / JSON-file form.
 Plan = Union[Sequence[Sequence[str]], Mapping[str, int], str]
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict, nn.TransformerEncoder, nn.TransformerDecoder)
 
 
 def _module_list_hint(model: nn.Module, positions: ModulePositions, name: str) -> str:
@@ -64,6 +68,18 @@ def _module_list_hint(model: nn.Module, positions: ModulePositions, name: str) -
     shown = ", ".join(top[:12]) + (" ..." if len(top) > 12 else "")
     parts.append(f"top-level modules: {shown}")
     return "; ".join(parts)
+
+
+def why_whole(model: nn.Module, name: str) -> str:
+    """Why module ``name`` runs as one operation (a leaf of the trace), in words."""
+    module = model.get_submodule(name)
+    kind = type(module).__name__
+    if type(module) in (nn.TransformerEncoder, nn.TransformerDecoder):
+        return (f"an nn.{kind} called with a mask, which is traced whole (called without masks it opens "
+                f"into its layers)")
+    if type(module).__module__.startswith("torch.nn"):
+        return f"a torch.nn layer ({kind})"
+    return f"a leaf module ({kind}, made one by leaf_modules / --leaf-modules)"
 
 
 def resolve_module(model: nn.Module, name: str, positions: ModulePositions, what: str = "split point") -> str:
@@ -81,8 +97,8 @@ def resolve_module(model: nn.Module, name: str, positions: ModulePositions, what
     leaf = positions.enclosing_leaf(canonical)
     if leaf is not None:
         raise ConfigError(
-            f"{what} {name!r} lies inside {leaf!r}, which runs as one operation (a torch.nn layer "
-            f"or a leaf module); split at {leaf!r} or at a module outside it"
+            f"{what} {name!r} lies inside {leaf!r}, which runs as one operation: it is "
+            f"{why_whole(model, leaf)}; split at {leaf!r} or at a module outside it"
         )
     if canonical not in positions.first:
         raise ConfigError(
@@ -263,36 +279,82 @@ def cost_weights(
     return weights
 
 
+def open_unit(model: nn.Module, positions: ModulePositions, name: str) -> list[str]:
+    """The units inside module ``name`` (its children that do work, containers opened); ``[]`` for
+    a module that runs as one operation."""
+    out: list[str] = []
+    for child in positions.children(model, name):
+        if isinstance(model.get_submodule(child), _CONTAINERS) and positions.children(model, child):
+            out += open_unit(model, positions, child)
+        else:
+            out.append(child)
+    return out
+
+
 def pipeline_units(model: nn.Module, positions: ModulePositions, at_least: int = 1) -> list[str]:
-    """The modules at whose start an automatic split may cut, in execution order."""
-
-    def open_containers(names: list[str]) -> list[str]:
-        out: list[str] = []
-        for name in names:
-            children = positions.children(model, name)
-            if isinstance(model.get_submodule(name), _CONTAINERS) and children:
-                out += open_containers(children)
-            else:
-                out.append(name)
-        return out
-
-    units = open_containers(positions.children(model, ""))
-    sizes = {n: sum(p.numel() for p in model.get_submodule(n).parameters()) for n in units}
+    """The modules at whose start an automatic split into ``at_least`` stages may cut, in execution
+    order: the top-level units; the largest opened while there are fewer than ``at_least``; then
+    each unit holding more than ``1/at_least`` of the parameters opened, as long as that lowers the
+    largest stage's parameter count (a stage cannot be balanced around such a unit)."""
+    units = open_unit(model, positions, "")
+    size = lambda n: sum(p.numel() for p in model.get_submodule(n).parameters())  # noqa: E731
+    sizes = {n: size(n) for n in units}
     while len(units) < at_least:
         openable = [u for u in units if positions.children(model, u)]
         if not openable:
             break
-        widest = max(openable, key=lambda u: sizes.get(u, 0))
+        widest = max(openable, key=lambda u: sizes[u])
         i = units.index(widest)
-        inner = open_containers(positions.children(model, widest))
-        sizes.update({n: sum(p.numel() for p in model.get_submodule(n).parameters()) for n in inner})
+        inner = open_unit(model, positions, widest)
+        sizes.update({n: size(n) for n in inner})
         units[i : i + 1] = inner
-    units = sorted(units, key=lambda n: positions.first[n])
+    total = sum(p.numel() for p in model.parameters())
+    while at_least > 1:
+        big = [u for u in units if sizes[u] * at_least > total and positions.children(model, u)]
+        if not big:
+            break
+        widest = max(big, key=lambda u: sizes[u])
+        inner = open_unit(model, positions, widest)
+        sizes.update({n: size(n) for n in inner})
+        i = units.index(widest)
+        trial = units[:i] + inner + units[i + 1 :]
+        if largest_block([sizes[u] for u in _in_order(trial, positions)], at_least) >= largest_block(
+            [sizes[u] for u in _in_order(units, positions)], at_least
+        ):
+            break
+        units = trial
+    return _in_order(units, positions)
+
+
+def largest_block(weights: Sequence[float], parts: int) -> float:
+    """The largest block sum of the best split of ``weights`` into ``parts`` contiguous blocks."""
+    if len(weights) < parts:
+        return float("inf")
+    total = sum(weights) or 1
+    sizes = partition_min_max([int(round(w * 1e9 / total)) for w in weights], parts)
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    return max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+def _in_order(units: Sequence[str], positions: ModulePositions) -> list[str]:
+    """``units`` in execution order, one per starting position."""
     unique: list[str] = []
-    for name in units:
+    for name in sorted(units, key=lambda n: positions.first[n]):
         if not unique or positions.first[name] != positions.first[unique[-1]]:
             unique.append(name)
     return unique
+
+
+def cost_units(model: nn.Module, positions: ModulePositions, costs: Mapping[str, float]) -> list[str] | None:
+    """When every key of ``costs`` names a module (a cost per unit, e.g. measured by
+    :func:`pipetrain.stages.measure_unit_costs`), those modules in execution order: the places an
+    automatic split by these costs may cut. None when some key is an fx node name."""
+    modules = dict(model.named_modules())
+    if not costs or not all(key in modules and key in positions.first for key in costs):
+        return None
+    return _in_order(list(costs), positions)
 
 
 def starts_by_weight(
@@ -309,10 +371,14 @@ def starts_by_weight(
     first_compute = _first_compute(nodes)
     cuts = [u for u in units[1:] if positions.first[u] > first_compute]
     if stages - 1 > len(cuts):
+        further = (
+            "none can be cut further (each runs as one operation: a torch.nn layer, a leaf module, or a "
+            "module without submodules)" if len(units) < stages else "a split may start only at a unit"
+        )
         raise ConfigError(
             f"cannot split the model into {stages} stages by {what}: it has {len(cuts) + 1} "
-            f"pipeline units ({', '.join(units[:10])}{' ...' if len(units) > 10 else ''}); use "
-            f"--stages {len(cuts) + 1} or fewer, or name split points inside them with --split-at"
+            f"pipeline units ({', '.join(units[:10])}{' ...' if len(units) > 10 else ''}), and "
+            f"{further}; use --stages {len(cuts) + 1} or fewer"
         )
     bounds = [0, *[positions.first[u] for u in cuts], len(nodes)]
     segments = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]

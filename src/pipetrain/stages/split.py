@@ -14,6 +14,7 @@ from pipetrain.stages.nodes import ModulePositions, positioned_nodes
 from pipetrain.stages.partition import balance_by_params, check_balance, check_stages, partition_min_max
 from pipetrain.stages.points import (
     Plan,
+    cost_units,
     cost_weights,
     parameter_weights,
     pipeline_units,
@@ -22,6 +23,7 @@ from pipetrain.stages.points import (
     starts_from_split_at,
 )
 from pipetrain.stages.staged import StagedModel, StageSequential
+from pipetrain.stages.tied import find_tied
 from pipetrain.stages.trace import trace_model
 
 __all__ = ["balance_from_split_at", "from_stages", "split_model"]
@@ -75,7 +77,7 @@ def from_stages(stages: Sequence[nn.Module], model: nn.Module | None = None) -> 
     if model is None:
         model = nn.Sequential(*stages)
     key_map, model_keys, aliases, _ = _key_maps(stages, model)
-    return StagedModel(stages, key_map, model_keys, None, aliases)
+    return StagedModel(stages, key_map, model_keys, None, aliases, tied=find_tied(stages, model))
 
 
 def _did_you_mean(name: str, choices: Sequence[str]) -> str:
@@ -85,7 +87,10 @@ def _did_you_mean(name: str, choices: Sequence[str]) -> str:
 
 def balance_from_split_at(model: nn.Sequential, names: Sequence[str]) -> list[int]:
     """The balance that starts a new stage at each named top-level module of ``model``."""
-    children = [name for name, _ in model.named_children()]
+    return _balance_from_names([name for name, _ in model.named_children()], names)
+
+
+def _balance_from_names(children: Sequence[str], names: Sequence[str]) -> list[int]:
     position = {name: i for i, name in enumerate(children)}
     cuts: list[int] = []
     for name in names:
@@ -105,8 +110,7 @@ def balance_from_split_at(model: nn.Sequential, names: Sequence[str]) -> list[in
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _sequential_weights(model: nn.Sequential, costs: Mapping[str, float]) -> list[float]:
-    children = [name for name, _ in model.named_children()]
+def _unit_weights(children: Sequence[str], costs: Mapping[str, float]) -> list[float]:
     weights = [0.0] * len(children)
     for key, value in costs.items():
         head = key.split(".")[0]
@@ -168,6 +172,15 @@ def split_model(
         raise ConfigError("costs only guide an automatic split: give them with --stages S (and no split points)")
     if split_at is not None and isinstance(split_at, str):
         split_at = [n for n in split_at.split(",") if n]
+    declared = declared_units(model)
+    if declared is not None:
+        if plan is not None or leaf_modules or concrete_args:
+            raise ConfigError(
+                f"{type(model).__name__} declares its pipeline units (pipeline_units), which are cut as they are: "
+                f"use --stages, --balance or --split-at with unit names ({', '.join(n for n, _ in declared[:8])}"
+                f"{' ...' if len(declared) > 8 else ''}), without --plan, --leaf-modules or --concrete-args"
+            )
+        return _split_units(declared, model, stages, balance, split_at, costs)
     traced = not isinstance(model, nn.Sequential) or plan is not None or bool(leaf_modules) or bool(concrete_args)
     traced = traced or (bool(split_at) and not _is_top_level(model, split_at))  # type: ignore[arg-type]
     if traced:
@@ -177,9 +190,52 @@ def split_model(
                 f"is cut by tracing: use --stages S, --split-at NAMES or --plan"
             )
         return _split_traced(model, stages, split_at, plan, costs, leaf_modules, concrete_args)
-    n = len(model)
+    return _split_units(list(model.named_children()), model, stages, balance, split_at, costs)
+
+
+def declared_units(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """The model's own ``pipeline_units``, checked, or None when it declares none.
+
+    A model (for example a HuggingFace model, which torch.fx cannot trace) may declare how it
+    runs as a sequence of units: ``model.pipeline_units = [(name, module), ...]``, modules that
+    share the model's own submodules and, called one after the other under the boundary
+    convention of :mod:`pipetrain.stages.staged`, compute what training needs of ``forward`` (see
+    :mod:`pipetrain.models.hf`). It is then cut between units like an ``nn.Sequential``, and state
+    dicts keep the model's own keys.
+    """
+    units = getattr(model, "pipeline_units", None)
+    if units is None:
+        return None
+    units = units() if callable(units) else units
+    pairs = [tuple(u) for u in units] if isinstance(units, (list, tuple)) else None
+    if not pairs or not all(len(u) == 2 and isinstance(u[0], str) and isinstance(u[1], nn.Module) for u in pairs):
+        raise ConfigError(
+            f"{type(model).__name__}.pipeline_units must be a non-empty list of (name, nn.Module) pairs, the "
+            f"units in the order they run"
+        )
+    names = [n for n, _ in pairs]
+    if any(not n or "." in n for n in names):
+        raise ConfigError(
+            f"{type(model).__name__}.pipeline_units: unit names must be non-empty and without '.', got {names}"
+        )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{type(model).__name__}.pipeline_units: unit names must be distinct, got {names}")
+    return pairs  # type: ignore[return-value]
+
+
+def _split_units(
+    children: list[tuple[str, nn.Module]],
+    model: nn.Module,
+    stages: int | None,
+    balance: Sequence[int] | None,
+    split_at: Sequence[str] | None,
+    costs: Mapping[str, float] | None,
+) -> StagedModel:
+    """Cut consecutive units (an ``nn.Sequential``'s children, or declared units) into stages."""
+    n = len(children)
+    names = [name for name, _ in children]
     if split_at:
-        balance = balance_from_split_at(model, split_at)  # type: ignore[arg-type]
+        balance = _balance_from_names(names, split_at)
     if balance is not None:
         balance = check_balance(balance, n)
         if stages is not None and stages != len(balance):
@@ -189,24 +245,23 @@ def split_model(
             )
     elif stages is not None:
         if costs is None:
-            balance = balance_by_params(model, stages)
+            balance = balance_by_params([m for _, m in children], stages)
         else:
-            check_stages(stages, len(model))
-            weights = _sequential_weights(model, costs)
+            check_stages(stages, n)
+            weights = _unit_weights(names, costs)
             total = sum(weights)
             balance = partition_min_max([int(round(w * 1e9 / total)) if total else 0 for w in weights], stages)
     else:
         raise ConfigError(
             "say how to cut the model: --stages S, --balance a,b,..., --split-at NAME,... or --plan"
         )
-    children = list(model.named_children())
     parts: list[nn.Module] = []
     start = 0
     for count in balance:
         parts.append(StageSequential(OrderedDict(children[start : start + count])))
         start += count
     key_map, model_keys, aliases, _ = _key_maps(parts, model)
-    return StagedModel(parts, key_map, model_keys, list(balance), aliases)
+    return StagedModel(parts, key_map, model_keys, list(balance), aliases, tied=find_tied(parts, model))
 
 
 def _split_traced(
@@ -229,7 +284,9 @@ def _split_traced(
         what = "--split-at"
     elif stages is not None:
         weights = parameter_weights(model, nodes) if costs is None else cost_weights(model, nodes, positions, costs)
-        units = pipeline_units(model, positions, at_least=stages)
+        units = (None if costs is None else cost_units(model, positions, costs)) or pipeline_units(
+            model, positions, at_least=stages
+        )
         starts, names = starts_by_weight(
             nodes, positions, units, weights, stages, "parameter count" if costs is None else "cost"
         )
@@ -244,4 +301,6 @@ def _split_traced(
     key_map, model_keys, aliases, unused = _key_maps(parts, model, allow_unused=True)
     state = model.state_dict(keep_vars=True)
     frozen = {key: state[key].detach() for key in unused}
-    return StagedModel(parts, key_map, model_keys, None, aliases, list(names), boundaries, frozen)
+    return StagedModel(
+        parts, key_map, model_keys, None, aliases, list(names), boundaries, frozen, tied=find_tied(parts, model)
+    )

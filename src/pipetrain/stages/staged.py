@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError
+from pipetrain.stages.tied import TiedParameter, check_tied_copies
 
 __all__ = ["StageSequential", "StagedModel", "call_stage", "run_stages"]
 
@@ -63,6 +64,10 @@ class StagedModel:
     way again), ``boundaries[b]``, the names of the values stage ``b`` hands to stage ``b + 1``,
     and ``unused``, state of modules that ``forward`` never calls (no stage holds it; it is saved
     unchanged by :meth:`merge_state_dict`).
+
+    ``tied`` lists the parameters that several stages hold (tied weights, see
+    :mod:`pipetrain.stages.tied`): each stage executor keeps its own copy, which the synchronous
+    schedules keep equal by summing their gradients.
     """
 
     stages: list[nn.Module]
@@ -73,6 +78,7 @@ class StagedModel:
     split_at: list[str] | None = None
     boundaries: list[list[str]] | None = None
     unused: dict[str, torch.Tensor] = field(default_factory=dict)
+    tied: list[TiedParameter] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -102,11 +108,13 @@ class StagedModel:
         """One state dict, loadable with ``strict=True`` by the unsplit model, from one per stage.
 
         Each input holds a stage's keys (``stages[s].state_dict()`` keys); tensors are not copied.
+        The copies of a parameter that several stages hold must be equal (one tensor is saved).
         """
         if len(stage_state_dicts) != len(self.stages):
             raise ConfigError(
                 f"merge_state_dict got {len(stage_state_dicts)} state dicts for {len(self.stages)} stages"
             )
+        check_tied_copies(self.tied, dict(enumerate(stage_state_dicts)))
         merged: dict[str, torch.Tensor] = {}
         for s, (state, mapping) in enumerate(zip(stage_state_dicts, self.key_map)):
             missing = [k for k in mapping if k not in state]

@@ -5,6 +5,12 @@ cannot follow Python control flow that depends on tensor *values* (``if x.sum() 
 shapes, or calls into code it cannot see. When that happens inside a submodule, that submodule can
 be made a **leaf** (called as a whole, never looked into) and the rest of the model still traces.
 
+torch.nn layers are leaves, except the containers: ``nn.Sequential`` and ``nn.ModuleList`` (as in
+fx) and ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` called without masks, which are
+traced as the loop over their layers (and the final norm) that their ``forward`` runs then; so a
+split can fall between two layers of an encoder. With a mask they stay whole (their ``forward``
+inspects the mask's values).
+
 Forward parameters with a non-tensor default (``mask=None``, ``causal=True``) are fixed to that
 default (fx ``concrete_args``), so that ``if mask is not None`` takes the branch the default takes;
 ``concrete_args`` overrides the value. The traced model's remaining parameters are its tensor inputs.
@@ -29,21 +35,79 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class _Tracer(fx.Tracer):
-    """The default tracer, plus leaves named by qualified name or class name."""
+    """The default tracer, plus leaves named by qualified name or class name, and transformer
+    stacks opened into their layers."""
 
     def __init__(self, leaf_names: set[str], leaf_types: set[type]):
         super().__init__()
         self.leaf_names = leaf_names
         self.leaf_types = leaf_types
+        self._opened: list[nn.Module] = []
+
+    def is_user_leaf(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaf_names or type(m) in self.leaf_types
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.leaf_names or type(m) in self.leaf_types:
+        if self.is_user_leaf(m, module_qualified_name):
             return True
+        if self._opened and m is self._opened[-1]:
+            return False
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        opened = None if self.is_user_leaf(m, self.path_of_module(m)) else _layer_loop(m, args, kwargs)
+        if opened is None:
+            return super().call_module(m, forward, args, kwargs)
+        self._opened.append(m)
+        try:
+            return super().call_module(m, opened, args, kwargs)
+        finally:
+            self._opened.pop()
+
+
+def _layer_loop(m: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """For an ``nn.TransformerEncoder``/``Decoder`` called without masks, a function computing what
+    its ``forward`` computes then (each layer in turn, then the norm); else None."""
+    if type(m) not in (nn.TransformerEncoder, nn.TransformerDecoder):
+        return None
+    try:
+        bound = inspect.signature(m.forward).bind(*args, **kwargs)
+    except TypeError:
+        return None
+    masks = [v for k, v in bound.arguments.items() if k.endswith("mask")]
+    if any(v is not None for v in masks):
+        return None
+    if isinstance(m, nn.TransformerEncoder):
+        causal = bound.arguments.get("is_causal") is True  # torch's _detect_is_causal_mask without a mask
+
+        def encoder(src: Any, *_: Any, **__: Any) -> Any:
+            out = src
+            for layer in m.layers:
+                out = layer(out, src_mask=None, is_causal=causal, src_key_padding_mask=None)
+            return out if m.norm is None else m.norm(out)
+
+        return encoder
+    causal = bound.arguments.get("tgt_is_causal") is True
+    memory_causal = bool(bound.arguments.get("memory_is_causal", False))
+
+    def decoder(tgt: Any, memory: Any, *_: Any, **__: Any) -> Any:
+        out = tgt
+        for layer in m.layers:
+            out = layer(out, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
+                        memory_key_padding_mask=None, tgt_is_causal=causal, memory_is_causal=memory_causal)
+        return out if m.norm is None else m.norm(out)
+
+    return decoder
 
 
 def default_concrete_args(model: nn.Module) -> dict[str, Any]:
-    """Forward parameters with a non-tensor default, fixed to it: ``{"mask": None, ...}``."""
+    """torch.nn layers are leaves, except the containers: ``nn.Sequential`` and ``nn.ModuleList`` (as in
+fx) and ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` called without masks, which are
+traced as the loop over their layers (and the final norm) that their ``forward`` runs then; so a
+split can fall between two layers of an encoder. With a mask they stay whole (their ``forward``
+inspects the mask's values).
+
+Forward parameters with a non-tensor default, fixed to it: ``{"mask": None, ...}``."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -109,8 +173,9 @@ def _failure(model: nn.Module, tracer: _Tracer, error: Exception) -> str:
         return (
             f"{head}: the call that failed is in module {inner!r} "
             f"({type(model.get_submodule(inner)).__name__}.forward){where}: {detail}. "
-            f"Make that module a leaf, called as a whole (split_model(..., leaf_modules="
-            f"[{inner!r}]) or its class name), and choose split points outside it"
+            f"Make that module a leaf, called as a whole (--leaf-modules {inner}, or "
+            f"split_model(..., leaf_modules=[{inner!r}]); its class name works too): a leaf cannot "
+            f"be cut inside, so choose split points outside it"
             + (f", e.g. {', '.join(around)}" if around else "")
             + "; or return a list of stage modules from your model factory"
         )

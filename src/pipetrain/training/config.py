@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["TrainConfig"]
 
@@ -19,6 +20,10 @@ class TrainConfig:
     balance: list[int] | None = None
     split_at: list[str] | None = None
     plan: str | None = None
+    balance_by: str = "auto"  # --stages S balances: auto (time on synchronous schedules), time, params
+    stage_costs: dict[str, float] | None = None  # measured seconds per unit that cut the model (reused by workers)
+    leaf_modules: list[str] | None = None  # modules a traced model calls whole (names or class names)
+    concrete_args: dict[str, Any] | None = None  # values fixed for non-tensor forward arguments when tracing
     replicas: list[int] | None = None
     chunks: int = 1
     policy: str | None = None
@@ -59,4 +64,6 @@ class TrainConfig:
             "policy": self.policy, "microbatches": self.microbatches, "batch_size": self.batch_size,
             "optimizer": self.optimizer, "lr_schedule": self.lr_schedule, "compensation": self.compensation,
             "seed": self.seed, "shuffle": self.shuffle, "dtype": self.dtype,
+            **{key: value for key, value in (("leaf_modules", self.leaf_modules), ("concrete_args", self.concrete_args),
+                                             ("stage_costs", self.stage_costs)) if value},
         }

@@ -46,6 +46,7 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
 
         say(describe_run(run))
     workers = run.schedule.num_ranks
+    config = replace(config, stage_costs=run.config.stage_costs)  # the workers cut as measured here
     result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
                     timeout=None)
     if result.returncode != 0:
@@ -117,7 +118,7 @@ class RankSetup:
             )
         self.run, self.env, self.rank = run, env, env.rank
         rank = env.rank
-        self.groups = sync_groups(schedule)
+        self.groups = sync_groups(schedule, run.tied)
         self.held = schedule.rank_stages()[rank]
         self.executors = {stage: run.make_executor(rank, stage) for stage in self.held}
         if data is None and 0 in self.held:
@@ -126,7 +127,8 @@ class RankSetup:
         self.status = StatusBoard.from_env()
         self.messenger = Messenger(timeout=run.config.timeout, status=self.status)
         self.runner = RankRunner(schedule, rank, self.executors, self.data, run.layout, self.messenger, self.groups,
-                                 self.status, start=start, receives=run.config.receives, messages=run.messages)
+                                 self.status, start=start, receives=run.config.receives, messages=run.messages,
+                                 tied=run.tied)
 
     def close(self) -> None:
         self.status.close()
@@ -405,6 +407,9 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     from pipetrain.training.train import write_outputs
 
     _check_replicas(run, gathered)
+    from pipetrain.stages.tied import check_tied_copies
+
+    check_tied_copies(run.staged.tied, {s: state for p in gathered for s, state in p["states"].items()})
     losses: dict[int, float] = {}
     for payload in gathered:
         losses.update(payload["losses"])

@@ -1,4 +1,4 @@
-"""Forward-only evaluation on held-out data: mean loss and accuracy."""
+"""Forward-only evaluation on held-out data: mean loss and accuracy, as the loss counts them."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from pipetrain.models.loss import accuracy_counts
+from pipetrain.models.loss import accuracy_counts, target_count
 
 __all__ = ["Metrics", "evaluate_chain"]
 
 
 class Metrics:
-    """Running loss (weighted by samples) and accuracy over held-out batches."""
+    """Running loss and accuracy over held-out batches, following the loss: each batch's mean loss
+    is weighted by the number of targets it averages over (non-ignored tokens for a cross entropy,
+    else samples), and accuracy compares predictions with targets as the loss does
+    (:func:`~pipetrain.models.loss.accuracy_counts`)."""
 
     def __init__(self, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
         self.loss_fn = loss_fn
@@ -21,10 +24,11 @@ class Metrics:
         self.samples = self.correct = self.counted = 0
 
     def add(self, output: Tensor, target: Tensor) -> None:
-        n = target.shape[0]
-        self.loss += float(self.loss_fn(output, target)) * n
+        n = target_count(output, target, self.loss_fn)
+        if n:
+            self.loss += float(self.loss_fn(output, target)) * n
         self.samples += n
-        right, seen = accuracy_counts(output, target)
+        right, seen = accuracy_counts(output, target, self.loss_fn)
         self.correct += right
         self.counted += seen
 
@@ -37,7 +41,7 @@ def evaluate_chain(
     batches: Sequence[tuple[Any, Tensor]],
     loss_fn: Callable[[Tensor, Tensor], Tensor],
 ) -> dict[str, float]:
-    """Mean loss (weighted by samples) and accuracy of ``forward`` over ``batches``."""
+    """Mean loss and accuracy of ``forward`` over ``batches`` (see :class:`Metrics`)."""
     metrics = Metrics(loss_fn)
     with torch.no_grad():
         for inputs, target in batches:

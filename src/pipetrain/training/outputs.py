@@ -142,14 +142,23 @@ def say(text: str, progress: Progress | None = None) -> None:
 
 
 def describe_run(run: Run) -> str:
-    """What is about to be trained: the schedule, its units and updates, then one line per stage
-    (printed before training unless ``quiet``)."""
+    """What is about to be trained: the schedule, its units and updates, how the stages were chosen,
+    then one line per stage: parameters, share of the measured time (when measured), where it
+    starts (printed before training unless ``quiet``; the report holds the same as
+    ``stage_choice``)."""
     schedule, layout = run.schedule, run.layout
     units = layout.units_per_update
     head = (f"{schedule.name}: {run.num_stages} stages on {schedule.num_ranks} "
             f"{'workers' if run.config.executor == 'distributed' else 'emulated ranks'}, {run.updates} updates of "
             f"{layout.batch_size} samples ({units} microbatch{'es' if units > 1 else ''} each)")
-    return head + "\n" + run.staged.summary()
+    choice = run.stage_choice
+    if choice is None or run.num_stages < 2:
+        return head + "\n" + run.staged.summary()
+    lines = choice.stage_lines()
+    if run.staged.boundaries is not None:  # a traced cut: what each stage receives
+        lines = [line + (f"  inputs: {', '.join(run.staged.boundaries[s - 1])}" if s else "")
+                 for s, line in enumerate(lines)]
+    return f"{head}; {choice.heading()}\n" + "\n".join(lines)
 
 
 def evaluation_line(entry: dict[str, float], updates: int) -> str:

@@ -73,6 +73,8 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     if steady is not None:
         extra["steady_samples_per_s"] = steady
     extra["update_seconds"] = ends  # loss curves against wall time
+    if getattr(run, "stage_choice", None) is not None:
+        extra["stage_choice"] = run.stage_choice.as_dict()  # how the stages were chosen, sizes, measured times
     return TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from pipetrain.errors import ConfigError
-from pipetrain.execution import StageExecutor, UnitData, UnitLayout
+from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
@@ -47,6 +47,8 @@ class Run:
     updates: int
     dtype: torch.dtype
     optimizer_factory: Any = None  # see RunParts.optimizer
+    tied: TiedGradients | None = None  # where stages sharing a parameter sum its gradient (None: none shared)
+    stage_choice: Any = None  # pipetrain.stages.StageChoice: how the stages were chosen, their sizes and times
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
 
@@ -225,12 +227,147 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
             )
 
 
+def _units_per_update(config: TrainConfig, name: str) -> int:
+    """Microbatches per update: ``--microbatches``, else 1 for pipedream and pb, else up to 4."""
+    if config.microbatches is not None:
+        return config.microbatches
+    return 1 if name in ASYNCHRONOUS and name != "2bw" else min(4, config.batch_size)
+
+
+BALANCE_BY = ("auto", "time", "params")
+
+
+def _balance_by(config: TrainConfig, name: str, model: nn.Module, pieces: int) -> tuple[str, str]:
+    """``("time" | "params", why)`` for an automatic split. ``auto`` measures time where the cut
+    cannot change what the run computes: a synchronous schedule trains the same for every cut
+    (bitwise, as plain training), while on an asynchronous one the cut sets each layer's delay,
+    dropout masks are drawn per stage, and tied weights add their stages' gradients in an order
+    set by the cut (unless only the first and the last unit use them). There it keeps the
+    deterministic parameter count, so that two runs (or the emulator and the runtime) cut alike."""
+    if config.balance_by not in BALANCE_BY:
+        raise ConfigError(f"unknown --balance-by {config.balance_by!r}; choose auto, time or params")
+    if config.balance_by != "auto":
+        return config.balance_by, ""
+    if name in ASYNCHRONOUS:
+        return "params", f"{name}: the cut sets each stage's delay; --balance-by time to time it"
+    from pipetrain.execution.stage import _STOCHASTIC
+
+    if any(isinstance(m, _STOCHASTIC) and m.p > 0 and m.training for m in model.modules()):
+        return "params", "dropout masks depend on the cut; --balance-by time to time it"
+    params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+    if len({id(p) for p in params}) < len(params) and not _ties_fixed_by_any_cut(config, model, pieces):
+        return "params", "tied weights add in an order set by the cut; --balance-by time to time it"
+    return "time", ""
+
+
+def _ties_fixed_by_any_cut(config: TrainConfig, model: nn.Module, pieces: int) -> bool:
+    """Whether every shared parameter is used by the first unit and the last only (an input
+    embedding and the LM head reusing it): every cut then gives it to the first and the last stage,
+    which sum its gradient in the same order."""
+    from pipetrain.stages import unit_pieces
+
+    names, units = unit_pieces(model, pieces, leaf_modules=list(config.leaf_modules or ()),
+                               concrete_args=config.concrete_args)
+    return all(set(t.stages) <= {0, len(names) - 1} for t in units.tied)
+
+
+def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_set: Dataset, dtype: torch.dtype,
+         loss_fn: Callable[[Any, Tensor], Tensor]):
+    """The stages, the record of how they were chosen, and ``config`` with the measured unit times
+    (``stage_costs``) when the split balanced time, so that worker processes cut alike."""
+    from dataclasses import replace
+
+    from pipetrain.stages import StageChoice, split_by_time, split_model, unit_names
+
+    trace = dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
+    if config.balance:
+        staged = split_model(model, balance=config.balance, **trace)
+        return staged, StageChoice.of(staged, "--plan" if config.plan else "--balance", _names(model)), config
+    if config.split_at:
+        staged = split_model(model, split_at=config.split_at, **trace)
+        return staged, StageChoice.of(staged, "--split-at", _names(model)), config
+    by, why = _balance_by(config, name, model, pieces)
+    if by == "params" or pieces == 1:
+        staged = split_model(model, stages=pieces, **trace)
+        names = unit_names(model, pieces, **trace) if staged.balance is not None else None
+        return staged, StageChoice.of(staged, "parameter count", names, note=why), config
+    costs = config.stage_costs or _resumed_costs(config)
+    inputs = target = None
+    if costs is None:
+        inputs, target = _first_microbatch(config, name, train_set, dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads_per_worker)  # time the units as a worker will run them
+    try:
+        staged, choice = _measured_once(
+            lambda: split_by_time(model, pieces, inputs, target, loss_fn, costs=costs, **trace), model,
+            pieces, trace,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return staged, choice, replace(config, stage_costs=choice.unit_seconds)
+
+
+def _names(model: nn.Module) -> list[str] | None:
+    from pipetrain.stages.split import declared_units
+
+    declared = declared_units(model)
+    if declared is not None:
+        return [n for n, _ in declared]
+    return [n for n, _ in model.named_children()] if isinstance(model, nn.Sequential) else None
+
+
+def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype: torch.dtype):
+    """The inputs and targets of the run's first microbatch, read without touching any random state."""
+    from pipetrain.data import BatchSampler, get_batch
+
+    layout = UnitLayout(config.batch_size, max(_units_per_update(config, name), 1))
+    _, start, stop = layout.bounds(0)
+    with torch.random.fork_rng(devices=[]):
+        indices = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle).indices(0)
+        x, y = get_batch(train_set, indices[start:stop])
+    if isinstance(x, Tensor) and x.is_floating_point():
+        x = x.to(dtype)
+    return x, y
+
+
+def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, trace: dict):
+    """``split()`` in this process; under torch.distributed only rank 0 measures and every rank cuts
+    by its unit times (ranks measuring each for itself could cut differently)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return split()
+    from pipetrain.stages import split_by_time
+
+    shared: list[Any] = [None]
+    if dist.get_rank() == 0:
+        staged, choice = split()
+        shared[0] = choice.unit_seconds
+    dist.broadcast_object_list(shared, src=0)
+    if dist.get_rank() == 0:
+        return staged, choice
+    return split_by_time(model, pieces, None, None, None, costs=shared[0], **trace)  # type: ignore[arg-type]
+
+
+def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
+    """The unit times of the run being resumed (its checkpoint's configuration), so that it is cut
+    as before."""
+    if not config.resume:
+        return None
+    from pipetrain.runtime.checkpoint import resolve
+
+    try:
+        checkpoint = resolve(config.resume if isinstance(config.resume, str) else config.checkpoint_dir or "")
+    except Exception:  # noqa: BLE001 - no usable checkpoint: the runtime reports it when it resumes
+        return None
+    return checkpoint.meta.get("config", {}).get("stage_costs")
+
+
 def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     """Build everything the run needs from ``config`` and its ``parts`` (deterministic); without
     ``parts``, they are built from the configuration's specs (the command line)."""
     from pipetrain.data import BatchSampler
     from pipetrain.models import refuse_batchnorm
-    from pipetrain.stages import split_model
     from pipetrain.training.parts import parts_from_config
 
     config = apply_plan(config)
@@ -257,17 +394,16 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         raise ConfigError(f"--chunks applies to the interleaved schedule only, not to {name}")
     if parts.staged is not None:
         staged = parts.staged
-    elif config.balance:
-        if config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
+        from pipetrain.stages import StageChoice
+
+        choice = StageChoice.of(staged, "the caller's cut", _names(model))
+    else:
+        if config.balance and config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
             raise ConfigError(
                 f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
                 f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
             )
-        staged = split_model(model, balance=config.balance)
-    elif config.split_at:
-        staged = split_model(model, split_at=config.split_at)
-    else:
-        staged = split_model(model, stages=pieces)
+        staged, choice, config = _cut(config, model, name, pieces, train_set, dtype, parts.loss_fn)
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
@@ -275,7 +411,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         )
 
     asynchronous = name in ASYNCHRONOUS and name != "2bw"
-    units = config.microbatches if config.microbatches is not None else (1 if asynchronous else min(4, config.batch_size))
+    units = _units_per_update(config, name)
     if units < 1:
         raise ConfigError(f"--microbatches must be at least 1, got {units}")
     layout = UnitLayout(config.batch_size, units)
@@ -317,10 +453,12 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     delays = staleness(schedule)
     per_update = units_per_update(schedule)
     grad_scales = [per_update[-1] / u for u in per_update]
+    tied = TiedGradients(staged.tied, schedule, grad_scales)  # refuses versioned schedules
     run = Run(
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
-        updates=updates, dtype=dtype, optimizer_factory=parts.optimizer,
+        updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
+        stage_choice=choice,
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
     return run

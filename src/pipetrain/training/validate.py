@@ -17,7 +17,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.paths import check_outputs
 from pipetrain.training.config import TrainConfig
 
-__all__ = ["check_config", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE"]
+__all__ = ["check_config", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE"]
 
 #: Built-in names of ``--model`` and ``--data`` (``pipetrain.models.MODELS`` and
 #: ``pipetrain.data.DATASETS``, which import PyTorch; a test keeps them equal).
@@ -28,6 +28,8 @@ EXECUTORS = ("distributed", "emulate")
 NONFINITE = ("stop", "skip", "off")
 _DTYPES = ("float32", "float64")
 _RECEIVES = ("auto", "on-demand", "ahead")
+#: ``pipetrain.training.setup.BALANCE_BY`` (a test keeps them equal)
+BALANCE_BY = ("auto", "time", "params")
 
 
 def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = True) -> None:
@@ -66,6 +68,7 @@ def _check_choices(config: TrainConfig) -> None:
         _choice("--dtype", config.dtype, _DTYPES)
     _choice("--receives", config.receives, _RECEIVES)
     _choice("--on-nonfinite", config.on_nonfinite, NONFINITE)
+    _choice("--balance-by", config.balance_by, BALANCE_BY)
     if config.schedule is not None:
         resolve_name(config.schedule)
     if config.policy is not None:
