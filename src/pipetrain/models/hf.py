@@ -14,7 +14,7 @@ The output head of both reuses the input embedding's weight (tied weights): cut 
 first and the last stage hold it, and the synchronous schedules sum its gradient
 (:mod:`pipetrain.execution.tied`).
 
-``transformers`` is an optional dependency (``pip install "pipetrain[hf]" (transformers>=5)``); the factories build a
+``transformers`` is an optional dependency (``pip install "pipetrain[hf]"``, transformers>=5); the factories build a
 model from a config with random weights, sized by the data (``--model
 pipetrain.models.hf:gpt2:n_layer=4``)::
 
@@ -41,7 +41,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise ConfigError(
-            "the HuggingFace models need the transformers package: pip install "pipetrain[hf]" (transformers>=5)"
+            "the HuggingFace models need the transformers package: pip install 'pipetrain[hf]' (transformers>=5)"
         ) from None
     return transformers
 
