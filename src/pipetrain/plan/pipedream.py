@@ -39,11 +39,13 @@ import numpy as np
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import check_schedule, format_bytes, stage_memory
-from pipetrain.plan.minmax import (minmax_band, minmax_dense, minmax_hybrid, minmax_monotone,
-                                   monotone_limit)
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
+from pipetrain.plan.sweep import best_split, build_ranges, solve_table
+from pipetrain.plan.sweep import work as sweep_work
 from pipetrain.plan.topology import Topology
+from pipetrain.plan.window import (fewest, prefix_fewest, suffix_fewest, threshold,
+                                   upper_bound)
 
 __all__ = ["optimize", "COST_MODELS", "data_parallel_time"]
 
@@ -51,8 +53,7 @@ COST_MODELS = ("pipedream-code", "paper")
 _BAND_START = 2.0   # first upper bound on a banded solve: this many times the lower bound
 _BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bound, this times
 _BAND_PASSES = 4    # banded solves before the whole table
-_BANDED_COST_ELEMENTS = 8_000_000   # largest table of banded last-stage costs (64 MB)
-_BAND_DENSE_DEPTH = 400             # inner levels try every cut while the band is this shallow
+_WINDOW_MACHINES = 64  # last levels with this many machines or more are solved in windows
 
 
 # --------------------------------------------------------------------------- cost formulas
@@ -102,11 +103,15 @@ class _Memory:
 
 
 class _Level:
-    """The DP table of one topology level, with the formulas it was built from."""
+    """The DP table of one topology level, with the formulas it was built from.
+
+    Filled by :func:`pipetrain.plan.sweep.solve_table` over the level's (row, k, j) triples: the
+    rows are every start cut for an inner level (the next level prices any range by this level's
+    best pipeline over it) and only cut 0 for the last level.
+    """
 
     def __init__(self, solver: "_Solver", index: int, seg: Callable,
-                 limit: np.ndarray | None = None, stops: np.ndarray | None = None,
-                 bound: float | None = None) -> None:
+                 stops: np.ndarray | None = None, bound: float | None = None) -> None:
         self.s = solver
         self.index = index
         self.n = solver.topology.machines[index]
@@ -114,31 +119,23 @@ class _Level:
         self.within = solver.topology.machines[index - 1] if index > 0 else 1
         self.final = index == solver.topology.levels - 1
         self.seg = seg
-        self.limit = limit              # chains: seg[1..limit[j], j] is non-increasing in k
         cuts = solver.cuts
         self.rows = np.array([0]) if self.final else np.arange(cuts.num_states - 1)
         self.memory = solver.memory if (self.final and solver.topology.levels == 1) else None
-        self.table = np.full((self.n + 1, len(self.rows), cuts.num_states), np.inf)
         # a band of ranges (chains): only r -> j with j <= stops[r] can be in an optimal plan
-        self.stops = self.first = self.columns = None
+        self.stops = self.columns = None
         if stops is not None:
-            states = np.arange(cuts.num_states)
             if self.final:
-                self.first = np.searchsorted(stops[:-1], states, side="left")
                 self.columns = self._columns(bound)
-                self.bound = bound
             else:
                 self.stops = stops[self.rows]
-
-    def _band_ranges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every range ``r -> j`` of the band: (row index, r, j), grouped by row."""
-        if not hasattr(self, "_ranges"):
-            lengths = np.maximum(self.stops - self.rows, 0)
-            index = np.repeat(np.arange(len(self.rows)), lengths)
-            heads = np.cumsum(lengths) - lengths
-            r = self.rows[index]
-            self._ranges = (index, r, r + 1 + np.arange(index.size) - heads[index])
-        return self._ranges
+        self.ranges = build_ranges(cuts.ancestors, self.rows, stops,
+                                   None if self.final else self.stops)
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        self.pair_seg = np.asarray(seg(k, j), dtype=np.float64)
+        self.pair_params = cuts.params[j] - cuts.params[k]
+        self.pair_end = j == cuts.num_states - 1
+        self.table = self.running = None
 
     def _columns(self, bound: float) -> tuple[np.ndarray, np.ndarray]:
         """Last level: the prefixes ``0 -> j`` on ``M`` machines an optimal plan can contain.
@@ -156,7 +153,10 @@ class _Level:
         first = np.searchsorted(compute, compute[-1] - limit * (self.n - machines), side="left")
         return first, last
 
-    # costs on index arrays (broadcasting) ------------------------------------------------
+    def work(self) -> int:
+        return sweep_work(self.n, self.ranges.triples)
+
+    # costs ----------------------------------------------------------------------------------
     def _mem(self, k, j, m, workers_from_here):
         c = self.s.cuts
         return stage_memory(self.memory.schedule, parameter_bytes=c.params[j] - c.params[k],
@@ -181,301 +181,129 @@ class _Level:
                              np.inf, value)
         return np.where(valid, value, np.inf)
 
-    def stage(self, k, j, m, machines, mode: str = "time"):
-        """Last stage ``k -> j`` on ``m`` replicas after a prefix of ``machines`` (no out term)."""
+    def last(self, p, m, machines: int, mode: str = "time"):
+        """Last stage (pair ``p``) of a ``machines``-machine pipeline on ``m`` replicas: its
+        input transfer, compute and all-reduce, and output transfer unless it ends the model."""
         cuts = self.s.cuts
-        valid = cuts.ancestors[k, j] & (np.asarray(k) >= 1)
+        k, j = self.ranges.pair_k[p], self.ranges.pair_j[p]
         if mode == "memory":
-            return np.where(valid, self._mem(k, j, m, self.memory.workers - machines + m),
-                            np.inf)
-        value = _stage_time(self.s.model, self.seg(k, j), cuts.params[j] - cuts.params[k], m,
+            return self._mem(k, j, m, self.memory.workers - machines + m)
+        value = _stage_time(self.s.model, self.pair_seg[p], self.pair_params[p], m,
                             self.bandwidth)
+        value = np.maximum(_transfer_in(self.s.model, cuts.output[k], m, self.bandwidth), value)
+        value = np.maximum(value, _transfer_out(self.s.model, cuts.output[j], m, self.bandwidth,
+                                                self.pair_end[p]))
         if self._limited():
             mem = self._mem(k, j, m, self.memory.workers - machines + m)
             value = np.where(mem > self.memory.limit, np.inf, value)
-        return np.where(valid, value, np.inf)
+        return value
 
-    def tout(self, j, m, mode: str = "time"):
-        cuts = self.s.cuts
-        if mode == "memory":
-            return np.zeros(np.shape(j))
-        return _transfer_out(self.s.model, cuts.output[j], m, self.bandwidth,
-                             np.asarray(j) == cuts.num_states - 1)
-
-    def split(self, k, j, m, machines, mode: str = "time"):
-        """Last stage with its out term: ``max(stage(k -> j), out(j))``."""
-        return np.maximum(self.stage(k, j, m, machines, mode), self.tout(j, m, mode))
-
-    def tin(self, k, m, mode: str = "time"):
-        if mode == "memory":
-            return np.zeros(np.shape(k))
+    def tin(self, k, m):
         return _transfer_in(self.s.model, self.s.cuts.output[k], m, self.bandwidth)
 
-    def replica_choices(self, machines: int) -> range:
-        return range(1, 2) if self.s.straight else range(1, machines)
-
     # the table ----------------------------------------------------------------------------
-    def solve(self, mode: str = "time") -> np.ndarray:
-        """Fill ``table[machines, row, j]`` for every machine count, row and cut ``j``."""
-        cuts = self.s.cuts
-        table = np.full_like(self.table, np.inf)
-        if cuts.chain:
-            solve = self._solve_chain_rows if len(self.rows) > 1 else self._solve_chain_final
-        else:
-            solve = self._solve_dag
-        for machines in range(1, self.n + 1):
-            if self.s.straight and machines > 1:
-                best = np.full((len(self.rows), cuts.num_states), np.inf)
-            elif self.stops is not None:
-                index, r, j = self._band_ranges()
-                best = np.full((len(self.rows), cuts.num_states), np.inf)
-                best[index, j] = self.single(r, j, machines, mode)
-            else:
-                states = np.arange(cuts.num_states)
-                best = self.single(self.rows[:, None], states[None, :], machines, mode)
-            choices = [m for m in self.replica_choices(machines)
-                       if np.isfinite(table[machines - m]).any()]
-            if choices:
-                np.minimum(best, solve(table, machines, choices, mode), out=best)
-            if self.s.fewer and machines > 1:
-                np.minimum(best, table[machines - 1], out=best)
-            if self.columns is not None:
-                best[:, :self.columns[0][machines]] = np.inf
-                best[:, self.columns[1][machines] + 1:] = np.inf
-            table[machines] = best
-        if mode == "time":
-            self.table = table
-        self._cache = {}
-        return table
-
-    def _prefix(self, table, machines, m, mode):
-        states = np.arange(self.s.cuts.num_states)
-        return np.maximum(table[machines - m], self.tin(states, m, mode)[None, :])
-
-    def _solve_chain_final(self, table, machines, choices, mode):
-        """Row 0 of a chain: one binary search per (replica count, cut), all at once."""
-        ms = np.array(choices)
-        nothing = np.full((1, self.s.cuts.num_states), np.inf)
-        stops = mask = None
-        if self.columns is not None:
-            # only columns lo..hi are kept; their cuts k are at least first[lo] (first rises)
-            lo, hi = self.columns[0][machines], self.columns[1][machines]
-            if hi < lo:
-                return nothing
-            feasible = self._feasible() if mode == "time" and not self._limited() else None
-            if feasible is not None:
-                ms = ms[feasible[ms, lo:hi + 1].any(axis=1)]
-                if ms.size == 0:
-                    return nothing
-                mask = feasible[ms]
-            stops = np.full(ms.size, hi, dtype=np.int64)
-        a = np.stack([self._prefix(table, machines, m, mode)[0] for m in ms])
-        starts = np.zeros(ms.size, dtype=np.int64)
-        if self.columns is not None:
-            starts[:] = max(int(self.first[lo]), 1) - 1
-
-        banded = self._banded_costs() if mode == "time" and not self._limited() else None
-        if banded is not None:
-            depth = banded.shape[2]
-            plane = banded.shape[1] * depth
-            flat = banded.ravel()
-
-            def cost(p, k, j):
-                return flat[ms[p] * plane + k * depth + (j - k)]
-        elif mode == "time" and not self._limited():
-            seg, pseg = self._flat_matrices()
-            width = self.s.cuts.num_states
-            out, end = self.s.cuts.output, self._end
-
-            def cost(p, k, j):
-                index = k * width + j
-                m = ms[p]
-                value = _stage_time(self.s.model, seg[index], pseg[index], m, self.bandwidth)
-                return np.maximum(value, _transfer_out(self.s.model, out[j], m, self.bandwidth,
-                                                       end[j]))
-        else:
-            def cost(p, k, j):
-                return self.split(k, j, ms[p], machines, mode)
-
-        if self.limit is None:
-            cand = minmax_monotone(a, starts, cost, stops=stops, first=self.first, mask=mask)
-        else:
-            cand = minmax_hybrid(a, starts, cost, self.limit, stops=stops, first=self.first,
-                                 mask=mask)
-        return cand.min(axis=0, keepdims=True)
-
-    def _banded_costs(self) -> np.ndarray | None:
-        """Last level in a band: ``cost[m, k, j - k]`` of every last stage the band allows."""
-        if self.first is None:
-            return None
-        if not hasattr(self, "_banded"):
-            states = np.arange(self.s.cuts.num_states)
-            depth = int(np.max(states - self.first, initial=0)) + 1
-            self._banded = None
-            if self.n * states.size * depth <= _BANDED_COST_ELEMENTS:
-                k = states[:, None]
-                j = np.minimum(k + np.arange(depth)[None, :], states.size - 1)
-                inside = (j > k) & (self.first[j] <= k)
-                k, j = np.broadcast_to(k, j.shape)[inside], j[inside]
-                banded = np.full((self.n, states.size, depth), np.inf)
-                for m in self.replica_choices(self.n):
-                    banded[m][inside] = self.split(k, j, m, self.n)
-                self._banded = banded
-        return self._banded
-
-    def _feasible(self) -> np.ndarray | None:
-        """``[m, j]``: some last stage ``k -> j`` on ``m`` replicas is no slower than the bound
-        (the others only price plans slower than it, which the band leaves out anyway)."""
-        banded = self._banded_costs()
-        if banded is None:
-            return None
-        if not hasattr(self, "_feasible_cache"):
-            size = banded.shape[1]
-            depth = np.arange(banded.shape[2])
-            j = np.arange(size)[:, None]
-            k = j - depth[None, :]
-            inside = k >= 0
-            cheapest = np.where(inside[None], banded[:, np.maximum(k, 0), depth[None, :]],
-                                np.inf).min(axis=2)
-            self._feasible_cache = cheapest <= self.bound * (1 + 1e-9)
-        return self._feasible_cache
-
-    def _flat_matrices(self) -> tuple[np.ndarray, np.ndarray]:
-        """Base times (``inf`` where ``k -> j`` is no stage) and parameter bytes, flattened."""
-        if not hasattr(self, "_flat"):
-            cuts = self.s.cuts
-            states = np.arange(cuts.num_states)
-            valid = cuts.ancestors & (states[:, None] >= 1)
-            seg = np.where(valid, self.seg(states[:, None], states[None, :]), np.inf)
-            pseg = cuts.params[None, :] - cuts.params[:, None]
-            self._flat = (seg.ravel(), pseg.ravel())
-            self._end = states == cuts.num_states - 1
-        return self._flat
-
-    def _dense(self, m, machines, mode, key=""):
-        """The (cut, cut) matrix of last-stage costs with out terms, cached per replica count."""
-        cacheable = mode == "time" and not self._limited()
-        cache = self.__dict__.setdefault("_cache", {})
-        if cacheable and (m, key) in cache:
-            return cache[(m, key)]
-        states = np.arange(self.s.cuts.num_states)
-        if self.stops is not None:
-            _, k, j = self._band_ranges()
-            full = np.full((states.size, states.size), np.inf)
-            full[k, j] = self.split(k, j, m, machines, mode)
-        else:
-            full = self.split(states[:, None], states[None, :], m, machines, mode)
-        if cacheable:
-            if sum(v.size for v in cache.values()) > 40_000_000:
-                cache.clear()
-            cache[(m, key)] = full
-        return full
-
-    def _band_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Inner levels in a band: gather indices ``(r, k)`` of ``[r, k - r]`` and where they are
-        inside the band; None if the band is too deep for :func:`minmax_band` to pay off."""
-        if self.stops is None:
-            return None
-        if not hasattr(self, "_layout"):
-            depth = int(np.max(self.stops - self.rows, initial=0)) + 1
-            self._layout = None
-            if depth <= _BAND_DENSE_DEPTH:
-                r = self.rows[:, None]
-                offset = np.arange(depth)[None, :]
-                inside = offset <= (self.stops - self.rows)[:, None]
-                k = np.minimum(r + offset, self.s.cuts.num_states - 1)
-                self._layout = (np.broadcast_to(r, k.shape), k, inside)
-        return self._layout
-
-    def _band_costs(self, m, machines, mode, depth):
-        """``[k, j - k]``: the last stage ``k -> j`` on ``m`` replicas in the band (padded)."""
-        cacheable = mode == "time" and not self._limited()
-        cache = self.__dict__.setdefault("_cache", {})
-        if cacheable and (m, "band") in cache:
-            return cache[(m, "band")]
-        _, k, j = self._band_ranges()
-        out = np.full((len(self.rows) + depth, depth), np.inf)
-        out[k, j - k] = self.split(k, j, m, machines, mode)
-        if cacheable:
-            cache[(m, "band")] = out
-        return out
-
-    def _solve_chain_rows(self, table, machines, choices, mode):
-        """Every row of a chain (inner levels): a 2-D binary search per replica count, or in a
-        shallow band every cut, band layout."""
-        best = np.full((len(self.rows), self.s.cuts.num_states), np.inf)
-        layout = self._band_layout()
-        if layout is not None:
-            r, k, inside = layout
-            depth = k.shape[1]
-            banded = np.full(k.shape, np.inf)
-            for m in choices:
-                a = np.maximum(table[machines - m][r, k], self.tin(k, m, mode))
-                a[~inside] = np.inf
-                cand = minmax_band(a, self._band_costs(m, machines, mode, depth))
-                np.minimum(banded, cand, out=banded)
-            best[r[inside], k[inside]] = banded[inside]
-            return best
-        width = self.s.cuts.num_states
-        for m in choices:
-            a = self._prefix(table, machines, m, mode)
-            full = self._dense(m, machines, mode).ravel()
-
-            def cost(p, k, j, flat=full):
-                return flat[k * width + j]
-
-            if self.limit is None:
-                cand = minmax_monotone(a, self.rows, cost, stops=self.stops)
-            else:
-                cand = minmax_hybrid(a, self.rows, cost, self.limit, stops=self.stops)
-            np.minimum(best, cand, out=best)
-        return best
-
-    def _solve_dag(self, table, machines, choices, mode):
+    def _first(self, mode: str) -> Callable[[int], np.ndarray]:
+        """One stage over each row's range on all ``M`` machines, flat over (row, j)."""
         cuts = self.s.cuts
         states = np.arange(cuts.num_states)
-        best = np.full((len(self.rows), cuts.num_states), np.inf)
-        sparse = len(self.rows) == 1
-        if sparse and not hasattr(self, "_pairs"):
-            anc = np.ascontiguousarray(cuts.ancestors[1:].T)
-            jj, kk = np.nonzero(anc)                      # all stages k -> j, grouped by j
-            kk = kk + 1
-            starts = np.flatnonzero(np.r_[True, jj[1:] != jj[:-1]])
-            seg = self.seg(kk, jj)
-            pseg = cuts.params[jj] - cuts.params[kk]
-            self._pairs = (kk, jj, starts, jj[starts], seg, pseg)
-        cacheable = mode == "time" and not self._limited()
-        cache = self.__dict__.setdefault("_cache", {})
-        for m in choices:
-            a = self._prefix(table, machines, m, mode)
-            if sparse:
-                kk, jj, starts, groups, seg, pseg = self._pairs
-                if cacheable and (m, "pairs") in cache:
-                    stage = cache[(m, "pairs")]
-                elif cacheable:
-                    stage = cache[(m, "pairs")] = _stage_time(self.s.model, seg, pseg, m,
-                                                                self.bandwidth)
-                else:
-                    stage = self.stage(kk, jj, m, machines, mode)
-                values = np.maximum(a[0, kk], stage)
-                cand = np.full((1, cuts.num_states), np.inf)
-                cand[0, groups] = np.minimum.reduceat(values, starts)
-            else:
-                ks = np.flatnonzero(np.isfinite(a).any(axis=0)[1:]) + 1
-                if cacheable and (m, "stage") in cache:
-                    full = cache[(m, "stage")]
-                else:
-                    full = self.stage(states[:, None], states[None, :], m, machines, mode)
-                    if cacheable:
-                        cache[(m, "stage")] = full
-                cand = minmax_dense(a[:, ks], full[ks])
-            np.maximum(cand, self.tout(states, m, mode)[None, :], out=cand)
-            np.minimum(best, cand, out=best)
-        return best
+        r, j = self.rows[:, None], states[None, :]
+        outside = None if self.stops is None else j > self.stops[:, None]
+        empty = np.full(len(self.rows) * cuts.num_states, np.inf)
+
+        def first(machines: int) -> np.ndarray:
+            if self.s.straight and machines > 1:
+                return empty
+            value = self.single(r, j, machines, mode)
+            if outside is not None:
+                value = np.where(outside, np.inf, value)
+            return value.ravel()
+
+        return first
+
+    def solve(self, mode: str = "time", progress: Callable[[int], None] | None = None
+              ) -> np.ndarray:
+        """Fill ``table[machines, row, j]`` for every machine count, row and cut ``j``."""
+        keeps = []
+        if self.columns is not None:
+            lo, hi = self.columns
+
+            def band(machines: int, row: np.ndarray) -> None:
+                row[:lo[machines]] = np.inf
+                row[hi[machines] + 1:] = np.inf
+
+            keeps.append(band)
+        static = mode == "time" and not self._limited()
+        windows, bound = None, math.inf
+        if static and self.final and self.n >= _WINDOW_MACHINES:
+            found = self._windows()
+            if found is not None:
+                windows, first, last, bound = found
+
+                def inside(machines: int, row: np.ndarray) -> None:
+                    row[(first > machines) | (last < machines)] = np.inf
+
+                keeps.append(inside)
+
+        def keep(machines: int, row: np.ndarray) -> None:
+            for step in keeps:
+                step(machines, row)
+
+        table, running = solve_table(
+            self.n, self.ranges, self._first(mode),
+            lambda p, m, machines: self.last(p, m, machines, mode),
+            replicate=not self.s.straight, fewer=self.s.fewer, keep=keep if keeps else None,
+            static=static, windows=windows, bound=bound, progress=progress)
+        shape = (self.n + 1, len(self.rows), self.s.cuts.num_states)
+        table, running = table.reshape(shape), running.reshape(shape)
+        if mode == "time":
+            self.table, self.running = table, running
+        return table
+
+    def _fewest(self, bound: float) -> tuple[np.ndarray, ...]:
+        """Fewest replicas within ``bound`` of every last stage and of one stage ``0 -> j``,
+        each as (any count, at least 2)."""
+        replicate = not self.s.straight
+        pairs = self.ranges.pair_k.size
+        states = self.s.cuts.num_states
+        last = fewest(lambda p, m: self.last(p, m, self.n), pairs, self.n, bound, replicate)
+        first = fewest(lambda j, m: self.single(np.zeros_like(j), j, m), states, self.n, bound,
+                       replicate)
+        return last + first
+
+    def _windows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, float] | None:
+        """Last level: an upper bound on the optimum and the machine-count windows it gives
+        (:mod:`pipetrain.plan.window`); None where no bound is found."""
+        cuts = self.s.cuts
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        end = cuts.num_states - 1
+
+        def feasible(bound: float) -> bool:
+            replicas, two, first, first_two = self._fewest(bound)
+            lo = prefix_fewest(k, j, first, replicas)
+            if self.s.fewer:
+                return bool(lo[end] <= self.n)
+            return bool(threshold(k, j, lo, two, replicas == 1, first_two)[end] <= self.n)
+
+        high = float(self.single(np.array(0), np.array(end), self.n))
+        low = float(cuts.compute[end]) / self.s.topology.workers
+        if not (math.isfinite(high) and feasible(high)):
+            return None
+        bound = upper_bound(feasible, low, high)
+        replicas, _, first, _ = self._fewest(bound)
+        lo = prefix_fewest(k, j, first, replicas)
+        g = suffix_fewest(k, j, cuts.num_states, replicas)
+        pair = self.ranges.pair
+        start = lo[k[pair]] + replicas[pair]
+        stop = self.n - g[j[pair]]
+        as_int = (lambda x: np.clip(x, -1, self.n + 1).astype(np.int64))   # inf: never
+        return (as_int(lo[k[pair]]), as_int(start), as_int(stop)), as_int(lo), \
+            as_int(self.n - g), bound
 
     # traceback ----------------------------------------------------------------------------
     def choose(self, r: int, j: int, machines: int) -> tuple:
-        """The decision behind ``table[machines, r -> j]``: first minimum in a fixed order."""
+        """The decision behind ``table[machines, r -> j]``: the first minimum in the order
+        one stage, an idle worker, then the last stage's cut (earliest first), then its replicas
+        (fewest first)."""
         cuts = self.s.cuts
         row = 0 if self.final else r
         options: list[tuple] = []
@@ -488,16 +316,16 @@ class _Level:
             values.append(float(self.table[machines - 1, row, j]))
         ks = np.flatnonzero(cuts.ancestors[r] & cuts.ancestors[:, j])
         ks = ks[ks >= 1]
-        ms = np.array(list(self.replica_choices(machines)), dtype=np.int64)
-        if ks.size and ms.size:
-            # (k, m) grid in k-major order: first minimum = smallest cut, then fewest replicas
-            kk, mm = ks[:, None], ms[None, :]
-            grid = np.maximum(self.table[machines - mm, row, kk], self.tin(kk, mm))
-            grid = np.maximum(grid, self.split(kk, j, mm, machines))
-            flat = int(np.argmin(grid))
-            options.append(("split", int(ks[flat // ms.size]), int(ms[flat % ms.size])))
-            values.append(float(grid.ravel()[flat]))
-        # first minimum in the order single, fewer, split
+        pairs = self.ranges.pair_id[ks, j]
+        ks, pairs = ks[pairs >= 0], pairs[pairs >= 0]
+        if ks.size and machines >= 2:
+            width = self.table.shape[2]
+            value, pick, m = best_split(
+                self.table.reshape(self.n + 1, -1), self.running.reshape(self.n + 1, -1),
+                row * width + ks, pairs, machines, lambda p, mm, M: self.last(p, mm, M),
+                replicate=not self.s.straight)
+            options.append(("split", int(ks[pick]), m))
+            values.append(value)
         best = int(np.argmin(values)) if values else -1
         if best < 0 or not math.isfinite(values[best]):
             raise PipetrainError("internal: no finite decision while tracing the plan back")
@@ -597,15 +425,13 @@ class _Solver:
             return compute[j] - compute[k]
 
         seg: Callable = seg_compute
-        limit = None
         for index in range(self.topology.levels):
-            level = _Level(self, index, seg, limit, stops, bound)
+            level = _Level(self, index, seg, stops, bound)
             level.solve()
             self.levels.append(level)
             if not level.final:
                 full = np.full((cuts.num_states, cuts.num_states), np.inf)
                 full[:-1] = level.table[level.n]
-                limit = monotone_limit(full) if cuts.chain else None
                 seg = (lambda k, j, full=full: full[k, j])
         last = self.levels[-1]
         return float(last.table[last.n, 0, cuts.num_states - 1])

@@ -1,0 +1,301 @@
+"""The machine-count sweep: PipeDream's partitioning DP filled one machine count at a time.
+
+One topology level's table holds, for every machine count ``M``, table row ``r`` (a start cut)
+and end cut ``j``, the best pipeline over ``r -> j`` on exactly ``M`` machines::
+
+    A[M][r -> j] = min( first(r -> j, M),                          # one stage on all M
+                        A[M - 1][r -> j]          (idle workers allowed),
+                        min over cuts k, m < M of max(A[M - m][r -> k], last(k -> j, m)) )
+
+``last`` prices the last stage (its input transfer, compute and all-reduce, output transfer).
+Written out, the inner min tries every (k, m): ``O(M)`` per cut, ``O(n^2)`` per range over a
+level of ``n`` machines, which is what made 1,024 flat workers take a minute. The sweep makes the
+min over ``m`` cost ``O(1)`` amortised per (row, k, j) and machine count, exactly:
+
+1. ``last(k -> j, m)`` does not grow with ``m`` once ``m >= 2``: compute ``/ m``, an all-reduce
+   of ``4 (m-1)/m^2 * params / B`` (largest at ``m = 2``), transfers ``/ m`` (or constant), and
+   memory per worker falls as replicas share the in-flight work. (From 1 to 2 replicas a stage can
+   get slower, so ``m = 1`` is priced on its own.)
+2. For ``m >= 2``, ``A[M - m]`` may be replaced by its running minimum over machine counts,
+   ``P[M'] = min over M'' <= M' of A[M'']``, without changing the min: the option behind
+   ``P[M']`` (``M'' <= M'`` machines for the prefix) gives the last stage ``M - M'' >= m``
+   replicas, so it is no slower.
+3. In ``M' = M - m``, ``P[M']`` falls and ``last(k -> j, M - M')`` rises, so the min of their max
+   sits where they cross; and as ``M`` grows ``last`` only falls, so the crossing never moves
+   back. One pointer per (row, k, j) walks forward: at most ``n`` steps over the whole sweep.
+
+Each machine count is one vectorised step over every (row, k, j) triple at once, then a
+segmented min per (row, j). The work is about ``n * triples`` (see :func:`work`), which is also
+what the planner checks before it starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+__all__ = ["Ranges", "build_ranges", "solve_table", "best_split", "work"]
+
+# (pairs, replicas, machines of the whole entry) -> seconds (or bytes); replicas >= 1
+Cost = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
+_STATIC_TABLE = 16_000_000   # largest table of last-stage costs per replica count kept (128 MB)
+
+
+@dataclass
+class Ranges:
+    """Every (row, k, j) triple the DP of one level looks at.
+
+    ``rows`` are the start cuts of the table rows; a *pair* is a last stage ``k -> j``
+    (``pair_k``, ``pair_j``); a triple is (table row, pair) with ``r -> k`` and ``k -> j`` both
+    stages. Triples are sorted by (row, j): ``heads`` are the first triple of each (row, j) group
+    and ``groups`` its flat index ``row * states + j`` in a table row of ``rows * states``.
+    """
+
+    rows: np.ndarray
+    states: int
+    pair_k: np.ndarray
+    pair_j: np.ndarray
+    pair_id: np.ndarray     # (states, states): pair index of k -> j, -1 if not a pair
+    row: np.ndarray         # per triple: table row index
+    pair: np.ndarray        # per triple: pair index
+    prefix: np.ndarray      # per triple: flat index row * states + k of its prefix r -> k
+    heads: np.ndarray
+    groups: np.ndarray
+
+    @property
+    def triples(self) -> int:
+        return int(self.pair.size)
+
+
+def build_ranges(ancestors: np.ndarray, rows: np.ndarray, stops: np.ndarray | None = None,
+                 row_stops: np.ndarray | None = None) -> Ranges:
+    """The triples of a level whose rows start at ``rows``.
+
+    ``ancestors[k, j]``: ``k -> j`` is a stage (states in topological order, so ``k < j``).
+    ``stops[k]``: the last ``j`` a stage from ``k`` may end at (a band); ``row_stops[i]``: the
+    last ``j`` row ``i`` is solved for.
+    """
+    states = ancestors.shape[0]
+    cut = np.arange(states)
+    allowed = ancestors.copy()
+    allowed[0] = False                      # a last stage starts after at least one layer
+    if stops is not None:
+        allowed &= cut[None, :] <= np.asarray(stops)[:, None]
+    pair_j, pair_k = np.nonzero(allowed.T)      # numbered by j, then k: a group's pairs are
+                                                # consecutive
+    pair_id = np.full((states, states), -1, dtype=np.int64)
+    pair_id[pair_k, pair_j] = np.arange(pair_k.size)
+    rows = np.asarray(rows, dtype=np.int64)
+    chunks_row, chunks_pair = [], []
+    for index, r in enumerate(rows):
+        last = states - 1 if row_stops is None else int(row_stops[index])
+        if last <= r + 1:
+            continue
+        inner = slice(r + 1, last + 1)
+        # k -> j with r -> k a stage, grouped by j (transposed nonzero: j-major, then k)
+        mask = ancestors[r, inner][None, :] & allowed[inner, inner].T
+        jj, kk = np.nonzero(mask)
+        if jj.size:
+            chunks_row.append(np.full(jj.size, index, dtype=np.int64))
+            chunks_pair.append(pair_id[kk + r + 1, jj + r + 1])
+    row = np.concatenate(chunks_row) if chunks_row else np.zeros(0, dtype=np.int64)
+    pair = np.concatenate(chunks_pair) if chunks_pair else np.zeros(0, dtype=np.int64)
+    key = row * states + pair_j[pair]
+    heads = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if key.size else key
+    return Ranges(rows=rows, states=states, pair_k=pair_k, pair_j=pair_j, pair_id=pair_id,
+                  row=row, pair=pair, prefix=row * states + pair_k[pair], heads=heads,
+                  groups=key[heads])
+
+
+def work(machines: int, triples: int) -> int:
+    """Element steps of one level's sweep: one per triple and machine count."""
+    return int(machines) * int(triples)
+
+
+def _tabulate(cost: Cost, pairs: int, machines: int) -> np.ndarray | None:
+    """``table[pair, m]`` of a cost that ignores the entry's machine count, if small enough."""
+    if (machines + 1) * pairs > _STATIC_TABLE or pairs == 0:
+        return None
+    table = np.full((pairs, machines + 1), np.inf)
+    every = np.arange(pairs)
+    for m in range(1, machines + 1):
+        table[:, m] = cost(every, np.full(pairs, m), machines)
+    return table
+
+
+class _Crossings:
+    """The crossing pointer of every triple, and the last stage's cost at it.
+
+    ``pointer[t]`` is the prefix machine count ``M'`` of triple ``t``. The running minimum is
+    kept transposed, ``P[(row, k), M']``, so that a triple's ``P[M']`` and its neighbours' (same
+    row, next k) sit close in memory; ``position`` is the flat index of ``P[pointer]``. With a
+    tabulated cost, ``lookup + M`` is the flat index of ``cost[pair, M - pointer]``.
+    """
+
+    def __init__(self, ranges: Ranges, last: Cost, table: np.ndarray | None, machines: int,
+                 start: np.ndarray | None = None):
+        self.pair = ranges.pair
+        self.pointer = np.ones(self.pair.size, dtype=np.int64) if start is None else \
+            np.maximum(np.asarray(start, dtype=np.int64), 1)
+        stride = machines + 1
+        self.position = ranges.prefix * stride + self.pointer
+        self.last = last
+        self.table = None if table is None else table.ravel()
+        if table is not None:
+            self.lookup = self.pair * stride - self.pointer
+        self.left = np.full(self.pair.size, np.inf)      # P[pointer - 1]; P[0] = inf
+
+    def at(self, t: np.ndarray | None, machines: int) -> np.ndarray:
+        """Cost of the last stage of triples ``t`` (None: all) on ``machines - pointer``."""
+        if self.table is not None:
+            return np.take(self.table, (self.lookup if t is None else self.lookup[t]) + machines)
+        if t is None:
+            return self.last(self.pair, machines - self.pointer, machines)
+        return self.last(self.pair[t], machines - self.pointer[t], machines)
+
+    def step(self, t: np.ndarray) -> None:
+        """Move the pointers of triples ``t`` one machine on."""
+        self.pointer[t] += 1
+        self.position[t] += 1
+        if self.table is not None:
+            self.lookup[t] -= 1
+
+    def advance(self, machines: int, running: np.ndarray, active: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Move the pointers of the ``active`` triples (None: all) to the first
+        ``M' <= machines - 2`` with ``P[M'] <= last(M - M')`` (``machines - 1`` if none).
+
+        Returns, per active triple, the two candidates: ``P[pointer - 1]`` (the prefix just
+        left of the crossing) and the last stage's cost at the pointer (``inf`` if none). A
+        pointer moves by 0 or 1 per machine count in the main: one pass over all, then index
+        lists for the ones that moved. ``P`` entries below ``machines - 1`` are final, so the
+        value left of a pointer is the one it was just compared with.
+        """
+        cost = self.at(active, machines)
+        position = self.position if active is None else self.position[active]
+        pointer = self.pointer if active is None else self.pointer[active]
+        cost[pointer > machines - 2] = np.inf           # no room for a replicated last stage
+        here = np.take(running, position)
+        local = np.flatnonzero(here > cost)             # indices into the active triples
+        movers = local if active is None else active[local]
+        self.left[movers] = here[local]
+        while local.size:
+            self.step(movers)
+            done = self.pointer[movers] > machines - 2
+            cost[local[done]] = np.inf
+            local, movers = local[~done], movers[~done]
+            new = self.at(movers, machines)
+            cost[local] = new
+            here = np.take(running, self.position[movers])
+            behind = here > new
+            local, movers = local[behind], movers[behind]
+            self.left[movers] = here[behind]
+        return (self.left if active is None else self.left[active]), cost
+
+
+def solve_table(n: int, ranges: Ranges, first: Callable[[int], np.ndarray], last: Cost, *,
+                replicate: bool = True, fewer: bool = False,
+                keep: Callable[[int, np.ndarray], None] | None = None, static: bool = False,
+                windows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                bound: float = np.inf,
+                progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Fill ``A[M]`` for ``M = 1..n``; returns ``A`` and its running minimum ``P``, both
+    ``(n + 1, rows * states)`` (row ``M`` flat over (table row, end cut); ``A[0]`` is ``inf``).
+
+    ``first(M)`` prices one stage on all ``M`` machines for every (row, j), flat (``inf`` where
+    that is no stage); ``last(pairs, m, M)`` the last stage of an ``M``-machine pipeline on ``m``
+    replicas, non-increasing in ``m >= 2`` and no larger at ``(m + 1, M + 1)`` than at
+    ``(m, M)``. ``replicate=False``: one replica per stage. ``keep(M, row)`` may set entries of a
+    finished row to ``inf`` (a band). ``static``: ``last`` ignores ``M`` (then it may be
+    tabulated).
+
+    ``bound``: entries above it are ``inf`` (a plan no slower than it is known). Then
+    ``windows = (prefix, start, stop)`` may say, per triple, the fewest machines its prefix
+    ``r -> k`` can run on within the bound and the machine counts ``start..stop`` at which the
+    triple can price an entry within it (outside, its options are slower or its entry is in no
+    plan of ``n`` machines): the sweep only visits triples in their window.
+    """
+    width = len(ranges.rows) * ranges.states
+    table = np.full((n + 1, width), np.inf)
+    running = np.full((width, n + 1), np.inf)      # transposed: P[(row, k), M']
+    flat_running = running.ravel()
+    pairs = ranges.pair_k.size
+    tabulated = _tabulate(last, pairs, n) if static else None
+    crossings = _Crossings(ranges, last, tabulated, n, None if windows is None else windows[0])
+    pair, prefix, heads, groups = ranges.pair, ranges.prefix, ranges.heads, ranges.groups
+    every = np.arange(pairs)
+    alone = None                          # m = 1, per triple
+    group_of = np.repeat(np.arange(heads.size), np.diff(np.r_[heads, pair.size]))
+    for machines in range(1, n + 1):
+        row = np.array(first(machines), dtype=np.float64).reshape(width)
+        if pair.size and machines >= 2:
+            if alone is None or not static:
+                alone = np.take(last(every, np.ones(pairs, dtype=np.int64), machines), pair)
+            active = None
+            if windows is not None:
+                active = np.flatnonzero((windows[1] <= machines) & (windows[2] >= machines))
+            if active is None:
+                value = np.maximum(np.take(table[machines - 1], prefix), alone)
+            else:
+                value = np.maximum(np.take(table[machines - 1], prefix[active]), alone[active])
+            if replicate and machines >= 3 and value.size:
+                # left of the crossing the prefix is the slower part, at it the last stage
+                left, right = crossings.advance(machines, flat_running, active)
+                np.minimum(value, np.minimum(left, right), out=value)
+            if active is None:
+                row[groups] = np.minimum(row[groups], np.minimum.reduceat(value, heads))
+            elif active.size:
+                owner = group_of[active]
+                starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+                where = groups[owner[starts]]
+                row[where] = np.minimum(row[where], np.minimum.reduceat(value, starts))
+        if fewer and machines > 1:
+            np.minimum(row, table[machines - 1], out=row)
+        if keep is not None:
+            keep(machines, row)
+        if bound < np.inf:
+            row[row > bound] = np.inf
+        table[machines] = row
+        np.minimum(running[:, machines - 1], row, out=running[:, machines])
+        if progress is not None:
+            progress(machines)
+    return table, np.ascontiguousarray(running.T)
+
+
+def best_split(table: np.ndarray, running: np.ndarray, prefix: np.ndarray, pairs: np.ndarray,
+               machines: int, last: Cost, replicate: bool = True) -> tuple[float, int, int]:
+    """The first best last stage of ``A[machines]`` among candidate cuts (in the order given).
+
+    ``prefix[i]`` is the flat (row, k) index of candidate ``i``'s prefix, ``pairs[i]`` its last
+    stage. Returns (value, candidate, replicas): the smallest ``max(A[M - m][prefix], last(m))``,
+    the first candidate reaching it, and its fewest replicas that do. The min over ``m >= 2`` per
+    candidate is the crossing of :func:`solve_table`, found by binary search.
+    """
+    width = table.shape[1]
+    flat_running = running.ravel()
+    value = np.maximum(table[machines - 1][prefix],
+                       last(pairs, np.ones(pairs.size, dtype=np.int64), machines))
+    if replicate and machines >= 3:
+        lo = np.ones(pairs.size, dtype=np.int64)
+        hi = np.full(pairs.size, machines - 1, dtype=np.int64)
+        while True:
+            open_ = np.flatnonzero(lo < hi)
+            if not open_.size:
+                break
+            mid = (lo[open_] + hi[open_]) >> 1
+            crossed = flat_running[mid * width + prefix[open_]] <= \
+                last(pairs[open_], machines - mid, machines)
+            hi[open_] = np.where(crossed, mid, hi[open_])
+            lo[open_] = np.where(crossed, lo[open_], mid + 1)
+        left = flat_running[(lo - 1) * width + prefix]
+        right = last(pairs, machines - np.minimum(lo, machines - 2), machines)
+        right[lo > machines - 2] = np.inf
+        np.minimum(value, np.minimum(left, right), out=value)
+    best = float(value.min())
+    pick = int(np.flatnonzero(value == best)[0])
+    replicas = np.arange(1, machines if replicate else 2, dtype=np.int64)
+    options = np.maximum(table[machines - replicas, prefix[pick]],
+                         last(np.full(replicas.size, pairs[pick]), replicas, machines))
+    return best, pick, int(replicas[int(np.argmin(options))])
