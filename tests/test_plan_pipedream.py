@@ -399,7 +399,7 @@ def test_band_is_narrow_on_a_long_chain_over_many_workers():
     solver = pipedream._Solver(cuts, topology, "pipedream-code", False, False,
                                pipedream._Memory(None, "pipedream", 1, topology.workers))
     value = solver.solve()
-    stops = solver._band(value)
+    stops = solver._stops(value)
     widths = stops[:-1] - np.arange(n)
     assert widths.max() < n / 4          # inner levels solve well under a quarter of the ranges
     # every stage of the plan lies inside the band of its time

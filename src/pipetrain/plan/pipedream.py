@@ -29,6 +29,7 @@ inner levels are only ever between nested cuts (the public code also subtracts u
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -44,8 +45,8 @@ from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.sweep import best_split, build_ranges, solve_table
 from pipetrain.plan.sweep import work as sweep_work
 from pipetrain.plan.topology import Topology
-from pipetrain.plan.window import (fewest, prefix_fewest, suffix_fewest, threshold,
-                                   upper_bound)
+from pipetrain.plan.window import (fewest, nested_ranges, prefix_fewest, suffix_fewest,
+                                   threshold, upper_bound)
 
 __all__ = ["optimize", "COST_MODELS", "data_parallel_time"]
 
@@ -53,6 +54,7 @@ COST_MODELS = ("pipedream-code", "paper")
 _BAND_START = 2.0   # first upper bound on a banded solve: this many times the lower bound
 _BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bound, this times
 _BAND_PASSES = 4    # banded solves before the whole table
+_COARSE = 4         # the first upper bound: the best plan cutting at every 4th cut only
 _WINDOW_MACHINES = 64  # last levels with this many machines or more are solved in windows
 
 
@@ -111,7 +113,7 @@ class _Level:
     """
 
     def __init__(self, solver: "_Solver", index: int, seg: Callable,
-                 stops: np.ndarray | None = None, bound: float | None = None) -> None:
+                 band: np.ndarray | None = None, bound: float | None = None) -> None:
         self.s = solver
         self.index = index
         self.n = solver.topology.machines[index]
@@ -122,36 +124,15 @@ class _Level:
         cuts = solver.cuts
         self.rows = np.array([0]) if self.final else np.arange(cuts.num_states - 1)
         self.memory = solver.memory if (self.final and solver.topology.levels == 1) else None
-        # a band of ranges (chains): only r -> j with j <= stops[r] can be in an optimal plan
-        self.stops = self.columns = None
-        if stops is not None:
-            if self.final:
-                self.columns = self._columns(bound)
-            else:
-                self.stops = stops[self.rows]
-        self.ranges = build_ranges(cuts.ancestors, self.rows, stops,
-                                   None if self.final else self.stops)
+        # a band of ranges: only r -> j with band[r, j] can be in a plan within the bound
+        self.band = None if (band is None or self.final) else band[self.rows]
+        self.bound = bound if self.final else None
+        self.ranges = build_ranges(cuts.ancestors, self.rows, band, self.band)
         k, j = self.ranges.pair_k, self.ranges.pair_j
         self.pair_seg = np.asarray(seg(k, j), dtype=np.float64)
         self.pair_params = cuts.params[j] - cuts.params[k]
         self.pair_end = j == cuts.num_states - 1
         self.table = self.running = None
-
-    def _columns(self, bound: float) -> tuple[np.ndarray, np.ndarray]:
-        """Last level: the prefixes ``0 -> j`` on ``M`` machines an optimal plan can contain.
-
-        A plan no slower than ``bound`` runs ``0 -> j`` on ``M`` components of ``W`` workers and
-        ``j -> end`` on the other ``n - M``, each at least its compute over its workers: so
-        ``compute(0 -> j) <= bound M W`` and ``compute(j -> end) <= bound (n - M) W``. Returns
-        the first and last such ``j`` per ``M``.
-        """
-        compute = self.s.cuts.compute
-        workers = math.prod(self.s.topology.machines[:-1])
-        limit = bound * (1 + 1e-9) * workers
-        machines = np.arange(self.n + 1)
-        last = np.searchsorted(compute, limit * machines, side="right") - 1
-        first = np.searchsorted(compute, compute[-1] - limit * (self.n - machines), side="left")
-        return first, last
 
     def work(self) -> int:
         return sweep_work(self.n, self.ranges.triples)
@@ -207,7 +188,7 @@ class _Level:
         cuts = self.s.cuts
         states = np.arange(cuts.num_states)
         r, j = self.rows[:, None], states[None, :]
-        outside = None if self.stops is None else j > self.stops[:, None]
+        outside = None if self.band is None else ~self.band
         empty = np.full(len(self.rows) * cuts.num_states, np.inf)
 
         def first(machines: int) -> np.ndarray:
@@ -223,35 +204,20 @@ class _Level:
     def solve(self, mode: str = "time", progress: Callable[[int], None] | None = None
               ) -> np.ndarray:
         """Fill ``table[machines, row, j]`` for every machine count, row and cut ``j``."""
-        keeps = []
-        if self.columns is not None:
-            lo, hi = self.columns
-
-            def band(machines: int, row: np.ndarray) -> None:
-                row[:lo[machines]] = np.inf
-                row[hi[machines] + 1:] = np.inf
-
-            keeps.append(band)
         static = mode == "time" and not self._limited()
-        windows, bound = None, math.inf
-        if static and self.final and self.n >= _WINDOW_MACHINES:
-            found = self._windows()
+        windows, bound, keep = None, math.inf, None
+        if static and self.final and (self.bound is not None or self.n >= _WINDOW_MACHINES):
+            found = self._windows(self.bound)
             if found is not None:
                 windows, first, last, bound = found
 
-                def inside(machines: int, row: np.ndarray) -> None:
+                def keep(machines: int, row: np.ndarray) -> None:
                     row[(first > machines) | (last < machines)] = np.inf
-
-                keeps.append(inside)
-
-        def keep(machines: int, row: np.ndarray) -> None:
-            for step in keeps:
-                step(machines, row)
 
         table, running = solve_table(
             self.n, self.ranges, self._first(mode),
             lambda p, m, machines: self.last(p, m, machines, mode),
-            replicate=not self.s.straight, fewer=self.s.fewer, keep=keep if keeps else None,
+            replicate=not self.s.straight, fewer=self.s.fewer, keep=keep,
             static=static, windows=windows, bound=bound, progress=progress)
         shape = (self.n + 1, len(self.rows), self.s.cuts.num_states)
         table, running = table.reshape(shape), running.reshape(shape)
@@ -270,9 +236,22 @@ class _Level:
                        replicate)
         return last + first
 
-    def _windows(self) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, float] | None:
-        """Last level: an upper bound on the optimum and the machine-count windows it gives
-        (:mod:`pipetrain.plan.window`); None where no bound is found."""
+    def reach(self, bound: float) -> tuple[np.ndarray, ...]:
+        """Within ``bound``: the fewest machines of every prefix ``0 -> j`` and of every rest
+        ``j -> end``, and the fewest replicas of every last stage and one-stage prefix."""
+        cuts = self.s.cuts
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        replicas, _, first, _ = self._fewest(bound)
+        first[0] = np.inf
+        lo = prefix_fewest(k, j, first, replicas)
+        g = suffix_fewest(k, j, cuts.num_states, replicas)
+        return lo, g, replicas, first
+
+    def _windows(self, bound: float | None = None
+                 ) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, float] | None:
+        """Last level: the machine-count windows of a plan within ``bound``
+        (:mod:`pipetrain.plan.window`), with the bound found by bisection if not given; None
+        where no bound is found."""
         cuts = self.s.cuts
         k, j = self.ranges.pair_k, self.ranges.pair_j
         end = cuts.num_states - 1
@@ -284,14 +263,13 @@ class _Level:
                 return bool(lo[end] <= self.n)
             return bool(threshold(k, j, lo, two, replicas == 1, first_two)[end] <= self.n)
 
-        high = float(self.single(np.array(0), np.array(end), self.n))
-        low = float(cuts.compute[end]) / self.s.topology.workers
-        if not (math.isfinite(high) and feasible(high)):
-            return None
-        bound = upper_bound(feasible, low, high)
-        replicas, _, first, _ = self._fewest(bound)
-        lo = prefix_fewest(k, j, first, replicas)
-        g = suffix_fewest(k, j, cuts.num_states, replicas)
+        if bound is None:
+            high = float(self.single(np.array(0), np.array(end), self.n))
+            low = float(cuts.compute[end]) / self.s.topology.workers
+            if not (math.isfinite(high) and feasible(high)):
+                return None
+            bound = upper_bound(feasible, low, high)
+        lo, g, replicas, _ = self.reach(bound)
         pair = self.ranges.pair
         start = lo[k[pair]] + replicas[pair]
         stop = self.n - g[j[pair]]
@@ -344,8 +322,8 @@ class _Solver:
         self.levels: list[_Level] = []
 
     def solve(self) -> float:
-        """The best time per minibatch; chains over several levels are solved in a band."""
-        if not (self.cuts.chain and self.topology.levels > 1):
+        """The best time per minibatch; topologies of several levels are solved in a band."""
+        if self.topology.levels == 1:
             return self._solve_levels(None)
         if self.straight and not self.fewer and self.topology.workers > self.cuts.num_states - 1:
             return math.inf                     # fewer layers than workers: no straight plan
@@ -353,20 +331,40 @@ class _Solver:
         # an upper bound U on the optimum, ranges whose bound exceeds U are in no optimal plan,
         # nor are the ranges that contain them: inner levels solve only the band of shorter
         # ranges. A banded solution no slower than U is the exact optimum (the optimal plan
-        # lies inside the band); otherwise U grows to that solution's time (then exact) or by
-        # _BAND_GROWTH, and after _BAND_PASSES tries the whole table is solved.
+        # lies inside the band). U is the best plan cutting at every _COARSE-th cut only (a
+        # plan of this model too, so never faster than the optimum, and solved the same way on
+        # a quarter of the cuts); without one, U starts at _BAND_START times a lower bound and
+        # grows to the banded solution's time (then exact) or by _BAND_GROWTH, and after
+        # _BAND_PASSES tries the whole table is solved.
+        bound = self._coarse_bound()
+        if math.isfinite(bound):
+            value = self._solve_levels(self._band(bound), bound)
+            if value <= bound:
+                return value
         bound = _BAND_START * self._lower_bound()
         for _ in range(_BAND_PASSES):
             if not (math.isfinite(bound) and bound > 0):
                 break
-            stops = self._band(bound)
-            if stops is None:
-                break
-            value = self._solve_levels(stops, bound)
+            value = self._solve_levels(self._band(bound), bound)
             if value <= bound:
                 return value
             bound = min(value, _BAND_GROWTH * bound)
         return self._solve_levels(None)
+
+    def _coarse_bound(self) -> float:
+        """The best time of plans that cut only at every ``_COARSE``-th cut (``inf``: none)."""
+        cuts = self.cuts
+        states = cuts.num_states
+        if _COARSE < 2 or states <= 4 * _COARSE:
+            return math.inf
+        keep = np.unique(np.r_[np.arange(0, states, _COARSE), states - 1])
+        coarse = dataclasses.replace(
+            cuts, members=cuts.members[keep], compute=cuts.compute[keep],
+            params=cuts.params[keep], optimizer=cuts.optimizer[keep],
+            activations=cuts.activations[keep], output=cuts.output[keep],
+            ancestors=cuts.ancestors[np.ix_(keep, keep)])
+        return _Solver(coarse, self.topology, self.model, self.straight, self.fewer,
+                       self.memory).solve()
 
     def range_bound(self, k, j):
         """A lower bound on any last-level stage over ``k -> j``: non-decreasing as it grows.
@@ -393,30 +391,42 @@ class _Solver:
         """The optimum is at least total compute / workers and every one-layer range's bound."""
         cuts = self.cuts
         last = cuts.num_states - 1
-        layers = np.arange(last)
+        if cuts.chain:
+            k = np.arange(last)
+            j = k + 1
+        else:                                   # DAGs: the stages of one layer
+            size = cuts.members.sum(axis=1)
+            k, j = np.nonzero(cuts.ancestors & (size[None, :] - size[:, None] == 1))
         return float(max(cuts.compute[last] / self.topology.workers,
-                         np.max(self.range_bound(layers, layers + 1), initial=0.0)))
+                         np.max(self.range_bound(k, j), initial=0.0)))
 
-    def _band(self, bound: float) -> np.ndarray | None:
-        """``stops[k]``: the last cut ``j`` with ``range_bound(k, j) <= bound`` (None: all)."""
-        last = self.cuts.num_states - 1
-        limit = bound * (1 + 1e-9)              # rounding: never cut a range the DP prices at U
-        starts = np.arange(last + 1)
-        lo = starts.copy()                      # range_bound(k, k) = 0 <= limit
-        hi = np.full(last + 1, last)
-        while True:
-            open_ = lo < hi
-            if not open_.any():
-                break
-            mid = (lo + hi + 1) >> 1
-            ok = self.range_bound(starts, mid) <= limit
-            lo = np.where(open_ & ok, mid, lo)
-            hi = np.where(open_ & ~ok, mid - 1, hi)
-        if lo[0] >= last:
-            return None                         # the whole model fits: no band
-        return np.maximum.accumulate(lo)
+    def _band(self, bound: float) -> np.ndarray:
+        """``band[k, j]``: range ``k -> j`` may be solved at some level of a plan within
+        ``bound``: a last-level stage that can be in such a plan, or a sub-range of one.
 
-    def _solve_levels(self, stops: np.ndarray | None, bound: float | None = None) -> float:
+        A last-level stage over ``k -> j`` costs at least what it would if the levels below ran
+        the range at its compute over their ``W`` workers (no pipeline beats that), and the
+        cuts before and after it need machines of their own. Pricing the last level with that
+        lower bound (all-reduce, transfers and replica counts as they are) gives the fewest
+        machines ``lo(k)`` for ``0 -> k``, ``g(j)`` for ``j -> end`` and ``m(k -> j)`` for the
+        stage within ``bound`` (:mod:`pipetrain.plan.window`); a plan within ``bound`` only
+        has stages with ``lo(k) + m(k -> j) + g(j) <= n``. Their nested sub-ranges are what
+        the inner levels solve.
+        """
+        cuts = self.cuts
+        top = self.topology
+        inner = math.prod(top.machines[:-1])
+        compute = cuts.compute
+        probe = _Level(self, top.levels - 1, lambda k, j: (compute[j] - compute[k]) / inner)
+        lo, g, replicas, first = probe.reach(bound)
+        k, j = probe.ranges.pair_k, probe.ranges.pair_j
+        useful = np.zeros((cuts.num_states, cuts.num_states), dtype=bool)
+        fits = lo[k] + replicas + g[j] <= probe.n
+        useful[k[fits], j[fits]] = True
+        useful[0] = cuts.ancestors[0] & (first + g <= probe.n)
+        return nested_ranges(useful, cuts.ancestors, cuts.chain)
+
+    def _solve_levels(self, band: np.ndarray | None, bound: float | None = None) -> float:
         cuts = self.cuts
         compute = cuts.compute
         self.levels = []
@@ -426,7 +436,7 @@ class _Solver:
 
         seg: Callable = seg_compute
         for index in range(self.topology.levels):
-            level = _Level(self, index, seg, stops, bound)
+            level = _Level(self, index, seg, band, bound)
             level.solve()
             self.levels.append(level)
             if not level.final:

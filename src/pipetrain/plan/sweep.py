@@ -41,6 +41,7 @@ __all__ = ["Ranges", "build_ranges", "solve_table", "best_split", "work"]
 # (pairs, replicas, machines of the whole entry) -> seconds (or bytes); replicas >= 1
 Cost = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 _STATIC_TABLE = 16_000_000   # largest table of last-stage costs per replica count kept (128 MB)
+_BLOCK = 16_384              # triples per block of a step (their state stays in cache)
 
 
 @dataclass
@@ -69,33 +70,32 @@ class Ranges:
         return int(self.pair.size)
 
 
-def build_ranges(ancestors: np.ndarray, rows: np.ndarray, stops: np.ndarray | None = None,
-                 row_stops: np.ndarray | None = None) -> Ranges:
+def build_ranges(ancestors: np.ndarray, rows: np.ndarray, band: np.ndarray | None = None,
+                 row_band: np.ndarray | None = None) -> Ranges:
     """The triples of a level whose rows start at ``rows``.
 
     ``ancestors[k, j]``: ``k -> j`` is a stage (states in topological order, so ``k < j``).
-    ``stops[k]``: the last ``j`` a stage from ``k`` may end at (a band); ``row_stops[i]``: the
-    last ``j`` row ``i`` is solved for.
+    ``band[k, j]``: a last stage ``k -> j`` may be used; ``row_band[i, j]``: row ``i`` is solved
+    for end cut ``j`` (None: every stage).
     """
     states = ancestors.shape[0]
-    cut = np.arange(states)
     allowed = ancestors.copy()
     allowed[0] = False                      # a last stage starts after at least one layer
-    if stops is not None:
-        allowed &= cut[None, :] <= np.asarray(stops)[:, None]
-    pair_j, pair_k = np.nonzero(allowed.T)      # numbered by j, then k: a group's pairs are
-                                                # consecutive
-    pair_id = np.full((states, states), -1, dtype=np.int64)
+    if band is not None:
+        allowed &= band
+    pair_j, pair_k = np.nonzero(allowed.T)  # numbered by j, then k: a group's pairs are
+    pair_id = np.full((states, states), -1, dtype=np.int64)    # consecutive
     pair_id[pair_k, pair_j] = np.arange(pair_k.size)
     rows = np.asarray(rows, dtype=np.int64)
     chunks_row, chunks_pair = [], []
     for index, r in enumerate(rows):
-        last = states - 1 if row_stops is None else int(row_stops[index])
+        ends = ancestors[r] if row_band is None else ancestors[r] & row_band[index]
+        last = int(np.flatnonzero(ends)[-1]) if ends.any() else -1
         if last <= r + 1:
             continue
         inner = slice(r + 1, last + 1)
         # k -> j with r -> k a stage, grouped by j (transposed nonzero: j-major, then k)
-        mask = ancestors[r, inner][None, :] & allowed[inner, inner].T
+        mask = ancestors[r, inner][None, :] & allowed[inner, inner].T & ends[inner][:, None]
         jj, kk = np.nonzero(mask)
         if jj.size:
             chunks_row.append(np.full(jj.size, index, dtype=np.int64))
@@ -115,12 +115,15 @@ def work(machines: int, triples: int) -> int:
 
 
 def _tabulate(cost: Cost, pairs: int, machines: int) -> np.ndarray | None:
-    """``table[pair, m]`` of a cost that ignores the entry's machine count, if small enough."""
+    """``table[pair, m]`` of a cost that ignores the entry's machine count, if small enough.
+
+    Only for the crossings: ``m = 1`` (never a crossing, priced on its own) is left ``inf``.
+    """
     if (machines + 1) * pairs > _STATIC_TABLE or pairs == 0:
         return None
     table = np.full((pairs, machines + 1), np.inf)
     every = np.arange(pairs)
-    for m in range(1, machines + 1):
+    for m in range(2, machines + 1):
         table[:, m] = cost(every, np.full(pairs, m), machines)
     return table
 
@@ -130,22 +133,25 @@ class _Crossings:
 
     ``pointer[t]`` is the prefix machine count ``M'`` of triple ``t``. The running minimum is
     kept transposed, ``P[(row, k), M']``, so that a triple's ``P[M']`` and its neighbours' (same
-    row, next k) sit close in memory; ``position`` is the flat index of ``P[pointer]``. With a
-    tabulated cost, ``lookup + M`` is the flat index of ``cost[pair, M - pointer]``.
+    row, next k) sit close in memory; ``base + pointer`` is the flat index of ``P[pointer]``.
+    With a tabulated cost, ``lookup + M`` is the flat index of ``cost[pair, M - pointer]``.
+    ``here`` caches ``P[pointer]`` and ``left`` ``P[pointer - 1]``: entries below the machine
+    count being filled are final, so both change only when a pointer moves.
     """
 
-    def __init__(self, ranges: Ranges, last: Cost, table: np.ndarray | None, machines: int,
-                 start: np.ndarray | None = None):
-        self.pair = ranges.pair
+    def __init__(self, pair: np.ndarray, prefix: np.ndarray, last: Cost,
+                 table: np.ndarray | None, machines: int, start: np.ndarray | None = None):
+        self.pair = pair
         self.pointer = np.ones(self.pair.size, dtype=np.int64) if start is None else \
             np.maximum(np.asarray(start, dtype=np.int64), 1)
         stride = machines + 1
-        self.position = ranges.prefix * stride + self.pointer
+        self.base = prefix * stride
         self.last = last
         self.table = None if table is None else table.ravel()
         if table is not None:
             self.lookup = self.pair * stride - self.pointer
         self.left = np.full(self.pair.size, np.inf)      # P[pointer - 1]; P[0] = inf
+        self.here: np.ndarray | None = None
 
     def at(self, t: np.ndarray | None, machines: int) -> np.ndarray:
         """Cost of the last stage of triples ``t`` (None: all) on ``machines - pointer``."""
@@ -155,12 +161,22 @@ class _Crossings:
             return self.last(self.pair, machines - self.pointer, machines)
         return self.last(self.pair[t], machines - self.pointer[t], machines)
 
-    def step(self, t: np.ndarray) -> None:
-        """Move the pointers of triples ``t`` one machine on."""
-        self.pointer[t] += 1
-        self.position[t] += 1
+    def _move(self, movers: np.ndarray, cost: np.ndarray, machines: int,
+              running: np.ndarray, here: np.ndarray) -> np.ndarray:
+        """Move ``movers`` one machine on; returns those that must move again. ``cost`` and
+        ``here`` (indexed like ``movers``' positions) are updated."""
+        self.left[movers] = here[movers]
+        pointer = self.pointer[movers] + 1
+        self.pointer[movers] = pointer
         if self.table is not None:
-            self.lookup[t] -= 1
+            self.lookup[movers] -= 1
+        new = self.at(movers, machines)
+        if self.table is None:                          # (the table holds inf at m = 1)
+            new[pointer > machines - 2] = np.inf        # no room for a replicated last stage
+        cost[movers] = new
+        value = np.take(running, self.base[movers] + pointer)
+        here[movers] = value
+        return movers[value > new]
 
     def advance(self, machines: int, running: np.ndarray, active: np.ndarray | None = None
                 ) -> tuple[np.ndarray, np.ndarray]:
@@ -169,30 +185,28 @@ class _Crossings:
 
         Returns, per active triple, the two candidates: ``P[pointer - 1]`` (the prefix just
         left of the crossing) and the last stage's cost at the pointer (``inf`` if none). A
-        pointer moves by 0 or 1 per machine count in the main: one pass over all, then index
-        lists for the ones that moved. ``P`` entries below ``machines - 1`` are final, so the
-        value left of a pointer is the one it was just compared with.
+        pointer moves by 0 or 1 per machine count in the main.
         """
+        if active is None:
+            cost = self.at(None, machines)
+            if self.here is None:
+                self.here = np.take(running, self.base + self.pointer)
+            movers = np.flatnonzero(self.here > cost)
+            while movers.size:
+                movers = self._move(movers, cost, machines, running, self.here)
+            return self.left, cost
+        # a window: pointers start where their prefix can first run, so none is cached
         cost = self.at(active, machines)
-        position = self.position if active is None else self.position[active]
-        pointer = self.pointer if active is None else self.pointer[active]
-        cost[pointer > machines - 2] = np.inf           # no room for a replicated last stage
-        here = np.take(running, position)
-        local = np.flatnonzero(here > cost)             # indices into the active triples
-        movers = local if active is None else active[local]
-        self.left[movers] = here[local]
-        while local.size:
-            self.step(movers)
-            done = self.pointer[movers] > machines - 2
-            cost[local[done]] = np.inf
-            local, movers = local[~done], movers[~done]
-            new = self.at(movers, machines)
-            cost[local] = new
-            here = np.take(running, self.position[movers])
-            behind = here > new
-            local, movers = local[behind], movers[behind]
-            self.left[movers] = here[behind]
-        return (self.left if active is None else self.left[active]), cost
+        pointer = self.pointer[active]
+        cost[pointer > machines - 2] = np.inf
+        here = np.full(self.pair.size, np.inf)
+        here[active] = np.take(running, self.base[active] + pointer)
+        full = np.full(self.pair.size, np.inf)
+        full[active] = cost
+        movers = active[here[active] > cost]
+        while movers.size:
+            movers = self._move(movers, full, machines, running, here)
+        return self.left[active], full[active]
 
 
 def solve_table(n: int, ranges: Ranges, first: Callable[[int], np.ndarray], last: Cost, *,
@@ -223,34 +237,50 @@ def solve_table(n: int, ranges: Ranges, first: Callable[[int], np.ndarray], last
     flat_running = running.ravel()
     pairs = ranges.pair_k.size
     tabulated = _tabulate(last, pairs, n) if static else None
-    crossings = _Crossings(ranges, last, tabulated, n, None if windows is None else windows[0])
     pair, prefix, heads, groups = ranges.pair, ranges.prefix, ranges.heads, ranges.groups
     every = np.arange(pairs)
     alone = None                          # m = 1, per triple
-    group_of = np.repeat(np.arange(heads.size), np.diff(np.r_[heads, pair.size]))
+    if windows is None:
+        # blocks of whole (row, j) groups small enough to stay in cache through a step
+        cuts = heads[np.searchsorted(heads, np.arange(0, pair.size, _BLOCK))] \
+            if pair.size else heads
+        edges = np.r_[np.unique(cuts), pair.size]
+        blocks = [(slice(a, b), np.searchsorted(heads, a), np.searchsorted(heads, b))
+                  for a, b in zip(edges[:-1], edges[1:])]
+        crossings = [_Crossings(pair[part], prefix[part], last, tabulated, n)
+                     for part, _, _ in blocks]
+    else:
+        crossing = _Crossings(pair, prefix, last, tabulated, n, windows[0])
+        group_of = np.repeat(np.arange(heads.size), np.diff(np.r_[heads, pair.size]))
     for machines in range(1, n + 1):
         row = np.array(first(machines), dtype=np.float64).reshape(width)
         if pair.size and machines >= 2:
             if alone is None or not static:
                 alone = np.take(last(every, np.ones(pairs, dtype=np.int64), machines), pair)
-            active = None
-            if windows is not None:
-                active = np.flatnonzero((windows[1] <= machines) & (windows[2] >= machines))
-            if active is None:
-                value = np.maximum(np.take(table[machines - 1], prefix), alone)
+            before = table[machines - 1]
+            crossed = replicate and machines >= 3
+            if windows is None:
+                for (part, h0, h1), crossing_part in zip(blocks, crossings):
+                    value = np.maximum(np.take(before, prefix[part]), alone[part])
+                    if crossed:
+                        # left of the crossing the prefix is the slower part, at it the last
+                        # stage
+                        left, right = crossing_part.advance(machines, flat_running)
+                        np.minimum(value, np.minimum(left, right), out=value)
+                    where = groups[h0:h1]
+                    row[where] = np.minimum(row[where],
+                                            np.minimum.reduceat(value, heads[h0:h1] - part.start))
             else:
-                value = np.maximum(np.take(table[machines - 1], prefix[active]), alone[active])
-            if replicate and machines >= 3 and value.size:
-                # left of the crossing the prefix is the slower part, at it the last stage
-                left, right = crossings.advance(machines, flat_running, active)
-                np.minimum(value, np.minimum(left, right), out=value)
-            if active is None:
-                row[groups] = np.minimum(row[groups], np.minimum.reduceat(value, heads))
-            elif active.size:
-                owner = group_of[active]
-                starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
-                where = groups[owner[starts]]
-                row[where] = np.minimum(row[where], np.minimum.reduceat(value, starts))
+                active = np.flatnonzero((windows[1] <= machines) & (windows[2] >= machines))
+                if active.size:
+                    value = np.maximum(np.take(before, prefix[active]), alone[active])
+                    if crossed:
+                        left, right = crossing.advance(machines, flat_running, active)
+                        np.minimum(value, np.minimum(left, right), out=value)
+                    owner = group_of[active]
+                    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+                    where = groups[owner[starts]]
+                    row[where] = np.minimum(row[where], np.minimum.reduceat(value, starts))
         if fewer and machines > 1:
             np.minimum(row, table[machines - 1], out=row)
         if keep is not None:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["fewest", "prefix_fewest", "suffix_fewest", "threshold", "upper_bound"]
+__all__ = ["fewest", "prefix_fewest", "suffix_fewest", "threshold", "upper_bound", "nested_ranges"]
 
 Cost = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -122,3 +122,23 @@ def upper_bound(feasible: Callable[[float], bool], low: float, high: float,
         else:
             low = mid
     return high
+
+
+def nested_ranges(useful: np.ndarray, ancestors: np.ndarray, chain: bool) -> np.ndarray:
+    """``out[k, j]``: ``k -> j`` is a stage lying inside some ``useful[r, j2]`` (``r`` a subset
+    of ``k``, ``j`` of ``j2``), ``useful`` included."""
+    if chain:
+        # r <= k and j2 >= j: a running "any" over j2 from the right, then over r downwards
+        later = np.logical_or.accumulate(useful[:, ::-1], axis=1)[:, ::-1]
+        return np.logical_or.accumulate(later, axis=0) & ancestors
+    states = ancestors.shape[0]
+    within = ancestors | np.eye(states, dtype=bool)       # within[a, b]: a is a subset of b
+    packed = np.packbits(within.T, axis=1)                # row j2: the cuts j inside j2
+    ends = np.zeros_like(packed)                          # row r: the j inside a useful j2
+    for r in np.flatnonzero(useful.any(axis=1)):
+        ends[r] = np.bitwise_or.reduce(packed[useful[r]], axis=0)
+    out = np.zeros_like(packed)
+    for k in range(states):                               # OR over every r inside k
+        starts = within[:, k]
+        out[k] = np.bitwise_or.reduce(ends[starts], axis=0)
+    return np.unpackbits(out, axis=1, count=states).astype(bool) & ancestors
