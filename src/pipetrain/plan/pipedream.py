@@ -29,7 +29,6 @@ inner levels are only ever between nested cuts (the public code also subtracts u
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -53,8 +52,7 @@ __all__ = ["optimize", "COST_MODELS", "data_parallel_time"]
 COST_MODELS = ("pipedream-code", "paper")
 _BAND_START = 2.0   # first upper bound on a banded solve: this many times the lower bound
 _BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bound, this times
-_BAND_PASSES = 4    # banded solves before the whole table
-_COARSE = 4         # the first upper bound: the best plan cutting at every 4th cut only
+_BAND_PASSES = 8    # banded solves before the whole table
 _WINDOW_MACHINES = 64  # last levels with this many machines or more are solved in windows
 
 
@@ -123,11 +121,17 @@ class _Level:
         self.seg = seg
         cuts = solver.cuts
         self.rows = np.array([0]) if self.final else np.arange(cuts.num_states - 1)
+        if band is not None and not self.final:
+            self.rows = self.rows[band[self.rows].any(axis=1)]      # rows with ranges to solve
+        self.row_of = np.full(cuts.num_states, -1, dtype=np.int64)   # cut -> table row
+        self.row_of[self.rows] = np.arange(self.rows.size)
         self.memory = solver.memory if (self.final and solver.topology.levels == 1) else None
-        # a band of ranges: only r -> j with band[r, j] can be in a plan within the bound
+        # a band: the last level only uses the stages band[k, j], an inner level only solves
+        # the ranges band[r, j] (see _Solver._band)
         self.band = None if (band is None or self.final) else band[self.rows]
         self.bound = bound if self.final else None
-        self.ranges = build_ranges(cuts.ancestors, self.rows, band, self.band)
+        self.ranges = build_ranges(cuts.ancestors, self.rows, band if self.final else None,
+                                   self.band)
         k, j = self.ranges.pair_k, self.ranges.pair_j
         self.pair_seg = np.asarray(seg(k, j), dtype=np.float64)
         self.pair_params = cuts.params[j] - cuts.params[k]
@@ -283,7 +287,7 @@ class _Level:
         one stage, an idle worker, then the last stage's cut (earliest first), then its replicas
         (fewest first)."""
         cuts = self.s.cuts
-        row = 0 if self.final else r
+        row = int(self.row_of[r])
         options: list[tuple] = []
         values: list[float] = []
         if not (self.s.straight and machines > 1):
@@ -331,40 +335,24 @@ class _Solver:
         # an upper bound U on the optimum, ranges whose bound exceeds U are in no optimal plan,
         # nor are the ranges that contain them: inner levels solve only the band of shorter
         # ranges. A banded solution no slower than U is the exact optimum (the optimal plan
-        # lies inside the band). U is the best plan cutting at every _COARSE-th cut only (a
-        # plan of this model too, so never faster than the optimum, and solved the same way on
-        # a quarter of the cuts); without one, U starts at _BAND_START times a lower bound and
-        # grows to the banded solution's time (then exact) or by _BAND_GROWTH, and after
-        # _BAND_PASSES tries the whole table is solved.
-        bound = self._coarse_bound()
-        if math.isfinite(bound):
-            value = self._solve_levels(self._band(bound), bound)
-            if value <= bound:
-                return value
+        # lies inside the band). U starts at _BAND_START times a lower bound and grows to the
+        # banded solution's time (a plan, so the next pass is exact) or by _BAND_GROWTH; after
+        # _BAND_PASSES tries the whole table is solved. Passes below the optimum are cheap:
+        # their bands are narrow or empty.
         bound = _BAND_START * self._lower_bound()
         for _ in range(_BAND_PASSES):
             if not (math.isfinite(bound) and bound > 0):
                 break
-            value = self._solve_levels(self._band(bound), bound)
+            value = self._solve_band(bound)
             if value <= bound:
                 return value
             bound = min(value, _BAND_GROWTH * bound)
         return self._solve_levels(None)
 
-    def _coarse_bound(self) -> float:
-        """The best time of plans that cut only at every ``_COARSE``-th cut (``inf``: none)."""
-        cuts = self.cuts
-        states = cuts.num_states
-        if _COARSE < 2 or states <= 4 * _COARSE:
-            return math.inf
-        keep = np.unique(np.r_[np.arange(0, states, _COARSE), states - 1])
-        coarse = dataclasses.replace(
-            cuts, members=cuts.members[keep], compute=cuts.compute[keep],
-            params=cuts.params[keep], optimizer=cuts.optimizer[keep],
-            activations=cuts.activations[keep], output=cuts.output[keep],
-            ancestors=cuts.ancestors[np.ix_(keep, keep)])
-        return _Solver(coarse, self.topology, self.model, self.straight, self.fewer,
-                       self.memory).solve()
+    def _solve_band(self, bound: float) -> float:
+        """The best plan within ``bound`` (``inf`` if there is none), solved in its band."""
+        band = self._band(bound)
+        return math.inf if band is None else self._solve_levels(band, bound)
 
     def range_bound(self, k, j):
         """A lower bound on any last-level stage over ``k -> j``: non-decreasing as it grows.
@@ -400,9 +388,9 @@ class _Solver:
         return float(max(cuts.compute[last] / self.topology.workers,
                          np.max(self.range_bound(k, j), initial=0.0)))
 
-    def _band(self, bound: float) -> np.ndarray:
-        """``band[k, j]``: range ``k -> j`` may be solved at some level of a plan within
-        ``bound``: a last-level stage that can be in such a plan, or a sub-range of one.
+    def _band(self, bound: float) -> np.ndarray | None:
+        """``band[k, j]``: ``k -> j`` can be a last-level stage of a plan within ``bound``
+        (None: no plan is).
 
         A last-level stage over ``k -> j`` costs at least what it would if the levels below ran
         the range at its compute over their ``W`` workers (no pipeline beats that), and the
@@ -410,8 +398,9 @@ class _Solver:
         lower bound (all-reduce, transfers and replica counts as they are) gives the fewest
         machines ``lo(k)`` for ``0 -> k``, ``g(j)`` for ``j -> end`` and ``m(k -> j)`` for the
         stage within ``bound`` (:mod:`pipetrain.plan.window`); a plan within ``bound`` only
-        has stages with ``lo(k) + m(k -> j) + g(j) <= n``. Their nested sub-ranges are what
-        the inner levels solve.
+        has stages with ``lo(k) + m(k -> j) + g(j) <= n``. The level below solves these ranges
+        and their prefixes (its rows start where they start), deeper levels every range
+        nested in them (see :meth:`_solve_levels`).
         """
         cuts = self.cuts
         top = self.topology
@@ -419,29 +408,44 @@ class _Solver:
         compute = cuts.compute
         probe = _Level(self, top.levels - 1, lambda k, j: (compute[j] - compute[k]) / inner)
         lo, g, replicas, first = probe.reach(bound)
+        if not lo[-1] <= probe.n:
+            return None
         k, j = probe.ranges.pair_k, probe.ranges.pair_j
         useful = np.zeros((cuts.num_states, cuts.num_states), dtype=bool)
         fits = lo[k] + replicas + g[j] <= probe.n
         useful[k[fits], j[fits]] = True
         useful[0] = cuts.ancestors[0] & (first + g <= probe.n)
-        return nested_ranges(useful, cuts.ancestors, cuts.chain)
+        return useful
 
     def _solve_levels(self, band: np.ndarray | None, bound: float | None = None) -> float:
+        """Solve every level, inner first; with a band (the last level's possible stages), the
+        level below the last solves only the ranges that start where one of them starts and
+        end inside it (the prefixes its DP rows need), and deeper levels, which price the
+        stages of those rows, every range nested in one of them."""
         cuts = self.cuts
         compute = cuts.compute
         self.levels = []
+        top = self.topology.levels - 1
+        bands = {}
+        if band is not None:
+            bands[top] = band
+            if top >= 1:
+                bands[top - 1] = nested_ranges(band, cuts.ancestors, cuts.chain, prefixes=True)
+            if top >= 2:
+                nested = nested_ranges(band, cuts.ancestors, cuts.chain)
+                bands.update((index, nested) for index in range(top - 1))
 
         def seg_compute(k, j):
             return compute[j] - compute[k]
 
         seg: Callable = seg_compute
         for index in range(self.topology.levels):
-            level = _Level(self, index, seg, band, bound)
+            level = _Level(self, index, seg, bands.get(index), bound)
             level.solve()
             self.levels.append(level)
             if not level.final:
                 full = np.full((cuts.num_states, cuts.num_states), np.inf)
-                full[:-1] = level.table[level.n]
+                full[level.rows] = level.table[level.n]
                 seg = (lambda k, j, full=full: full[k, j])
         last = self.levels[-1]
         return float(last.table[last.n, 0, cuts.num_states - 1])

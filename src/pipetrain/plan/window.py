@@ -124,12 +124,16 @@ def upper_bound(feasible: Callable[[float], bool], low: float, high: float,
     return high
 
 
-def nested_ranges(useful: np.ndarray, ancestors: np.ndarray, chain: bool) -> np.ndarray:
+def nested_ranges(useful: np.ndarray, ancestors: np.ndarray, chain: bool,
+                  prefixes: bool = False) -> np.ndarray:
     """``out[k, j]``: ``k -> j`` is a stage lying inside some ``useful[r, j2]`` (``r`` a subset
-    of ``k``, ``j`` of ``j2``), ``useful`` included."""
+    of ``k``, ``j`` of ``j2``), ``useful`` included; with ``prefixes``, only those starting at
+    ``r`` itself."""
     if chain:
-        # r <= k and j2 >= j: a running "any" over j2 from the right, then over r downwards
+        # j2 >= j: a running "any" from the right; then r <= k: a running "any" downwards
         later = np.logical_or.accumulate(useful[:, ::-1], axis=1)[:, ::-1]
+        if prefixes:
+            return later & ancestors
         return np.logical_or.accumulate(later, axis=0) & ancestors
     states = ancestors.shape[0]
     within = ancestors | np.eye(states, dtype=bool)       # within[a, b]: a is a subset of b
@@ -137,8 +141,9 @@ def nested_ranges(useful: np.ndarray, ancestors: np.ndarray, chain: bool) -> np.
     ends = np.zeros_like(packed)                          # row r: the j inside a useful j2
     for r in np.flatnonzero(useful.any(axis=1)):
         ends[r] = np.bitwise_or.reduce(packed[useful[r]], axis=0)
+    if prefixes:
+        return np.unpackbits(ends, axis=1, count=states).astype(bool) & ancestors
     out = np.zeros_like(packed)
     for k in range(states):                               # OR over every r inside k
-        starts = within[:, k]
-        out[k] = np.bitwise_or.reduce(ends[starts], axis=0)
+        out[k] = np.bitwise_or.reduce(ends[within[:, k]], axis=0)
     return np.unpackbits(out, axis=1, count=states).astype(bool) & ancestors
