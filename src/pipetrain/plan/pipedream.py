@@ -29,6 +29,7 @@ inner levels are only ever between nested cuts (the public code also subtracts u
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -135,7 +136,11 @@ class _Level:
         k, j = self.ranges.pair_k, self.ranges.pair_j
         self.pair_seg = np.asarray(seg(k, j), dtype=np.float64)
         self.pair_params = cuts.params[j] - cuts.params[k]
-        self.pair_end = j == cuts.num_states - 1
+        # bytes in and out of a last stage: both cost 2 bytes / (B m) in pipedream-code (the
+        # larger decides); paper: only the input, 2 bytes / B
+        out = np.where(j == cuts.num_states - 1, 0.0, cuts.output[j])
+        self.pair_transfer = 2.0 * (cuts.output[k] if solver.model == "paper" else
+                                    np.maximum(cuts.output[k], out))
         self.table = self.running = None
 
     def work(self) -> int:
@@ -153,35 +158,67 @@ class _Level:
     def _limited(self) -> bool:
         return self.memory is not None and self.memory.limit is not None
 
-    def single(self, r, j, m, mode: str = "time"):
-        """One stage ``r -> j`` on ``m`` replicas; ``inf`` where that is no stage."""
+    def single(self, r, j, m, mode: str = "time", limit: bool = True):
+        """One stage ``r -> j`` on ``m`` replicas; ``inf`` where that is no stage (or, with
+        ``limit``, where it does not fit the memory limit)."""
         cuts = self.s.cuts
         valid = cuts.ancestors[r, j]
         if mode == "memory":
             return np.where(valid, self._mem(r, j, m, self.memory.workers), np.inf)
         value = _stage_time(self.s.model, self.seg(r, j), cuts.params[j] - cuts.params[r], m,
                             self.bandwidth, self.within, single=True)
-        if self._limited():
+        if limit and self._limited():
             value = np.where(self._mem(r, j, m, self.memory.workers) > self.memory.limit,
                              np.inf, value)
         return np.where(valid, value, np.inf)
 
     def last(self, p, m, machines: int, mode: str = "time"):
         """Last stage (pair ``p``) of a ``machines``-machine pipeline on ``m`` replicas: its
-        input transfer, compute and all-reduce, and output transfer unless it ends the model."""
-        cuts = self.s.cuts
-        k, j = self.ranges.pair_k[p], self.ranges.pair_j[p]
+        input transfer, compute and all-reduce, and output transfer unless it ends the model
+        (``inf`` where it does not fit the memory limit)."""
         if mode == "memory":
+            k, j = self.ranges.pair_k[p], self.ranges.pair_j[p]
             return self._mem(k, j, m, self.memory.workers - machines + m)
+        value = self.last_time(p, m)
+        if self._limited():
+            value = np.where(self.fits(p, m, machines), value, np.inf)
+        return value
+
+    def last_time(self, p, m):
+        """:meth:`last` without the memory limit (it does not depend on the machine count)."""
         value = _stage_time(self.s.model, self.pair_seg[p], self.pair_params[p], m,
                             self.bandwidth)
-        value = np.maximum(_transfer_in(self.s.model, cuts.output[k], m, self.bandwidth), value)
-        value = np.maximum(value, _transfer_out(self.s.model, cuts.output[j], m, self.bandwidth,
-                                                self.pair_end[p]))
-        if self._limited():
-            mem = self._mem(k, j, m, self.memory.workers - machines + m)
-            value = np.where(mem > self.memory.limit, np.inf, value)
-        return value
+        transfer = self.pair_transfer[p]
+        if self.s.model == "paper":
+            return np.maximum(value, transfer / self.bandwidth)
+        return np.maximum(value, transfer / (self.bandwidth * m))
+
+    def fits(self, p, m, machines: int):
+        """The last stage (pair ``p``, ``m`` replicas) of ``machines`` fits the memory limit.
+
+        A worker's memory grows only with its stage's depth ``ceil(workers from here / m)``
+        (:mod:`pipetrain.plan.memory`), so each pair has a deepest depth that fits, found once.
+        """
+        if not hasattr(self, "_deepest"):
+            self._deepest = self._deepest_fitting()
+        m = np.asarray(m)
+        depth = (self.memory.workers - machines + 2 * m - 1) // m
+        return depth <= self._deepest[p]
+
+    def _deepest_fitting(self) -> np.ndarray:
+        """Per pair: the largest depth ``d <= workers`` whose memory fits (0: none)."""
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        workers, limit = self.memory.workers, self.memory.limit
+        lo = np.zeros(k.size, dtype=np.int64)
+        hi = np.full(k.size, workers, dtype=np.int64)
+        while True:
+            open_ = np.flatnonzero(lo < hi)
+            if not open_.size:
+                return lo
+            mid = (lo[open_] + hi[open_] + 1) >> 1
+            ok = self._mem(k[open_], j[open_], 1, mid) <= limit
+            lo[open_] = np.where(ok, mid, lo[open_])
+            hi[open_] = np.where(ok, hi[open_], mid - 1)
 
     def tin(self, k, m):
         return _transfer_in(self.s.model, self.s.cuts.output[k], m, self.bandwidth)
@@ -210,19 +247,24 @@ class _Level:
         """Fill ``table[machines, row, j]`` for every machine count, row and cut ``j``."""
         static = mode == "time" and not self._limited()
         windows, bound, keep = None, math.inf, None
-        if static and self.final and (self.bound is not None or self.n >= _WINDOW_MACHINES):
+        if mode == "time" and self.final and (self.bound is not None or
+                                              (static and self.n >= _WINDOW_MACHINES)):
             found = self._windows(self.bound)
             if found is not None:
-                windows, first, last, bound = found
+                windows, fewest_machines, most_machines, bound = found
 
                 def keep(machines: int, row: np.ndarray) -> None:
-                    row[(first > machines) | (last < machines)] = np.inf
+                    row[(fewest_machines > machines) | (most_machines < machines)] = np.inf
 
+        limited = mode == "time" and self._limited()
+        if limited:
+            last, fits = (lambda p, m, machines: self.last_time(p, m)), self.fits
+        else:
+            last, fits = (lambda p, m, machines: self.last(p, m, machines, mode)), None
         table, running = solve_table(
-            self.n, self.ranges, self._first(mode),
-            lambda p, m, machines: self.last(p, m, machines, mode),
+            self.n, self.ranges, self._first(mode), last, fits=fits,
             replicate=not self.s.straight, fewer=self.s.fewer, keep=keep,
-            static=static, windows=windows, bound=bound, progress=progress)
+            static=static or limited, windows=windows, bound=bound, progress=progress)
         shape = (self.n + 1, len(self.rows), self.s.cuts.num_states)
         table, running = table.reshape(shape), running.reshape(shape)
         if mode == "time":
@@ -231,13 +273,13 @@ class _Level:
 
     def _fewest(self, bound: float) -> tuple[np.ndarray, ...]:
         """Fewest replicas within ``bound`` of every last stage and of one stage ``0 -> j``,
-        each as (any count, at least 2)."""
+        each as (any count, at least 2), memory limit left out (fewer never hurts a bound)."""
         replicate = not self.s.straight
         pairs = self.ranges.pair_k.size
         states = self.s.cuts.num_states
-        last = fewest(lambda p, m: self.last(p, m, self.n), pairs, self.n, bound, replicate)
-        first = fewest(lambda j, m: self.single(np.zeros_like(j), j, m), states, self.n, bound,
-                       replicate)
+        last = fewest(self.last_time, pairs, self.n, bound, replicate)
+        first = fewest(lambda j, m: self.single(np.zeros_like(j), j, m, limit=False), states,
+                       self.n, bound, replicate)
         return last + first
 
     def reach(self, bound: float) -> tuple[np.ndarray, ...]:
@@ -276,6 +318,15 @@ class _Level:
         lo, g, replicas, _ = self.reach(bound)
         pair = self.ranges.pair
         start = lo[k[pair]] + replicas[pair]
+        if self._limited():
+            # the last stage on m <= M - lo(k) replicas has depth ceil((W - M + m) / m), at
+            # most the deepest d that fits: so M >= (W + (d - 1) lo(k)) / d
+            if not hasattr(self, "_deepest"):
+                self._deepest = self._deepest_fitting()
+            deepest = self._deepest[pair].astype(np.float64)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                need = np.ceil((self.memory.workers + (deepest - 1) * lo[k[pair]]) / deepest)
+            start = np.maximum(start, np.where(deepest > 0, need, np.inf))
         stop = self.n - g[j[pair]]
         as_int = (lambda x: np.clip(x, -1, self.n + 1).astype(np.int64))   # inf: never
         return (as_int(lo[k[pair]]), as_int(start), as_int(stop)), as_int(lo), \
@@ -328,6 +379,20 @@ class _Solver:
     def solve(self) -> float:
         """The best time per minibatch; topologies of several levels are solved in a band."""
         if self.topology.levels == 1:
+            if self.memory.limit is None or self.topology.workers < _WINDOW_MACHINES:
+                return self._solve_levels(None)
+            # a memory limit: the plan without it is no slower, so its time is where machine
+            # windows start (they never depend on the limit); widen until the plan is inside
+            relaxed = _Solver(self.cuts, self.topology, self.model, self.straight, self.fewer,
+                              dataclasses.replace(self.memory, limit=None))
+            bound = relaxed.solve()
+            for _ in range(_BAND_PASSES):
+                if not (math.isfinite(bound) and bound > 0):
+                    break
+                value = self._solve_levels(None, bound)
+                if value <= bound:
+                    return value
+                bound *= _BAND_GROWTH
             return self._solve_levels(None)
         if self.straight and not self.fewer and self.topology.workers > self.cuts.num_states - 1:
             return math.inf                     # fewer layers than workers: no straight plan

@@ -42,6 +42,7 @@ __all__ = ["Ranges", "build_ranges", "solve_table", "best_split", "work"]
 Cost = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
 _STATIC_TABLE = 16_000_000   # largest table of last-stage costs per replica count kept (128 MB)
 _BLOCK = 16_384              # triples per block of a step (their state stays in cache)
+_STEPS = 2                   # pointer steps one at a time before a binary search for the rest
 
 
 @dataclass
@@ -140,8 +141,10 @@ class _Crossings:
     """
 
     def __init__(self, pair: np.ndarray, prefix: np.ndarray, last: Cost,
-                 table: np.ndarray | None, machines: int, start: np.ndarray | None = None):
+                 table: np.ndarray | None, machines: int, start: np.ndarray | None = None,
+                 fits: Callable[[np.ndarray, np.ndarray, int], np.ndarray] | None = None):
         self.pair = pair
+        self.fits = fits
         self.pointer = np.ones(self.pair.size, dtype=np.int64) if start is None else \
             np.maximum(np.asarray(start, dtype=np.int64), 1)
         stride = machines + 1
@@ -153,13 +156,54 @@ class _Crossings:
         self.left = np.full(self.pair.size, np.inf)      # P[pointer - 1]; P[0] = inf
         self.here: np.ndarray | None = None
 
+    def cost(self, t: np.ndarray, pointer: np.ndarray, machines: int) -> np.ndarray:
+        """Cost of the last stage of triples ``t`` on ``machines - pointer`` replicas."""
+        m = machines - pointer
+        if self.table is not None:
+            cost = np.take(self.table, self.lookup[t] + self.pointer[t] - pointer + machines)
+        else:
+            cost = self.last(self.pair[t], m, machines)
+        if self.fits is not None:
+            cost[~self.fits(self.pair[t], m, machines)] = np.inf
+        return cost
+
+    def jump(self, movers: np.ndarray, cost: np.ndarray, machines: int,
+             running: np.ndarray, here: np.ndarray) -> None:
+        """Move ``movers`` straight to their crossing by binary search (for long moves)."""
+        lo = self.pointer[movers] + 1                   # P[pointer] > cost: not there
+        hi = np.full(movers.size, machines - 1, dtype=np.int64)
+        while True:
+            open_ = np.flatnonzero(lo < hi)
+            if not open_.size:
+                break
+            t = movers[open_]
+            mid = (lo[open_] + hi[open_]) >> 1
+            crossed = np.take(running, self.base[t] + mid) <= self.cost(t, mid, machines)
+            hi[open_] = np.where(crossed, mid, hi[open_])
+            lo[open_] = np.where(crossed, lo[open_], mid + 1)
+        new = np.full(movers.size, np.inf)
+        inside = lo <= machines - 2
+        new[inside] = self.cost(movers[inside], lo[inside], machines)
+        if self.table is not None:
+            self.lookup[movers] -= lo - self.pointer[movers]
+        self.pointer[movers] = lo
+        self.left[movers] = np.take(running, self.base[movers] + lo - 1)
+        here[movers] = np.take(running, self.base[movers] + lo)
+        cost[movers] = new
+
     def at(self, t: np.ndarray | None, machines: int) -> np.ndarray:
         """Cost of the last stage of triples ``t`` (None: all) on ``machines - pointer``."""
         if self.table is not None:
-            return np.take(self.table, (self.lookup if t is None else self.lookup[t]) + machines)
-        if t is None:
-            return self.last(self.pair, machines - self.pointer, machines)
-        return self.last(self.pair[t], machines - self.pointer[t], machines)
+            cost = np.take(self.table, (self.lookup if t is None else self.lookup[t]) + machines)
+        elif t is None:
+            cost = self.last(self.pair, machines - self.pointer, machines)
+        else:
+            cost = self.last(self.pair[t], machines - self.pointer[t], machines)
+        if self.fits is not None:
+            pair, pointer = (self.pair, self.pointer) if t is None else \
+                (self.pair[t], self.pointer[t])
+            cost[~self.fits(pair, machines - pointer, machines)] = np.inf
+        return cost
 
     def _move(self, movers: np.ndarray, cost: np.ndarray, machines: int,
               running: np.ndarray, here: np.ndarray) -> np.ndarray:
@@ -192,8 +236,12 @@ class _Crossings:
             if self.here is None:
                 self.here = np.take(running, self.base + self.pointer)
             movers = np.flatnonzero(self.here > cost)
-            while movers.size:
+            for _ in range(_STEPS):
+                if not movers.size:
+                    break
                 movers = self._move(movers, cost, machines, running, self.here)
+            if movers.size:
+                self.jump(movers, cost, machines, running, self.here)
             return self.left, cost
         # a window: pointers start where their prefix can first run, so none is cached
         cost = self.at(active, machines)
@@ -204,14 +252,19 @@ class _Crossings:
         full = np.full(self.pair.size, np.inf)
         full[active] = cost
         movers = active[here[active] > cost]
-        while movers.size:
+        for _ in range(_STEPS):
+            if not movers.size:
+                break
             movers = self._move(movers, full, machines, running, here)
+        if movers.size:
+            self.jump(movers, full, machines, running, here)
         return self.left[active], full[active]
 
 
 def solve_table(n: int, ranges: Ranges, first: Callable[[int], np.ndarray], last: Cost, *,
                 replicate: bool = True, fewer: bool = False,
                 keep: Callable[[int, np.ndarray], None] | None = None, static: bool = False,
+                fits: Callable[[np.ndarray, np.ndarray, int], np.ndarray] | None = None,
                 windows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                 bound: float = np.inf,
                 progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -223,7 +276,8 @@ def solve_table(n: int, ranges: Ranges, first: Callable[[int], np.ndarray], last
     replicas, non-increasing in ``m >= 2`` and no larger at ``(m + 1, M + 1)`` than at
     ``(m, M)``. ``replicate=False``: one replica per stage. ``keep(M, row)`` may set entries of a
     finished row to ``inf`` (a band). ``static``: ``last`` ignores ``M`` (then it may be
-    tabulated).
+    tabulated). ``fits(pairs, m, M)``: where False the last stage is ``inf`` (a memory limit;
+    true at ``(m + 1, M + 1)`` wherever at ``(m, M)``).
 
     ``bound``: entries above it are ``inf`` (a plan no slower than it is known). Then
     ``windows = (prefix, start, stop)`` may say, per triple, the fewest machines its prefix
@@ -247,19 +301,19 @@ def solve_table(n: int, ranges: Ranges, first: Callable[[int], np.ndarray], last
         edges = np.r_[np.unique(cuts), pair.size]
         blocks = [(slice(a, b), np.searchsorted(heads, a), np.searchsorted(heads, b))
                   for a, b in zip(edges[:-1], edges[1:])]
-        crossings = [_Crossings(pair[part], prefix[part], last, tabulated, n)
+        crossings = [_Crossings(pair[part], prefix[part], last, tabulated, n, fits=fits)
                      for part, _, _ in blocks]
     else:
-        crossing = _Crossings(pair, prefix, last, tabulated, n, windows[0])
+        crossing = _Crossings(pair, prefix, last, tabulated, n, windows[0], fits)
         group_of = np.repeat(np.arange(heads.size), np.diff(np.r_[heads, pair.size]))
     for machines in range(1, n + 1):
         row = np.array(first(machines), dtype=np.float64).reshape(width)
         if pair.size and machines >= 2:
-            if alone is None or not static:
-                alone = np.take(last(every, np.ones(pairs, dtype=np.int64), machines), pair)
             before = table[machines - 1]
             crossed = replicate and machines >= 3
             if windows is None:
+                if alone is None or not static or fits is not None:
+                    alone = np.take(_alone(last, fits, every, machines), pair)
                 for (part, h0, h1), crossing_part in zip(blocks, crossings):
                     value = np.maximum(np.take(before, prefix[part]), alone[part])
                     if crossed:
@@ -273,7 +327,8 @@ def solve_table(n: int, ranges: Ranges, first: Callable[[int], np.ndarray], last
             else:
                 active = np.flatnonzero((windows[1] <= machines) & (windows[2] >= machines))
                 if active.size:
-                    value = np.maximum(np.take(before, prefix[active]), alone[active])
+                    value = np.maximum(np.take(before, prefix[active]),
+                                       _alone(last, fits, pair[active], machines))
                     if crossed:
                         left, right = crossing.advance(machines, flat_running, active)
                         np.minimum(value, np.minimum(left, right), out=value)
@@ -292,6 +347,15 @@ def solve_table(n: int, ranges: Ranges, first: Callable[[int], np.ndarray], last
         if progress is not None:
             progress(machines)
     return table, np.ascontiguousarray(running.T)
+
+
+def _alone(last: Cost, fits, pairs: np.ndarray, machines: int) -> np.ndarray:
+    """The last stage on one replica."""
+    ones = np.ones(pairs.size, dtype=np.int64)
+    value = last(pairs, ones, machines)
+    if fits is not None:
+        value[~fits(pairs, ones, machines)] = np.inf
+    return value
 
 
 def best_split(table: np.ndarray, running: np.ndarray, prefix: np.ndarray, pairs: np.ndarray,
