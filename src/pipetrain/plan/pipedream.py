@@ -205,6 +205,15 @@ class _Level:
         depth = (self.memory.workers - machines + 2 * m - 1) // m
         return depth <= self._deepest[p]
 
+    def _deep_enough(self, deepest: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """The fewest machines at which a last stage whose prefix needs ``lo`` fits: on
+        ``m <= M - lo`` replicas its depth is ``ceil((W - M + m) / m)``, at most ``deepest``
+        where it fits, so ``M >= (W + (deepest - 1) lo) / deepest``."""
+        d = deepest.astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.ceil((self.memory.workers + (d - 1) * lo) / d)
+        return np.where(d > 0, need, np.inf)
+
     def _deepest_fitting(self) -> np.ndarray:
         """Per pair: the largest depth ``d <= workers`` whose memory fits (0: none)."""
         k, j = self.ranges.pair_k, self.ranges.pair_j
@@ -319,14 +328,9 @@ class _Level:
         pair = self.ranges.pair
         start = lo[k[pair]] + replicas[pair]
         if self._limited():
-            # the last stage on m <= M - lo(k) replicas has depth ceil((W - M + m) / m), at
-            # most the deepest d that fits: so M >= (W + (d - 1) lo(k)) / d
             if not hasattr(self, "_deepest"):
                 self._deepest = self._deepest_fitting()
-            deepest = self._deepest[pair].astype(np.float64)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                need = np.ceil((self.memory.workers + (deepest - 1) * lo[k[pair]]) / deepest)
-            start = np.maximum(start, np.where(deepest > 0, need, np.inf))
+            start = np.maximum(start, self._deep_enough(self._deepest[pair], lo[k[pair]]))
         stop = self.n - g[j[pair]]
         as_int = (lambda x: np.clip(x, -1, self.n + 1).astype(np.int64))   # inf: never
         return (as_int(lo[k[pair]]), as_int(start), as_int(stop)), as_int(lo), \
@@ -550,6 +554,113 @@ class _Solver:
         return out
 
 
+class _MirrorLevel(_Level):
+    """A one-level table of the reversed model: entry ``M, 0 -> j`` is the original rest from
+    cut ``end - j`` to the end on ``M`` machines, so a stage's workers from here are the
+    entry's ``M`` whatever the total (:class:`_Mirror`).
+
+    Transfers as the original pays them: a stage pays for its input, and a middle stage also
+    for its output; so the original first stage (reversed: a last stage ending at ``end``)
+    pays nothing.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cuts = self.s.cuts
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        first = j == cuts.num_states - 1
+        if self.s.model == "paper":
+            self.pair_transfer = np.where(first, 0.0, 2.0 * cuts.output[j])
+        else:
+            self.pair_transfer = np.where(first, 0.0,
+                                          2.0 * np.maximum(cuts.output[k], cuts.output[j]))
+
+    def single(self, r, j, m, mode: str = "time", limit: bool = True):
+        """The original last stage: one stage to the end, with its input transfer."""
+        cuts = self.s.cuts
+        valid = cuts.ancestors[r, j]
+        if mode == "memory":
+            return np.where(valid, self._mem(r, j, m, m), np.inf)
+        value = _stage_time(self.s.model, self.seg(r, j), cuts.params[j] - cuts.params[r], m,
+                            self.bandwidth)
+        out = np.where(np.asarray(j) == cuts.num_states - 1, 0.0, cuts.output[j])
+        value = np.maximum(value, _transfer_in(self.s.model, out, m, self.bandwidth))
+        if limit and self._limited():
+            value = np.where(self._mem(r, j, m, m) > self.memory.limit, np.inf, value)
+        return np.where(valid, value, np.inf)
+
+    def last(self, p, m, machines: int, mode: str = "time"):
+        if mode == "memory":
+            k, j = self.ranges.pair_k[p], self.ranges.pair_j[p]
+            return self._mem(k, j, m, machines)
+        return super().last(p, m, machines, mode)
+
+    def fits(self, p, m, machines: int):
+        if not hasattr(self, "_deepest"):
+            self._deepest = self._deepest_fitting()
+        m = np.asarray(m)
+        return (machines + m - 1) // m <= self._deepest[p]
+
+    def _deep_enough(self, deepest: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """Depth ``ceil(M / m)`` with ``m <= M - lo``: ``M >= deepest lo / (deepest - 1)``."""
+        d = deepest.astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.ceil(d * lo / (d - 1))
+        return np.where(d > 1, need, np.inf)
+
+
+class _Mirror(_Solver):
+    """PipeDream's one-level DP built from the end of the model: the best plan on exactly
+    ``n`` workers for every ``n`` up to the topology's, memory limit included.
+
+    A stage's memory depends on the workers from it to the end; built from the start, that
+    needs the total, so idle workers (a smaller total) would need one solve per total. Built
+    from the end it does not: the reversed model (cut ``j`` is the original ``end - j``; the
+    prefix sums are negated so that every range's sums are the same floats) gives, in one
+    table, the time of every total, exactly as the solve for that total would.
+    """
+
+    def __init__(self, cuts: Cuts, topology: Topology, model: str, straight: bool,
+                 memory: _Memory) -> None:
+        flip = (lambda values: -values[::-1])
+        mirrored = dataclasses.replace(
+            cuts, compute=flip(cuts.compute), params=flip(cuts.params),
+            optimizer=flip(cuts.optimizer), activations=flip(cuts.activations),
+            output=cuts.output[::-1].copy(),
+            ancestors=np.ascontiguousarray(cuts.ancestors[::-1, ::-1].T))
+        super().__init__(mirrored, topology, model, straight, False, memory)
+        self.original = cuts
+
+    def best(self, mode: str = "time") -> np.ndarray:
+        """Per total ``n = 1..workers``: the best time (or, ``mode="memory"``, the smallest
+        memory limit that fits); with many workers, times above the best are ``inf``.
+
+        Many workers: machine windows (:mod:`pipetrain.plan.window`) from a bound that starts
+        at the best time without the memory limit, idle workers allowed (never slower than any
+        total with the limit) and widens until some total is within it.
+        """
+        compute = self.cuts.compute
+        end = self.cuts.num_states - 1
+
+        def solve(bound: float | None) -> np.ndarray:
+            level = _MirrorLevel(self, 0, lambda k, j: compute[j] - compute[k], None, bound)
+            return level.solve(mode=mode)[1:, 0, end]
+
+        if mode == "memory" or self.topology.workers < _WINDOW_MACHINES:
+            return solve(None)
+        relaxed = _Solver(self.original, self.topology, self.model, self.straight, True,
+                          dataclasses.replace(self.memory, limit=None))
+        bound = relaxed.solve()
+        for _ in range(_BAND_PASSES):
+            if not (math.isfinite(bound) and bound > 0):
+                break
+            times = solve(bound)
+            if times.min() <= bound:
+                return times
+            bound *= _BAND_GROWTH
+        return solve(None)
+
+
 def optimize(profile: Profile | Cuts, topology: Topology | int, *,
              cost_model: str = "pipedream-code", straight: bool = False,
              fewer_machines: bool = False, memory_limit: float | None = None,
@@ -569,15 +680,18 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
     if memory_limit is not None and fewer_machines and topology.levels == 1:
-        # idle workers change every stage's in-flight count: solve each worker count exactly
-        solvers = [_Solver(cuts, Topology.flat(n, topology.bandwidths[0]), cost_model, straight,
-                           False, _Memory(memory_limit, schedule, int(microbatches), n))
-                   for n in range(1, topology.workers + 1)]
-        times = [solver.solve() for solver in solvers]
+        # idle workers change every stage's in-flight count: the best plan on exactly n workers
+        # for every n at once (built from the end), then the fastest n solved as usual
+        memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
+        times = _Mirror(cuts, topology, cost_model, straight, memory).best()
         pick = int(np.argmin(times))
-        solver, best = solvers[pick], times[pick]
+        flat = Topology.flat(pick + 1, topology.bandwidths[0])
+        solver = _Solver(cuts, flat, cost_model, straight, False,
+                         _Memory(memory_limit, schedule, int(microbatches), pick + 1))
+        best = solver.solve() if math.isfinite(times[pick]) else math.inf
         if not math.isfinite(best):
-            smallest = min(s.smallest_memory() for s in solvers)
+            smallest = float(np.min(_Mirror(cuts, topology, cost_model, straight,
+                                             memory).best(mode="memory")))
             _explain_infeasible(solver, cuts, topology, straight, True, memory_limit, schedule,
                                 smallest)
     else:
