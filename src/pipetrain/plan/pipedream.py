@@ -42,8 +42,8 @@ from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import check_schedule, format_bytes, stage_memory
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
+from pipetrain.plan.effort import Effort
 from pipetrain.plan.sweep import best_split, build_ranges, solve_table
-from pipetrain.plan.sweep import work as sweep_work
 from pipetrain.plan.topology import Topology
 from pipetrain.plan.window import (fewest, nested_ranges, prefix_fewest, suffix_fewest,
                                    threshold, upper_bound)
@@ -54,6 +54,7 @@ COST_MODELS = ("pipedream-code", "paper")
 _BAND_START = 2.0   # first upper bound on a banded solve: this many times the lower bound
 _BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bound, this times
 _BAND_PASSES = 8    # banded solves before the whole table
+_BAND_JUMP = 0.5    # a band this much of data parallelism's: solve that one (exact) instead
 _WINDOW_MACHINES = 64  # last levels with this many machines or more are solved in windows
 
 
@@ -143,8 +144,18 @@ class _Level:
                                     np.maximum(cuts.output[k], out))
         self.table = self.running = None
 
-    def work(self) -> int:
-        return sweep_work(self.n, self.ranges.triples)
+    def effort(self, windows: tuple[np.ndarray, ...] | None = None) -> Effort:
+        """What this level's sweep will cost (:mod:`pipetrain.plan.effort`)."""
+        top = self.s.topology
+        if windows is None:
+            elements = self.n * self.ranges.triples
+        else:
+            _, start, stop = windows
+            elements = int(np.clip(np.minimum(stop, self.n) - np.maximum(start, 2) + 1, 0,
+                                   None).sum())
+        what = f"{self.n:,} workers" if top.levels == 1 else \
+            f"level {self.index + 1} of {top.levels} ({self.n:,} machines)"
+        return Effort(self.n, elements, len(self.rows) * self.s.cuts.num_states, what)
 
     # costs ----------------------------------------------------------------------------------
     def _mem(self, k, j, m, workers_from_here):
@@ -251,8 +262,7 @@ class _Level:
 
         return first
 
-    def solve(self, mode: str = "time", progress: Callable[[int], None] | None = None
-              ) -> np.ndarray:
+    def solve(self, mode: str = "time") -> np.ndarray:
         """Fill ``table[machines, row, j]`` for every machine count, row and cut ``j``."""
         static = mode == "time" and not self._limited()
         windows, bound, keep = None, math.inf, None
@@ -270,10 +280,16 @@ class _Level:
             last, fits = (lambda p, m, machines: self.last_time(p, m)), self.fits
         else:
             last, fits = (lambda p, m, machines: self.last(p, m, machines, mode)), None
-        table, running = solve_table(
-            self.n, self.ranges, self._first(mode), last, fits=fits,
-            replicate=not self.s.straight, fewer=self.s.fewer, keep=keep,
-            static=static or limited, windows=windows, bound=bound, progress=progress)
+        effort = self.effort(windows)
+        effort.check()
+        progress, done = effort.progress(self.s.progress)
+        try:
+            table, running = solve_table(
+                self.n, self.ranges, self._first(mode), last, fits=fits,
+                replicate=not self.s.straight, fewer=self.s.fewer, keep=keep,
+                static=static or limited, windows=windows, bound=bound, progress=progress)
+        finally:
+            done()
         shape = (self.n + 1, len(self.rows), self.s.cuts.num_states)
         table, running = table.reshape(shape), running.reshape(shape)
         if mode == "time":
@@ -370,6 +386,8 @@ class _Level:
 
 
 class _Solver:
+    progress = False   # show progress of long tables (a bar on a terminal, one line otherwise)
+
     def __init__(self, cuts: Cuts, topology: Topology, model: str, straight: bool,
                  fewer: bool, memory: _Memory) -> None:
         self.cuts = cuts
@@ -389,6 +407,7 @@ class _Solver:
             # windows start (they never depend on the limit); widen until the plan is inside
             relaxed = _Solver(self.cuts, self.topology, self.model, self.straight, self.fewer,
                               dataclasses.replace(self.memory, limit=None))
+            relaxed.progress = self.progress
             bound = relaxed.solve()
             for _ in range(_BAND_PASSES):
                 if not (math.isfinite(bound) and bound > 0):
@@ -406,22 +425,46 @@ class _Solver:
         # ranges. A banded solution no slower than U is the exact optimum (the optimal plan
         # lies inside the band). U starts at _BAND_START times a lower bound and grows to the
         # banded solution's time (a plan, so the next pass is exact) or by _BAND_GROWTH; after
-        # _BAND_PASSES tries the whole table is solved. Passes below the optimum are cheap:
-        # their bands are narrow or empty.
+        # _BAND_PASSES tries the whole table is solved. Passes below the optimum are cheap
+        # where their bands are narrow; where a band is about as wide as that of plain data
+        # parallelism (a plan: one stage at every level), that is solved instead, exactly.
+        cap = math.inf
+        if not self.straight:
+            cap = data_parallel_time(float(self.cuts.compute[-1]), float(self.cuts.params[-1]),
+                                     self.topology, self.model)
+        capped = None
         bound = _BAND_START * self._lower_bound()
         for _ in range(_BAND_PASSES):
             if not (math.isfinite(bound) and bound > 0):
                 break
-            value = self._solve_band(bound)
+            band = self._band(min(bound, cap))
+            if bound < cap and math.isfinite(cap):
+                capped = self._band(cap) if capped is None else capped
+                if self._band_work(band) >= _BAND_JUMP * self._band_work(capped):
+                    bound, band = cap, capped
+            bound = min(bound, cap)
+            value = math.inf if band is None else self._solve_levels(band, bound)
             if value <= bound:
                 return value
             bound = min(value, _BAND_GROWTH * bound)
         return self._solve_levels(None)
 
-    def _solve_band(self, bound: float) -> float:
-        """The best plan within ``bound`` (``inf`` if there is none), solved in its band."""
-        band = self._band(bound)
-        return math.inf if band is None else self._solve_levels(band, bound)
+    def _band_work(self, band: np.ndarray | None) -> float:
+        """About how many (triple, machine count) steps the levels solve in ``band``."""
+        if band is None:
+            return 0.0
+        cuts = self.cuts
+        states = np.arange(cuts.num_states)
+        inner = np.maximum(states[None, :] - states[:, None] - 1, 0)    # cuts between
+        machines = self.topology.machines
+        work = machines[-1] * float(inner[0][band[0]].sum() + band[1:].sum())
+        if len(machines) > 1:
+            prefixes = nested_ranges(band, cuts.ancestors, cuts.chain, prefixes=True)
+            work += machines[-2] * float(inner[prefixes].sum())
+        if len(machines) > 2:
+            nested = nested_ranges(band, cuts.ancestors, cuts.chain)
+            work += sum(machines[:-2]) * float(inner[nested].sum())
+        return work
 
     def range_bound(self, k, j):
         """A lower bound on any last-level stage over ``k -> j``: non-decreasing as it grows.
@@ -650,6 +693,7 @@ class _Mirror(_Solver):
             return solve(None)
         relaxed = _Solver(self.original, self.topology, self.model, self.straight, True,
                           dataclasses.replace(self.memory, limit=None))
+        relaxed.progress = self.progress
         bound = relaxed.solve()
         for _ in range(_BAND_PASSES):
             if not (math.isfinite(bound) and bound > 0):
@@ -664,11 +708,15 @@ class _Mirror(_Solver):
 def optimize(profile: Profile | Cuts, topology: Topology | int, *,
              cost_model: str = "pipedream-code", straight: bool = False,
              fewer_machines: bool = False, memory_limit: float | None = None,
-             schedule: str = "pipedream", microbatches: int = 1) -> Plan:
+             schedule: str = "pipedream", microbatches: int = 1,
+             progress: bool = False) -> Plan:
     """Partition ``profile`` over ``topology`` with PipeDream's optimizer.
 
     ``topology`` is a :class:`Topology` or a worker count (one level at 1e9 B/s). Returns a
     :class:`Plan` whose ``predicted_time_per_minibatch`` is the slowest stage's time.
+    ``progress``: show the progress of tables that take more than a few seconds (a bar on a
+    terminal, one line on stderr otherwise). A size that would not finish here is refused with
+    the largest that would (:mod:`pipetrain.plan.effort`).
     """
     if cost_model not in COST_MODELS:
         raise ConfigError(f"unknown cost model {cost_model!r}; choose {' or '.join(COST_MODELS)}")
@@ -683,20 +731,23 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
         # idle workers change every stage's in-flight count: the best plan on exactly n workers
         # for every n at once (built from the end), then the fastest n solved as usual
         memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
-        times = _Mirror(cuts, topology, cost_model, straight, memory).best()
+        mirror = _Mirror(cuts, topology, cost_model, straight, memory)
+        mirror.progress = progress
+        times = mirror.best()
         pick = int(np.argmin(times))
         flat = Topology.flat(pick + 1, topology.bandwidths[0])
         solver = _Solver(cuts, flat, cost_model, straight, False,
                          _Memory(memory_limit, schedule, int(microbatches), pick + 1))
+        solver.progress = progress
         best = solver.solve() if math.isfinite(times[pick]) else math.inf
         if not math.isfinite(best):
-            smallest = float(np.min(_Mirror(cuts, topology, cost_model, straight,
-                                             memory).best(mode="memory")))
+            smallest = float(np.min(mirror.best(mode="memory")))
             _explain_infeasible(solver, cuts, topology, straight, True, memory_limit, schedule,
                                 smallest)
     else:
         memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
         solver = _Solver(cuts, topology, cost_model, straight, fewer_machines, memory)
+        solver.progress = progress
         best = solver.solve()
         if not math.isfinite(best):
             _explain_infeasible(solver, cuts, topology, straight, fewer_machines, memory_limit,

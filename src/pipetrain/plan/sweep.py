@@ -25,8 +25,8 @@ min over ``m`` cost ``O(1)`` amortised per (row, k, j) and machine count, exactl
    back. One pointer per (row, k, j) walks forward: at most ``n`` steps over the whole sweep.
 
 Each machine count is one vectorised step over every (row, k, j) triple at once, then a
-segmented min per (row, j). The work is about ``n * triples`` (see :func:`work`), which is also
-what the planner checks before it starts.
+segmented min per (row, j). The work is about ``n * triples``, which is also what the planner
+checks before it starts (:mod:`pipetrain.plan.effort`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["Ranges", "build_ranges", "solve_table", "best_split", "work"]
+__all__ = ["Ranges", "build_ranges", "solve_table", "best_split"]
 
 # (pairs, replicas, machines of the whole entry) -> seconds (or bytes); replicas >= 1
 Cost = Callable[[np.ndarray, np.ndarray, int], np.ndarray]
@@ -108,11 +108,6 @@ def build_ranges(ancestors: np.ndarray, rows: np.ndarray, band: np.ndarray | Non
     return Ranges(rows=rows, states=states, pair_k=pair_k, pair_j=pair_j, pair_id=pair_id,
                   row=row, pair=pair, prefix=row * states + pair_k[pair], heads=heads,
                   groups=key[heads])
-
-
-def work(machines: int, triples: int) -> int:
-    """Element steps of one level's sweep: one per triple and machine count."""
-    return int(machines) * int(triples)
 
 
 def _tabulate(cost: Cost, pairs: int, machines: int) -> np.ndarray | None:
