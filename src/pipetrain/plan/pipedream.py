@@ -223,7 +223,7 @@ class _Level:
         d = deepest.astype(np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             need = np.ceil((self.memory.workers + (d - 1) * lo) / d)
-        return np.where(d > 0, need, np.inf)
+        return np.where((d > 0) & np.isfinite(lo), need, np.inf)
 
     def _deepest_fitting(self) -> np.ndarray:
         """Per pair: the largest depth ``d <= workers`` whose memory fits (0: none)."""
@@ -649,7 +649,7 @@ class _MirrorLevel(_Level):
         d = deepest.astype(np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             need = np.ceil(d * lo / (d - 1))
-        return np.where(d > 1, need, np.inf)
+        return np.where((d > 1) & np.isfinite(lo), need, np.inf)
 
 
 class _Mirror(_Solver):
