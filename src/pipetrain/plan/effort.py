@@ -46,10 +46,20 @@ class Effort:
     def largest(self) -> int:
         """The most machines this level could have within both limits, the work per machine
         count staying what it is."""
-        per_machine = STEP_SECONDS + self.elements * ELEMENT_SECONDS / max(self.machines, 1)
-        by_time = math.floor(LIMIT_SECONDS / per_machine)
-        by_bytes = math.floor(LIMIT_BYTES / (16.0 * self.width)) - 1
-        return max(0, min(by_time, by_bytes))
+        per_machine = self.elements / max(self.machines, 1)
+
+        def fits(machines: int) -> bool:
+            size = Effort(machines, round(per_machine * machines), self.width, self.what)
+            return size.seconds <= LIMIT_SECONDS and size.bytes <= LIMIT_BYTES
+
+        count = max(0, min(math.floor(LIMIT_SECONDS / (STEP_SECONDS + per_machine *
+                                                       ELEMENT_SECONDS)),
+                           math.floor(LIMIT_BYTES / (16.0 * self.width)) - 1))
+        while count > 0 and not fits(count):        # the guess is off by rounding at most
+            count -= 1
+        while fits(count + 1):
+            count += 1
+        return count
 
     def check(self) -> None:
         """Refuse a table that would not finish (or fit) here, naming the size that would."""
