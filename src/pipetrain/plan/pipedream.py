@@ -25,6 +25,15 @@ more workers never give a worse plan), and a memory limit per worker for a singl
 weight versions and minibatches of activations). Deviation from the public code, on purpose: with
 ``fewer_machines`` a one-layer range may also use fewer replicas, and for DAG models the ranges of
 inner levels are only ever between nested cuts (the public code also subtracts unrelated ones).
+
+The tables are the recurrence's, filled so that thousands of workers take seconds (docs/planner.md,
+"How it stays fast"): one machine count at a time with a crossing pointer per (row, k, j) instead
+of a min over every ``m'`` (:mod:`pipetrain.plan.sweep`); large last levels only inside the
+machine counts a plan within a bisected time can use (:mod:`pipetrain.plan.window`); several levels
+in a band of the stages such a plan can have (:meth:`_Solver._band`); idle workers under a memory
+limit by one DP built from the end of the model (:class:`_Mirror`). Each table's cost is
+estimated first: long ones show progress, ones that would not finish are refused
+(:mod:`pipetrain.plan.effort`).
 """
 
 from __future__ import annotations
@@ -239,9 +248,6 @@ class _Level:
             ok = self._mem(k[open_], j[open_], 1, mid) <= limit
             lo[open_] = np.where(ok, mid, lo[open_])
             hi[open_] = np.where(ok, hi[open_], mid - 1)
-
-    def tin(self, k, m):
-        return _transfer_in(self.s.model, self.s.cuts.output[k], m, self.bandwidth)
 
     # the table ----------------------------------------------------------------------------
     def _first(self, mode: str) -> Callable[[int], np.ndarray]:
