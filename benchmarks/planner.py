@@ -3,6 +3,7 @@
     PYTHONPATH=src python benchmarks/planner.py            # everything (a few minutes)
     PYTHONPATH=src python benchmarks/planner.py --quick    # skip the slower extra topologies
     PYTHONPATH=src python benchmarks/planner.py --scale-only --before /tmp/old/src
+    PYTHONPATH=src python benchmarks/planner.py --scale-only --before /tmp/old/src --agree 600
 
 Prints (1) PipeDream's published predictions next to ours under both cost models, (2) solve
 seconds (reading excluded, best of 3) for resnet50 on 16 workers and gnmt_large on 4, against a
@@ -13,7 +14,8 @@ against a 10 s budget (and two 2-level topologies), (4) the planner at scale: se
 ``--rounds``; with ``--before SRC`` the same cases also run on another source tree (an older
 pipetrain, e.g. ``git archive fdb67d3 src | tar -x -C /tmp/old``), alternating with this one
 (after, before, after, ...), each before-run cut at ``--timeout`` seconds. Ratios below 1 meet the
-budget.
+budget. ``--agree N`` (with ``--before``) also plans N random small cases with both trees and
+counts those whose plans differ.
 
 The 200-layer profiles are synthetic and deterministic (``synthetic_chain``,
 ``synthetic_residual`` below) besides PipeDream's published resnet50 (177 layers, 240 cuts).
@@ -210,6 +212,8 @@ def _run_case(src: Path, case: tuple, timeout: float) -> dict | None:
 
 
 def scale(before: Path | None, rounds: int, timeout: float) -> None:
+    if rounds < 1:
+        return
     print("\n== the planner at scale: solve seconds per case, fresh process, one thread, best "
           f"of {rounds} (before: one run, cut at {timeout:.0f} s)")
     print(f"{'profile':12} {'cuts':>4} {'topology':28} {'options':36} {'after wall':>10} "
@@ -236,6 +240,67 @@ def scale(before: Path | None, rounds: int, timeout: float) -> None:
               f"{len(best['replicas'])} stages{same}", flush=True)
 
 
+def _agree_child(first: int, last: int) -> None:
+    """Plans of random cases ``first..last - 1`` as JSON lines (``--agree-child``)."""
+    import json
+
+    from pipetrain.errors import PipetrainError
+
+    for seed in range(first, last):
+        rng = np.random.default_rng(seed)
+        if seed % 4 == 3:
+            profile = synthetic_residual(int(rng.integers(3, 40)), seed)
+        else:
+            layers, spread = int(rng.integers(2, 40)), (1, 10, 1000)[seed % 3]
+            profile = Profile([LayerProfile(
+                f"l{i}", forward_s=float(rng.uniform(1e-3, 1e-3 * spread)),
+                parameter_bytes=float(rng.uniform(0, 5e7)) * (rng.random() < 0.7),
+                activation_bytes=float(rng.uniform(0, 5e6)),
+                optimizer_bytes=float(rng.uniform(0, 5e7))) for i in range(layers)])
+        machines = [(int(rng.integers(2, 300)),),
+                    (int(rng.integers(1, 6)), int(rng.integers(1, 40))),
+                    (2, int(rng.integers(1, 4)), int(rng.integers(1, 20)))][seed % 3]
+        bandwidths = (1e10, 1e9, 1e8)[-len(machines):] if len(machines) > 1 else \
+            ((1e8, 1e9, 1e10)[seed % 3],)
+        fewer, straight = bool(rng.random() < 0.4), bool(rng.random() < 0.2)
+        memory = None
+        if len(machines) == 1 and rng.random() < 0.4:
+            memory = float(rng.uniform(0.5e9, 8e9))
+            fewer = fewer and machines[0] <= 40
+        schedule = ("pipedream", "2bw", "1f1b")[seed % 3]
+        try:
+            plan = optimize(profile, Topology(machines, bandwidths),
+                            cost_model=("pipedream-code", "paper")[seed % 2], straight=straight,
+                            fewer_machines=fewer, memory_limit=memory, schedule=schedule,
+                            microbatches=1 if schedule == "pipedream" else 4)
+            result = [plan.predicted_time_per_minibatch, plan.replicas,
+                      [s.layers for s in plan.stages],
+                      [list(s.replicas_per_level) for s in plan.stages]]
+        except PipetrainError as error:
+            result = str(error)
+        print(json.dumps([seed, result]), flush=True)
+
+
+def agree(before: Path, cases: int) -> None:
+    """Random small cases (chains and residual DAGs; 1 to 3 levels; both cost models; idle
+    workers, straight pipelines, memory limits, schedules) planned by both source trees: the
+    number whose plans differ in time, replicas, layers per stage, replicas per level or error."""
+    import json
+    import subprocess
+
+    def plans(src: Path) -> list:
+        env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--agree-child",
+                               f"0,{cases}"], env=env, capture_output=True, text=True,
+                              check=True)
+        return [json.loads(line) for line in done.stdout.splitlines()]
+
+    after, old = plans(ROOT / "src"), plans(before)
+    differ = [a[0] for a, b in zip(after, old) if a != b]
+    print(f"\n== {cases} random cases planned by this tree and by {before}: "
+          f"{len(differ)} differ{(' (seeds ' + ', '.join(map(str, differ[:10])) + ')') if differ else ''}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -243,14 +308,22 @@ def main() -> int:
     parser.add_argument("--before", type=Path, help="an older source tree to run beside")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--agree", type=int, default=0, metavar="N",
+                        help="with --before: plan N random small cases with both trees")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--agree-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args.child)
         return 0
+    if args.agree_child:
+        _agree_child(*map(int, args.agree_child.split(",")))
+        return 0
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
           f"{platform.python_version()}, numpy {np.__version__}, load average "
           f"{os.getloadavg()[0]:.1f} (wall seconds grow with load; CPU seconds much less)")
+    if args.agree and args.before is not None:
+        agree(args.before, args.agree)
     if args.scale_only:
         scale(args.before, args.rounds, args.timeout)
         return 0
