@@ -84,7 +84,8 @@ def build_ranges(ancestors: np.ndarray, rows: np.ndarray, band: np.ndarray | Non
     allowed[0] = False                      # a last stage starts after at least one layer
     if band is not None:
         allowed &= band
-    pair_j, pair_k = np.nonzero(allowed.T)  # numbered by j, then k: a group's pairs are
+    by_end = np.ascontiguousarray(allowed.T)              # [j, k]
+    pair_j, pair_k = np.nonzero(by_end)     # numbered by j, then k: a group's pairs are
     pair_id = np.full((states, states), -1, dtype=np.int64)    # consecutive
     pair_id[pair_k, pair_j] = np.arange(pair_k.size)
     rows = np.asarray(rows, dtype=np.int64)
@@ -95,12 +96,16 @@ def build_ranges(ancestors: np.ndarray, rows: np.ndarray, band: np.ndarray | Non
         if last <= r + 1:
             continue
         inner = slice(r + 1, last + 1)
-        # k -> j with r -> k a stage, grouped by j (transposed nonzero: j-major, then k)
-        mask = ancestors[r, inner][None, :] & allowed[inner, inner].T & ends[inner][:, None]
-        jj, kk = np.nonzero(mask)
-        if jj.size:
-            chunks_row.append(np.full(jj.size, index, dtype=np.int64))
-            chunks_pair.append(pair_id[kk + r + 1, jj + r + 1])
+        if rows.size == 1 and ends[inner].all() and ancestors[r, inner].all():
+            chosen = np.flatnonzero((pair_k > r) & (pair_j <= last))  # every pair after r
+        else:
+            # k -> j with r -> k a stage, grouped by j (nonzero of [j, k]: j-major, then k)
+            mask = ancestors[r, inner][None, :] & by_end[inner, inner] & ends[inner][:, None]
+            jj, kk = np.nonzero(mask)
+            chosen = pair_id[kk + r + 1, jj + r + 1]
+        if chosen.size:
+            chunks_row.append(np.full(chosen.size, index, dtype=np.int64))
+            chunks_pair.append(chosen)
     row = np.concatenate(chunks_row) if chunks_row else np.zeros(0, dtype=np.int64)
     pair = np.concatenate(chunks_pair) if chunks_pair else np.zeros(0, dtype=np.int64)
     key = row * states + pair_j[pair]
