@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -85,6 +85,7 @@ class Emulator:
             Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
         )
         mailbox: dict[tuple, tuple] = {}
+        labels: dict[int, Any] = {}  # unit -> targets, read with its inputs at stage 0 (as the runtime sends them on)
         outbox: dict[tuple, tuple] = {}
         waiting: dict[tuple, int] = {}
         syncs: dict[tuple[int, int], list] = {}
@@ -145,9 +146,12 @@ class Emulator:
                         executor = stages[stage]
                         if stage == 0:
                             inputs, target = self.data.unit(k)
+                            if stage != last_stage:
+                                labels[k] = target
+                                target = None
                         else:
                             inputs = mailbox.pop(("F", stage, k))
-                            target = self.data.unit(k)[1] if stage == last_stage else None
+                            target = labels.pop(k) if stage == last_stage else None
                         _, first, end = layout.bounds(k)
                         out = executor.forward(
                             k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=end - first

@@ -14,6 +14,7 @@ class TrainConfig:
     model: str = "mlp:depth=2,width=128"
     data: str = "digits"
     test_data: str | None = None
+    holdout: float | None = None  # fraction of --data held out for evaluation (default: none)
     schedule: str | None = None  # None: the plan's, else 1f1b
     stages: int | None = None
     balance: list[int] | None = None
@@ -48,6 +49,8 @@ class TrainConfig:
     resume: bool | str = False
     progress: bool = True
     extra: dict[str, str] = field(default_factory=dict)
+    data_workers: int | None = None  # DataLoader worker processes for plain data sets (None: the default, 1)
+    pin_memory: bool = False  # page-locked batches (with an accelerator)
 
     def fingerprint(self) -> dict[str, object]:
         """What a checkpoint must agree on to be resumed by this run."""

@@ -70,6 +70,8 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     if steady is not None:
         extra["steady_samples_per_s"] = steady
     extra["update_seconds"] = ends  # loss curves against wall time
+    if getattr(run, "data_note", ""):
+        extra["data"] = run.data_note  # where the held-out data came from, how batches were read
     return TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,

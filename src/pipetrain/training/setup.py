@@ -48,6 +48,7 @@ class Run:
     dtype: torch.dtype
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
+    data_note: str = ""  # one line: where the held-out data comes from (pipetrain.data.load_data)
 
     @property
     def num_stages(self) -> int:
@@ -92,18 +93,17 @@ class Run:
         return self._messages
 
     def unit_data(self, prefetch: Sequence[int] | None = None) -> UnitData:
-        """The run's training data by unit; ``prefetch``: the updates the caller reads, in order,
-        to read each batch ahead on a background thread (see :class:`UnitData`)."""
+        """The run's training data by unit; ``prefetch``: the updates the caller reads, in order
+        (default: every update of the run), read ahead as :class:`~pipetrain.data.DatasetBatches`
+        says (background thread, or DataLoader worker processes under per-update seeds)."""
+        from pipetrain.data import DatasetBatches
 
-        def get_batch(dataset: Dataset, indices: Tensor):
-            from pipetrain.data import get_batch as read
-
-            x, y = read(dataset, indices)
-            if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != self.dtype:
-                x = x.to(self.dtype)
-            return x, y
-
-        return UnitData(self.train_set, self.layout, self.sampler.indices, get_batch, prefetch=prefetch)
+        batches = DatasetBatches(
+            self.train_set, self.sampler.indices, seed=self.config.seed,
+            order=range(self.updates) if prefetch is None else prefetch,
+            workers=self.config.data_workers, pin_memory=self.config.pin_memory, dtype=self.dtype,
+        )
+        return UnitData.of(batches, self.layout)
 
     def make_executor(self, rank: int, stage: int) -> StageExecutor:
         """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies)."""
@@ -221,7 +221,8 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
 
 def prepare(config: TrainConfig) -> Run:
     """Build everything the run needs from ``config`` (deterministic)."""
-    from pipetrain.data import BatchSampler, dataset_info, load_dataset, load_train_test
+    from pipetrain.data import BatchSampler, load_data
+    from pipetrain.data.batches import describe_reading
     from pipetrain.models import build_model, refuse_batchnorm
     from pipetrain.stages import split_model
 
@@ -236,11 +237,9 @@ def prepare(config: TrainConfig) -> Run:
         raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
     stages = _stage_count(config, name)
 
-    if config.test_data:
-        train_set, test_set = load_dataset(config.data), load_dataset(config.test_data)
-    else:
-        train_set, test_set = load_train_test(config.data)
-    info = dataset_info(train_set)
+    describe_reading(None, config.data_workers)  # a bad --data-workers fails before the data loads
+    train_set, test_set, info, data_note = load_data(config.data, config.test_data, config.holdout)
+    data_note = f"{data_note}; training batches read {describe_reading(train_set, config.data_workers)}"
     model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed)
     model = model.to(dtype)
 
@@ -317,5 +316,5 @@ def prepare(config: TrainConfig) -> Run:
     return Run(
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=loss_fn, delays=delays, grad_scales=grad_scales,
-        updates=updates, dtype=dtype,
+        updates=updates, dtype=dtype, data_note=data_note,
     )
