@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from pipetrain.data.info import reads_by_index
 from pipetrain.data.updates import UpdateBatches, raise_failed
@@ -47,7 +47,13 @@ def resolve_workers(workers: int | None) -> int:
 
 
 def describe_reading(dataset: Dataset, workers: int | None) -> str:
-    """How :class:`DatasetBatches` will read ``dataset``'s batches ahead, in words."""
+    """How :class:`DatasetBatches` (or, for a DataLoader, :class:`~pipetrain.data.LoaderBatches`)
+    will read ``dataset``'s batches ahead, in words."""
+    if isinstance(dataset, DataLoader):
+        count = int(dataset.num_workers or 0)
+        return "from the DataLoader, " + (
+            f"in its {count} worker process{'es' * (count > 1)}" if count else "on the training thread"
+        )
     if reads_by_index(dataset):
         return "by index, one update ahead on a background thread"
     workers = resolve_workers(workers)

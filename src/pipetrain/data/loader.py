@@ -40,14 +40,39 @@ from pipetrain.data.seeding import data_seed, seeded
 from pipetrain.data.updates import DataReadError
 from pipetrain.errors import ConfigError, PipetrainError
 
-__all__ = ["LoaderBatches"]
+__all__ = ["LoaderBatches", "loader_info"]
+
+
+def loader_info(loader: DataLoader, where: str = "the DataLoader") -> "DataInfo":
+    """What the model needs to know of a DataLoader's data: :func:`~pipetrain.data.info.dataset_info`
+    of its (map-style) data set, one sample read; an ``IterableDataset`` must declare
+    ``num_classes``, and gives the input shape of its first sample."""
+    from pipetrain.data.info import DataInfo, check_sample, dataset_info
+
+    dataset = loader.dataset
+    if not isinstance(dataset, IterableDataset):
+        return dataset_info(dataset)
+    num_classes = getattr(dataset, "num_classes", None)
+    if num_classes is None:
+        raise ConfigError(
+            f"{where} reads an IterableDataset ({type(dataset).__name__}): give it a num_classes attribute, "
+            "the class count the model is built for"
+        )
+    with seeded(0):
+        first = next(iter(dataset), None)
+    if first is None:
+        raise ConfigError(f"{where}'s IterableDataset yielded no sample")
+    x, _ = check_sample(first, where)
+    return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
 
 
 class LoaderBatches:
     """``batch(update)``: the ``update``-th full batch ``(x, y)`` of ``loader`` over its epochs
-    (see the module docstring); ``dtype`` casts floating-point inputs. :meth:`close` at the end."""
+    (see the module docstring); ``dtype`` casts floating-point inputs; ``batch_size``: the run's
+    (it must match the loader's). :meth:`close` at the end."""
 
-    def __init__(self, loader: Any, *, seed: int = 0, dtype: torch.dtype | None = None, keep: int = 16) -> None:
+    def __init__(self, loader: Any, *, seed: int = 0, dtype: torch.dtype | None = None, batch_size: int | None = None,
+                 keep: int = 16) -> None:
         if not hasattr(loader, "__iter__") or hasattr(loader, "__next__"):
             raise ConfigError(
                 f"the data must be a DataLoader (or another object that starts an epoch with iter()), got a "
@@ -58,6 +83,13 @@ class LoaderBatches:
         self.dtype = dtype
         self.keep = keep
         self.batch_size: int | None = getattr(loader, "batch_size", None)
+        if batch_size is not None:
+            if self.batch_size is not None and self.batch_size != batch_size:
+                raise ConfigError(
+                    f"the DataLoader's batch_size is {self.batch_size} but the run's batch size is {batch_size}: "
+                    f"give --batch-size {self.batch_size} (one loader batch is one update)"
+                )
+            self.batch_size = batch_size
         self.epoch = 0  # the epoch being read
         self.skipped = 0  # short batches dropped
         self._iterator: Iterator[Any] | None = None

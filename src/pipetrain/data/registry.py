@@ -7,7 +7,7 @@ import inspect
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from pipetrain.data.digits import load_digits
 from pipetrain.data.info import DataInfo, check_sample, dataset_info
@@ -52,7 +52,10 @@ def _load(spec: Spec, overrides: dict[str, Any]) -> tuple[Dataset, object]:
         factory = DATASETS[spec.name]  # type: ignore[index]
         return call_factory(factory, kwargs, what=f"data set {spec.name!r}"), None
     factory = resolve_factory(spec, kind="data")
-    return _validate(call_factory(factory, kwargs, what=f"data factory {spec.label}"), spec)
+    made = call_factory(factory, kwargs, what=f"data factory {spec.label}")
+    if isinstance(made, DataLoader):
+        return made, None  # read as it is (pipetrain.data.loader)
+    return _validate(made, spec)
 
 
 def load_dataset(spec: str | Spec, **overrides: Any) -> Dataset:
@@ -61,7 +64,8 @@ def load_dataset(spec: str | Spec, **overrides: Any) -> Dataset:
     ``digits`` is the 1437-sample train split (``digits:split=test`` the 360-sample test split,
     ``digits:split=all`` all 1797); ``synthetic:features=N,classes=C,samples=K,seed=S``;
     ``text:source=stdlib,block_size=64[,min_length=L]`` (next-character pairs); or
-    ``PKG.MOD:FACTORY[:k=v,...]`` returning a Dataset of ``(x, y)`` pairs.
+    ``PKG.MOD:FACTORY[:k=v,...]`` returning a Dataset of ``(x, y)`` pairs (or a DataLoader of
+    ``(x, y)`` batches).
     """
     return _load(_spec(spec), dict(overrides))[0]
 
@@ -135,6 +139,10 @@ def load_data(
     data (``split=train`` when the factory has splits), cut by :func:`split_indices`; the data
     set's own test split (built-ins, factories with a ``split`` parameter); or none at all (no
     evaluation). Nothing is held out unless asked for.
+
+    A factory may return a ``DataLoader``: it is the training data as it is (read by
+    :class:`~pipetrain.data.LoaderBatches`), and a held-out DataLoader is evaluated through its
+    data set.
     """
     spec = _spec(spec)
     overrides = dict(overrides)
@@ -149,6 +157,11 @@ def load_data(
         test = _load(test_spec, {})[0]
         note = f"held-out data: --test-data {test_spec.text} ({len(test)} samples)"  # type: ignore[arg-type]
     elif holdout is not None:
+        if isinstance(train, DataLoader):
+            raise ConfigError(
+                f"--holdout cuts a Dataset, but {spec.label} returns a DataLoader: give the factory a split= "
+                "parameter or use --test-data"
+            )
         kept, held = split_indices(len(train), holdout)  # type: ignore[arg-type]
         first = first if kept[0] == 0 else None
         full, train, test = train, Subset(train, kept), Subset(train, held)
@@ -165,4 +178,12 @@ def load_data(
             f"held-out data: none ({spec.label} has no split= parameter), so no evaluation; "
             f"give --test-data SPEC or --holdout FRACTION to evaluate"
         )
+    if isinstance(test, DataLoader):
+        test = test.dataset
+        if not hasattr(test, "__getitem__"):
+            raise ConfigError("the held-out DataLoader reads an IterableDataset; evaluation needs a map-style Dataset")
+    if isinstance(train, DataLoader):
+        from pipetrain.data.loader import loader_info
+
+        return RunData(train, test, loader_info(train, f"data spec {spec.text!r}"), note)
     return RunData(train, test, dataset_info(train, first), note)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, UnitData, UnitLayout
@@ -40,7 +40,7 @@ class Run:
     staged: Any  # pipetrain.stages.StagedModel
     schedule: Schedule
     layout: UnitLayout
-    sampler: Any  # pipetrain.data.BatchSampler
+    sampler: Any  # pipetrain.data.BatchSampler (a LoaderBatches when the data is a DataLoader)
     loss_fn: Callable[[Any, Tensor], Tensor]
     delays: list[int]
     grad_scales: list[float]
@@ -96,8 +96,10 @@ class Run:
         """The run's training data by unit; ``prefetch``: the updates the caller reads, in order
         (default: every update of the run), read ahead as :class:`~pipetrain.data.DatasetBatches`
         says (background thread, or DataLoader worker processes under per-update seeds)."""
-        from pipetrain.data import DatasetBatches
+        from pipetrain.data import DatasetBatches, LoaderBatches
 
+        if isinstance(self.sampler, LoaderBatches):  # a DataLoader as the data: read in its own order
+            return UnitData.of(self.sampler, self.layout)
         batches = DatasetBatches(
             self.train_set, self.sampler.indices, seed=self.config.seed,
             order=range(self.updates) if prefetch is None else prefetch,
@@ -221,7 +223,7 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
 
 def prepare(config: TrainConfig) -> Run:
     """Build everything the run needs from ``config`` (deterministic)."""
-    from pipetrain.data import BatchSampler, load_data
+    from pipetrain.data import BatchSampler, LoaderBatches, load_data
     from pipetrain.data.batches import describe_reading
     from pipetrain.models import build_model, refuse_batchnorm
     from pipetrain.stages import split_model
@@ -268,7 +270,10 @@ def prepare(config: TrainConfig) -> Run:
     if units < 1:
         raise ConfigError(f"--microbatches must be at least 1, got {units}")
     layout = UnitLayout(config.batch_size, units)
-    sampler = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle)
+    if isinstance(train_set, DataLoader):
+        sampler = LoaderBatches(train_set, seed=config.seed, dtype=dtype, batch_size=config.batch_size)
+    else:
+        sampler = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle)
     if config.steps is not None and config.epochs is not None:
         raise ConfigError("give either --steps or --epochs, not both")
     if config.steps is not None:
