@@ -37,9 +37,13 @@ class Augmented(Dataset):
 
 
 class Failing(Augmented):
+    def __init__(self, bad: int) -> None:
+        super().__init__()
+        self.bad = bad
+
     def __getitem__(self, i: int):
-        if i == 5:
-            raise KeyError("sample 5 is missing")
+        if i == self.bad:
+            raise KeyError(f"sample {i} is missing")
         return super().__getitem__(i)
 
 
@@ -110,14 +114,15 @@ def test_dtype_is_applied_in_every_reader():
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_failing_getitem_is_one_message_naming_the_update(workers):
-    batches = _batches(Failing(), workers=workers, seed=0)
-    sampler = BatchSampler(48, 6, seed=0)
-    bad = next(t for t in range(8) if 5 in sampler.indices(t).tolist())
+    sample = int(BatchSampler(48, 6, seed=0).indices(3)[2])
+    batches = _batches(Failing(sample), workers=workers, seed=0)
     with pytest.raises(DataReadError) as caught:
-        _read(batches, range(bad + 1))
+        _read(batches, range(5))
     message = str(caught.value)
     assert "\n" not in message
-    assert message == f"reading the batch of update {bad} from the data set Failing failed: KeyError: 'sample 5 is missing'"
+    assert message == (
+        f"reading the batch of update 3 from the data set Failing failed: KeyError: 'sample {sample} is missing'"
+    )
 
 
 def test_worker_counts():

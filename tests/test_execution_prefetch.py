@@ -187,3 +187,25 @@ def test_worker_prefetcher_reads_in_other_processes_in_order() -> None:
         assert prefetcher.get(42) is None  # outside the order
     finally:
         prefetcher.close()
+
+
+def test_worker_prefetcher_groups_updates_and_restarts_far_ahead() -> None:
+    prefetcher = WorkerPrefetcher(_Squares(), range(200), workers=1, group=4, keep=2)
+    try:
+        assert float(prefetcher.get(0)[0][0]) == 0.0
+        pids = {int(prefetcher.get(t)[1]) for t in (1, 2, 3)}  # one group, one worker
+        assert float(prefetcher.get(150)[0][0]) == 150.0**2  # far ahead: the stream starts again there
+        assert float(prefetcher.get(151)[0][0]) == 151.0**2
+        assert prefetcher.get(4) is None
+        assert len(pids) == 1 and os.getpid() not in pids
+    finally:
+        prefetcher.close()
+
+
+def test_group_size_follows_batch_bytes_and_read_time() -> None:
+    from pipetrain.data.batches import MAX_GROUP, group_size
+
+    small = (torch.zeros(32, 64), torch.zeros(32, dtype=torch.int64))
+    assert group_size(small, 1e-4) == MAX_GROUP
+    assert group_size(small, 0.002) == 2  # slow reads: less in one message
+    assert group_size((torch.zeros(PACK_LIMIT // 4),), 1e-4) == 1  # large batches travel alone

@@ -20,6 +20,7 @@ trained parameters, do not depend on ``workers``, on the executor, or on which p
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,7 +30,7 @@ from pipetrain.data.info import reads_by_index
 from pipetrain.data.updates import UpdateBatches, raise_failed
 from pipetrain.errors import ConfigError
 
-__all__ = ["DatasetBatches", "DEFAULT_WORKERS", "resolve_workers", "describe_reading"]
+__all__ = ["DatasetBatches", "DEFAULT_WORKERS", "resolve_workers", "describe_reading", "group_size"]
 
 #: DataLoader worker processes for a data set read sample by sample when none is asked for. One:
 #: on the project's 2-core machine a second worker only adds contention (benchmarks/RESULTS.md,
@@ -44,6 +45,22 @@ def resolve_workers(workers: int | None) -> int:
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
         raise ConfigError(f"--data-workers must be an integer >= 0 (0 reads on the training thread), got {workers!r}")
     return workers
+
+
+#: most updates a worker reads and sends in one message, and the longest its reads should take
+MAX_GROUP, GROUP_SECONDS = 16, 0.005
+
+
+def group_size(batch: Any, seconds: float) -> int:
+    """How many updates one worker reads and sends together, from one batch and its read time:
+    as many as fit in :data:`~pipetrain.execution.prefetch.PACK_LIMIT` bytes and
+    :data:`GROUP_SECONDS` of reading, at most :data:`MAX_GROUP`, at least 1. Small, quick batches
+    share one message between processes (about 0.3-1 ms each on the project's machine, more than
+    reading 32 small samples); large or slow ones gain nothing from it. It changes no result."""
+    from pipetrain.execution.prefetch import PACK_LIMIT, _tensors
+
+    size = sum(t.numel() * t.element_size() for t in _tensors(batch))
+    return max(1, min(MAX_GROUP, PACK_LIMIT // max(size, 1), int(GROUP_SECONDS / max(seconds, 1e-9))))
 
 
 def describe_reading(dataset: Dataset, workers: int | None) -> str:
@@ -87,14 +104,21 @@ class DatasetBatches:
         self.workers = resolve_workers(workers)
         self._thread: BatchPrefetcher | None = None
         self._processes: WorkerPrefetcher | None = None
+        self._first: tuple[int, Any] | None = None
+        self.group = 1  # updates a worker reads and sends together
         pinning = pin_available(pin_memory)
         if reads_by_index(dataset):
             self.workers = 0
             self._read_here: Callable[[int], Any] = self.reads.read_unseeded
             self.reading = "by index"
-        elif self.workers and order is not None:
+        elif self.workers and order is not None and len(order):
             self._read_here = self.reads.read
-            self._processes = WorkerPrefetcher(self.reads, order, workers=self.workers, pin_memory=pinning)
+            order = list(order)
+            started = time.perf_counter()
+            self._first = (order[0], self.reads.read(order[0]))  # the first batch, read here, sizes the groups
+            self.group = group_size(self._first[1], time.perf_counter() - started)
+            self._processes = WorkerPrefetcher(self.reads, order[1:], workers=self.workers, pin_memory=pinning,
+                                               group=self.group)
             self.reading = f"sample by sample in {self.workers} DataLoader worker process{'es' * (self.workers > 1)}"
         else:
             self.workers = 0
@@ -116,6 +140,9 @@ class DatasetBatches:
         """Update ``update``'s batch (any update; those in ``order`` come read ahead)."""
         if self._thread is not None:
             return self._thread.get(update)
+        if self._first is not None and self._first[0] == update:
+            batch, self._first = self._first[1], None
+            return batch
         if self._processes is not None:
             batch = self._processes.get(update)
             if batch is not None:
