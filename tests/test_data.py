@@ -315,3 +315,34 @@ def test_stacking_errors_name_what_is_wrong():
         get_batch([(torch.zeros(2), 0, 1)], [0])
     x, y = get_batch([(torch.zeros(2), torch.tensor(1)), (torch.ones(2), torch.tensor(2))], [1, 0])
     assert x.tolist() == [[1.0, 1.0], [0.0, 0.0]] and y.dtype == torch.int64 and y.tolist() == [2, 1]
+
+
+def test_train_command_says_where_the_held_out_data_comes_from(tmp_path, monkeypatch, capsys):
+    from pipetrain.cli import main
+
+    name = write_module(tmp_path, monkeypatch, FACTORY)
+    small = ["train", "--executor", "emulate", "--model", "mlp:depth=2,width=8", "--batch-size", "4", "--steps", "2",
+             "--stages", "2", "--no-progress"]
+    assert main([*small, "--data", f"{name}:make:samples=20", "--holdout", "0.25", "--data-workers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "held-out data: --holdout 0.25, 5 of the 20 samples" in out and "test accuracy" in out
+    assert main([*small, "--data", f"{name}:pairs"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"held-out data: none ({name}:pairs has no split= parameter), so no evaluation; give --test-data "
+                      "SPEC or --holdout FRACTION to evaluate; training batches read sample by sample in 1 DataLoader "
+                      "worker process")
+    assert "test accuracy" not in out[1]
+    assert main([*small, "--data", "digits", "--data-workers", "-1"]) == 2
+    assert "--data-workers must be an integer >= 0" in capsys.readouterr().err
+    assert main([*small, "--data", "digits", "--holdout", "2"]) == 2
+    assert "--holdout must be a fraction" in capsys.readouterr().err
+
+
+def test_train_help_states_the_data_defaults(capsys):
+    from pipetrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--holdout FRACTION" in text and "(default: none;" in text
+    assert "--data-workers N" in text and "(default 1;" in text and "--pin-memory" in text

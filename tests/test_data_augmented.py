@@ -10,12 +10,14 @@ the two must not disturb each other wherever the batch is read.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
-from distributed_parity import assert_distributed_equals_emulated
+from distributed_parity import run_all
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from pipetrain.runtime.launch import launch
 from pipetrain.training import TrainConfig
 from pipetrain.training.train import train
 
@@ -81,12 +83,28 @@ def test_augmented_runs_are_reproducible_whoever_reads(tmp_path):
 
 
 def test_augmented_distributed_equals_emulated(tmp_path):
+    evaluated = {**BASE, "eval_samples": None, "eval_every": 3}  # the held-out split augments too
     configs = [
-        TrainConfig(schedule="1f1b", microbatches=2, executor="distributed", **BASE),
+        TrainConfig(schedule="1f1b", microbatches=2, executor="distributed", **evaluated),
         TrainConfig(schedule="pipedream", executor="distributed", **BASE),
         TrainConfig(schedule="1f1b", microbatches=3, executor="distributed", **{**BASE, "data_workers": 0}),
         TrainConfig(schedule="pipedream", executor="distributed",
                     **{**BASE, "data": "test_data_augmented:crop_flip_loader:workers=1"}),
     ]
-    configs = [dataclasses.replace(c, save=str(tmp_path / f"{i}-distributed.pt")) for i, c in enumerate(configs)]
-    assert_distributed_equals_emulated(configs, workers=2, timeout=240)
+    configs = [dataclasses.replace(c, save=str(tmp_path / f"{i}-distributed.pt"),
+                                   report_json=str(tmp_path / f"{i}-distributed.json")) for i, c in enumerate(configs)]
+    result = launch(run_all, (configs,), nprocs=2, timeout=240, quiet=True)
+    assert result.returncode == 0, result.message
+    for config in configs:
+        emulated = dataclasses.replace(config, executor="emulate", save=config.save.replace("distributed", "emulated"),
+                                       report_json=config.report_json.replace("distributed", "emulated"))
+        train(emulated)
+        assert _equal(torch.load(config.save), torch.load(emulated.save)), config.data
+        reports = [json.loads(open(path).read()) for path in (config.report_json, emulated.report_json)]
+        assert reports[0]["evaluations"] == reports[1]["evaluations"]
+    assert [e["step"] for e in reports_of(configs[0])] == [3, 6]
+
+
+def reports_of(config) -> list[dict]:
+    with open(config.report_json) as handle:
+        return json.load(handle)["evaluations"]

@@ -20,6 +20,7 @@ class EvalBatches:
     def __init__(self, run: Run, batch_size: int | None = None) -> None:
         self.dataset = run.test_set
         self.dtype = run.dtype
+        self.seed = run.config.seed
         self.size = batch_size or max(run.layout.batch_size, 64)
         self.total = 0 if self.dataset is None else len(self.dataset)
         if run.config.eval_samples is not None:
@@ -29,12 +30,13 @@ class EvalBatches:
         return -(-self.total // self.size)
 
     def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
-        from pipetrain.data import get_batch
+        from pipetrain.data import data_seed, get_batch, seeded
 
         if not 0 <= index < len(self):
             raise IndexError(index)
         start = index * self.size
-        x, y = get_batch(self.dataset, torch.arange(start, min(start + self.size, self.total)))
+        with seeded(data_seed(self.seed, index, stream=2)):  # a held-out set that augments reads the same everywhere
+            x, y = get_batch(self.dataset, torch.arange(start, min(start + self.size, self.total)))
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.to(self.dtype)
         return x, y
