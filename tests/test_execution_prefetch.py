@@ -19,7 +19,7 @@ from pipetrain.execution.prefetch import (
     Receiver,
     WorkerPrefetcher,
     _Packed,
-    _tensors,
+    tensors_of,
     pack,
     unpack,
 )
@@ -142,7 +142,7 @@ def test_packed_batches_come_back_bit_for_bit() -> None:
     packed = pack(batch)
     assert isinstance(packed[2], _Packed) and isinstance(packed[0][2], Pair)
     back = unpack(pickle.loads(pickle.dumps(packed)))
-    flat_a, flat_b = list(_tensors(batch)), list(_tensors(back))
+    flat_a, flat_b = list(tensors_of(batch)), list(tensors_of(back))
     assert len(flat_a) == len(flat_b) == 7 and back[3] == "label" and isinstance(back[0][2], Pair)
     for a, b in zip(flat_a, flat_b):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -7,8 +7,8 @@ two tensors, or a ``batch(indices)`` method  one indexing operation, on a backgr
 (built-ins, ``TensorDataset``, ``text``)      ahead; no generator is seeded (the batch is a function of
                                             its indices), whatever ``workers`` says
 any other map-style ``Dataset``               in ``workers`` DataLoader worker processes (default
-                                            :data:`DEFAULT_WORKERS`), ``2 x workers`` updates ahead,
-                                            under ``data_seed(seed, t)``
+                                            :data:`DEFAULT_WORKERS`), read ahead in groups of
+                                            :func:`group_size` updates, under ``data_seed(seed, t)``
 any other, ``workers=0``                      on the training thread when needed, under
                                             ``data_seed(seed, t)``, its generators restored after
 ==========================================  ============================================================
@@ -57,9 +57,9 @@ def group_size(batch: Any, seconds: float) -> int:
     :data:`GROUP_SECONDS` of reading, at most :data:`MAX_GROUP`, at least 1. Small, quick batches
     share one message between processes (about 0.3-1 ms each on the project's machine, more than
     reading 32 small samples); large or slow ones gain nothing from it. It changes no result."""
-    from pipetrain.execution.prefetch import PACK_LIMIT, _tensors
+    from pipetrain.execution.prefetch import PACK_LIMIT, tensors_of
 
-    size = sum(t.numel() * t.element_size() for t in _tensors(batch))
+    size = sum(t.numel() * t.element_size() for t in tensors_of(batch))
     return max(1, min(MAX_GROUP, PACK_LIMIT // max(size, 1), int(GROUP_SECONDS / max(seconds, 1e-9))))
 
 

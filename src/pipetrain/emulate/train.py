@@ -33,7 +33,8 @@ def train_emulated(run: Run) -> TrainResult:
     schedule = run.schedule
     executors = run.make_executors()
     first_replicas = [executors[ranks[0]][stage] for stage, ranks in enumerate(schedule.stage_ranks)]
-    emulator = Emulator(schedule, executors, run.unit_data())
+    data = run.unit_data()
+    emulator = Emulator(schedule, executors, data)
     held_out = eval_batches(run)
     evaluations: list[dict[str, float]] = []
     progress = Progress(run.updates, run.config.progress, f"{schedule.name} (emulated)")
@@ -53,6 +54,7 @@ def train_emulated(run: Run) -> TrainResult:
             emulator.run(losses, cuts=cuts)
         finally:
             progress.close()
+            data.close()  # stops the data workers, also when training failed
     seconds = time.perf_counter() - started - emulator.paused
     for executor in first_replicas:
         executor.write_back()

@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "pack", "unpack", "pin", "PACK_LIMIT"]
+__all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "pack", "unpack", "pin", "pin_available", "tensors_of",
+           "PACK_LIMIT"]
 
 #: batches of at most this many bytes of tensors are packed as bytes between processes (see above)
 PACK_LIMIT = 512 * 1024
@@ -84,15 +85,16 @@ class _Packed:
         return torch.from_numpy(self.data).view(self.dtype).reshape(self.shape)
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_of(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (nested tuples, lists and dicts), in order."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_of(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_of(item)
 
 
 def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
@@ -111,7 +113,7 @@ def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
 def pack(value: Any) -> Any:
     """``value`` (tensors in tuples, lists and dicts) with every tensor as bytes when they total
     at most :data:`PACK_LIMIT` bytes; larger batches are left to DataLoader's shared memory."""
-    total = sum(t.numel() * t.element_size() for t in _tensors(value))
+    total = sum(t.numel() * t.element_size() for t in tensors_of(value))
     if total > PACK_LIMIT or total == 0:
         return value
     return _map(value, _Packed, torch.Tensor)
