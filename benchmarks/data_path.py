@@ -10,8 +10,8 @@ in order without shuffling) given as:
                 background thread, the reference every other form is compared with;
 * ``dataset``   a plain map-style ``Dataset`` class whose ``__getitem__`` returns ``(x[i], y[i])``:
                 read sample by sample in DataLoader worker processes (``--data-workers``);
-* ``subset``    a ``Subset`` of such a data set (every other sample of twice as many, a list of
-                ``--samples`` indices);
+* ``subset``    a ``Subset`` of that data set whose index list is ``list(range(--samples))``: the
+                same samples as ``dataset``, so the difference is the cost of the ``Subset``;
 * ``loader``    a user's ``DataLoader`` over that data set, ``batch_size=32`` and ``--loader-workers``
                 worker processes of its own.
 
@@ -84,8 +84,8 @@ def dataset(width: int, samples: int, classes: int, split: str = "train") -> Pla
 
 
 def subset(width: int, samples: int, classes: int, split: str = "train") -> Subset:
-    full = dataset(width, 2 * samples, classes, split)
-    return Subset(full, list(range(0, len(full), 2)))
+    full = dataset(width, samples, classes, split)
+    return Subset(full, list(range(len(full))))
 
 
 def loader(width: int, samples: int, classes: int, batch: int, workers: int, split: str = "train") -> DataLoader:

@@ -19,7 +19,7 @@ def test_data_seed_is_a_pure_32_bit_function_of_seed_update_and_stream():
     seeds = {data_seed(s, t, stream) for s in range(3) for t in range(50) for stream in (0, 1)}
     assert len(seeds) == 300 and all(0 <= v < 2**32 for v in seeds)
     assert data_seed(7, 11) == data_seed(7, 11) == data_seed(7, 11, stream=0)
-    assert data_seed(7, 11) == int(np.random.SeedSequence([7, 11, 0x64617461]).generate_state(1)[0])
+    assert data_seed(0, 0) == 0x868C8414  # the documented mix, pinned: runs stay reproducible across versions
 
 
 def test_seed_generators_seeds_all_three():

@@ -72,17 +72,25 @@ class BatchPrefetcher:
 
 
 class _Packed:
-    """A tensor as raw bytes (a numpy uint8 array pickles as one buffer) with its dtype and shape."""
+    """A tensor as a numpy array, which pickles as one buffer of bytes (dtypes numpy lacks, such
+    as bfloat16, as raw uint8 with their dtype and shape)."""
 
     __slots__ = ("data", "dtype", "shape")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self.dtype = tensor.dtype
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        self.dtype: torch.dtype | None = None
         self.shape = tuple(tensor.shape)
+        try:
+            self.data = tensor.numpy()
+        except (TypeError, RuntimeError):  # no numpy dtype (bfloat16, ...), or a conjugate/negative view
+            self.data = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+            self.dtype = tensor.dtype
 
     def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(self.data).view(self.dtype).reshape(self.shape)
+        tensor = torch.from_numpy(self.data)
+        return tensor if self.dtype is None else tensor.view(self.dtype).reshape(self.shape)
 
 
 def tensors_of(value: Any) -> Iterator[torch.Tensor]:
