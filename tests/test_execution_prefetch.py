@@ -209,3 +209,29 @@ def test_group_size_follows_batch_bytes_and_read_time() -> None:
     assert group_size(small, 1e-4) == MAX_GROUP
     assert group_size(small, 0.002) == 2  # slow reads: less in one message
     assert group_size((torch.zeros(PACK_LIMIT // 4),), 1e-4) == 1  # large batches travel alone
+
+
+class _Affinity(Dataset):
+    def __getitem__(self, t: int):
+        return torch.tensor(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_data_workers_of_a_pinned_rank_may_use_every_core(monkeypatch) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("PIPETRAIN_CPUS", str(cores[0]))  # as pipetrain's launcher pins a rank
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        prefetcher = WorkerPrefetcher(_Affinity(), range(2), workers=1)
+        try:
+            assert prefetcher.get(0).tolist() == cores
+        finally:
+            prefetcher.close()
+        monkeypatch.delenv("PIPETRAIN_CPUS")  # pinned by someone else: left as it is
+        prefetcher = WorkerPrefetcher(_Affinity(), range(2), workers=1)
+        try:
+            assert prefetcher.get(0).tolist() == cores[:1]
+        finally:
+            prefetcher.close()
+    finally:
+        os.sched_setaffinity(0, cores)

@@ -21,6 +21,7 @@ the rank will need the batches:
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import warnings
@@ -29,8 +30,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "pack", "unpack", "pin", "pin_available", "tensors_of",
-           "PACK_LIMIT"]
+__all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "Unpinned", "pack", "unpack", "pin", "pin_available",
+           "tensors_of", "unpin_worker", "PACK_LIMIT"]
 
 #: batches of at most this many bytes of tensors are packed as bytes between processes (see above)
 PACK_LIMIT = 512 * 1024
@@ -212,6 +213,31 @@ class Receiver:
         self._thread.join(timeout)
 
 
+def unpin_worker(_worker_id: int = 0) -> None:
+    """In a data worker of a rank that pipetrain's launcher pinned to its own cores
+    (``PIPETRAIN_CPUS``): let the worker run on any core. Pinned beside its rank it competes with
+    that rank for one core and falls behind whenever the core is busy (benchmarks/RESULTS.md,
+    "Data path": the training thread waited 1.3-1.7 s per run for batches pinned, 0.08-0.35 s
+    unpinned). Under another launcher (torchrun, numactl) the affinity it was given stays."""
+    if os.environ.get("PIPETRAIN_CPUS"):
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps it inside the cgroup's cpuset
+        except (OSError, AttributeError):
+            pass
+
+
+class Unpinned:
+    """A DataLoader ``worker_init_fn``: :func:`unpin_worker`, then the loader's own (``then``)."""
+
+    def __init__(self, then: Callable[[int], Any] | None = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        unpin_worker(worker_id)
+        if self.then is not None:
+            self.then(worker_id)
+
+
 class _Groups:
     """Item ``(t1, t2, ...)``: the list ``[reads[t1], reads[t2], ...]``, read by one worker."""
 
@@ -263,6 +289,7 @@ class WorkerPrefetcher:
             self._groups, batch_size=None, sampler=groups, num_workers=self._workers,
             collate_fn=pack, prefetch_factor=self._prefetch_factor,
             generator=torch.Generator(),  # the workers' base seed is not drawn from the global generator
+            worker_init_fn=unpin_worker,
         )
         convert = (lambda item: pin(unpack(item))) if self._pin else unpack
         self._stream = Receiver(iter(loader), convert, depth=2)

@@ -60,4 +60,4 @@ class TrainConfig:
             "policy": self.policy, "microbatches": self.microbatches, "batch_size": self.batch_size,
             "optimizer": self.optimizer, "lr_schedule": self.lr_schedule, "compensation": self.compensation,
             "seed": self.seed, "shuffle": self.shuffle, "dtype": self.dtype,
-        }
+        } | ({"holdout": self.holdout} if self.holdout is not None else {})  # which samples train

@@ -224,7 +224,7 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
 def prepare(config: TrainConfig) -> Run:
     """Build everything the run needs from ``config`` (deterministic)."""
     from pipetrain.data import BatchSampler, LoaderBatches, load_data
-    from pipetrain.data.batches import describe_reading
+    from pipetrain.data.batches import describe_reading, resolve_workers
     from pipetrain.models import build_model, refuse_batchnorm
     from pipetrain.stages import split_model
 
@@ -239,7 +239,7 @@ def prepare(config: TrainConfig) -> Run:
         raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
     stages = _stage_count(config, name)
 
-    describe_reading(None, config.data_workers)  # a bad --data-workers fails before the data loads
+    resolve_workers(config.data_workers)  # a bad --data-workers fails before the data loads
     train_set, test_set, info, data_note = load_data(config.data, config.test_data, config.holdout)
     data_note = f"{data_note}; training batches read {describe_reading(train_set, config.data_workers)}"
     model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed)
