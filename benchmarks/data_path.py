@@ -21,10 +21,16 @@ taken within a round and their medians printed. ``--data-workers`` may list seve
 one run. What the worker processes cost shows as the rate lost against ``tensors``, and the CPU
 seconds each form spent (all processes of the run, the workers included) per 1,000 samples.
 
+``--transfer`` measures instead what one batch costs to move from a DataLoader worker process to
+the training process, as DataLoader sends it (one shared-memory segment per tensor) and packed as
+bytes (``pipetrain.execution.prefetch.pack``), for batches of 32 KiB to 4 MiB: the figures behind
+``PACK_LIMIT`` and the grouping of small batches (``pipetrain.data.batches.group_size``).
+
 Usage::
 
     PYTHONPATH=src python benchmarks/data_path.py [--rounds 5] [--steps 20] [--warmup 3]
         [--samples 32768] [--data-workers 1] [--loader-workers 2] [--forms tensors,dataset,subset,loader]
+    PYTHONPATH=src python benchmarks/data_path.py --transfer
 """
 
 from __future__ import annotations
@@ -101,6 +107,49 @@ def _config(cfg: Config, args: argparse.Namespace, form: str, workers: int | Non
     return replace(config, data_workers=workers)
 
 
+class _Ready(Dataset):
+    """Item t: a fresh batch of ``rows`` x 256 floats and its labels (``packed`` as bytes or not)."""
+
+    def __init__(self, rows: int, packed: bool) -> None:
+        self.x, self.packed = torch.randn(rows, 256), packed
+
+    def __getitem__(self, t: int):
+        from pipetrain.execution.prefetch import pack
+
+        batch = (self.x.clone(), torch.zeros(len(self.x), dtype=torch.int64))
+        return pack(batch) if self.packed else batch
+
+
+def _keep(item):
+    return item
+
+
+def transfer(batches: int = 200) -> None:
+    """Training-process time per batch taken from one DataLoader worker that is always ahead."""
+    from pipetrain.execution.prefetch import unpack
+
+    torch.set_num_threads(1)
+    print(f"load average {os.getloadavg()[0]:.2f}; ms per batch on the training process (median of {batches})")
+    print(f"  {'batch':>9}  {'shared memory':>13}  {'packed bytes':>12}")
+    for rows in (32, 256, 1024, 4096):
+        cells = []
+        for packed in (False, True):
+            loader = DataLoader(_Ready(rows, packed), batch_size=None, sampler=range(batches + 1), num_workers=1,
+                                collate_fn=_keep, generator=torch.Generator())
+            iterator, times = iter(loader), []
+            next(iterator)
+            for _ in range(batches):
+                time.sleep(0.004)  # the worker gets ahead, as during training
+                started = time.perf_counter()
+                item = next(iterator)
+                if packed:
+                    unpack(item)
+                times.append(time.perf_counter() - started)
+            del iterator
+            cells.append(statistics.median(times) * 1e3)
+        print(f"  {rows * 256 * 4 // 1024:>5} KiB  {cells[0]:>13.2f}  {cells[1]:>12.2f}")
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -115,7 +164,11 @@ def main() -> None:
     parser.add_argument("--data-workers", default="1", help="worker counts for the dataset form, e.g. 0,1,2")
     parser.add_argument("--loader-workers", type=int, default=2)
     parser.add_argument("--forms", default="tensors,dataset,subset,loader")
+    parser.add_argument("--transfer", action="store_true", help="measure moving one batch between processes instead")
     args = parser.parse_args()
+    if args.transfer:
+        transfer()
+        return
     cfg = CONFIGS["overhead-bound"]
     args.steps = cfg.steps if args.steps is None else args.steps
     args.warmup = cfg.warmup if args.warmup is None else args.warmup
