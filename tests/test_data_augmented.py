@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 from distributed_parity import run_all
 from torch import nn
@@ -108,3 +109,21 @@ def test_augmented_distributed_equals_emulated(tmp_path):
 def reports_of(config) -> list[dict]:
     with open(config.report_json) as handle:
         return json.load(handle)["evaluations"]
+
+
+def test_a_data_factory_may_return_a_dataloader():
+    from pipetrain.data import DataInfo, load_data
+    from pipetrain.data.batches import describe_reading
+    from pipetrain.errors import ConfigError
+
+    data = load_data("test_data_augmented:crop_flip_loader:workers=0")
+    assert isinstance(data.train, DataLoader) and isinstance(data.test, CropFlip)  # evaluated through its data set
+    assert data.info == DataInfo((1, 8, 8), 4)
+    assert data.note == "held-out data: the test split of test_data_augmented:crop_flip_loader:workers=0 (96 samples)"
+    assert describe_reading(data.train, None) == "from the DataLoader, on the training thread"
+    with pytest.raises(ConfigError, match="--holdout cuts a Dataset"):
+        load_data("test_data_augmented:crop_flip_loader", holdout=0.2)
+    with pytest.raises(ConfigError, match="give --batch-size 12"):
+        from pipetrain.training.setup import prepare
+
+        prepare(TrainConfig(**{**BASE, "data": "test_data_augmented:crop_flip_loader", "batch_size": 8}))

@@ -120,6 +120,15 @@ def load_train_test(
     return data.train, data.test
 
 
+def _held_out(test: Dataset) -> Dataset:
+    """A held-out data set; a DataLoader's is evaluated through its (map-style) data set."""
+    if isinstance(test, DataLoader):
+        test = test.dataset
+        if not hasattr(test, "__getitem__") or not hasattr(test, "__len__"):
+            raise ConfigError("the held-out DataLoader reads an IterableDataset; evaluation needs a map-style Dataset")
+    return test
+
+
 class RunData(NamedTuple):
     """A run's data: ``train``, the held-out ``test`` set (or None), ``info`` (what the model
     needs to know of ``train``) and ``note``, one line that says where the held-out data came from."""
@@ -154,7 +163,7 @@ def load_data(
     train, first = _load(spec, {**overrides, "split": "train"} if own_split else overrides)
     if test_data is not None:
         test_spec = _spec(test_data)
-        test = _load(test_spec, {})[0]
+        test = _held_out(_load(test_spec, {})[0])
         note = f"held-out data: --test-data {test_spec.text} ({len(test)} samples)"  # type: ignore[arg-type]
     elif holdout is not None:
         if isinstance(train, DataLoader):
@@ -170,7 +179,7 @@ def load_data(
             f"(a fixed split), training on the other {len(kept)}"
         )
     elif own_split:
-        test = _load(spec, {**overrides, "split": "test"})[0]
+        test = _held_out(_load(spec, {**overrides, "split": "test"})[0])
         note = f"held-out data: the test split of {spec.text} ({len(test)} samples)"  # type: ignore[arg-type]
     else:
         test = None
@@ -178,10 +187,6 @@ def load_data(
             f"held-out data: none ({spec.label} has no split= parameter), so no evaluation; "
             f"give --test-data SPEC or --holdout FRACTION to evaluate"
         )
-    if isinstance(test, DataLoader):
-        test = test.dataset
-        if not hasattr(test, "__getitem__"):
-            raise ConfigError("the held-out DataLoader reads an IterableDataset; evaluation needs a map-style Dataset")
     if isinstance(train, DataLoader):
         from pipetrain.data.loader import loader_info
 

@@ -285,14 +285,18 @@ class WorkerPrefetcher:
         self._stop()
         rest = self._order[position:]
         groups = [tuple(rest[i : i + self._group]) for i in range(0, len(rest), self._group)]
-        loader = self._loader(
-            self._groups, batch_size=None, sampler=groups, num_workers=self._workers,
-            collate_fn=pack, prefetch_factor=self._prefetch_factor,
-            generator=torch.Generator(),  # the workers' base seed is not drawn from the global generator
-            worker_init_fn=unpin_worker,
-        )
+        with warnings.catch_warnings():
+            # DataLoader counts the cores of this (pinned) rank; its workers may use them all (unpin_worker)
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            loader = self._loader(
+                self._groups, batch_size=None, sampler=groups, num_workers=self._workers,
+                collate_fn=pack, prefetch_factor=self._prefetch_factor,
+                generator=torch.Generator(),  # the workers' base seed is not drawn from the global generator
+                worker_init_fn=unpin_worker,
+            )
+            iterator = iter(loader)
         convert = (lambda item: pin(unpack(item))) if self._pin else unpack
-        self._stream = Receiver(iter(loader), convert, depth=2)
+        self._stream = Receiver(iterator, convert, depth=2)
         self._next = position
 
     def _stop(self) -> None:
