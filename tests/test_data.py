@@ -346,3 +346,35 @@ def test_train_help_states_the_data_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--holdout FRACTION" in text and "(default: none;" in text
     assert "--data-workers N" in text and "(default 1;" in text and "--pin-memory" in text
+
+
+BROKEN = """
+import torch
+from torch.utils.data import Dataset
+
+class Broken(Dataset):
+    def __init__(self, bad):
+        self.bad = bad
+    def __len__(self):
+        return 10
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise KeyError(f"sample {i} is missing")
+        return torch.zeros(2), i % 2
+
+def make(bad=0):
+    return Broken(bad)
+"""
+
+
+def test_a_failing_getitem_during_set_up_is_one_line(tmp_path, monkeypatch):
+    from pipetrain.data import DataReadError
+
+    name = write_module(tmp_path, monkeypatch, BROKEN)
+    with pytest.raises(DataReadError) as caught:
+        load_data(f"{name}:make:bad=0")
+    assert str(caught.value) == f"data spec '{name}:make:bad=0': Broken[0] raised KeyError: 'sample 0 is missing'"
+    with pytest.raises(DataReadError) as caught:
+        load_data(f"{name}:make:bad=7")
+    assert str(caught.value) == ("counting the classes of the data set (give it a num_classes attribute to skip this): "
+                                 "Broken[7] raised KeyError: 'sample 7 is missing'")

@@ -120,9 +120,7 @@ def test_a_failing_getitem_is_one_message_naming_the_update(workers):
         _read(batches, range(5))
     message = str(caught.value)
     assert "\n" not in message
-    assert message == (
-        f"reading the batch of update 3 from the data set Failing failed: KeyError: 'sample {sample} is missing'"
-    )
+    assert message == f"reading the batch of update 3 failed: Failing[{sample}] raised KeyError: 'sample {sample} is missing'"
 
 
 def test_worker_counts():

@@ -9,9 +9,20 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, PipetrainError
 
-__all__ = ["DataInfo", "dataset_info", "get_batch", "check_sample", "stack_samples", "reads_by_index"]
+__all__ = ["DataInfo", "DataReadError", "dataset_info", "get_batch", "check_sample", "stack_samples", "reads_by_index",
+           "read_failure"]
+
+
+class DataReadError(PipetrainError):
+    """Reading data failed in the user's data set (its ``__getitem__`` or ``batch`` raised)."""
+
+
+def read_failure(what: str, error: BaseException) -> str:
+    """``"WHAT raised TYPE: first line of the message"``, the one line a failed read becomes."""
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{what} raised {type(error).__name__}{': ' + text if text else ''}"
 
 
 class DataInfo(NamedTuple):
@@ -112,14 +123,25 @@ def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[
     dataset, index = _base_indices(dataset, indices)
     batch = getattr(dataset, "batch", None)
     if callable(batch):
-        x, y = batch(torch.as_tensor(index, dtype=torch.int64))
+        try:
+            x, y = batch(torch.as_tensor(index, dtype=torch.int64))
+        except PipetrainError:
+            raise
+        except Exception as error:
+            raise DataReadError(read_failure(f"{type(dataset).__name__}.batch", error)) from error
         return x, y.to(torch.int64)
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) == 2:
         index = torch.as_tensor(index, dtype=torch.int64)
         return tensors[0][index], tensors[1][index].to(torch.int64)
     positions = index.tolist() if isinstance(index, torch.Tensor) else index
-    return stack_samples([dataset[i] for i in positions])
+    samples = []
+    for i in positions:
+        try:
+            samples.append(dataset[i])
+        except Exception as error:  # one line naming the sample, not a traceback from inside the data set
+            raise DataReadError(read_failure(f"{type(dataset).__name__}[{i}]", error)) from error
+    return stack_samples(samples)
 
 
 def _declared_classes(dataset: Dataset) -> int | None:
@@ -160,7 +182,12 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
         raise ConfigError("data set has no len(): pipetrain needs a map-style Dataset") from error
     if n == 0:
         raise ConfigError("data set is empty")
-    x, y0 = check_sample(dataset[0] if first is None else first)
+    if first is None:
+        try:
+            first = dataset[0]
+        except Exception as error:
+            raise DataReadError(read_failure(f"{type(dataset).__name__}[0]", error)) from error
+    x, y0 = check_sample(first)
     num_classes = _declared_classes(dataset)
     if num_classes is None:
         labels = _stored_labels(dataset)
@@ -168,9 +195,14 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
             from pipetrain.data.seeding import seeded
 
             parts = [y0.reshape(-1)]
-            with seeded(0):
-                for start in range(1, n, 256):
-                    parts.append(get_batch(dataset, range(start, min(start + 256, n)))[1].reshape(-1))
+            try:
+                with seeded(0):
+                    for start in range(1, n, 256):
+                        parts.append(get_batch(dataset, range(start, min(start + 256, n)))[1].reshape(-1))
+            except DataReadError as error:
+                raise DataReadError(
+                    f"counting the classes of the data set (give it a num_classes attribute to skip this): {error}"
+                ) from error
             labels = torch.cat(parts)
         if labels.numel() and int(labels.min()) < 0:
             raise ConfigError("data set has a negative class label; labels must be 0..C-1")

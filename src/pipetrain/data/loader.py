@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from pipetrain.data.seeding import data_seed, seeded
-from pipetrain.data.updates import DataReadError
+from pipetrain.data.info import DataReadError
 from pipetrain.errors import ConfigError, PipetrainError
 
 __all__ = ["LoaderBatches", "loader_info"]

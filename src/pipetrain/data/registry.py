@@ -10,7 +10,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from pipetrain.data.digits import load_digits
-from pipetrain.data.info import DataInfo, check_sample, dataset_info
+from pipetrain.data.info import DataInfo, DataReadError, check_sample, dataset_info, read_failure
 from pipetrain.data.synthetic import load_synthetic
 from pipetrain.data.text import load_text
 from pipetrain.errors import ConfigError
@@ -40,7 +40,10 @@ def _validate(dataset: Any, spec: Spec) -> tuple[Dataset, object]:
         )
     if len(dataset) == 0:
         raise ConfigError(f"{where}: the data set is empty")
-    first = dataset[0]
+    try:
+        first = dataset[0]
+    except Exception as error:  # one line naming the factory and the sample
+        raise DataReadError(f"{where}: " + read_failure(f"{type(dataset).__name__}[0]", error)) from error
     check_sample(first, where)
     return dataset, first
 

@@ -7,15 +7,11 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Dataset
 
-from pipetrain.data.info import get_batch
+from pipetrain.data.info import DataReadError, get_batch, read_failure
 from pipetrain.data.seeding import data_seed, seed_generators, seeded
 from pipetrain.errors import PipetrainError
 
 __all__ = ["UpdateBatches", "DataReadError"]
-
-
-class DataReadError(PipetrainError):
-    """Reading a batch failed in the user's data set (its ``__getitem__`` or ``batch`` raised)."""
 
 
 class _Failed:
@@ -55,11 +51,8 @@ class UpdateBatches(Dataset):
         return x, y
 
     def _message(self, update: int, error: BaseException) -> str:
-        text = str(error).splitlines()[0] if str(error) else ""
-        return (
-            f"reading the batch of update {update} from the data set {type(self.dataset).__name__} failed: "
-            f"{type(error).__name__}{': ' + text if text else ''}"
-        )
+        cause = str(error) if isinstance(error, PipetrainError) else read_failure(type(self.dataset).__name__, error)
+        return f"reading the batch of update {update} failed: {cause}"
 
     def __getitem__(self, update: int) -> Any:
         """In a worker process: seed its generators for ``update``, read the batch. A read that
@@ -67,8 +60,6 @@ class UpdateBatches(Dataset):
         seed_generators(data_seed(self.seed, update))
         try:
             return self._batch(update)
-        except PipetrainError as error:
-            return _Failed(str(error))
         except Exception as error:  # noqa: BLE001 - reported as one line in the training thread
             return _Failed(self._message(update, error))
 
@@ -76,20 +67,13 @@ class UpdateBatches(Dataset):
         """Update ``update``'s batch, read here under its seed; the caller's generators are left
         as they were."""
         with seeded(data_seed(self.seed, update)):
-            try:
-                return self._batch(update)
-            except PipetrainError:
-                raise
-            except Exception as error:
-                raise DataReadError(self._message(update, error)) from error
+            return self.read_unseeded(update)
 
     def read_unseeded(self, update: int) -> tuple[Any, torch.Tensor]:
         """Update ``update``'s batch without touching any generator: for data sets read by index
         (their batch is a function of the indices), so any thread may call it."""
         try:
             return self._batch(update)
-        except PipetrainError:
-            raise
         except Exception as error:
             raise DataReadError(self._message(update, error)) from error
 
