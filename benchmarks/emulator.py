@@ -38,7 +38,7 @@ def plain(model, batches, lr):
 def emulated(model, batches, lr, stages, microbatches, schedule):
     from pipetrain import Pipeline
 
-    pipe = Pipeline(model, stages=stages, schedule=schedule, microbatches=microbatches,
+    pipe = Pipeline(model, executor="emulate", stages=stages, schedule=schedule, microbatches=microbatches,
                     optimizer=f"sgd:lr={lr},momentum=0.9")
     start = time.perf_counter()
     pipe.train(batches)

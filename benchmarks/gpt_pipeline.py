@@ -5,7 +5,9 @@ Runs `pipetrain train` for each schedule with the same model, data (variable-len
 samples per update and optimizer; collects the reports and draws the validation and training loss
 against updates and against wall time; prints a sample from each trained model.
 
-    python benchmarks/gpt_pipeline.py [--steps 600] [--out docs/images/gpt_loss.png]
+    python benchmarks/gpt_pipeline.py [--steps 600] [--out out/gpt_loss.png] [--dir out/gpt_pipeline]
+
+Reports and weights go to ``--dir``; README's picture was drawn with ``--out docs/images/gpt_loss.png``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 
 MODEL = "gpt:n_layer=4,n_embd=64,n_head=4"
 DATA = "text:block_size=64,min_length=16"
@@ -51,9 +52,13 @@ def sample(state_path: str, seed: int = 0) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--out", default="docs/images/gpt_loss.png")
+    parser.add_argument("--out", default="out/gpt_loss.png", help="the loss curves (PNG)")
+    parser.add_argument("--dir", default="out/gpt_pipeline", help="folder of each run's report and weights")
     args = parser.parse_args()
-    directory = tempfile.mkdtemp(prefix="pipetrain-gpt-")
+    directory = args.dir
+    from pipetrain.paths import check_outputs
+
+    check_outputs(files={"--out": args.out}, directories={"--dir": directory})  # before the runs
     reports = {}
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     for schedule in SCHEDULES:

@@ -11,7 +11,11 @@ communication. Each is timed alone on one core with one thread:
   with its SGD update per batch as 1F1B and GPipe make it;
 * with ``--update``, each stage with an update after every microbatch instead, as PipeDream makes
   one per minibatch (out of place on stage 0, whose stashed version is still read, in place on
-  stage 1, as their 2-stage programs allow).
+  stage 1, as their 2-stage programs allow);
+* with ``--nonfinite``, each stage with an update per microbatch also with ``nonfinite="skip"``
+  (its gradient tested at every update) and without any test for NaN and infinite values
+  (``nonfinite="off"``): what the default tests (``stop``) and those of ``skip`` cost where updates
+  are most frequent, as ratios within each round.
 
 The pipeline's rate is bounded by its slower stage, so 1/max(stage) is the most any runtime can
 reach on this split, before any message or bubble. The script prints that ceiling as a fraction of
@@ -20,7 +24,7 @@ ratio is taken within a round and then its median over the rounds, because the m
 drifts between rounds::
 
     python benchmarks/stage_costs.py [--configs overhead-bound,compute-bound] [--rounds 9] [--update]
-        [--first N]
+        [--nonfinite] [--first N]
 """
 
 from __future__ import annotations
@@ -57,14 +61,16 @@ def _whole(cfg: Config) -> Callable[[int], None]:
     return run
 
 
-def _stage(cfg: Config, index: int, every: int, first: int | None = None) -> Callable[[int], None]:
+def _stage(cfg: Config, index: int, every: int, first: int | None = None,
+           nonfinite: str = "stop") -> Callable[[int], None]:
     """One microbatch of stage ``index`` through a StageExecutor, as the runtime computes it, with
     an SGD update after every ``every`` microbatches: the batch (1F1B, GPipe) or each microbatch
     (PipeDream). The last stage computes the loss; the first receives its output's gradient."""
     stages = split_model(build_model(cfg), cfg, first)
     module, last = stages[index], index == 1
     optimizer = build_stage_optimizer(f"sgd:lr={cfg.lr}")
-    executor = StageExecutor(index, module, optimizer, loss_fn=F.cross_entropy if last else None, policy="stash")
+    executor = StageExecutor(index, module, optimizer, loss_fn=F.cross_entropy if last else None, policy="stash",
+                             nonfinite=nonfinite)
     x, y = make_batch(cfg)
     with torch.no_grad():
         inputs = stages[0](x) if last else x
@@ -99,13 +105,18 @@ def _per_microbatch(run: Callable[[int], None], count: int, start: int) -> float
     return (time.perf_counter() - began) / count
 
 
-def measure(cfg: Config, rounds: int, update: bool, first: int | None = None) -> dict[str, list[float]]:
+def measure(cfg: Config, rounds: int, update: bool, first: int | None = None,
+            nonfinite: bool = False) -> dict[str, list[float]]:
     """Seconds per microbatch of the whole model and of each stage, one figure per round
-    (``+update``: PipeDream's update after every microbatch); ``first`` hidden layers on stage 0."""
+    (``+update``: PipeDream's update after every microbatch; ``+update unchecked``: the same without
+    the non-finite tests); ``first`` hidden layers on stage 0."""
     m = cfg.microbatches
     runs = {"whole": _whole(cfg), "stage 0": _stage(cfg, 0, m, first), "stage 1": _stage(cfg, 1, m, first)}
-    if update:
-        runs.update({"stage 0+update": _stage(cfg, 0, 1, first), "stage 1+update": _stage(cfg, 1, 1, first)})
+    for stage in (0, 1) if update or nonfinite else ():
+        runs[f"stage {stage}+update"] = _stage(cfg, stage, 1, first)
+        if nonfinite:  # next to its checked twin: neighbours share the machine's state of the moment
+            runs[f"stage {stage}+update skip"] = _stage(cfg, stage, 1, first, "skip")
+            runs[f"stage {stage}+update unchecked"] = _stage(cfg, stage, 1, first, "off")
     for run in runs.values():  # warm-up: allocator, autograd, first calls, one update at least
         _per_microbatch(run, m, 0)
     per_batch = max(1, round(0.3 / (m * _per_microbatch(runs["whole"], m, 0))))
@@ -151,6 +162,15 @@ def report(name: str, cfg: Config, times: dict[str, list[float]], first: int | N
         print(f"  with an update per microbatch (PipeDream): stage 0 {median_us('stage 0+update'):.0f}, "
               f"stage 1 {median_us('stage 1+update'):.0f}; "
               f"ceiling {statistics.median(ceilings(times, '+update')):.2f} of 2R")
+    if "stage 0+update unchecked" in times:
+        for stage in (0, 1):
+            unchecked = times[f"stage {stage}+update unchecked"]
+            for mode, key in (("stop", f"stage {stage}+update"), ("skip", f"stage {stage}+update skip")):
+                ratios = sorted(a / b for a, b in zip(times[key], unchecked))
+                quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+                print(f"  stage {stage}, an update per microbatch, non-finite tests of {mode} against none: "
+                      f"{statistics.median(ratios):.3f}x the time (quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}; "
+                      f"{median_us(key):.0f} against {median_us(f'stage {stage}+update unchecked'):.0f} us)")
 
 
 def main() -> None:
@@ -158,6 +178,8 @@ def main() -> None:
     parser.add_argument("--configs", default="overhead-bound,compute-bound")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--update", action="store_true", help="also time PipeDream's update per microbatch")
+    parser.add_argument("--nonfinite", action="store_true",
+                        help="also time the updates per microbatch without the non-finite tests")
     parser.add_argument("--first", type=int, default=None,
                         help="hidden layers on stage 0 (default: half, the split of vs_torch_pipelining.py)")
     parser.add_argument("--core", type=int, default=os.cpu_count() - 1, help="the core to run on")
@@ -167,7 +189,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} CPUs; alone on core {args.core}, 1 thread, no pipeline")
     for name in args.configs.split(","):
         cfg = CONFIGS[name]
-        report(name, cfg, measure(cfg, args.rounds, args.update, args.first), args.first)
+        report(name, cfg, measure(cfg, args.rounds, args.update, args.first, args.nonfinite), args.first)
 
 
 if __name__ == "__main__":

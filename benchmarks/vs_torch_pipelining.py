@@ -381,11 +381,12 @@ def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
 # -- pipetrain's runtime ---------------------------------------------------------------------------
 
 
-def pipetrain_config(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto", **overrides):
+def pipetrain_config(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto",
+                     on_nonfinite: str = "stop", **overrides):
     """The `pipetrain train --executor distributed` configuration of this benchmark: the same model,
     split and optimizer as the other contenders. PipeDream updates after every minibatch of the
     microbatch size (its unit), the flushing schedules after each batch. ``overrides`` replace
-    fields (``data=`` another data spec, for example)."""
+    fields (``data=`` another data spec, for example: benchmarks/data_path.py)."""
     from pipetrain.training import TrainConfig
 
     per_batch = cfg.microbatches if schedule == "pipedream" else 1
@@ -403,9 +404,11 @@ def pipetrain_config(cfg: Config, steps: int, warmup: int, schedule: str, receiv
         executor="distributed",
         shuffle=False,
         progress=False,
+        quiet=True,
         eval_samples=0,
         timeout=600.0,
         receives=receives,
+        on_nonfinite=on_nonfinite,
     )
     options.update(overrides)
     return TrainConfig(**options)
@@ -414,7 +417,7 @@ def pipetrain_config(cfg: Config, steps: int, warmup: int, schedule: str, receiv
 def pipetrain_rate(config, cfg: Config, warmup: int) -> float:
     """Train ``config`` (from :func:`pipetrain_config`); samples/s from the last stage's update
     times after the warm-up updates."""
-    from pipetrain.runtime.train import train_distributed
+    from pipetrain.training.distributed import train_distributed
 
     per_batch = cfg.microbatches if config.schedule == "pipedream" else 1
     result = train_distributed(config)
@@ -423,10 +426,11 @@ def pipetrain_rate(config, cfg: Config, warmup: int) -> float:
     return (len(times) - skip) * config.batch_size / (times[-1] - times[skip - 1])
 
 
-def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto") -> float:
+def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto",
+               on_nonfinite: str = "stop") -> float:
     """`pipetrain train --executor distributed` on the same model, split and optimizer; the rate is
     taken from the last stage's update times after the warm-up updates."""
-    return pipetrain_rate(pipetrain_config(cfg, steps, warmup, schedule, receives), cfg, warmup)
+    return pipetrain_rate(pipetrain_config(cfg, steps, warmup, schedule, receives, on_nonfinite), cfg, warmup)
 
 
 def pipetrain_gpipe(cfg: Config, steps: int, warmup: int) -> float:
@@ -446,6 +450,12 @@ def pipetrain_pipedream(cfg: Config, steps: int, warmup: int) -> float:
     return _pipetrain(cfg, steps, warmup, "pipedream")
 
 
+def pipetrain_pipedream_unchecked(cfg: Config, steps: int, warmup: int) -> float:
+    """PipeDream without the tests for NaN and infinite losses and gradients (``on_nonfinite="off"``):
+    against ``pipetrain-pipedream``, what those tests cost where updates are most frequent."""
+    return _pipetrain(cfg, steps, warmup, "pipedream", on_nonfinite="off")
+
+
 CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "sequential": ("sequential (1 process)", sequential),
     "sequential-pair": ("2 sequential at once (sum)", sequential_pair),
@@ -459,6 +469,7 @@ CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "pipetrain-1f1b": ("pipetrain 1f1b", pipetrain_1f1b),
     "pipetrain-1f1b-ahead": ("pipetrain 1f1b, receives ahead", pipetrain_1f1b_ahead),
     "pipetrain-pipedream": ("pipetrain pipedream (limit 2R)", pipetrain_pipedream),
+    "pipetrain-pipedream-unchecked": ("  same, no non-finite tests", pipetrain_pipedream_unchecked),
 }
 
 

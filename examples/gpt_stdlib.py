@@ -8,6 +8,9 @@ declaration. After training, a sample is generated from the saved weights::
     python examples/gpt_stdlib.py                          # pipedream, 600 updates
     python examples/gpt_stdlib.py --schedule 1f1b --steps 300
 
+The weights go to out/gpt_stdlib/gpt.pt and the loss curves to out/gpt_stdlib.png (``--out``,
+``--plot``).
+
 The same run as one command:
 
     pipetrain train --model gpt:n_layer=4,n_embd=64,n_head=4 --data text:block_size=64,min_length=16 \\
@@ -21,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import torch
 
 from pipetrain.data import load_train_test
 from pipetrain.models import GPT, build_model, generate
+from pipetrain.paths import check_outputs
 from pipetrain.training import TrainConfig
 from pipetrain.training.curves import plot_loss_curves
 from pipetrain.training.train import train
@@ -45,18 +48,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="pipedream")
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--plot", default="docs/images/gpt_stdlib.png")
+    parser.add_argument("--out", default="out/gpt_stdlib", help="folder of the trained weights")
+    parser.add_argument("--plot", default="out/gpt_stdlib.png")
     args = parser.parse_args()
-    directory = tempfile.mkdtemp()
-    weights = os.path.join(directory, "gpt.pt")
+    weights = os.path.join(args.out, "gpt.pt")
+    check_outputs(files={"--out": weights, "--plot": args.plot})  # before training, not after
     result = train(TrainConfig(
         model=MODEL, data=DATA, stages=2, schedule=args.schedule, batch_size=16,
         microbatches=4 if args.schedule != "pipedream" else None, optimizer="adam:lr=0.002", steps=args.steps,
         eval_every=max(args.steps // 6, 1), eval_samples=512, executor="distributed",
         save=weights, progress=True,
     ))
-    for evaluation in result.evaluations:
-        print(f"after {evaluation['step']:4d} updates: validation loss {evaluation['loss']:.4f} nats/char")
     print(f"{result.samples_per_s:.0f} sequences/s on {result.workers} worker processes")
     train_set, _ = load_train_test(DATA)
     model = build_model(MODEL, input_shape=(64,), num_classes=train_set.num_classes)

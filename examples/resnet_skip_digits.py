@@ -9,6 +9,10 @@ under 1F1B::
     python examples/resnet_skip_digits.py
     python examples/resnet_skip_digits.py --split-at layer1.1 --schedule pipedream
 
+It prints the stages (parameters, first module, the values each receives), the test loss and
+accuracy every 90 updates, and writes its loss curves to out/resnet_skip_digits.png (``--plot``
+elsewhere; README's picture was drawn with ``--plot docs/images/resnet_skip_digits.png``).
+
 The same run as one command:
 
     pipetrain train --model resnet-gn-skip --data digits --split-at layer1.1,layer2.0.conv2 \\
@@ -19,8 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipetrain.models import build_model
-from pipetrain.stages import split_model
+from pipetrain.paths import check_outputs
 from pipetrain.training import TrainConfig
 from pipetrain.training.curves import plot_loss_curves
 from pipetrain.training.train import train
@@ -31,20 +34,16 @@ def main() -> None:
     parser.add_argument("--split-at", default="layer1.1,layer2.0.conv2")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--epochs", type=float, default=10)
-    parser.add_argument("--plot", default="docs/images/resnet_skip_digits.png")
+    parser.add_argument("--plot", default="out/resnet_skip_digits.png")
     args = parser.parse_args()
+    check_outputs(files={"--plot": args.plot})  # before training, not after
     split_at = args.split_at.split(",")
-    staged = split_model(build_model("resnet-gn-skip", input_shape=(64,), num_classes=10, seed=0), split_at=split_at)
-    print(staged.summary())
     result = train(TrainConfig(
         model="resnet-gn-skip", data="digits", split_at=split_at, schedule=args.schedule,
         microbatches=4 if args.schedule != "pipedream" else None, epochs=args.epochs, batch_size=32,
         optimizer="sgd:lr=0.05,momentum=0.9", eval_every=90, executor="distributed",
         progress=True,
     ))
-    for evaluation in result.evaluations:
-        print(f"after {evaluation['step']:4d} updates: test loss {evaluation['loss']:.4f}, "
-              f"accuracy {100 * evaluation['accuracy']:.2f} %")
     print(f"{result.samples_per_s:.0f} samples/s on {result.workers} worker processes")
     plot_loss_curves({args.schedule: result.report()}, args.plot,
                      f"resnet-gn-skip on digits, split at {args.split_at}, {args.schedule}")

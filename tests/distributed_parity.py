@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from pipetrain.runtime.launch import launch
-from pipetrain.runtime.train import worker
+from pipetrain.training.distributed import worker
 from pipetrain.training.train import train
 
 

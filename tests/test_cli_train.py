@@ -111,3 +111,90 @@ def test_train_from_a_plan(capsys, tmp_path):
     assert report["workers"] == 2 and report["stages"] == 2
     code, out, err = run(capsys, "--executor", "emulate", *SMALL, "--plan", str(plan), "--balance", "2,2")
     assert code == 2 and "the plan decides" in err
+
+
+RAISING_MODULE = textwrap.dedent('''
+    import torch
+    from torch.utils.data import Dataset
+
+    def broken_model(in_features, num_classes):
+        raise RuntimeError("no such layer config")
+
+    def broken_data():
+        raise OSError("the data file is missing")
+
+    class Records(Dataset):
+        """A plain data set whose record 37 is corrupt (set-up reads only record 0)."""
+        num_classes = 3
+
+        def __init__(self, split="train"):
+            g = torch.Generator().manual_seed(0 if split == "train" else 1)
+            self.x, self.y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            if i == 37:
+                raise ValueError(f"corrupt record {i}")
+            return self.x[i], self.y[i]
+
+    class Batched(Records):
+        """The same, read a batch at a time (and so ahead of need, on a background thread)."""
+
+        def batch(self, indices):
+            if 37 in indices.tolist():
+                raise KeyError("record 37")
+            return self.x[indices], self.y[indices]
+''')
+
+
+# set-up (in this process, before any worker starts) builds the model and reads sample 0; the other
+# samples are read while training: on the distributed runtime by the worker of stage 0
+RAISING_CASES = [
+    (["--model", "raising:broken_model"], "emulate",
+     "model factory raising:broken_model raised RuntimeError: no such layer config (raising.py:6, in broken_model)"),
+    (["--data", "raising:broken_data"], "emulate",
+     "data factory raising:broken_data raised OSError: the data file is missing (raising.py:9, in broken_data)"),
+]
+for _executor in ("emulate", "distributed"):
+    RAISING_CASES += [
+        (["--data", "raising:Records"], _executor,
+         "data set Records: reading sample 37 raised ValueError: corrupt record 37 (raising.py:24, in __getitem__)"),
+        (["--data", "raising:Batched"], _executor,
+         "data set Batched: batch([32, 33, 34, 35, 36, 37, 38, 39]) raised KeyError: 'record 37' (raising.py:32, in batch)"),
+    ]
+
+
+@pytest.mark.parametrize("argv, executor, message", RAISING_CASES)
+def test_a_factory_or_data_set_that_raises_is_named_in_one_line(capfd, tmp_path, monkeypatch, argv, executor, message):
+    (tmp_path / "raising.py").write_text(RAISING_MODULE)
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--batch-size", "8", "--steps", "6", "--no-shuffle", "--no-progress", "--stages", "2",
+                 "--model", "mlp:depth=3,width=16", "--timeout", "30", "--executor", executor, *argv])
+    out, err = capfd.readouterr()
+    assert code == 2
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("executor", ["emulate", "distributed"])
+def test_the_stages_and_each_evaluation_are_printed_without_a_terminal(capfd, executor):
+    # pytest's capture is not a terminal: no progress bar, but the lines must come all the same
+    code = main(["train", "--executor", executor, *SMALL, "--schedule", "1f1b", "--stages", "2", "--steps", "6",
+                 "--eval-every", "2"])
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"1f1b: 2 stages on 2 {'workers' if executor == 'distributed' else 'emulated ranks'}, "
+                               "6 updates of 8 samples (4 microbatches each)")
+    assert lines[1] == ("data: 64 samples, read by index, one update ahead on a background thread; held out: the test "
+                        "split of synthetic:features=8,classes=3,samples=64 (64 samples)")
+    assert lines[2].startswith("stage 0: ") and lines[3].startswith("stage 1: ")
+    assert [line.split(":")[0] for line in lines[4:7]] == ["after 2 of 6 updates", "after 4 of 6 updates",
+                                                           "after 6 of 6 updates"]
+    assert "test accuracy" in lines[7]
+    code = main(["train", "--executor", executor, *SMALL, "--stages", "2", "--steps", "6", "--eval-every", "2",
+                 "--quiet"])
+    out, err = capfd.readouterr()
+    assert code == 0 and len(out.splitlines()) == 1, out

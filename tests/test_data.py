@@ -169,15 +169,15 @@ def test_user_factory_train_test(tmp_path, monkeypatch):
 def test_where_held_out_data_comes_from_is_said(tmp_path, monkeypatch):
     name = write_module(tmp_path, monkeypatch, FACTORY)
     own = load_data("digits")
-    assert len(own.test) == 360 and own.note == "held-out data: the test split of digits (360 samples)"
+    assert len(own.test) == 360 and own.note == "held out: the test split of digits (360 samples)"
     none = load_data(f"{name}:make:samples=10")
-    assert none.test is None and "none" in none.note and "--holdout FRACTION" in none.note
+    assert none.test is None and "nothing" in none.note and "--holdout FRACTION" in none.note
     cut = load_data(f"{name}:make:samples=10", holdout=0.3)
-    assert (len(cut.train), len(cut.test)) == (7, 3) and "--holdout 0.3, 3 of the 10 samples" in cut.note
+    assert (len(cut.train), len(cut.test)) == (7, 3) and cut.note == "held out: --holdout 0.3, 3 of the 10 samples (a fixed split)"
     split = load_data("digits", holdout=0.5)  # a data set with splits: its train split is cut
     assert (len(split.train), len(split.test)) == (719, 718) and split.info == DataInfo((64,), 10)
     other = load_data(f"{name}:make:samples=10", test_data="digits:split=test")
-    assert len(other.test) == 360 and other.note == "held-out data: --test-data digits:split=test (360 samples)"
+    assert len(other.test) == 360 and other.note == "held out: --test-data digits:split=test (360 samples)"
     with pytest.raises(ConfigError, match="either --test-data or --holdout"):
         load_data("digits", test_data="digits", holdout=0.2)
     for bad in (0, 1, 1.5, -0.1, "x"):
@@ -325,13 +325,14 @@ def test_train_command_says_where_the_held_out_data_comes_from(tmp_path, monkeyp
              "--stages", "2", "--no-progress"]
     assert main([*small, "--data", f"{name}:make:samples=20", "--holdout", "0.25", "--data-workers", "0"]) == 0
     out = capsys.readouterr().out
-    assert "held-out data: --holdout 0.25, 5 of the 20 samples" in out and "test accuracy" in out
+    assert ("data: 15 samples, read by index, one update ahead on a background thread; held out: --holdout 0.25, 5 "
+            "of the 20 samples (a fixed split)") in out.splitlines() and "test accuracy" in out
     assert main([*small, "--data", f"{name}:pairs"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == (f"held-out data: none ({name}:pairs has no split= parameter), so no evaluation; give --test-data "
-                      "SPEC or --holdout FRACTION to evaluate; training batches read sample by sample in 1 DataLoader "
-                      "worker process")
-    assert "test accuracy" not in out[1]
+    assert out[1] == (f"data: 6 samples, read sample by sample in 1 DataLoader worker process; held out: nothing "
+                      f"({name}:pairs has no split= parameter), so no evaluation; give --test-data SPEC or --holdout "
+                      "FRACTION to evaluate")
+    assert "test accuracy" not in out[-1]
     assert main([*small, "--data", "digits", "--data-workers", "-1"]) == 2
     assert "--data-workers must be an integer >= 0" in capsys.readouterr().err
     assert main([*small, "--data", "digits", "--holdout", "2"]) == 2
@@ -368,13 +369,11 @@ def make(bad=0):
 
 
 def test_a_failing_getitem_during_set_up_is_one_line(tmp_path, monkeypatch):
-    from pipetrain.data import DataReadError
-
     name = write_module(tmp_path, monkeypatch, BROKEN)
-    with pytest.raises(DataReadError) as caught:
+    with pytest.raises(ConfigError) as caught:
         load_data(f"{name}:make:bad=0")
-    assert str(caught.value) == f"data spec '{name}:make:bad=0': Broken[0] raised KeyError: 'sample 0 is missing'"
-    with pytest.raises(DataReadError) as caught:
+    assert str(caught.value).startswith("data set Broken: reading sample 0 raised KeyError: 'sample 0 is missing' (")
+    with pytest.raises(ConfigError) as caught:
         load_data(f"{name}:make:bad=7")
-    assert str(caught.value) == ("counting the classes of the data set (give it a num_classes attribute to skip this): "
-                                 "Broken[7] raised KeyError: 'sample 7 is missing'")
+    assert str(caught.value).startswith("counting the classes of the data set (give it a num_classes attribute to skip "
+                                        "this): data set Broken: reading sample 7 raised KeyError: 'sample 7 is missing'")

@@ -119,7 +119,7 @@ def test_a_data_factory_may_return_a_dataloader():
     data = load_data("test_data_augmented:crop_flip_loader:workers=0")
     assert isinstance(data.train, DataLoader) and isinstance(data.test, CropFlip)  # evaluated through its data set
     assert data.info == DataInfo((1, 8, 8), 4)
-    assert data.note == "held-out data: the test split of test_data_augmented:crop_flip_loader:workers=0 (96 samples)"
+    assert data.note == "held out: the test split of test_data_augmented:crop_flip_loader:workers=0 (96 samples)"
     assert describe_reading(data.train, None) == "from the DataLoader, on the training thread"
     with pytest.raises(ConfigError, match="--holdout cuts a Dataset"):
         load_data("test_data_augmented:crop_flip_loader", holdout=0.2)

@@ -120,7 +120,8 @@ def test_a_failing_getitem_is_one_message_naming_the_update(workers):
         _read(batches, range(5))
     message = str(caught.value)
     assert "\n" not in message
-    assert message == f"reading the batch of update 3 failed: Failing[{sample}] raised KeyError: 'sample {sample} is missing'"
+    assert message.startswith(f"reading the batch of update 3 failed: data set Failing: reading sample {sample} raised "
+                              f"KeyError: 'sample {sample} is missing' (test_data_batches.py:")
 
 
 def test_worker_counts():
@@ -128,7 +129,7 @@ def test_worker_counts():
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ConfigError, match="--data-workers must be an integer >= 0"):
             resolve_workers(bad)
-    assert describe_reading(Augmented(), 0) == "sample by sample on the training thread (--data-workers 0)"
+    assert describe_reading(Augmented(), 0) == "on the training thread (--data-workers 0)"
     assert describe_reading(TensorDataset(torch.zeros(2, 1), torch.zeros(2)), 4).startswith("by index")
 
 

@@ -54,7 +54,7 @@ def versioned_reference(stages, batches, versions_of, lr, units_per_update=1):
 
 def run_pipeline(stages, batches, schedule, policy=None, lr=0.1, microbatches=None):
     model_stages = [copy.deepcopy(s) for s in stages]
-    pipe = Pipeline(model_stages, schedule=schedule, policy=policy, loss_fn=mse,
+    pipe = Pipeline(model_stages, executor="emulate", schedule=schedule, policy=policy, loss_fn=mse,
                     optimizer=lambda stage, delay: SGD(lr=lr), microbatches=microbatches)
     pipe.train(batches)
     return [s.weight.detach() for s in model_stages]

@@ -64,7 +64,7 @@ def sample_sequential(stages, data, delays, make_optimizer, policy="latest"):
 
 
 def pipelined(stages, data, compensation=""):
-    pipe = Pipeline(stages, schedule="pb", optimizer=lambda s, d: optimizer(s, d, compensation),
+    pipe = Pipeline(stages, executor="emulate", schedule="pb", optimizer=lambda s, d: optimizer(s, d, compensation),
                     compensation="lwp" if "lwp" in compensation else "none")
     pipe.train(data)
     return stages
@@ -109,7 +109,7 @@ def test_zero_delays_equal_batch_size_one_momentum_sgd():
 def test_lwp_with_zero_horizon_is_plain_pb():
     data = samples(20)
     a, b = mlp_stages(), mlp_stages()
-    Pipeline(a, schedule="pb", compensation="lwp",
+    Pipeline(a, executor="emulate", schedule="pb", compensation="lwp",
              optimizer=lambda s, d: SGD(lr=0.05, momentum=0.9, lwp_horizon=0.0)).train(data)
     pipelined(b, data)
     for sa, sb in zip(a, b):
@@ -136,7 +136,7 @@ def test_latest_backward_uses_current_weights_for_the_error_and_forward_activati
 
 
 def test_delays_are_two_s_minus_one_minus_s():
-    pipe = Pipeline(mlp_stages(5), schedule="pb", optimizer=lambda s, d: SGD(lr=0.01))
+    pipe = Pipeline(mlp_stages(5), executor="emulate", schedule="pb", optimizer=lambda s, d: SGD(lr=0.01))
     pipe.train(samples(12))
     from pipetrain.schedule import staleness
 

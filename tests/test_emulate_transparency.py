@@ -70,7 +70,7 @@ def test_synchronous_schedules_equal_plain_training(name, stages, optimizer):
         batches = make_batches()
         expected = plain_training(make_model(), batches, reference)
         model = make_model()
-        pipe = Pipeline(model, balance=balance_for(stages * chunks), schedule=name, microbatches=m,
+        pipe = Pipeline(model, executor="emulate", balance=balance_for(stages * chunks), schedule=name, microbatches=m,
                         optimizer=spec, chunks=chunks)
         pipe.train(batches)
         assert_same(model, expected, bitwise=(m == 1))
@@ -80,7 +80,7 @@ def test_float32_agreement_and_save_keys():
     batches = make_batches(dtype=torch.float32)
     expected = plain_training(make_model(dtype=torch.float32), batches, OPTIMIZERS["sgd"][1])
     model = make_model(dtype=torch.float32)
-    pipe = Pipeline(model, balance=[3, 3, 2], schedule="1f1b", microbatches=4, optimizer=OPTIMIZERS["sgd"][0])
+    pipe = Pipeline(model, executor="emulate", balance=[3, 3, 2], schedule="1f1b", microbatches=4, optimizer=OPTIMIZERS["sgd"][0])
     pipe.train(batches)
     for p, q in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(p, q, rtol=2e-6, atol=2e-6)
@@ -93,7 +93,7 @@ def test_replicated_stage_equals_plain_training(name):
     batches = make_batches(size=8)
     expected = plain_training(make_model(), batches, OPTIMIZERS["sgd"][1])
     model = make_model()
-    pipe = Pipeline(model, balance=[4, 4], schedule=name, microbatches=4, replicas=[2, 1],
+    pipe = Pipeline(model, executor="emulate", balance=[4, 4], schedule=name, microbatches=4, replicas=[2, 1],
                     optimizer=OPTIMIZERS["sgd"][0])
     pipe.train(batches)
     assert_same(model, expected, bitwise=False)
@@ -106,7 +106,7 @@ def test_dropout_is_deterministic_per_microbatch():
 
     batches = make_batches()
     first, second = build(), build()
-    Pipeline(first, balance=[2, 1], schedule="1f1b", microbatches=2, optimizer="sgd:lr=0.1").train(batches)
-    Pipeline(second, balance=[2, 1], schedule="gpipe", microbatches=2, optimizer="sgd:lr=0.1").train(batches)
+    Pipeline(first, executor="emulate", balance=[2, 1], schedule="1f1b", microbatches=2, optimizer="sgd:lr=0.1").train(batches)
+    Pipeline(second, executor="emulate", balance=[2, 1], schedule="gpipe", microbatches=2, optimizer="sgd:lr=0.1").train(batches)
     for p, q in zip(first.parameters(), second.parameters()):
         assert torch.equal(p, q)

@@ -53,7 +53,7 @@ def test_split_model_trains_like_the_unsplit_one(name, make, split, microbatches
     model, batches = make()
     expected = copy.deepcopy(model)
     plain(expected, batches)
-    pipe = Pipeline(model, split_at=SPLITS[name][split], schedule="1f1b", microbatches=microbatches,
+    pipe = Pipeline(model, executor="emulate", split_at=SPLITS[name][split], schedule="1f1b", microbatches=microbatches,
                     optimizer="sgd:lr=0.05,momentum=0.9")
     assert len(pipe.stages) == len(SPLITS[name][split]) + 1
     pipe.train(batches)

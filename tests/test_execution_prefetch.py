@@ -113,7 +113,7 @@ def test_only_data_sets_read_by_index_are_read_ahead() -> None:
 
 
 def test_runtime_reads_ahead_in_the_order_of_its_stage_0_forwards() -> None:
-    from pipetrain.runtime.train import _updates_read
+    from pipetrain.training.distributed import _updates_read
     from pipetrain.schedule import build
 
     # 1F1B, 2 steps of 4 microbatches: rank 0 reads update 0 then 1; rank 1 reads nothing

@@ -79,3 +79,103 @@ def test_a_version_still_read_is_never_overwritten():
     executor.backward(1, 0, (torch.ones(5, 3),))
     executor.step([0])
     assert executor.versions.held() == [1, 2]
+
+
+# -- non-finite losses, gradients and weights ------------------------------------------------------
+
+
+def test_a_nan_loss_stops_the_stage_naming_the_microbatch():
+    from pipetrain.errors import NonFiniteError
+
+    executor = StageExecutor(1, _module(), SGD(lr=0.1), loss_fn=F.cross_entropy)
+    (x, y), = _batches(1)
+    x[2, 1] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"the loss of microbatch 7 is nan \(its input from stage 0 already "
+                                             r"holds nan\)") as caught:
+        executor.forward(7, 0, x, target=y, samples=5)
+    assert (caught.value.stage, caught.value.microbatch) == (1, 7)
+
+
+def test_under_stop_a_gradient_that_is_not_finite_stops_at_the_next_loss_or_checkpoint():
+    # stop tests no gradient (that would cost a pass over it per update): the weights it makes are
+    # caught by the next loss computed through them, by a checkpoint, and at the end
+    from pipetrain.errors import NonFiniteError
+
+    executor = StageExecutor(1, _module(), SGD(lr=0.1), loss_fn=F.cross_entropy, nonfinite="stop")
+    (x, y), = _batches(1)
+    executor.forward(0, 0, x, target=y, samples=5)
+    executor.backward(0, 0)
+    executor.grads = {name: torch.full_like(g, float("inf")) for name, g in executor.grads.items()}
+    executor.step([0])
+    with pytest.raises(NonFiniteError, match=r"the weights after update 1 are not finite in .*; no checkpoint was "
+                                             r"written") as caught:
+        executor.snapshot()
+    assert (caught.value.stage, caught.value.step) == (1, 1)
+    with pytest.raises(NonFiniteError, match=r"the loss of microbatch 1 is nan \(the weights of this stage are not "
+                                             r"finite in 0.weight \((nan|inf)\)"):
+        executor.forward(1, 1, x, target=y, samples=5)
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_skip_keeps_the_weights_and_the_optimizer_state_of_an_update_whose_gradient_is_not_finite(release):
+    # three updates, the second with an infinite output gradient: under skip the result equals
+    # two updates on the first and third batches, the optimizer's momentum untouched in between
+    skipping = StageExecutor(0, _module(), SGD(lr=0.1, momentum=0.9), nonfinite="skip")
+    reference = StageExecutor(0, _module(), SGD(lr=0.1, momentum=0.9))
+    batches = _batches(3)
+    grad = (torch.ones(5, 3),)
+    for step, (x, _) in enumerate(batches):
+        skipping.forward(step, step, x, samples=5)
+        skipping.backward(step, step, (torch.full((5, 3), float("nan")),) if step == 1 else grad)
+        assert skipping.step([step] if release else []) == step + 1  # a skipped update still makes a version
+    for step, (x, _) in enumerate([batches[0], batches[2]]):
+        reference.forward(step, step, x, samples=5)
+        reference.backward(step, step, grad)
+        reference.step([step])
+    assert skipping.skipped == [2]
+    for name, value in skipping.versions.latest.items():
+        assert torch.equal(value, reference.versions.latest[name]), name
+    if not release:  # versions still held are never modified by a skip
+        for name, value in skipping.versions[1].items():
+            assert torch.equal(value, skipping.versions[2][name]), name
+            assert value.data_ptr() != skipping.versions[2][name].data_ptr()
+
+
+def test_skip_stops_after_too_many_updates_in_a_row():
+    from pipetrain.errors import NonFiniteError
+    from pipetrain.execution.stage import SKIP_LIMIT
+
+    executor = StageExecutor(0, _module(), SGD(lr=0.1), nonfinite="skip")
+    (x, _), = _batches(1)
+    with pytest.raises(NonFiniteError, match=f"updates 1 to {SKIP_LIMIT} were all not finite"):
+        for step in range(SKIP_LIMIT + 1):
+            executor.forward(step, step, x, samples=5)
+            executor.backward(step, step, (torch.full((5, 3), float("nan")),))
+            executor.step([step])
+    assert executor.skipped == list(range(1, SKIP_LIMIT + 1))
+
+
+def test_write_back_refuses_weights_that_are_not_finite():
+    from pipetrain.errors import NonFiniteError
+
+    module = _module()
+    executor = StageExecutor(0, module, SGD(lr=1e38))
+    (x, _), = _batches(1)
+    executor.forward(0, 0, x, samples=5)
+    executor.backward(0, 0, (torch.full((5, 3), 1e3),))  # finite, but lr * gradient overflows
+    executor.step([0])
+    original = {n: p.detach().clone() for n, p in module.named_parameters()}
+    with pytest.raises(NonFiniteError, match="the weights after update 1 are not finite"):
+        executor.write_back()
+    for name, param in module.named_parameters():
+        assert torch.equal(param, original[name]), name
+
+
+def test_all_finite_reads_once_and_is_not_fooled_by_an_overflowing_sum():
+    from pipetrain.execution.stage import all_finite
+
+    big = torch.full((4,), 3e38)
+    assert all_finite([big, big])  # the sum overflows to inf, every value is finite
+    assert all_finite([])
+    assert not all_finite([torch.ones(3), torch.tensor([1.0, float("-inf")])])
+    assert not all_finite([torch.tensor([float("nan")], dtype=torch.float64)])

@@ -84,3 +84,65 @@ def test_all_cuts_in_one_pass_equal_each_cut_alone(name, options):
         with pytest.raises(ConfigError) as error:
             cuts(schedule, [*alone, units])
         assert str(error.value) == message
+
+
+FEED_CASES = [
+    ("gpipe", dict(stages=3, microbatches=4, steps=3), 4),
+    ("1f1b", dict(stages=4, microbatches=4, steps=3), 4),
+    ("zb-h1", dict(stages=3, microbatches=3, steps=2), 3),
+    ("interleaved", dict(stages=2, microbatches=4, steps=2, chunks=2), 4),
+    ("pipedream", dict(stages=4, microbatches=9), 1),
+    ("pipedream", dict(stages=2, microbatches=8, replicas=[2, 1]), 1),
+    ("pipedream", dict(stages=3, microbatches=8, update_every=2), 2),
+    ("2bw", dict(stages=3, microbatches=3, steps=3), 3),
+    ("pb", dict(stages=4, microbatches=10), 1),
+]
+
+
+@pytest.mark.parametrize("name, options, per_update", FEED_CASES)
+def test_feed_cuts_run_each_rank_as_far_as_the_fed_batches_allow(name, options, per_update):
+    from pipetrain.runtime.cuts import feed_cuts
+    from pipetrain.runtime.sends import Messages
+
+    options = dict(options)
+    stages, units = options.pop("stages"), options.pop("microbatches")
+    schedule = build(name, stages, units, **options)
+    pieces = feed_cuts(schedule, per_update)
+    messages = Messages(schedule)
+    total = max(a.microbatch for p in schedule.programs for a in p if a.microbatch is not None) + 1
+    assert len(pieces) == -(-total // per_update)
+    assert pieces[-1] == [len(p) for p in schedule.programs]  # the last call drains
+    for update, piece in enumerate(pieces):
+        fed = (update + 1) * per_update
+        for rank, program in enumerate(schedule.programs):
+            if update:
+                assert piece[rank] >= pieces[update - 1][rank]
+            done = program[: piece[rank]]
+            assert all(a.microbatch < fed for a in done if a.kind is Kind.F and a.stage == 0)
+            if piece[rank] < len(program):  # stopped: the next action waits for a later batch or message
+                action = program[piece[rank]]
+                if action.kind in (Kind.RECV_F, Kind.RECV_B):
+                    sender, position = messages.sent_at[Messages.of(action)]
+                    assert piece[sender] <= position
+                elif action.kind is Kind.F and action.stage == 0:
+                    assert action.microbatch >= fed
+                else:
+                    assert action.kind is Kind.SYNC
+            for position, action in enumerate(done):  # consistent: every receive's send came before
+                if action.kind in (Kind.RECV_F, Kind.RECV_B):
+                    sender, sent = messages.sent_at[Messages.of(action)]
+                    assert sent < piece[sender]
+
+
+def test_pipedream_feed_cuts_keep_the_warm_up_in_flight():
+    from pipetrain.runtime.cuts import feed_cuts
+
+    schedule = build("pipedream", 3, 8)
+    pieces = feed_cuts(schedule, 1)
+    for update in range(len(pieces) - 1):
+        for rank in range(3):
+            done = schedule.programs[rank][: pieces[update][rank]]
+            forwards = sum(a.kind is Kind.F for a in done)
+            backwards = sum(a.kind is Kind.B for a in done)
+            assert forwards == update + 1  # every stage has run the forward of each fed minibatch
+            assert forwards - backwards == min(update + 1, 2 - rank)  # W_s = 2 - s minibatches in flight

@@ -71,7 +71,6 @@ def _fail_worker(how):
     "how, code, text",
     [
         ("raise", 1, "ValueError: boom in rank 1"),
-        ("user-error", 2, "pipetrain worker rank 1: error: bad option in rank 1"),
         ("kill", 128 + 9, "worker rank 1 was killed by SIGKILL"),
     ],
 )
@@ -85,6 +84,16 @@ def test_a_failing_worker_stops_the_others(how, code, text, capfd):
     err = capfd.readouterr().err
     assert text in err
     assert "stopping the other workers" in err
+
+
+def test_a_workers_own_error_is_the_runs_one_message(capfd):
+    # a user error (ConfigError) in rank 1: the launcher hands its message on as the run's message;
+    # neither the worker nor the launcher prints it, nor the status of every rank (nobody hangs)
+    result = launch(_fail_worker, ("user-error",), 2, grace=1.0, timeout=LIMIT)
+    assert result.returncode == 2
+    assert result.message == "bad option in rank 1"
+    err = capfd.readouterr().err
+    assert "bad option" not in err and "status of every rank" not in err
 
 
 def _sleep_worker(pidfile):

@@ -187,3 +187,22 @@ def test_call_factory_extras_only_when_accepted():
     assert call_factory(wide, {"num_classes": 3}, extra=extra)["num_classes"] == 3
     with pytest.raises(ConfigError, match=r"accepted: width\."):
         call_factory(wide, {"depth": 3}, extra=extra)
+
+
+def test_a_factory_that_raises_becomes_one_line_naming_it():
+    from pipetrain.errors import ConfigError
+    from pipetrain.spec import call_factory
+
+    def factory(width=1):
+        raise ZeroDivisionError("width must not be zero\nsecond line")
+
+    def refusing(width=1):
+        raise ConfigError("width must be positive")
+
+    with pytest.raises(ConfigError) as caught:
+        call_factory(factory, {"width": 0}, what="model factory nets:factory")
+    assert str(caught.value).startswith(
+        "model factory nets:factory raised ZeroDivisionError: width must not be zero (test_spec.py:")
+    assert str(caught.value).endswith(", in factory)") and caught.value.__cause__ is None
+    with pytest.raises(ConfigError, match="^width must be positive$"):  # our own errors pass unchanged
+        call_factory(refusing, {}, what="model factory nets:refusing")

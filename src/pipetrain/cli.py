@@ -28,17 +28,39 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse exits with status 2 on usage errors already; keep its message on one line."""
+    """Usage errors exit with status 2, as argparse's do, in one line that points at ``--help``
+    instead of argparse's usage block (two dozen lines for `pipetrain train`)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
-def _build_parser(selected: str | None) -> argparse.ArgumentParser:
+def _build_parser(selected: str | None) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser | None]:
+    """The top-level parser, and the selected command's own (its options only, PyTorch not imported)."""
     parser = _Parser(prog="pipetrain", description="Pipeline-parallel training for PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = None
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == selected:
             importlib.import_module(module_name).add_arguments(command_parser)
-    return parser
+            chosen = command_parser
+    return parser, chosen
+
+
+def _unrecognized(command: argparse.ArgumentParser, extras: list[str]) -> None:
+    """Refuse options the command does not have, with its usage and the closest option names."""
+    import difflib
+
+    known = [option for action in command._actions for option in action.option_strings]
+    hints = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            if close:
+                hints.append(f"did you mean {close[0]} for {name}?")
+    command.error(f"unrecognized arguments: {' '.join(extras)}" + (f"; {' '.join(hints)}" if hints else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,8 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     selected = next((a for a in argv if not a.startswith("-")), None)
     if selected not in COMMANDS:
         selected = None
-    parser = _build_parser(selected)
-    args = parser.parse_args(argv)
+    parser, command = _build_parser(selected)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        if command is None:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        _unrecognized(command, extras)
     if args.command is None:
         parser.print_help()
         return 2

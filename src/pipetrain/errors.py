@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError"]
+__all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "NonFiniteError"]
 
 
 class PipetrainError(Exception):
@@ -23,3 +23,24 @@ class DeadlockError(ScheduleError):
 
 class ConfigError(PipetrainError):
     """A configuration value (option, spec, model, data) is invalid."""
+
+
+class NonFiniteError(PipetrainError):
+    """A loss, gradient or weight became NaN or infinite: training stopped before applying it.
+
+    ``stage`` is where it was seen; ``step`` the update (counted from 1) when known, else
+    ``microbatch`` names the unit whose loss it was (the executor that runs the schedule knows
+    which update that unit belongs to and says so in the message it re-raises).
+    """
+
+    def __init__(self, message: str, *, stage: int | None = None, step: int | None = None,
+                 microbatch: int | None = None, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.stage, self.step, self.microbatch, self.rank = stage, step, microbatch, rank
+
+    def __reduce__(self):  # keyword attributes survive pickling (results of worker processes)
+        return (_rebuild_nonfinite, (str(self), self.stage, self.step, self.microbatch, self.rank))
+
+
+def _rebuild_nonfinite(message: str, stage, step, microbatch, rank) -> NonFiniteError:
+    return NonFiniteError(message, stage=stage, step=step, microbatch=microbatch, rank=rank)

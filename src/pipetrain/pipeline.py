@@ -1,113 +1,290 @@
-"""The Python entry point: train a model (or a list of stage modules) with any schedule.
+"""The Python entry point: train a model (or a list of stage modules) with any schedule, on the
+emulator or on worker processes, with ``fit`` or from your own loop with ``step``.
 
 >>> import torch, torch.nn as nn
 >>> from pipetrain import Pipeline
 >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 >>> pipe = Pipeline(model, balance=[2, 1], schedule="1f1b", microbatches=4,
-...                 optimizer="sgd:lr=0.1,momentum=0.9")
+...                 optimizer=torch.optim.SGD, optimizer_options=dict(lr=0.1, momentum=0.9), executor="emulate")
 >>> x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
 >>> losses = pipe.train([(x, y)] * 3)          # three updates of one 32-sample batch each
 >>> len(losses)
 3
 
-``train`` runs the schedule on the single-process emulator, so the result is exactly what the
-distributed runtime computes for the same schedule and seed; ``model`` holds the trained weights
-afterwards.
+With ``executor="distributed"`` (the default) the same code runs on one worker process per stage
+replica. Run as ``python train.py``, the script starts itself once per worker; under ``torchrun``
+every process is already a worker. Either way every rank runs the whole script, builds the same
+model, and only the rank of stage 0 reads data. See docs/api.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import dataclasses
+import sys
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from pipetrain.emulate.executor import Emulator
 from pipetrain.errors import ConfigError
-from pipetrain.execution import StageExecutor, UnitData, UnitLayout
-from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
+from pipetrain.training.config import TrainConfig
+from pipetrain.training.parts import OptimizerFactory, RunParts, describe_data, describe_model
+from pipetrain.training.result import TrainResult
 
 __all__ = ["Pipeline"]
 
-OptimizerFactory = Callable[[int, int], Any]  # (stage, delay) -> StageOptimizer
+_EXECUTORS = ("distributed", "emulate")
 
 
 class Pipeline:
-    """A model cut into stages plus a schedule, trained with the emulator.
+    """A model cut into stages, a schedule and an optimizer: trained with :meth:`fit`, or one batch
+    at a time from your own loop with :meth:`start`, :meth:`step` and :meth:`finish`.
 
-    Args:
-        model: an ``nn.Sequential`` (cut by ``balance`` or into ``stages`` of near-equal parameter
-            count), any ``nn.Module`` torch.fx can trace (cut at ``split_at`` module names, or into
-            ``stages``), or a list of stage modules.
-        schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb.
-        microbatches: units per update (microbatches per step; pipedream/pb: minibatches/samples
-            accumulated per update, default 1).
-        loss_fn: ``loss_fn(output, target)``, a mean over samples (default cross entropy).
-        optimizer: an optimizer spec (``"sgd:lr=0.1,momentum=0.9"``, ``"adam:lr=1e-3"``) or a
-            factory ``(stage, delay) -> StageOptimizer``.
-        compensation: ``none``, ``sc``, ``lwp`` or ``sc+lwp`` (with a spec optimizer).
-        replicas, chunks, policy: as for :func:`pipetrain.schedule.build`.
+    Model:
+        model: an ``nn.Sequential`` (cut by ``balance``, ``split_at`` or into ``stages``), any
+            ``nn.Module`` torch.fx can trace (cut at ``split_at`` module names or into
+            ``stages``; ``leaf_modules`` and ``concrete_args`` go to the tracer), or a list of stage
+            modules. Build it the same way on every rank (seed it): each rank trains its stages.
+        plan: a plan JSON written by ``pipetrain plan --out`` (stages, replicas, schedule).
+    Schedule:
+        schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb (DESIGN.md section 3).
+        microbatches: units per update (microbatches per step; pipedream/pb: minibatches or
+            samples accumulated per update, default 1); ``replicas``, ``chunks``, ``policy`` as for
+            :func:`pipetrain.schedule.build`.
+    Training:
+        loss_fn: ``loss_fn(output, target)``, a mean over samples (default: the model's
+            ``pipeline_loss``, else cross entropy).
+        optimizer: a ``torch.optim.Optimizer`` class with ``optimizer_options`` (SGD, Adam and
+            AdamW run as pipetrain's own bitwise-equal functional optimizers; any other class runs
+            as itself, see :mod:`pipetrain.optim.torch_optim`), an optimizer spec
+            (``"sgd:lr=0.1,momentum=0.9"``), or a factory ``(stage, delay) -> StageOptimizer``.
+        lr_scheduler: ``lr_scheduler(optimizer) -> torch.optim.lr_scheduler.LRScheduler``
+            (stepped once per update of each stage), or a sample-counting spec such as
+            ``"cosine:total=10000"`` (see docs/optim.md).
+        compensation: ``none``, ``sc``, ``lwp`` or ``sc+lwp`` (momentum SGD; LWP also Adam).
+        seed: the data order and dropout; model initialisation is yours.
+        on_nonfinite: ``stop`` (a NaN or infinite loss ends the run with a
+            :class:`~pipetrain.errors.NonFiniteError` naming the step and stage) or ``skip``
+            (drop each update whose gradient is not finite); see docs/optim.md.
+    Execution:
+        executor: ``distributed`` (worker processes over torch.distributed) or ``emulate`` (this
+            process; bitwise the same parameters).
+        threads_per_worker, receives, timeout: as ``pipetrain train``'s options.
     """
 
     def __init__(
         self,
         model: nn.Module | Sequence[nn.Module],
         *,
-        balance: Sequence[int] | None = None,
         stages: int | None = None,
+        balance: Sequence[int] | None = None,
         split_at: Sequence[str] | None = None,
-        schedule: str = "1f1b",
+        plan: str | None = None,
+        leaf_modules: Sequence[str | type] = (),
+        concrete_args: dict[str, Any] | None = None,
+        schedule: str | None = None,
         microbatches: int | None = None,
-        loss_fn: Callable[[Any, Tensor], Tensor] | None = None,
-        optimizer: str | OptimizerFactory = "sgd:lr=0.01",
-        compensation: str = "none",
         replicas: Sequence[int] | None = None,
         chunks: int = 1,
         policy: str | None = None,
+        loss_fn: Callable[[Any, Tensor], Tensor] | None = None,
+        optimizer: str | type | OptimizerFactory = "sgd:lr=0.01",
+        optimizer_options: dict[str, Any] | None = None,
+        lr_scheduler: str | Callable[[Any], Any] | None = None,
+        compensation: str = "none",
+        executor: str = "distributed",
+        threads_per_worker: int = 1,
+        receives: str = "auto",
+        timeout: float = 60.0,
         seed: int = 0,
+        on_nonfinite: str = "stop",
     ) -> None:
+        from pipetrain.models.loss import loss_for
+        from pipetrain.schedule import resolve_name
         from pipetrain.stages import split_model
-        from pipetrain.models.loss import cross_entropy
+        from pipetrain.training.setup import apply_plan
 
-        self.schedule_name = resolve_name(schedule)
-        self.staged = split_model(model, stages=stages, balance=balance, split_at=split_at)
+        if executor not in _EXECUTORS:
+            raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(_EXECUTORS)}")
+        spec, lr_schedule, factory = _optimizer_parts(optimizer, optimizer_options, lr_scheduler, compensation)
+        config = apply_plan(TrainConfig(
+            model=describe_model(model), data="", schedule=schedule, stages=stages,
+            balance=list(balance) if balance is not None else None,
+            split_at=list(split_at) if split_at is not None else None, plan=plan,
+            replicas=list(replicas) if replicas else None, chunks=chunks, policy=policy, microbatches=microbatches,
+            optimizer=spec, lr_schedule=lr_schedule, compensation=compensation, executor=executor,
+            threads_per_worker=threads_per_worker, receives=receives, timeout=timeout, seed=seed, dtype=None,
+            on_nonfinite=on_nonfinite, progress=sys.stderr.isatty(),
+        ))
+        self.schedule_name = resolve_name(config.schedule)
+        pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1
+        if isinstance(model, (list, tuple)):
+            self.staged = split_model(list(model))
+        else:
+            count = None if config.balance or config.split_at else (config.stages or 2) * pieces_per_rank
+            self.staged = split_model(model, stages=count, balance=config.balance, split_at=config.split_at,
+                                      leaf_modules=leaf_modules, concrete_args=concrete_args)
         self.model = model
-        asynchronous = self.schedule_name in ASYNCHRONOUS and self.schedule_name != "2bw"
-        self.microbatches = microbatches if microbatches is not None else (1 if asynchronous else 4)
-        self.loss_fn = loss_fn or cross_entropy
-        self.optimizer = optimizer
-        self.compensation = compensation
-        self.replicas = list(replicas) if replicas else None
-        self.chunks = chunks
-        self.policy = policy
-        self.seed = seed
-        self._asynchronous = asynchronous
-        self.last_schedule: Schedule | None = None
+        self._config = dataclasses.replace(
+            config, stages=len(self.staged.stages) // pieces_per_rank, balance=None, split_at=None, plan=None
+        )
+        unsplit = nn.Sequential(*model) if isinstance(model, (list, tuple)) else model
+        self._parts = RunParts(model=model, train_set=None, test_set=None,
+                               loss_fn=loss_fn or loss_for(unsplit), optimizer=factory, staged=self.staged)
+        self._session: Any = None
+        self._run: Any = None
+        self.last_schedule = None
+        self.last_result: TrainResult | None = None
+
+    # -- what it is --------------------------------------------------------------------------------
 
     @property
     def stages(self) -> list[nn.Module]:
+        """The stage modules (they share their parameters with ``model``)."""
         return list(self.staged.stages)
 
-    def _schedule(self, updates: int) -> Schedule:
-        count = len(self.staged.stages) // (self.chunks if self.schedule_name == "interleaved" else 1)
-        policy = self.policy
-        if policy is None and "lwp" in self.compensation.split("+"):
-            policy = "predict"
-        if self._asynchronous:
-            schedule = build(self.schedule_name, count, updates * self.microbatches, replicas=self.replicas,
-                             policy=policy, update_every=self.microbatches)
+    @property
+    def executor(self) -> str:
+        return self._config.executor
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in a distributed run (0 on the emulator and before one starts)."""
+        import os
+
+        return int(os.environ.get("RANK", "0")) if self.executor == "distributed" else 0
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process reports for the run: the emulator's, or rank 0 of a distributed
+        run (it holds the whole trained model after :meth:`fit` or :meth:`finish`)."""
+        return self.rank == 0
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank uses the batches given to :meth:`step` (it holds stage 0); known once
+        :meth:`start` has run. Other ranks may pass nothing and skip reading their loader."""
+        run = self._active("reads_data").run
+        return self.executor == "emulate" or 0 in run.schedule.rank_stages()[self.rank]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under the unsplit model's keys (after a distributed run: complete on the
+        main rank, each other rank's own stages trained)."""
+        return self.staged.merge_state_dict([stage.state_dict() for stage in self.staged.stages])
+
+    # -- training with fit ---------------------------------------------------------------------
+
+    def fit(
+        self,
+        data: Any,
+        *,
+        batch_size: int = 32,
+        epochs: float | None = None,
+        steps: int | None = None,
+        eval_data: Any = None,
+        eval_every: int = 0,
+        eval_samples: int | None = None,
+        shuffle: bool = True,
+        callbacks: Iterable[Any] = (),
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int = 0,
+        resume: bool | str = False,
+        progress: bool | None = None,
+        quiet: bool = False,
+        save: str | None = None,
+        report_json: str | None = None,
+        trace: str | None = None,
+        plot: str | None = None,
+    ) -> TrainResult:
+        """Train on ``data`` (a map-style ``Dataset`` of ``(x, y)``) for ``epochs`` passes or
+        ``steps`` updates of ``batch_size`` samples (default one epoch), evaluating on
+        ``eval_data`` every ``eval_every`` updates and at the end.
+
+        ``callbacks``: :class:`~pipetrain.training.callbacks.Callback` objects (or functions
+        ``f(step, loss)``), called where the information is. Checkpoints (``checkpoint_dir``,
+        ``checkpoint_every``, ``resume``) and the outputs (``save``: the unsplit ``state_dict``,
+        ``report_json``, ``trace``, ``plot``) are those of ``pipetrain train``; so are the lines
+        printed before and during training (the chosen stages, each evaluation), which ``quiet``
+        leaves out, and the progress bar (default: on a terminal). Returns the
+        :class:`~pipetrain.training.result.TrainResult`; ``model`` holds the trained weights.
+        """
+        from pipetrain.training.train import train
+
+        self._refuse_during_session("fit")
+        config = dataclasses.replace(
+            self._config, data=describe_data(data), test_data=None if eval_data is None else describe_data(eval_data),
+            batch_size=batch_size, epochs=epochs, steps=steps, eval_every=eval_every, eval_samples=eval_samples,
+            shuffle=shuffle, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            progress=self._config.progress if progress is None else progress, quiet=quiet, save=save,
+            report_json=report_json, trace=trace, plot=plot,
+        )
+        parts = dataclasses.replace(self._parts, train_set=_dataset(data, "data"),
+                                    test_set=None if eval_data is None else _dataset(eval_data, "eval_data"))
+        result = train(config, parts, callbacks)
+        self.last_result = result
+        if result.timeline is not None:
+            self.last_schedule = result.timeline.schedule
+        return result
+
+    # -- training from your own loop -------------------------------------------------------------
+
+    def start(self, steps: int, batch_size: int) -> None:
+        """Begin a run of ``steps`` updates of ``batch_size`` samples fed by :meth:`step`.
+
+        Distributed, outside torchrun, this starts the script once per worker and exits with
+        their status when they are done (every worker runs the whole script, this call included).
+        """
+        from pipetrain.runtime.launch import detect
+        from pipetrain.training import distributed
+        from pipetrain.training.setup import prepare
+        from pipetrain.training.stepping import DistributedSession, EmulatedSession
+
+        self._refuse_during_session("start")
+        config = dataclasses.replace(self._config, data="batches fed by step()", batch_size=batch_size, steps=steps,
+                                     epochs=None, progress=False)
+        parts = dataclasses.replace(self._parts, train_set=_Unread(), test_set=None)
+        if self.executor == "emulate":
+            torch.set_num_threads(config.threads_per_worker)
+            self._run = prepare(config, parts)
+            self._session = EmulatedSession(self._run)
         else:
-            schedule = build(self.schedule_name, count, self.microbatches, steps=updates, chunks=self.chunks,
-                             replicas=self.replicas, policy=policy)
-        check(schedule)
-        return schedule
+            if detect() is None:
+                distributed.spawn_script(prepare(config, parts))
+            env = distributed.join(config)
+            self._run = prepare(config, parts)
+            self._session = DistributedSession(self._run, env)
+        self.last_schedule = self._run.schedule
 
-    def _optimizer(self, stage: int, delay: int):
-        if callable(self.optimizer):
-            return self.optimizer(stage, delay)
-        from pipetrain.optim import build_stage_optimizer
+    def step(self, inputs: Any = None, targets: Tensor | None = None) -> list[tuple[int, float]]:
+        """Hand over the next update's batch and run the pipeline as far as it goes without the
+        one after it. Returns ``[(update, loss)]`` for the updates that finished during this call,
+        on the ranks that compute the loss (the last stage's); elsewhere ``[]``. Every rank calls
+        it once per update; ranks without stage 0 may pass nothing."""
+        session = self._active("step")
+        if isinstance(inputs, (tuple, list)) and targets is None and len(inputs) == 2:
+            inputs, targets = inputs
+        return session.step(inputs, targets)
 
-        return build_stage_optimizer(self.optimizer, stage_delay=delay, compensation=self.compensation)
+    def evaluate(self, data: Any, batch_size: int | None = None) -> dict[str, float] | None:
+        """Loss and accuracy of the current weights on ``data`` (a ``Dataset`` or a list of
+        ``(x, y)`` batches), between two steps; on every rank of a distributed run, with the
+        metrics returned where the last stage is (``None`` elsewhere)."""
+        from pipetrain.training.outputs import HeldOut
+
+        session = self._active("evaluate")
+        held = HeldOut.of(data, batch_size or max(self._run.layout.batch_size, 64), self._run.dtype)
+        if self.executor == "emulate":
+            return session.evaluate([held[i] for i in range(len(held))])
+        return session.evaluate(len(held), held.__getitem__)
+
+    def finish(self) -> TrainResult:
+        """End the run begun by :meth:`start` (after its last step): the result, with ``model``
+        holding the trained weights (the whole model on the main rank)."""
+        session = self._active("finish")
+        result = session.finish()
+        self._session = None
+        self.last_result = result
+        return result
 
     def train(self, batches: Sequence[tuple[Any, Tensor]]) -> list[float]:
         """One update per ``(inputs, targets)`` batch; returns each update's mean loss.
@@ -117,38 +294,88 @@ class Pipeline:
         batches = list(batches)
         if not batches:
             raise ConfigError("train() needs at least one (inputs, targets) batch")
-        size = batches[0][1].shape[0]
-        if any(b[1].shape[0] != size for b in batches):
-            raise ConfigError("every batch passed to train() must hold the same number of samples")
-        schedule = self._schedule(len(batches))
-        self.last_schedule = schedule
-        delays = staleness(schedule)
-        per_update = units_per_update(schedule)
-        executors: list[dict[int, StageExecutor]] = []
-        import copy
+        self.start(steps=len(batches), batch_size=int(torch.as_tensor(batches[0][1]).shape[0]))
+        for inputs, targets in batches:
+            self.step(inputs, targets)
+        return list(self.finish().update_losses)
 
-        for rank, held in enumerate(schedule.rank_stages()):
-            executors.append({})
-            for stage in held:
-                module = self.staged.stages[stage]
-                if schedule.replica_of(rank, stage) > 0:
-                    module = copy.deepcopy(module)
-                executors[rank][stage] = StageExecutor(
-                    stage, module, self._optimizer(stage, delays[stage]),
-                    loss_fn=self.loss_fn if stage == schedule.num_stages - 1 else None,
-                    policy=schedule.policy, grad_scale=per_update[-1] / per_update[stage], seed=self.seed,
+    def _active(self, what: str):
+        if self._session is None:
+            raise ConfigError(f"{what}() needs a run begun with start(steps=..., batch_size=...)")
+        return self._session
+
+    def _refuse_during_session(self, what: str) -> None:
+        if self._session is not None:
+            raise ConfigError(f"{what}() while a run begun with start() is under way: finish() it first")
+
+
+class _Unread(torch.utils.data.Dataset):
+    """The data set of a run fed by ``step()``: never read (the batches come from the loop)."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int):
+        raise ConfigError("a run begun with start() reads only the batches handed to step()")
+
+
+def _dataset(data: Any, what: str):
+    if isinstance(data, torch.utils.data.DataLoader):
+        raise ConfigError(
+            f"{what}: give the DataLoader's dataset (pipetrain batches, shuffles and reads ahead itself), or feed "
+            "the loader's batches to step() from your own loop"
+        )
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise ConfigError(f"{what} must be a map-style Dataset of (x, y) samples, got {type(data).__name__}")
+    return data
+
+
+def _optimizer_parts(
+    optimizer: Any, options: dict[str, Any] | None, lr_scheduler: Any, compensation: str
+) -> tuple[str, str | None, OptimizerFactory | None]:
+    """``(spec text, lr-schedule spec, factory)`` for the run: a spec string wherever pipetrain's own
+    optimizer computes the same (so runs and checkpoints describe it in words), a factory where a
+    torch optimizer or scheduler object must be built on each rank."""
+    from pipetrain.optim.torch_optim import SchedulerLR, TorchOptimizer, as_spec, is_torch_optimizer
+
+    if options is not None and not is_torch_optimizer(optimizer):
+        raise ConfigError("optimizer_options go with a torch.optim class (optimizer=torch.optim.SGD); "
+                          "a spec string carries its own options (sgd:lr=0.1,momentum=0.9)")
+    schedule_spec = lr_scheduler if isinstance(lr_scheduler, str) else None
+    scheduler = None if lr_scheduler is None or isinstance(lr_scheduler, str) else lr_scheduler
+    if scheduler is not None and not callable(scheduler):
+        raise ConfigError("lr_scheduler must be a spec string or a function optimizer -> torch lr scheduler")
+    if is_torch_optimizer(optimizer):
+        spec = as_spec(optimizer, options or {})
+        if spec is None:
+            if (compensation or "none") != "none":
+                raise ConfigError(
+                    f"compensation {compensation!r} needs pipetrain's own SGD (sc, lwp) or Adam/AdamW (lwp), not "
+                    f"{optimizer.__name__}"
                 )
-        layout = UnitLayout(size, self.microbatches)
-        data = UnitData(None, layout, lambda update: update, lambda _dataset, update: batches[update])
-        losses = Emulator(schedule, executors, data).run()
-        for stage, ranks in enumerate(schedule.stage_ranks):
-            executors[ranks[0]][stage].write_back()
-        units = self.microbatches
-        return [
-            sum(losses[k] * layout.loss_scale(k) for k in range(t * units, (t + 1) * units))
-            for t in range(len(batches))
-        ]
+            if schedule_spec is not None:
+                raise ConfigError(f"a sample-counting lr_scheduler spec drives pipetrain's own optimizers; give "
+                                  f"{optimizer.__name__} a torch lr scheduler: lr_scheduler=lambda opt: ...")
+            name = f"{optimizer.__module__}.{optimizer.__qualname__}({options or {}})"
+            return name, None, lambda stage, delay: TorchOptimizer(optimizer, options or {}, scheduler)
+        optimizer = str(spec)
+    if isinstance(optimizer, str):
+        if scheduler is None:
+            return optimizer, schedule_spec, None
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The trained weights under the unsplit model's keys."""
-        return self.staged.merge_state_dict([stage.state_dict() for stage in self.staged.stages])
+        def build(stage: int, delay: int):
+            from pipetrain.optim import build_stage_optimizer
+
+            built = build_stage_optimizer(optimizer, stage_delay=delay, compensation=compensation or "none")
+            built.lr_schedule = SchedulerLR(scheduler, built)
+            return built
+
+        return f"{optimizer} with {getattr(scheduler, '__name__', type(scheduler).__name__)}", None, build
+    if callable(optimizer):
+        if lr_scheduler is not None:
+            raise ConfigError("an optimizer factory builds each stage's optimizer itself: give it its lr schedule")
+        return f"factory {getattr(optimizer, '__qualname__', type(optimizer).__name__)}", None, optimizer
+    raise ConfigError(
+        f"optimizer must be a torch.optim class, a spec string (sgd:lr=0.1) or a factory (stage, delay) -> optimizer, "
+        f"not {type(optimizer).__name__}"
+    )

@@ -28,12 +28,13 @@ import inspect
 import os
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, PipetrainError
 
-__all__ = ["Spec", "parse_spec", "parse_value", "format_spec", "resolve_factory", "call_factory"]
+__all__ = ["Spec", "parse_spec", "parse_value", "format_spec", "resolve_factory", "call_factory", "describe_exception"]
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -200,6 +201,28 @@ def resolve_factory(spec: Spec, *, kind: str = "spec") -> Callable[..., Any]:
     return factory
 
 
+def describe_exception(error: BaseException) -> str:
+    """``"ValueError: bad record (data.py:12, in __getitem__)"``: an exception raised by a user's
+    code in one line, with the innermost place it was raised, instead of a traceback."""
+    text = str(error).strip().splitlines()
+    where = ""
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ is not None else []
+    if frames:
+        frame = frames[-1]
+        where = f" ({os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
+    return f"{type(error).__name__}{': ' + text[0] if text else ''}{where}"
+
+
+def _call(factory: Callable[..., Any], kwargs: Mapping[str, Any], what: str) -> Any:
+    """``factory(**kwargs)``; an exception of the user's code becomes one ConfigError naming it."""
+    try:
+        return factory(**kwargs)
+    except PipetrainError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever a user's factory raises, say so in one line
+        raise ConfigError(f"{what} raised {describe_exception(error)}") from None
+
+
 def _accepted(signature: inspect.Signature) -> list[str]:
     return [
         p.name
@@ -250,8 +273,12 @@ def call_factory(
             raise ConfigError(
                 f"{what}: {error}; accepted parameters: {', '.join(accepted) or '(none)'}"
             ) from error
-        return factory(**call_kwargs)
+        return _call(factory, call_kwargs, what)
     try:
         return factory(**call_kwargs)
+    except PipetrainError:
+        raise
     except TypeError as error:
         raise ConfigError(f"{what} rejected options {sorted(call_kwargs)}: {error}") from error
+    except Exception as error:  # noqa: BLE001
+        raise ConfigError(f"{what} raised {describe_exception(error)}") from None

@@ -19,12 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="resmlp", help="model spec cut into stages (default resmlp: 18 units)")
     parser.add_argument("--data", default="digits", help="training data spec (default digits)")
     parser.add_argument("--test-data", metavar="SPEC",
-                        help="separate test set; without it --data is split into train and test")
+                        help="separate test set (default: --data's own test split, else a fixed 20 %% of it)")
     parser.add_argument("--stages", type=_ints, default=[4, 8, 16], metavar="S[,S...]",
                         help="pipeline stage counts (default 4,8,16; at most the model's units)")
     parser.add_argument("--methods", default="sgd-batch,sgd,pb,pb+sc,pb+lwp,pb+sc+lwp",
                         help="sgd-batch, sgd, pb, pb+sc, pb+lwp, pb+sc+lwp, or scaled compensation "
-                             "such as pb+sc0.5+lwp0.5 (default: the first six)")
+                             "such as pb+sc0.5+lwp0.5 (default sgd-batch,sgd,pb,pb+sc,pb+lwp,pb+sc+lwp)")
     parser.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per cell (default 2)")
     parser.add_argument("--epochs", type=float, default=5.0, help="passes over the training data (default 5)")
     parser.add_argument("--reference-batch", type=int, default=32, help="reference batch size B (default 32)")
@@ -32,25 +32,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="reference momentum at batch B (default 0.9)")
     parser.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
     parser.add_argument("--lr-scale", type=_floats, default=[1.0], metavar="X[,X...]",
-                        help="multiples of the (translated) learning rate, e.g. 0.3,0.5,1,2 (default 1)")
+                        help="multiples of the (translated) learning rate, e.g. 0.3,0.5,1,2 (default 1.0)")
     parser.add_argument("--delay-scale", type=_floats, default=[1.0], metavar="X[,X...]",
-                        help="SC delay / LWP horizon as multiples of D_s, a sweep (default 1)")
+                        help="SC delay / LWP horizon as multiples of D_s, a sweep (default 1.0)")
     parser.add_argument("--decay-fraction", type=float, default=0.2,
                         help="the lr decays linearly to 0 over this last fraction of the samples (default 0.2)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default float32")
     parser.add_argument("--max-runs", type=int, default=0,
                         help="runs trained together in one batched engine (default 0: 16 for S <= 4, "
                              "8 for S = 8, 4 for longer pipelines)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes training in parallel, one thread each (default 1)")
-    parser.add_argument("--out", metavar="DIR", help="write results.md, summary.csv, runs.csv, results.json and plots")
+    parser.add_argument("--out", metavar="DIR", help="write results.md, summary.csv, runs.csv, results.json and plots (default: print only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--from-json", metavar="FILE",
-                        help="redraw tables and plots of an earlier study's results.json (no training)")
+                        help="redraw tables and plots of an earlier study's results.json, no training (default: train)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipetrain.paths import check_outputs
+
+    check_outputs(directories={"--out": args.out})  # before PyTorch and the study
     import torch
 
     from pipetrain.pb.methods import parse_methods

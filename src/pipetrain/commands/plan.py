@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 from pipetrain.commands._text import aligned
 from pipetrain.errors import ConfigError
@@ -30,23 +29,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of workers (default: the product of --topology)")
     parser.add_argument("--topology", default=None, metavar="AxB[xC]",
                         help="components per level, innermost first: 4x4 = 4 servers of 4 "
-                             "workers; the product must equal --workers")
+                             "workers; the product must equal --workers (default: one flat level of --workers)")
     parser.add_argument("--bandwidth", default=None, metavar="B1[,B2,...]",
                         help="bytes/s per level, innermost first (default 1e9); one value "
                              "without --topology is one flat level")
     parser.add_argument("--memory", default=None, metavar="BYTES",
                         help="memory per worker, e.g. 16GB or 12GiB (weight versions, optimizer "
-                             "state and in-flight activations of the schedule count)")
+                             "state and in-flight activations of the schedule count; default: unlimited)")
     parser.add_argument("--schedule", default="pipedream", metavar="NAME|auto",
-                        help="pipedream (default), 2bw, 1f1b, zb-h1, gpipe, or auto: the fastest "
-                             "that fits --memory")
+                        help="pipedream, 2bw, 1f1b, zb-h1, gpipe, or auto: the fastest "
+                             "that fits --memory (default pipedream)")
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches per minibatch for 2bw/1f1b/zb-h1/gpipe "
                              "(default: the worker count)")
     parser.add_argument("--cost-model", default="pipedream-code",
                         choices=["pipedream-code", "paper"],
                         help="pipedream-code: compute + all-reduce added (the public code); "
-                             "paper: max of compute and all-reduce")
+                             "paper: max of compute and all-reduce (default pipedream-code)")
     parser.add_argument("--straight", action="store_true",
                         help="a straight pipeline: no replication of stages")
     parser.add_argument("--fewer-machines", action="store_true",
@@ -55,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the comparison with the baseline partitioners")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object instead of the table")
-    parser.add_argument("--out", default=None, metavar="PLAN.json", help="write the plan as JSON")
+    parser.add_argument("--out", default=None, metavar="PLAN.json",
+                        help="write the plan as JSON, for pipetrain train --plan (default: print only)")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="draw the stages along the layer axis")
+                        help="draw the stages along the layer axis (default: none)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.plan.profile import load_profile
     from pipetrain.plan.topology import Topology
 
+    from pipetrain.paths import check_outputs
+
+    check_outputs(files={"--out": args.out, "--plot": args.plot})  # before solving
     if args.microbatches is not None and args.microbatches < 1:
         raise ConfigError(f"--microbatches must be >= 1, got {args.microbatches}")
     topology = Topology.parse(args.workers, args.topology, args.bandwidth)
@@ -91,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
                           max(s.memory_bytes or 0.0 for s in b.stages) <= memory}
                          for b in baselines]
     if args.out:
-        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        from pipetrain.training.result import write_json_atomic
+
+        write_json_atomic(args.out, data)
     if args.plot:
         from pipetrain.plan.plot import plot_plan
 

@@ -21,30 +21,33 @@ HELP = "measure per-layer times and sizes of a model (input to pipetrain plan)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="mlp",
-                        help="built-in name (mlp, resmlp, resnet-gn, ...) or PKG.MOD:FACTORY")
+                        help="built-in name (mlp, resmlp, resnet-gn, ...) or PKG.MOD:FACTORY (default mlp)")
     parser.add_argument("--data", default="digits",
-                        help="digits, synthetic:features=N,classes=C,samples=K, or PKG.MOD:FACTORY")
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per minibatch")
+                        help="digits, synthetic:features=N,classes=C,samples=K, or PKG.MOD:FACTORY (default digits)")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per minibatch (default 32)")
     parser.add_argument("--out", default=None, metavar="PROFILE.json",
-                        help="write the profile (pipetrain JSON profile format)")
+                        help="write the profile, pipetrain's JSON profile format (default: print only)")
     parser.add_argument("--iterations", type=int, default=10,
                         help="measured iterations (default 10)")
     parser.add_argument("--statistic", default="median", choices=["median", "mean"],
                         help="how each layer's times over the iterations are summarised "
                              "(default median: robust on a shared machine)")
-    parser.add_argument("--warmup", type=int, default=3, help="iterations before measuring")
+    parser.add_argument("--warmup", type=int, default=3, help="iterations before measuring (default 3)")
     parser.add_argument("--optimizer-states", type=float, default=1.0,
                         help="optimizer state per parameter, in parameter sizes (0 SGD, "
                              "1 momentum, 2 Adam; default 1)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights (default 0)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads while measuring (default 1)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipetrain.paths import check_outputs
+
+    check_outputs(files={"--out": args.out})  # before PyTorch and the measurement
     import torch
 
     from pipetrain.data import dataset_info, get_batch, load_dataset

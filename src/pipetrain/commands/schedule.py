@@ -18,21 +18,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", help="schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb")
     parser.add_argument("--stages", type=int, help="pipeline stages S (ranks for interleaved); default 4")
     parser.add_argument("--microbatches", type=int, default=8,
-                        help="microbatches per step; for pipedream and pb the number of units, each its own update")
-    parser.add_argument("--steps", type=int, default=1, help="optimizer steps (synchronous schedules and 2bw)")
-    parser.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
-    parser.add_argument("--replicas", type=_int_list, help="replicas per stage, e.g. 3,1 (gpipe, 1f1b, pipedream, 2bw)")
-    parser.add_argument("--policy", help="weight-version policy replacing the preset's: stash, vsync, latest, predict")
-    parser.add_argument("--update-every", type=int, default=1, help="pipedream/pb: units accumulated per update")
-    parser.add_argument("--costs", default="", help="F=1,B=2,W=0[,latency=..,bandwidth=..,bytes=..,step=..,sync=..]")
-    parser.add_argument("--costs-file", help='JSON with per-stage lists, e.g. {"F": [1, 1, 2, 1], "B": [2, 2, 4, 2]}')
-    parser.add_argument("--load", metavar="FILE", help="read the schedule from a CSV/text file instead of generating it")
-    parser.add_argument("--compare", help="comma-separated schedules to draw one under another")
+                        help="microbatches per step; for pipedream and pb the number of units, each its own update "
+                             "(default 8)")
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps (synchronous schedules and 2bw; default 1)")
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="model chunks per rank (interleaved; default 1, 2 for interleaved in --compare)")
+    parser.add_argument("--replicas", type=_int_list, help="replicas per stage, e.g. 3,1 (gpipe, 1f1b, pipedream, 2bw; default 1 each)")
+    parser.add_argument("--policy", help="weight-version policy replacing the preset's: stash, vsync, latest, predict (default: the preset's)")
+    parser.add_argument("--update-every", type=int, default=1, help="pipedream/pb: units accumulated per update (default 1)")
+    parser.add_argument("--costs", default="",
+                        help="F=1,B=2,W=0[,latency=..,bandwidth=..,bytes=..,step=..,sync=..] (default: F=1,B=2, "
+                             "W=0, free communication)")
+    parser.add_argument("--costs-file", help='JSON with per-stage lists, e.g. {"F": [1, 1, 2, 1], "B": [2, 2, 4, 2]} (default: --costs)')
+    parser.add_argument("--load", metavar="FILE", help="read the schedule from a CSV/text file instead of generating it (default: generate NAME)")
+    parser.add_argument("--compare", help="comma-separated schedules to simulate and draw one under another (default: NAME only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart (the comparison with --compare)")
-    parser.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace")
-    parser.add_argument("--csv", metavar="FILE", help="write the schedule's programs as CSV text")
-    parser.add_argument("--programs", metavar="FILE.json", help="write the programs as JSON (one list of actions per rank)")
+    parser.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart, the comparison with --compare (default: none)")
+    parser.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace (default: none)")
+    parser.add_argument("--csv", metavar="FILE", help="write the schedule's programs as CSV text (default: none)")
+    parser.add_argument("--programs", metavar="FILE.json", help="write the programs as JSON, one list of actions per rank (default: none)")
     parser.add_argument("--show", action="store_true", help="print every rank's program")
 
 
@@ -77,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.schedule.report import format_summary, summarize
 
     gc.disable()  # a short-lived command over 10^5..10^6 small tuples that cannot form cycles
+    from pipetrain.paths import check_outputs
+
+    check_outputs(files={"--plot": args.plot, "--trace": args.trace, "--csv": args.csv, "--programs": args.programs})
 
     costs = _costs(args)
     if args.compare:

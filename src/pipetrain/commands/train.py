@@ -33,49 +33,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(default 1; two-tensor and batch() data sets are read by index on a thread)")
     what.add_argument("--pin-memory", action="store_true", help="page-locked batches, with an accelerator (default off)")
     how = parser.add_argument_group("pipeline")
-    how.add_argument("--schedule", help="gpipe, 1f1b (default), interleaved, zb-h1, pipedream, 2bw, pb")
-    how.add_argument("--stages", type=int, help="number of pipeline stages (ranks for interleaved)")
-    how.add_argument("--balance", type=_int_list, help="modules per stage, e.g. 2,2,1")
-    how.add_argument("--split-at", type=_name_list, help="module names that start a new stage")
-    how.add_argument("--plan", help="a plan JSON from `pipetrain plan`")
-    how.add_argument("--replicas", type=_int_list, help="replicas per stage, e.g. 2,1")
-    how.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved)")
-    how.add_argument("--policy", help="weight-version policy replacing the schedule's (stash, vsync, latest, predict)")
+    how.add_argument("--schedule", help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the "
+                     "plan's, else 1f1b)")
+    how.add_argument("--stages", type=int, help="number of pipeline stages (ranks for interleaved), cut by "
+                     "parameter count (default: as many as --balance, --split-at or --replicas give, else "
+                     "--workers, else 2)")
+    how.add_argument("--balance", type=_int_list, help="modules per stage, e.g. 2,2,1 (default: --stages cut by "
+                     "parameter count)")
+    how.add_argument("--split-at", type=_name_list, help="module names that start a new stage (default: --stages "
+                     "cut by parameter count)")
+    how.add_argument("--plan", help="a plan JSON from `pipetrain plan --out`: its stages, replicas, schedule and "
+                     "microbatches (default: none)")
+    how.add_argument("--replicas", type=_int_list, help="replicas per stage, e.g. 2,1 (default: 1 each)")
+    how.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved; default 1)")
+    how.add_argument("--policy", help="weight-version policy replacing the schedule's: stash, vsync, latest, "
+                     "predict (default: the schedule's own; predict with --compensation lwp)")
     how.add_argument("--microbatches", type=int, help="microbatches per update (default 4; 1 for pipedream and pb)")
     train = parser.add_argument_group("training")
     train.add_argument("--batch-size", type=int, default=32, help="samples per optimizer update (default 32)")
-    train.add_argument("--steps", type=int, help="optimizer updates")
+    train.add_argument("--steps", type=int, help="optimizer updates (default: those of --epochs)")
     train.add_argument("--epochs", type=float, help="passes over the training data (default 1 when --steps is absent)")
-    train.add_argument("--optimizer", default="sgd:lr=0.02,momentum=0.9", help="e.g. sgd:lr=0.1,momentum=0.9 or adam:lr=1e-3")
-    train.add_argument("--lr-schedule", help="constant, step:milestones=a/b,gamma=.., cosine:total=.., end:total=..,fraction=..")
-    train.add_argument("--compensation", default="none", help="none, sc, lwp or sc+lwp (delays from the schedule)")
+    train.add_argument("--optimizer", default="sgd:lr=0.02,momentum=0.9",
+                       help="sgd:lr=..,momentum=..,nesterov=..,weight_decay=.., adam:lr=..,betas=../.. or adamw:... "
+                            "(default sgd:lr=0.02,momentum=0.9)")
+    train.add_argument("--lr-schedule", help="constant, step:milestones=a/b,gamma=.., cosine:total=.., "
+                       "end:total=..,fraction=.., counted in samples (default: constant)")
+    train.add_argument("--compensation", default="none",
+                       help="none, sc, lwp or sc+lwp, delays from the schedule (default none)")
     train.add_argument("--translate-from-batch", type=int, metavar="B",
-                       help="treat --optimizer's lr and momentum as tuned for batch B and translate them to --batch-size")
-    train.add_argument("--seed", type=int, default=0)
+                       help="treat --optimizer's lr and momentum as tuned for batch B and translate them to --batch-size "
+                            "(default: no translation)")
+    train.add_argument("--seed", type=int, default=0,
+                       help="seed of the model's initial weights, the data order and dropout (default 0)")
     train.add_argument("--no-shuffle", action="store_true", help="update t consumes samples tB..(t+1)B-1 in order")
-    train.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    train.add_argument("--eval-every", type=int, default=0, help="evaluate on held-out data every K updates (and at the end)")
+    train.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                       help="parameters and floating-point inputs (default float32)")
+    train.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
+                       help="a NaN or infinite loss or gradient: stop the run naming the step and stage (default "
+                            "stop), or skip each update whose gradient is not finite (see docs/optim.md)")
+    train.add_argument("--eval-every", type=int, default=0,
+                       help="evaluate on held-out data every K updates and at the end, printing each result "
+                            "(default 0: at the end only)")
     train.add_argument("--eval-samples", type=int, help="evaluate on the first N held-out samples only (default: all)")
     run_group = parser.add_argument_group("execution")
     run_group.add_argument("--executor", default="distributed", choices=["distributed", "emulate"],
-                           help="distributed (one process per stage replica, the default) or emulate (one process)")
+                           help="distributed (one process per stage replica) or emulate (one process) (default distributed)")
     run_group.add_argument("--workers", type=int, help="worker processes (default: one per stage replica)")
-    run_group.add_argument("--threads-per-worker", type=int, default=1)
+    run_group.add_argument("--threads-per-worker", type=int, default=1,
+                           help="PyTorch threads of each worker process, and of the emulator (default 1)")
     run_group.add_argument("--receives", default="auto", choices=["auto", "on-demand", "ahead"],
                            help="distributed: post each receive when it is reached (on-demand), keep every channel's "
-                                "next receive posted (ahead), or on-demand where provably deadlock-free (auto)")
-    run_group.add_argument("--timeout", type=float, default=60.0, help="seconds any blocking wait may take")
+                                "next receive posted (ahead), or on-demand where provably deadlock-free (auto) (default auto)")
+    run_group.add_argument("--timeout", type=float, default=60.0,
+                           help="seconds any blocking wait may take (default 60)")
     out = parser.add_argument_group("outputs")
-    out.add_argument("--save", help="write the trained (unsplit) model's state_dict")
-    out.add_argument("--report-json", help="write a JSON report (samples_per_s, final_loss, steps, ...)")
-    out.add_argument("--trace", help="write the measured per-action timeline as a Chrome/Perfetto trace")
-    out.add_argument("--plot", help="draw the measured timeline next to the simulated one (PNG)")
-    out.add_argument("--checkpoint-dir")
-    out.add_argument("--checkpoint-every", type=int, default=0)
+    out.add_argument("--save", help="write the trained (unsplit) model's state_dict (default: not saved)")
+    out.add_argument("--report-json", help="write a JSON report: samples_per_s, final_loss, steps, ... "
+                     "(default: none)")
+    out.add_argument("--trace", help="write the measured per-action timeline as a Chrome/Perfetto trace "
+                     "(default: none)")
+    out.add_argument("--plot", help="draw the measured timeline next to the simulated one, PNG (default: none)")
+    out.add_argument("--checkpoint-dir", help="where --checkpoint-every writes and --resume reads checkpoints "
+                     "(default: none)")
+    out.add_argument("--checkpoint-every", type=int, default=0,
+                     help="checkpoint after every K updates, keeping the 2 newest (default 0: never)")
     out.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
                      help="continue from the newest complete checkpoint in --checkpoint-dir, or from the named "
-                          "step directory (refused if it is incomplete or damaged)")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+                          "step directory, refused if it is incomplete or damaged (default: start afresh)")
+    out.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (it is shown only when stderr is a terminal)")
+    out.add_argument("--quiet", action="store_true",
+                     help="print only the final line: not the chosen stages, nor --eval-every's results as they come")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -92,10 +120,11 @@ def config_from_args(args: argparse.Namespace):
         epochs=args.epochs, optimizer=optimizer, lr_schedule=args.lr_schedule, compensation=args.compensation,
         executor=args.executor, workers=args.workers, threads_per_worker=args.threads_per_worker,
         receives=args.receives, timeout=args.timeout, seed=args.seed, shuffle=not args.no_shuffle, dtype=args.dtype,
+        on_nonfinite=args.on_nonfinite,
         eval_every=args.eval_every, eval_samples=args.eval_samples, save=args.save, report_json=args.report_json,
         trace=args.trace, plot=args.plot,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=not args.no_progress and not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
     )
 
 
@@ -118,15 +147,16 @@ def _translated(spec_text: str, reference_batch: int, batch_size: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipetrain.training.train import train
+    from pipetrain.training.validate import check_config
 
     config = config_from_args(args)
+    check_config(config)  # choices, specs, plan and output paths, before PyTorch is imported
+    from pipetrain.training.train import train
+
     result = train(config)
-    if result is None:  # a worker process of the distributed runtime: rank 0 reports
+    if result is None or not result.is_main:  # a worker process of the distributed runtime: rank 0 reports
         _finish_if_worker()
         return 0
-    if result.extra.get("data"):
-        print(result.extra["data"])
     line = (
         f"{result.schedule}: {result.updates} steps on {result.workers} "
         f"{'workers' if result.executor == 'distributed' else 'emulated ranks'}, "
@@ -136,12 +166,28 @@ def run(args: argparse.Namespace) -> int:
         final = result.evaluations[-1]
         line += f", test loss {final['loss']:.4f}, test accuracy {100 * final['accuracy']:.2f} %"
     print(line)
+    skipped = result.extra.get("skipped_updates") or []
+    if any(skipped):
+        print(f"skipped updates whose gradient was not finite (--on-nonfinite skip): "
+              + "; ".join(f"stage {stage}: {_ranges(steps)}" for stage, steps in enumerate(skipped) if steps))
     for flag, path in (("model", config.save), ("report", config.report_json), ("trace", config.trace),
                        ("plot", config.plot)):
         if path:
             print(f"wrote {flag}: {path}")
     _finish_if_worker()
     return 0
+
+
+def _ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"steps 3-5, 9"``."""
+    parts: list[list[int]] = []
+    for step in steps:
+        if parts and step == parts[-1][1] + 1:
+            parts[-1][1] = step
+        else:
+            parts.append([step, step])
+    return "step" + ("s " if len(steps) > 1 else " ") + ", ".join(
+        str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def _finish_if_worker() -> None:

@@ -33,8 +33,8 @@ from pipetrain.errors import ConfigError
 __all__ = ["DatasetBatches", "DEFAULT_WORKERS", "resolve_workers", "describe_reading", "group_size"]
 
 #: DataLoader worker processes for a data set read sample by sample when none is asked for. One:
-#: on the project's 2-core machine a second worker only adds contention (benchmarks/RESULTS.md,
-#: "data path").
+#: on the project's 2-core machine it kept pace with two (both cores run pipeline ranks) and beat
+#: reading on the training thread (benchmarks/RESULTS.md, "Data path").
 DEFAULT_WORKERS = 1
 
 
@@ -76,7 +76,7 @@ def describe_reading(dataset: Dataset, workers: int | None) -> str:
     workers = resolve_workers(workers)
     if workers:
         return f"sample by sample in {workers} DataLoader worker process{'es' * (workers > 1)}"
-    return "sample by sample on the training thread (--data-workers 0)"
+    return "on the training thread (--data-workers 0)"
 
 
 class DatasetBatches:

@@ -9,20 +9,15 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.errors import ConfigError
+from pipetrain.spec import describe_exception
 
-__all__ = ["DataInfo", "DataReadError", "dataset_info", "get_batch", "check_sample", "stack_samples", "reads_by_index",
-           "read_failure"]
-
-
-class DataReadError(PipetrainError):
-    """Reading data failed in the user's data set (its ``__getitem__`` or ``batch`` raised)."""
+__all__ = ["DataInfo", "DataReadError", "dataset_info", "get_batch", "check_sample", "read_sample", "stack_samples",
+           "reads_by_index"]
 
 
-def read_failure(what: str, error: BaseException) -> str:
-    """``"WHAT raised TYPE: first line of the message"``, the one line a failed read becomes."""
-    text = str(error).splitlines()[0] if str(error) else ""
-    return f"{what} raised {type(error).__name__}{': ' + text if text else ''}"
+class DataReadError(ConfigError):
+    """Reading a training batch failed: the update, and what the data set's code raised."""
 
 
 class DataInfo(NamedTuple):
@@ -99,6 +94,39 @@ def _base_indices(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tu
     return dataset, index
 
 
+def read_sample(dataset: Dataset, index: int) -> object:
+    """``dataset[index]``; an exception of the data set's own code becomes one ConfigError naming
+    the data set's class and the index (the prefetcher and the workers pass it on as it is)."""
+    try:
+        return dataset[index]
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a user's __getitem__ may raise anything
+        inner, position = dataset, index  # name the user's data set and its index, not a Subset's
+        try:
+            while isinstance(inner, Subset):
+                inner, position = inner.dataset, int(inner.indices[position])
+        except Exception:  # noqa: BLE001 - the Subset itself is broken: name it
+            inner, position = dataset, index
+        raise ConfigError(
+            f"data set {type(inner).__qualname__}: reading sample {position} raised {describe_exception(error)}"
+        ) from None
+
+
+def _read_batch(dataset: Dataset, index: torch.Tensor):
+    """``dataset.batch(index)``, with an exception of its code named as :func:`read_sample` does."""
+    try:
+        return dataset.batch(index)  # type: ignore[attr-defined]
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001
+        shown = index.tolist()
+        shown = shown if len(shown) <= 8 else shown[:8] + ["..."]
+        raise ConfigError(
+            f"data set {type(dataset).__qualname__}: batch({shown}) raised {describe_exception(error)}"
+        ) from None
+
+
 def reads_by_index(dataset: Dataset) -> bool:
     """Whether :func:`get_batch` reads ``dataset`` in one indexing operation (a data set of two
     tensors, or one with a ``batch(indices)`` method): its batches are then a function of their
@@ -123,25 +151,14 @@ def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[
     dataset, index = _base_indices(dataset, indices)
     batch = getattr(dataset, "batch", None)
     if callable(batch):
-        try:
-            x, y = batch(torch.as_tensor(index, dtype=torch.int64))
-        except PipetrainError:
-            raise
-        except Exception as error:
-            raise DataReadError(read_failure(f"{type(dataset).__name__}.batch", error)) from error
+        x, y = _read_batch(dataset, torch.as_tensor(index, dtype=torch.int64))
         return x, y.to(torch.int64)
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) == 2:
         index = torch.as_tensor(index, dtype=torch.int64)
         return tensors[0][index], tensors[1][index].to(torch.int64)
     positions = index.tolist() if isinstance(index, torch.Tensor) else index
-    samples = []
-    for i in positions:
-        try:
-            samples.append(dataset[i])
-        except Exception as error:  # one line naming the sample, not a traceback from inside the data set
-            raise DataReadError(read_failure(f"{type(dataset).__name__}[{i}]", error)) from error
-    return stack_samples(samples)
+    return stack_samples([read_sample(dataset, i) for i in positions])
 
 
 def _declared_classes(dataset: Dataset) -> int | None:
@@ -182,12 +199,7 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
         raise ConfigError("data set has no len(): pipetrain needs a map-style Dataset") from error
     if n == 0:
         raise ConfigError("data set is empty")
-    if first is None:
-        try:
-            first = dataset[0]
-        except Exception as error:
-            raise DataReadError(read_failure(f"{type(dataset).__name__}[0]", error)) from error
-    x, y0 = check_sample(first)
+    x, y0 = check_sample(read_sample(dataset, 0) if first is None else first)
     num_classes = _declared_classes(dataset)
     if num_classes is None:
         labels = _stored_labels(dataset)
@@ -199,10 +211,10 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
                 with seeded(0):
                     for start in range(1, n, 256):
                         parts.append(get_batch(dataset, range(start, min(start + 256, n)))[1].reshape(-1))
-            except DataReadError as error:
-                raise DataReadError(
+            except ConfigError as error:
+                raise ConfigError(
                     f"counting the classes of the data set (give it a num_classes attribute to skip this): {error}"
-                ) from error
+                ) from None
             labels = torch.cat(parts)
         if labels.numel() and int(labels.min()) < 0:
             raise ConfigError("data set has a negative class label; labels must be 0..C-1")

@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from pipetrain.data.seeding import data_seed, seeded
 from pipetrain.data.info import DataReadError
 from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.spec import describe_exception
 
 __all__ = ["LoaderBatches", "loader_info"]
 
@@ -198,10 +199,9 @@ class LoaderBatches:
             raise
         except Exception as error:
             lines = [line for line in str(error).splitlines() if line.strip()]
-            raise DataReadError(
-                f"reading the batch of update {self._next} from the DataLoader failed: "
-                + (lines[-1].strip() if len(lines) > 1 else f"{type(error).__name__}: {lines[0] if lines else ''}")
-            ) from error
+            # from a worker, torch re-raises with the worker's traceback as text: its last line says what
+            cause = lines[-1].strip() if len(lines) > 1 else describe_exception(error)
+            raise DataReadError(f"reading the batch of update {self._next} from the DataLoader failed: {cause}") from None
 
     def _pair(self, raw: Any) -> tuple[Any, torch.Tensor]:
         if not isinstance(raw, (tuple, list)) or len(raw) != 2:

@@ -10,7 +10,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from pipetrain.data.digits import load_digits
-from pipetrain.data.info import DataInfo, DataReadError, check_sample, dataset_info, read_failure
+from pipetrain.data.info import DataInfo, check_sample, dataset_info, read_sample
 from pipetrain.data.synthetic import load_synthetic
 from pipetrain.data.text import load_text
 from pipetrain.errors import ConfigError
@@ -40,10 +40,7 @@ def _validate(dataset: Any, spec: Spec) -> tuple[Dataset, object]:
         )
     if len(dataset) == 0:
         raise ConfigError(f"{where}: the data set is empty")
-    try:
-        first = dataset[0]
-    except Exception as error:  # one line naming the factory and the sample
-        raise DataReadError(f"{where}: " + read_failure(f"{type(dataset).__name__}[0]", error)) from error
+    first = read_sample(dataset, 0)
     check_sample(first, where)
     return dataset, first
 
@@ -134,7 +131,8 @@ def _held_out(test: Dataset) -> Dataset:
 
 class RunData(NamedTuple):
     """A run's data: ``train``, the held-out ``test`` set (or None), ``info`` (what the model
-    needs to know of ``train``) and ``note``, one line that says where the held-out data came from."""
+    needs to know of ``train``) and ``note``, which says where the held-out data came from
+    (``"held out: the test split of digits (360 samples)"``)."""
 
     train: Dataset
     test: Dataset | None
@@ -167,7 +165,7 @@ def load_data(
     if test_data is not None:
         test_spec = _spec(test_data)
         test = _held_out(_load(test_spec, {})[0])
-        note = f"held-out data: --test-data {test_spec.text} ({len(test)} samples)"  # type: ignore[arg-type]
+        note = f"held out: --test-data {test_spec.text} ({len(test)} samples)"  # type: ignore[arg-type]
     elif holdout is not None:
         if isinstance(train, DataLoader):
             raise ConfigError(
@@ -177,17 +175,14 @@ def load_data(
         kept, held = split_indices(len(train), holdout)  # type: ignore[arg-type]
         first = first if kept[0] == 0 else None
         full, train, test = train, Subset(train, kept), Subset(train, held)
-        note = (
-            f"held-out data: --holdout {holdout:g}, {len(held)} of the {len(full)} samples of {spec.text} "  # type: ignore[arg-type]
-            f"(a fixed split), training on the other {len(kept)}"
-        )
+        note = f"held out: --holdout {holdout:g}, {len(held)} of the {len(full)} samples (a fixed split)"  # type: ignore[arg-type]
     elif own_split:
         test = _held_out(_load(spec, {**overrides, "split": "test"})[0])
-        note = f"held-out data: the test split of {spec.text} ({len(test)} samples)"  # type: ignore[arg-type]
+        note = f"held out: the test split of {spec.text} ({len(test)} samples)"  # type: ignore[arg-type]
     else:
         test = None
         note = (
-            f"held-out data: none ({spec.label} has no split= parameter), so no evaluation; "
+            f"held out: nothing ({spec.label} has no split= parameter), so no evaluation; "
             f"give --test-data SPEC or --holdout FRACTION to evaluate"
         )
     if isinstance(train, DataLoader):

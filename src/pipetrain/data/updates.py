@@ -7,9 +7,10 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import Dataset
 
-from pipetrain.data.info import DataReadError, get_batch, read_failure
+from pipetrain.data.info import DataReadError, get_batch
 from pipetrain.data.seeding import data_seed, seed_generators, seeded
 from pipetrain.errors import PipetrainError
+from pipetrain.spec import describe_exception
 
 __all__ = ["UpdateBatches", "DataReadError"]
 
@@ -51,7 +52,8 @@ class UpdateBatches(Dataset):
         return x, y
 
     def _message(self, update: int, error: BaseException) -> str:
-        cause = str(error) if isinstance(error, PipetrainError) else read_failure(type(self.dataset).__name__, error)
+        cause = (str(error) if isinstance(error, PipetrainError)
+                 else f"data set {type(self.dataset).__qualname__} raised {describe_exception(error)}")
         return f"reading the batch of update {update} failed: {cause}"
 
     def __getitem__(self, update: int) -> Any:

@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipetrain.errors import DeadlockError, PipetrainError
+from pipetrain.errors import DeadlockError, NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData
-from pipetrain.execution.stage import StageExecutor
+from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.versions import version_release_points
 from pipetrain.schedule.ir import Kind, Schedule, format_action
 
@@ -76,6 +76,35 @@ class Emulator:
         ``positions[r]`` (a consistent cut, see :mod:`pipetrain.runtime.cuts`) and calls
         ``callback()`` once all have arrived: evaluation sees every stage as the runtime does.
         """
+        self.begin(on_unit, cuts=cuts)
+        self.advance()
+        return self.end()
+
+    def begin(
+        self,
+        on_unit: Callable[[int, float], None] | None = None,
+        *,
+        cuts: Sequence[tuple[Sequence[int], Callable[[], None]]] = (),
+    ) -> None:
+        """Set up a run that :meth:`advance` executes piece by piece (arguments as for :meth:`run`)."""
+        programs = self.schedule.programs
+        self._on_unit = on_unit
+        self._mailbox: dict[tuple, tuple] = {}
+        self._labels: dict[int, Any] = {}  # unit -> targets, read with its inputs at stage 0 (as the runtime sends them on)
+        self._outbox: dict[tuple, tuple] = {}
+        self._waiting: dict[tuple, int] = {}
+        self._syncs: dict[tuple[int, int], list] = {}
+        self._sync_seen = [dict() for _ in programs]
+        self.positions = [0] * len(programs)
+        self._origin = time.perf_counter()
+        self._cuts = list(cuts)
+        self._cut_index = 0  # the cut every rank is heading for next
+        self._arrived: set[int] = set()
+
+    def advance(self, limits: Sequence[int] | None = None) -> None:
+        """Run every rank up to (not including) its position ``limits[rank]`` (default: the end of
+        its program); ``limits`` must be a consistent cut, such as the end of a
+        :func:`~pipetrain.runtime.cuts.feed_cuts` piece. Raises if a rank cannot get there."""
         schedule = self.schedule
         programs = schedule.programs
         last_stage = schedule.num_stages - 1
@@ -84,23 +113,21 @@ class Emulator:
         SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
             Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
         )
-        mailbox: dict[tuple, tuple] = {}
-        labels: dict[int, Any] = {}  # unit -> targets, read with its inputs at stage 0 (as the runtime sends them on)
-        outbox: dict[tuple, tuple] = {}
-        waiting: dict[tuple, int] = {}
-        syncs: dict[tuple[int, int], list] = {}
-        sync_seen = [dict() for _ in programs]
-        pcs = [0] * len(programs)
-        ready = deque(range(len(programs)))
-        queued = [True] * len(programs)
+        mailbox, outbox, waiting, labels = self._mailbox, self._outbox, self._waiting, self._labels
+        syncs, sync_seen = self._syncs, self._sync_seen
+        pcs = self.positions
+        ends_at = [len(p) for p in programs] if limits is None else list(limits)
+        ready = deque(r for r in range(len(programs)) if pcs[r] < ends_at[r])
+        queued = [r in ready for r in range(len(programs))]
         clock = time.perf_counter
-        origin = clock()
-        pending_cuts = list(cuts)
-        cut_index = 0  # the cut every rank is heading for next
-        arrived: set[int] = set()
+        origin = self._origin
+        pending_cuts = self._cuts
+        arrived = self._arrived
+        on_unit = self._on_unit
 
         def cut_position(rank: int) -> int | None:
-            return pending_cuts[cut_index][0][rank] if cut_index < len(pending_cuts) else None
+            index = self._cut_index
+            return pending_cuts[index][0][rank] if index < len(pending_cuts) else None
 
         def deliver(key: tuple, value: tuple) -> None:
             mailbox[key] = value
@@ -116,6 +143,7 @@ class Emulator:
             stages = self.executors[rank]
             releases = self._releases[rank]
             pc = pcs[rank]
+            limit = ends_at[rank]
             starts, ends = self.starts[rank], self.ends[rank]
             stop = cut_position(rank)  # changes only when a cut fires
             while True:
@@ -124,19 +152,19 @@ class Emulator:
                     if len(arrived) < len(programs):
                         break
                     paused = clock()
-                    pending_cuts[cut_index][1]()
+                    pending_cuts[self._cut_index][1]()
                     paused = clock() - paused
                     origin += paused  # timings leave evaluation pauses out
                     self.paused += paused
-                    cut_index += 1
+                    self._cut_index += 1
                     stop = cut_position(rank)
                     arrived.clear()
                     for other in range(len(programs)):
-                        if other != rank and not queued[other]:
+                        if other != rank and not queued[other] and pcs[other] < ends_at[other]:
                             queued[other] = True
                             ready.append(other)
                     continue
-                if pc >= len(program):
+                if pc >= limit:
                     break
                 action = program[pc]
                 kind, stage, k, version, _ = action
@@ -206,6 +234,8 @@ class Emulator:
                     elif kind is STEP:
                         superseded = [v for st, v in releases.get(pc, ()) if st == stage]
                         stages[stage].step(superseded)
+                except NonFiniteError as error:
+                    raise located(error, rank, action, lambda k: layout.bounds(k)[0]) from None
                 except PipetrainError as error:
                     raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
                 for release_stage, release_version in releases.get(pc, ()):
@@ -213,9 +243,12 @@ class Emulator:
                 ends[pc] = clock() - origin
                 pc += 1
             pcs[rank] = pc
-
-        stuck = [r for r in range(len(programs)) if pcs[r] < len(programs[r])]
+        self._origin = origin
+        stuck = [r for r in range(len(programs)) if pcs[r] < ends_at[r]]
         if stuck:
             detail = ", ".join(f"rank {r} at {format_action(programs[r][pcs[r]])}" for r in stuck[:8])
             raise DeadlockError(f"the emulator cannot proceed: {detail}; run `pipetrain schedule --load` to find why")
+
+    def end(self) -> dict[int, float]:
+        """After :meth:`advance` reached the end of every program: the losses of every unit."""
         return self.losses

@@ -15,21 +15,41 @@ time, for every layer whose backward reads the parameter tensor itself or a view
 Conv, embeddings, norm affine parameters, attention projections). A layer that saves a tensor
 *computed* from a parameter (e.g. weight normalisation's ``g * v / |v|``) keeps the forward-time
 value for that tensor.
+
+Non-finite values (``nonfinite=``), tested where it costs nothing on the way: the last stage tests
+each microbatch's loss (a number every executor reads anyway) and a NaN or infinite one stops the
+run (``stop``, the default; a non-finite gradient makes the weights non-finite, and so the next
+loss that goes through them); :meth:`StageExecutor.snapshot` and :meth:`StageExecutor.write_back`
+refuse weights that are not finite, so that no checkpoint and no saved model holds them. With
+``skip`` every update tests its gradient first (one pass over it and one read of the host, the
+price of skipping) and leaves the weights as they are when it is not finite: the update still
+makes a version, equal to the last, and the optimizer's state does not move. docs/optim.md says
+what ``skip`` means for each schedule.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.versions import VersionStore
+from pipetrain.schedule.ir import Action, format_action
 
-__all__ = ["StageExecutor", "Gradients", "as_tuple"]
+__all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
+
+#: What a stage does with a NaN or infinite loss or gradient: ``stop`` the run (the default),
+#: ``skip`` the update (keep the weights), or ``off`` (no test; for measuring what the tests cost).
+NONFINITE = ("stop", "skip", "off")
+#: Under ``skip``, a stage that skips this many updates in a row stops the run: its weights (or
+#: the data) keep producing non-finite values, and the run would otherwise end with weights that
+#: no update has moved for a long time, as if it had succeeded.
+SKIP_LIMIT = 10
 
 Gradients = tuple[Tensor | None, ...]
 _INCONSISTENT = frozenset({"latest", "predict"})
@@ -46,6 +66,61 @@ def warm_up_autograd() -> None:
 
 def as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite, with one read of the host (not one per
+    tensor): the sum of the tensors' sums is NaN or infinite when any value is. Finite values
+    beyond about 1e38 can overflow that sum too, so a failed test is confirmed tensor by tensor."""
+    if not tensors:
+        return True
+    total = torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum()
+    if math.isfinite(total.item()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _nonfinite_kind(tensor: Tensor) -> str | None:
+    """``"nan"``, ``"inf"`` (either sign) or ``None`` when every value is finite."""
+    if bool(torch.isnan(tensor).any()):
+        return "nan"
+    return None if bool(torch.isfinite(tensor).all()) else "inf"
+
+
+def _nonfinite_names(tensors: Mapping[str, Tensor]) -> str:
+    """``"2.weight (nan), 2.bias (inf)"``: the non-finite tensors, at most three named."""
+    bad = [(name, kind) for name, t in tensors.items() if (kind := _nonfinite_kind(t)) is not None]
+    text = ", ".join(f"{name} ({kind})" for name, kind in bad[:3])
+    return text + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+
+
+def _advice(skip: bool) -> str:
+    """What to change, appended to every non-finite message."""
+    text = (
+        "A loss or gradient that is not finite usually comes from a learning rate too large for the model "
+        "(lower lr in --optimizer) or from NaN or infinite values in the data"
+    )
+    if skip:
+        text += (
+            "; --on-nonfinite skip (on_nonfinite='skip') drops an update whose gradient is not finite "
+            "instead of stopping"
+        )
+    return text
+
+
+def located(error: NonFiniteError, rank: int, action: Action, step_of_unit: Callable[[int], int]) -> NonFiniteError:
+    """``error`` raised by a stage executor, reworded with the update (step, counted from 1), the
+    stage, the rank and the action; ``step_of_unit(k)`` is the update (from 0) unit ``k`` belongs to."""
+    step = error.step if error.step is not None else step_of_unit(error.microbatch) + 1
+    detail = str(error).partition(": ")[2] or str(error)
+    return NonFiniteError(
+        f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
+        stage=error.stage, step=step, microbatch=error.microbatch, rank=rank,
+    )
+
+
+def _finite_loss(loss: Tensor) -> bool:
+    return math.isfinite(loss.item()) if loss.numel() == 1 else bool(torch.isfinite(loss).all())
 
 
 class _Parameters:
@@ -112,6 +187,7 @@ class StageExecutor:
         grad_scale: factor applied to the accumulated gradient at each update (1 unless replicated
             stages update over different numbers of units, see :mod:`pipetrain.execution.data`).
         seed: base of the per-microbatch random seed used when the stage has dropout.
+        nonfinite: ``stop``, ``skip`` or ``off`` (see :data:`NONFINITE` and the module docstring).
     """
 
     def __init__(
@@ -124,7 +200,13 @@ class StageExecutor:
         policy: str = "flush",
         grad_scale: float = 1.0,
         seed: int = 0,
+        nonfinite: str = "stop",
     ) -> None:
+        if nonfinite not in NONFINITE:
+            raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {nonfinite!r}")
+        self.nonfinite = nonfinite
+        #: the updates (counted from 1) skipped because their gradient was not finite (``skip``)
+        self.skipped: list[int] = []
         self.stage = stage
         self.module = module
         self.optimizer = optimizer
@@ -245,6 +327,12 @@ class StageExecutor:
             raise self._forward_error(error, inputs, target) from None
         if self.is_last:
             self.last_loss = loss.detach()
+            if self.nonfinite == "stop" and not _finite_loss(self.last_loss):
+                raise NonFiniteError(
+                    f"stage {self.stage}: the loss of microbatch {microbatch} is {_nonfinite_kind(self.last_loss)}"
+                    f"{self._nonfinite_origin(inputs)}; training stopped there. {_advice(skip=True)}",
+                    stage=self.stage, microbatch=microbatch,
+                )
             scaled = loss * loss_scale if loss_scale != 1.0 else loss
             record.roots = (scaled,)
             self.in_flight[microbatch] = record
@@ -253,6 +341,18 @@ class StageExecutor:
         record.roots = outputs
         self.in_flight[microbatch] = record
         return tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+
+    def _nonfinite_origin(self, inputs: tuple) -> str:
+        """Where a non-finite loss came from, as far as this stage can tell (the error path only)."""
+        bad = [kind for x in inputs if isinstance(x, Tensor) and x.is_floating_point()
+               and (kind := _nonfinite_kind(x)) is not None]
+        if bad:
+            origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
+            return f" (its input from {origin} already holds {bad[0]})"
+        weights = self.versions.latest
+        if not all_finite(list(weights.values())):
+            return f" (the weights of this stage are not finite in {_nonfinite_names(weights)})"
+        return " (its input and weights are finite: its own computation overflowed)"
 
     def _forward_error(self, error: Exception, inputs: tuple, target: Any) -> PipetrainError:
         """A failing forward, explained in terms of stages and shapes."""
@@ -393,14 +493,26 @@ class StageExecutor:
         new version is stored, so a stage never holds more versions than its schedule says).
         """
         grads = self.grads or {}
-        if self.grad_scale != 1.0:
-            grads = {n: g * self.grad_scale for n, g in grads.items()}
         current = self.versions.latest
-        if self.optimizer is None:
+        # nothing reads the replaced version any more (its autograd leaves go with it): update in place
+        in_place = self.versions.current in release
+        if self.nonfinite == "skip" and not all_finite(list(grads.values())):
+            step = self.versions.current + 1
+            self.skipped.append(step)
+            if len(self.skipped) >= SKIP_LIMIT and self.skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
+                raise NonFiniteError(
+                    f"stage {self.stage}: the gradients of updates {step - SKIP_LIMIT + 1} to {step} were all not "
+                    f"finite (the last in {_nonfinite_names(grads)}) and all were skipped: the weights or the data "
+                    f"keep producing NaN or infinite values; training stopped there. {_advice(skip=False)}",
+                    stage=self.stage, step=step,
+                )
+            # the new version equals the last (a copy where the last stays held, so both stay immutable)
+            new = current if in_place else {n: t.clone() for n, t in current.items()}
+        elif self.optimizer is None:
             new = dict(current)
         else:
-            # nothing reads the replaced version any more (its autograd leaves go with it): update in place
-            in_place = self.versions.current in release
+            if self.grad_scale != 1.0:
+                grads = {n: g * self.grad_scale for n, g in grads.items()}
             new = self.optimizer.step(current, grads, self.samples_seen, out=current if in_place else None)
         self.samples_seen += self.pending_samples
         self.pending_samples = 0
@@ -422,9 +534,25 @@ class StageExecutor:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    def check_weights(self, consequence: str) -> None:
+        """Raise a :class:`~pipetrain.errors.NonFiniteError` if a weight version this stage holds is
+        not finite (one pass over each, for checkpoints and the end of a run; not with ``off``)."""
+        if self.nonfinite == "off":
+            return
+        for version in self.versions.held():
+            params = self.versions[version]
+            if not all_finite(list(params.values())):
+                raise NonFiniteError(
+                    f"stage {self.stage}: the weights after update {version} are not finite in "
+                    f"{_nonfinite_names(params)}; {consequence}. {_advice(skip=self.nonfinite == 'stop')}",
+                    stage=self.stage, step=version,
+                )
+
     def snapshot(self) -> dict[str, Any]:
         """Everything needed to continue exactly: versions, optimizer, counters, accumulated
-        gradients, buffers, and the microbatches in flight (inputs and weights their forward read)."""
+        gradients, buffers, and the microbatches in flight (inputs and weights their forward read).
+        Weights that are not finite are refused: no checkpoint holds them."""
+        self.check_weights("no checkpoint was written")
         predicted = self.policy == "predict"
         return {
             "versions": {v: dict(p) for v, p in self.versions.state().items()},
@@ -488,7 +616,9 @@ class StageExecutor:
             self.module.train(was_training)
 
     def write_back(self) -> None:
-        """Copy the current version into the module's own parameters (for saving or inspection)."""
+        """Copy the current version into the module's own parameters (for saving or inspection);
+        weights that are not finite are refused (unless ``nonfinite="off"``)."""
+        self.check_weights("they were not written back")
         with torch.no_grad():
             for name, param in self.module.named_parameters():
                 param.copy_(self.versions.latest[name])

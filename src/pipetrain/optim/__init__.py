@@ -1,24 +1,27 @@
 """Per-stage optimizers: out-of-place SGD/Adam, delay compensation, sample-based lr schedules."""
 
-from pipetrain.optim.adam import Adam, AdamW
-from pipetrain.optim.base import StageOptimizer
-from pipetrain.optim.compensation import parse_compensation, spike_coefficients
-from pipetrain.optim.lr_schedule import (
-    ConstantLR,
-    CosineLR,
-    EndDecayLR,
-    LRSchedule,
-    StepLR,
-    parse_lr_schedule,
-)
-from pipetrain.optim.sgd import SGD
-from pipetrain.optim.spec import (
-    OptimizerSpec,
-    build_stage_optimizer,
-    build_stage_optimizers,
-    parse_optimizer_spec,
-)
-from pipetrain.optim.translate import TranslatedHyperparameters, translate_hyperparameters
+import importlib
+
+# name -> submodule. The optimizers import PyTorch; their specs, lr schedules, compensation and
+# translation do not: each name is loaded on first use, so that `pipetrain train` checks an
+# --optimizer or --lr-schedule spec before PyTorch is imported.
+_WHERE = {
+    "Adam": "adam", "AdamW": "adam", "StageOptimizer": "base",
+    "parse_compensation": "compensation", "spike_coefficients": "compensation",
+    "ConstantLR": "lr_schedule", "CosineLR": "lr_schedule", "EndDecayLR": "lr_schedule",
+    "LRSchedule": "lr_schedule", "StepLR": "lr_schedule", "parse_lr_schedule": "lr_schedule",
+    "SGD": "sgd",
+    "OptimizerSpec": "spec", "build_stage_optimizer": "spec", "build_stage_optimizers": "spec",
+    "parse_optimizer_spec": "spec",
+    "TranslatedHyperparameters": "translate", "translate_hyperparameters": "translate",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"pipetrain.optim.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'pipetrain.optim' has no attribute {name!r}")
+
 
 __all__ = [
     "StageOptimizer",

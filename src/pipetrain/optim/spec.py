@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from pipetrain.errors import ConfigError
-from pipetrain.optim.adam import Adam, AdamW
-from pipetrain.optim.base import StageOptimizer
 from pipetrain.optim.compensation import parse_compensation
 from pipetrain.optim.keyvalue import as_bool, as_float, as_float_pair, parse_options, split_spec
 from pipetrain.optim.lr_schedule import LRSchedule, parse_lr_schedule
-from pipetrain.optim.sgd import SGD
+
+if TYPE_CHECKING:
+    from pipetrain.optim.base import StageOptimizer
 
 __all__ = [
     "OPTIMIZERS",
+    "optimizer_class",
     "OptimizerSpec",
     "parse_optimizer_spec",
     "build_stage_optimizer",
@@ -29,21 +31,33 @@ _ADAM_OPTIONS: dict[str, Callable[[str, str], Any]] = {
     "amsgrad": as_bool,
 }
 
-#: spec name -> (class, option parsers). Defaults are those of the classes (torch's).
-OPTIMIZERS: dict[str, tuple[type[StageOptimizer], dict[str, Callable[[str, str], Any]]]] = {
-    "sgd": (
-        SGD,
-        {
-            "lr": as_float,
-            "momentum": as_float,
-            "dampening": as_float,
-            "weight_decay": as_float,
-            "nesterov": as_bool,
-        },
-    ),
-    "adam": (Adam, _ADAM_OPTIONS),
-    "adamw": (AdamW, _ADAM_OPTIONS),
+#: spec name -> option parsers. Parsing a spec needs no PyTorch; building the optimizer does.
+_OPTIONS: dict[str, dict[str, Callable[[str, str], Any]]] = {
+    "sgd": {
+        "lr": as_float,
+        "momentum": as_float,
+        "dampening": as_float,
+        "weight_decay": as_float,
+        "nesterov": as_bool,
+    },
+    "adam": _ADAM_OPTIONS,
+    "adamw": _ADAM_OPTIONS,
 }
+_CLASSES = {"sgd": ("pipetrain.optim.sgd", "SGD"), "adam": ("pipetrain.optim.adam", "Adam"),
+            "adamw": ("pipetrain.optim.adam", "AdamW")}
+
+
+def optimizer_class(name: str) -> "type[StageOptimizer]":
+    """The :class:`StageOptimizer` class of spec name ``name`` (imported on first use)."""
+    module, attribute = _CLASSES[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
+def __getattr__(name: str):
+    # OPTIMIZERS: spec name -> (class, option parsers); defaults are those of the classes (torch's)
+    if name == "OPTIMIZERS":
+        return {key: (optimizer_class(key), options) for key, options in _OPTIONS.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -54,11 +68,11 @@ class OptimizerSpec:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
+        if self.name not in _OPTIONS:
             raise ConfigError(
-                f"unknown optimizer {self.name!r}; valid names: {', '.join(sorted(OPTIMIZERS))}"
+                f"unknown optimizer {self.name!r}; valid names: {', '.join(sorted(_OPTIONS))}"
             )
-        valid = OPTIMIZERS[self.name][1]
+        valid = _OPTIONS[self.name]
         unknown = sorted(set(self.options) - set(valid))
         if unknown:
             raise ConfigError(
@@ -85,8 +99,8 @@ def parse_optimizer_spec(text: str | OptimizerSpec) -> OptimizerSpec:
     ``adam:lr=1e-3,betas=0.9/0.999,eps=1e-8,weight_decay=0,amsgrad=false`` or ``adamw:...``."""
     if isinstance(text, OptimizerSpec):
         return text
-    name, raw = split_spec(text, "optimizer", OPTIMIZERS)
-    return OptimizerSpec(name, parse_options(name, raw, OPTIMIZERS[name][1], "optimizer"))
+    name, raw = split_spec(text, "optimizer", _OPTIONS)
+    return OptimizerSpec(name, parse_options(name, raw, _OPTIONS[name], "optimizer"))
 
 
 def build_stage_optimizer(
@@ -127,8 +141,7 @@ def build_stage_optimizer(
                 "the Adam step)"
             )
         kwargs["sc_delay"] = stage_delay if sc_delay is None else sc_delay
-    cls = OPTIMIZERS[parsed.name][0]
-    return cls(**kwargs)
+    return optimizer_class(parsed.name)(**kwargs)
 
 
 def build_stage_optimizers(

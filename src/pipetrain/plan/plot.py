@@ -48,5 +48,6 @@ def plot_plan(plan: Plan, profile: Profile, path: str | Path,
     axes[-1, 0].set_xlabel("layer (topological order)")
     axes[0, 0].legend(loc="upper right", fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

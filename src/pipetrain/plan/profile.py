@@ -170,4 +170,5 @@ def load_profile(path: str | Path) -> Profile:
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     """Write ``profile`` as pipetrain JSON."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(profile.to_json(), indent=1) + "\n")

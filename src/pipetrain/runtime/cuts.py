@@ -19,7 +19,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.runtime.sends import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
-__all__ = ["Cut", "cut", "cuts", "shared_updates"]
+__all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates"]
 
 
 @dataclass
@@ -147,6 +147,59 @@ def cuts(schedule: Schedule, counts: Sequence[int], messages: Messages | None = 
         for index, units in enumerate(order)
     }
     return [found[units] for units in counts]
+
+
+def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | None = None) -> list[list[int]]:
+    """Where every rank stands once the batches of updates ``0..t`` have been fed, for each update
+    ``t``: as far into its program as it can go without the batch of update ``t + 1``.
+
+    A training loop that hands pipetrain one batch at a time runs each rank up to these
+    positions per call, so asynchronous schedules stay full across calls (nothing waits for a
+    flush) and a call never blocks on work that only a later call can do. A dry run of all
+    programs: a forward of stage 0 needs its batch fed, a receive its send, a SYNC every replica.
+    Each piece is a consistent cut (everything received before it was sent before it), and the
+    last one is the end of every program.
+    """
+    programs = schedule.programs
+    messages = Messages(schedule) if messages is None else messages
+    units = max((a.microbatch + 1 for p in programs for a in p if a.kind is Kind.F and a.stage == 0), default=0)
+    updates = -(-units // units_per_update)
+    pcs = [0] * len(programs)
+    sync_count: dict[tuple[int, int], int] = {}  # (rank, stage) -> SYNCs passed
+    sync_arrived: dict[tuple[int, int], set[int]] = {}  # (stage, occurrence) -> ranks arrived
+    out: list[list[int]] = []
+    for update in range(updates):
+        fed = (update + 1) * units_per_update
+        progress = True
+        while progress:
+            progress = False
+            for rank, program in enumerate(programs):
+                pc = pcs[rank]
+                while pc < len(program):
+                    action = program[pc]
+                    kind = action.kind
+                    if kind is Kind.F and action.stage == 0 and action.microbatch >= fed:
+                        break
+                    if kind is Kind.RECV_F or kind is Kind.RECV_B:
+                        sender, position = messages.sent_at[Messages.of(action)]
+                        if pcs[sender] <= position:
+                            break
+                    elif kind is Kind.SYNC and len(schedule.stage_ranks[action.stage]) > 1:
+                        occurrence = (action.stage, sync_count.get((rank, action.stage), 0))
+                        arrived = sync_arrived.setdefault(occurrence, set())
+                        arrived.add(rank)
+                        if len(arrived) < len(schedule.stage_ranks[action.stage]):
+                            break
+                        sync_count[(rank, action.stage)] = occurrence[1] + 1
+                    pc += 1
+                if pc != pcs[rank]:
+                    pcs[rank] = pc
+                    progress = True
+        out.append(list(pcs))
+    if out and any(pc != len(p) for pc, p in zip(out[-1], programs)):
+        stuck = [rank for rank, (pc, p) in enumerate(zip(out[-1], programs)) if pc != len(p)]
+        raise ConfigError(f"the programs of ranks {stuck} cannot run to their end (see `pipetrain schedule --load`)")
+    return out
 
 
 def _positions(program: Sequence, order: Sequence[int]) -> list[int]:

@@ -34,9 +34,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData, UnitLayout
-from pipetrain.execution.stage import StageExecutor
+from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
@@ -133,6 +133,7 @@ class RankRunner:
         self._pauses: list[list[int]] = []  # every rank's position of each cut where all pause
         self._resumed_cut: Any = None  # the cut a resumed run starts from (see restore)
         self._next_pause = 0
+        self.position = start  # the next action to run (see advance)
 
     # -- receives posted ahead of need ----------------------------------------------------------
 
@@ -208,6 +209,34 @@ class RankRunner:
         end, for ``p == len(program)``): checkpoints are taken there. ``pauses`` lists the cuts
         (every rank's position, in order) where the hooks of all ranks run together, which lets
         such runs receive on demand."""
+        self.begin(on_loss, origin, at_positions=at_positions, pauses=pauses)
+        self.advance()
+        self.end()
+        return self.losses
+
+    def begin(
+        self,
+        on_loss: Callable[[int, float], None] | None = None,
+        origin: float | None = None,
+        *,
+        at_positions: dict[int, Callable[[], None]] | None = None,
+        pauses: list[list[int]] | None = None,
+    ) -> None:
+        """Set up a run that :meth:`advance` executes piece by piece (arguments as for :meth:`run`;
+        a caller that returns to its own code between pieces names every piece's end in
+        ``pauses``, so that no send is waited for across one)."""
+        self._on_loss = on_loss
+        self._origin = time.perf_counter() if origin is None else origin
+        self._hooks = at_positions or {}
+        self._pauses = list(pauses or ())
+        self._next_pause = 0
+        self._choose_receives(self._hooks, self._pauses)
+        self._pause_at = self._pauses[0][self.rank] if self._pauses else -1  # this rank's next pause
+        self.position = self.start
+
+    def advance(self, stop: int | None = None) -> None:
+        """Run the program from where it stands up to (not including) position ``stop`` (default:
+        its end)."""
         schedule = self.schedule
         executors = self.executors
         last = self.last_stage
@@ -217,15 +246,14 @@ class RankRunner:
         starts, ends = self.starts, self.ends
         done = self.status.done if self.status is not None else None
         clock = time.perf_counter
-        origin = clock() if origin is None else origin
-        hooks = at_positions or {}
+        origin = self._origin
+        hooks = self._hooks
+        on_loss = self._on_loss
         program = self.program
+        stop = len(program) if stop is None else stop
         first_held = min(executors)  # the lowest stage on this rank
-        self._pauses = list(pauses or ())
-        self._next_pause = 0
-        self._choose_receives(hooks, self._pauses)
-        pause_at = self._pauses[0][rank] if self._pauses else -1  # this rank's position of the next pause
-        for pc in range(self.start, len(program)):
+        pause_at = self._pause_at
+        for pc in range(self.position, stop):
             if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
                 paused = clock()
                 hooks[pc]()
@@ -275,6 +303,8 @@ class RankRunner:
                     executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
             except CommunicationError:
                 raise
+            except NonFiniteError as error:
+                raise located(error, rank, action, lambda k: self.layout.bounds(k)[0]) from None
             except PipetrainError as error:
                 raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
             except RuntimeError as error:
@@ -284,12 +314,16 @@ class RankRunner:
             if done is not None:
                 done(action)
             ends[pc] = clock() - origin
-        if len(program) in hooks:
-            paused = clock()
-            hooks[len(program)]()
-            self.paused += clock() - paused
+        self.position = max(self.position, stop)
+        self._origin, self._pause_at = origin, pause_at
+
+    def end(self) -> None:
+        """After the last action: the hook at the program's end, then every send completed."""
+        if len(self.program) in self._hooks:
+            paused = time.perf_counter()
+            self._hooks[len(self.program)]()
+            self.paused += time.perf_counter() - paused
         self._sends.drain()
-        return self.losses
 
     def _upcoming(self) -> list[int] | None:
         """Every rank's position of the next pause this rank has not passed (None: no more)."""
@@ -306,23 +340,21 @@ class RankRunner:
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def evaluate(self, count: int, batch_at: Callable[[int], tuple], loss_fn) -> dict[str, float] | None:
+    def evaluate(self, count: int, batch_at: Callable[[int], tuple], metrics: Any) -> dict[str, float] | None:
         """Forward-only passes of ``count`` held-out batches through the first replica of every
-        stage, on the current weights; returns the loss and accuracy on the rank of the last stage.
+        stage, on the current weights; on the rank of the last stage, each output and its labels
+        go to ``metrics.add(output, target)`` and ``metrics.result()`` is returned.
 
         Every rank calls it at the same cut (between updates); ``batch_at(i)`` is called only where
         stage 0 lives, and its labels travel to the last stage. Its own channels keep training
         messages in flight undisturbed.
         """
-        from pipetrain.training.evaluate import Metrics
-
         rank, last = self.rank, self.last_stage
         owners = [ranks[0] for ranks in self.schedule.stage_ranks]
         mine = [s for s in sorted(self.executors) if owners[s] == rank]
         if not mine:
             return None
         sends = []
-        metrics = Metrics(loss_fn)
         for index in range(count):
             value = labels = None
             if owners[0] == rank:
@@ -349,8 +381,13 @@ class RankRunner:
         """This rank's state at its cut (see :mod:`pipetrain.runtime.cuts`). Sends still under way
         are not waited for: a message that crosses the cut is received only after the receiver's
         own cut, and a resumed run sends it again."""
+        try:
+            stages = {stage: executor.snapshot() for stage, executor in self.executors.items()}
+        except NonFiniteError as error:  # no checkpoint of weights that are not finite
+            raise NonFiniteError(f"rank {self.rank}, {error}", stage=error.stage, step=error.step,
+                                 rank=self.rank) from None
         return {
-            "stages": {stage: executor.snapshot() for stage, executor in self.executors.items()},
+            "stages": stages,
             "losses": dict(self.losses),
             "labels": dict(self._labels),
             "evaluations": list(self.evaluations),

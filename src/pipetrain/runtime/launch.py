@@ -23,9 +23,11 @@ __all__ = [
     "detect",
     "init_distributed",
     "launch",
+    "launch_script",
     "LaunchResult",
     "plan_cores",
     "EXIT_USER_ERROR",
+    "report_worker_error",
     "EXIT_PEER_FAILURE",
 ]
 
@@ -205,13 +207,8 @@ def launch(
     (seconds, optional) bounds the whole run. Returns a :class:`LaunchResult`: returncode 0, the
     first failure's status (128+N for a signal N), 124 on timeout, 130 on Ctrl-C.
     """
-    import torch.distributed as dist
-
     if nprocs < 1:
         raise PipetrainError(f"need at least one worker, got {nprocs}")
-    if threads_per_worker < 1:
-        raise PipetrainError(f"--threads-per-worker must be at least 1, got {threads_per_worker}")
-    cores = plan_cores(nprocs, threads_per_worker) if pin else None
     main_path = _main_path(fn)
     workdir = tempfile.mkdtemp(prefix="pipetrain-launch-")
     payload = os.path.join(workdir, "entry.pkl")
@@ -224,12 +221,104 @@ def launch(
             f"cannot hand {getattr(fn, '__qualname__', fn)!r} and its arguments to the workers: "
             f"{error}; use a module-level function and picklable arguments"
         ) from None
+    command = [sys.executable, "-c", "from pipetrain.runtime.launch import _worker_main; _worker_main()"]
+    extra = dict(env or {}, PIPETRAIN_ENTRY=payload, PIPETRAIN_MAIN=main_path)
+    try:
+        result = _run_workers(command, nprocs, threads_per_worker=threads_per_worker, pin=pin, grace=grace,
+                              timeout=timeout, env=extra, quiet=quiet)
+        result.results = [_read_result(workdir, r) for r in range(nprocs)]
+    finally:
+        _rmtree(workdir)
+    return result
+
+
+def launch_script(
+    nprocs: int,
+    *,
+    threads_per_worker: int = 1,
+    pin: bool = True,
+    grace: float = 5.0,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    quiet: bool = False,
+) -> LaunchResult:
+    """Run this process's own script again in ``nprocs`` local workers, as torchrun would, and wait.
+
+    How ``python train.py`` trains on several processes with no launcher: the first distributed
+    call of the script (:meth:`pipetrain.Pipeline.fit`) finds no distributed environment and
+    starts the workers here; each runs the whole script from the top with RANK, WORLD_SIZE, ...
+    set, so every rank builds the same model and data, and the same call joins the run. The
+    launcher watches them exactly as :func:`launch` does. The script is found from the
+    interpreter's own command line (``python script.py``, ``python -m package.module``); an
+    interactive session or a test runner cannot be re-run and is refused.
+    """
+    import json
+
+    head, script = _script_command()
+    command = [sys.executable, *head, "-c", "from pipetrain.runtime.launch import _script_main; _script_main()"]
+    return _run_workers(command, nprocs, threads_per_worker=threads_per_worker, pin=pin, grace=grace,
+                        timeout=timeout, env=dict(env or {}, PIPETRAIN_SCRIPT=json.dumps(script)), quiet=quiet)
+
+
+#: programs whose command line re-run in a worker would not be the user's script
+_NOT_SCRIPTS = ("pytest", "py.test", "ipykernel", "ipykernel_launcher", "IPython", "jupyter")
+
+
+def _script_command() -> tuple[list[str], tuple[str, str, list[str]]]:
+    """How to run this process's ``__main__`` again: the interpreter's options, and
+    ``("module" or "path", name or path, arguments)``."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None)
+    name = spec.name if spec is not None else os.path.splitext(os.path.basename(path or ""))[0]
+    if not path or any(part in _NOT_SCRIPTS for part in name.split(".")) or (
+        spec is None and os.path.basename(path).split(".")[0] in _NOT_SCRIPTS
+    ):
+        raise LaunchError(
+            "the distributed executor runs your script once per worker, and this program "
+            f"({'an interactive session' if not path else name}) cannot be run again: put the training in a "
+            "script (python train.py) or under torchrun, or use executor='emulate' to train in this process"
+        )
+    options = list(getattr(sys, "orig_argv", [sys.executable])[1:])
+    # interpreter options (-u, -X ..., -W ...) come before the script or -m in the original command line
+    head: list[str] = []
+    while options and options[0].startswith("-") and options[0] not in ("-m", "-c"):
+        flag = options.pop(0)
+        head.append(flag)
+        if flag in ("-X", "-W") and options:
+            head.append(options.pop(0))
+    if spec is not None and spec.name != "__main__":
+        module = spec.name[: -len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return head, ("module", module, sys.argv[1:])
+    return head, ("path", os.path.abspath(path), sys.argv[1:])
+
+
+def _run_workers(
+    command: list[str],
+    nprocs: int,
+    *,
+    threads_per_worker: int,
+    pin: bool,
+    grace: float,
+    timeout: float | None,
+    env: Mapping[str, str],
+    quiet: bool,
+) -> LaunchResult:
+    """Start ``command`` once per rank with the distributed environment set, watch and reap them
+    (see :func:`launch`)."""
+    import torch.distributed as dist
+
+    if nprocs < 1:
+        raise PipetrainError(f"need at least one worker, got {nprocs}")
+    if threads_per_worker < 1:
+        raise PipetrainError(f"--threads-per-worker must be at least 1, got {threads_per_worker}")
+    cores = plan_cores(nprocs, threads_per_worker) if pin else None
     store = dist.TCPStore(
         "127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False,
         timeout=datetime.timedelta(seconds=30),
     )  # fmt: skip
     base = dict(os.environ)
-    base.update(env or {})
+    base.update(env)
     path = [p for p in sys.path if p]
     base["PYTHONPATH"] = os.pathsep.join(path + [base["PYTHONPATH"]] if base.get("PYTHONPATH") else path)
     base.update(
@@ -241,9 +330,7 @@ def launch(
         TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the store hosted here
         PIPETRAIN_LAUNCHER="1",
         PIPETRAIN_THREADS=str(threads_per_worker),
-        PIPETRAIN_ENTRY=payload,
         PIPETRAIN_PARENT=str(os.getpid()),
-        PIPETRAIN_MAIN=main_path,
         OMP_NUM_THREADS=str(threads_per_worker),
         MKL_NUM_THREADS=str(threads_per_worker),
     )
@@ -264,13 +351,7 @@ def launch(
             wenv = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
             if cores is not None:
                 wenv["PIPETRAIN_CPUS"] = ",".join(map(str, cores[rank]))
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", "from pipetrain.runtime.launch import _worker_main; _worker_main()"],
-                    env=wenv,
-                    start_new_session=True,
-                )
-            )
+            procs.append(subprocess.Popen(command, env=wenv, start_new_session=True))
         result = _watch(procs, store, grace, timeout, say)
     except KeyboardInterrupt:
         say("interrupted: stopping every worker")
@@ -281,8 +362,6 @@ def launch(
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
         result.exitcodes = [p.poll() for p in procs]
-        result.results = [_read_result(workdir, r) for r in range(nprocs)]
-        _rmtree(workdir)
         del store
     return result
 
@@ -331,7 +410,7 @@ def _watch(
     timeout: float | None,
     say: Callable[[str], None],
 ) -> LaunchResult:
-    from pipetrain.runtime.status import format_status, read_status
+    from pipetrain.runtime.status import format_status, read_errors, read_status
 
     start = time.monotonic()
     first: tuple[int, int] | None = None
@@ -344,17 +423,21 @@ def _watch(
             if failed:
                 # Peers of a dead rank exit within milliseconds of it: name the cause, not them.
                 first = min(failed, key=lambda rc: (rc[1] >= 0, rc[1] == EXIT_PEER_FAILURE, rc[0]))
-                message = f"worker rank {first[0]} {_describe_exit(first[1])}"
-                if first[1] == EXIT_PEER_FAILURE:
-                    message += " (it lost a peer or timed out waiting for one)"
-                    finished = [r for r, c in enumerate(codes) if c == 0]
-                    if finished:
-                        message += (
-                            f"; rank(s) {', '.join(map(str, finished))} had already finished "
-                            "normally, before the others (do the programs match?)"
-                        )
-                say(f"{message}; stopping the other workers")
-                say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
+                errors = read_errors(store, len(procs)) if first[1] == EXIT_USER_ERROR else {}
+                if first[0] in errors:  # the worker's own error (bad data, a NaN loss): the run's one message
+                    message = errors[first[0]]
+                else:
+                    message = f"worker rank {first[0]} {_describe_exit(first[1])}"
+                    if first[1] == EXIT_PEER_FAILURE:
+                        message += " (it lost a peer or timed out waiting for one)"
+                        finished = [r for r, c in enumerate(codes) if c == 0]
+                        if finished:
+                            message += (
+                                f"; rank(s) {', '.join(map(str, finished))} had already finished "
+                                "normally, before the others (do the programs match?)"
+                            )
+                    say(f"{message}; stopping the other workers")
+                    say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
                 stop_at = time.monotonic() + grace
         if all(c is not None for c in codes):
             break
@@ -419,8 +502,9 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _worker_main() -> None:
-    """Entry of a spawned worker: pin, run the pickled function, store its result."""
+def _settle() -> None:
+    """A spawned worker's own process settings: die with the launcher, pin to its cores, one
+    thread per core."""
     _die_with_parent()
     cpus = os.environ.get("PIPETRAIN_CPUS")
     if cpus:
@@ -428,9 +512,15 @@ def _worker_main() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("PIPETRAIN_THREADS", "1")))
+
+
+def _worker_main() -> None:
+    """Entry of a spawned worker: pin, run the pickled function, store its result."""
+    _settle()
     rank = int(os.environ["RANK"])
     entry = os.environ["PIPETRAIN_ENTRY"]
-    try:
+
+    def run() -> None:
         _load_main()
         with open(entry, "rb") as f:
             fn, args = pickle.load(f)
@@ -440,11 +530,44 @@ def _worker_main() -> None:
             with open(tmp, "wb") as f:
                 pickle.dump(value, f)
             os.replace(tmp, os.path.join(os.path.dirname(entry), f"result-{rank}.pkl"))
+
+    _run_and_exit(run, rank)
+
+
+def _script_main() -> None:
+    """Entry of a worker that runs the user's script (see :func:`launch_script`): as ``python
+    script.py`` or ``python -m module`` would, with the script's own arguments."""
+    _settle()
+    import json
+    import runpy
+
+    kind, target, arguments = json.loads(os.environ["PIPETRAIN_SCRIPT"])
+
+    def run() -> None:
+        if kind == "module":
+            sys.argv = [target, *arguments]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *arguments]
+            sys.path[0] = os.path.dirname(target)
+            runpy.run_path(target, run_name="__main__")
+
+    _run_and_exit(run, int(os.environ["RANK"]))
+
+
+def _run_and_exit(run: Callable[[], None], rank: int) -> None:
+    """Run a worker's work and end the process with the launcher's exit statuses: 0, 2 for a
+    user error, 3 for a lost peer, 130 on Ctrl-C, a SystemExit's own code, 1 for anything else
+    (with its traceback)."""
+    try:
+        run()
     except PipetrainError as error:
         from pipetrain.runtime.errors import CommunicationError
 
-        print(f"pipetrain worker rank {rank}: error: {error}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILURE if isinstance(error, CommunicationError) else EXIT_USER_ERROR)
+        lost_peer = isinstance(error, CommunicationError)
+        if not report_worker_error(rank, error):
+            print(f"pipetrain worker rank {rank}: error: {error}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILURE if lost_peer else EXIT_USER_ERROR)
     except KeyboardInterrupt:
         os._exit(130)
     except SystemExit as exit_:
@@ -453,6 +576,7 @@ def _worker_main() -> None:
             if not isinstance(code, int):
                 print(f"pipetrain worker rank {rank}: {code}", file=sys.stderr, flush=True)
                 code = 1
+            sys.stdout.flush()
             os._exit(code)
     except BaseException:
         traceback.print_exc()
@@ -460,6 +584,27 @@ def _worker_main() -> None:
         sys.stderr.flush()
         os._exit(1)
     finish_worker()
+
+
+def report_worker_error(rank: int, error: PipetrainError) -> bool:
+    """Hand a worker's error to pipetrain's launcher, which prints it as the run's one message;
+    True if the launcher will (the worker then prints nothing). Its own error (a user error: bad
+    data, a NaN loss) is left in the launcher's store; a lost peer is not reported when another
+    rank left its error there first (the peers of a failed rank only echo its failure). Under
+    torchrun, or when the store does not answer, False: the worker prints the error itself."""
+    from pipetrain.runtime.errors import CommunicationError
+    from pipetrain.runtime.status import env_store, publish_error, read_errors
+
+    if "PIPETRAIN_LAUNCHER" not in os.environ:
+        return False
+    try:
+        store = env_store(timeout=2.0)
+    except Exception:
+        return False
+    if isinstance(error, CommunicationError):
+        world = int(os.environ.get("WORLD_SIZE", "0"))
+        return any(other != rank for other in read_errors(store, world))
+    return publish_error(store, rank, str(error))
 
 
 def finish_worker() -> None:

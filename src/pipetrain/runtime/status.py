@@ -11,7 +11,9 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["StatusBoard", "read_status", "format_status", "env_store", "default_prefix"]
+__all__ = [
+    "StatusBoard", "read_status", "format_status", "env_store", "default_prefix", "publish_error", "read_errors",
+]
 
 _PREFIX = "pipetrain/status"
 
@@ -172,6 +174,37 @@ class StatusBoard:
             self.publish()
             records = read_status(self.store, self.world_size, prefix=self.prefix, timeout=timeout, lock=self._lock)
         return format_status(records, self.world_size, stale_after=3 * self.interval + 1.0)
+
+
+def publish_error(store: Any, rank: int, message: str, *, prefix: str | None = None) -> bool:
+    """Leave the message of this rank's own error (a user error, not a lost peer) in the store,
+    where the launcher reports it as the run's one message and its peers see that they only lost
+    the rank that failed. False if the store did not take it."""
+    try:
+        store.set(f"{prefix if prefix is not None else default_prefix()}/error/{rank}", message)
+        return True
+    except Exception:
+        return False
+
+
+def read_errors(store: Any, world_size: int, *, prefix: str | None = None, timeout: float = 1.0) -> dict[int, str]:
+    """The messages :func:`publish_error` left, by rank (empty if the store does not answer)."""
+    prefix = prefix if prefix is not None else default_prefix()
+    found: dict[int, str] = {}
+
+    def read() -> None:
+        try:
+            for rank in range(world_size):
+                key = f"{prefix}/error/{rank}"
+                if store.check([key]):
+                    found[rank] = store.get(key).decode("utf-8", "replace")
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=read, name="pipetrain-error-read", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return dict(found)
 
 
 def _reachable(address: tuple[str, int], timeout: float) -> bool:

@@ -338,6 +338,9 @@ def _parse_placement(text: str | None, programs: Sequence[Sequence[Action]]) -> 
 
 
 def dump(schedule: Schedule, path: str) -> None:
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(dumps(schedule))
 

@@ -38,6 +38,7 @@ class TrainConfig:
     seed: int = 0
     shuffle: bool = True
     dtype: str = "float32"
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run, or skip the update (docs/optim.md)
     eval_every: int = 0
     eval_samples: int | None = None  # held-out samples evaluated (default: all)
     save: str | None = None
@@ -47,7 +48,8 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool | str = False
-    progress: bool = True
+    progress: bool = True  # a progress bar (the command line shows it on a terminal only)
+    quiet: bool = False  # no lines before and during training (the chosen stages, --eval-every's results)
     extra: dict[str, str] = field(default_factory=dict)
     data_workers: int | None = None  # DataLoader worker processes for plain data sets (None: the default, 1)
     pin_memory: bool = False  # page-locked batches (with an accelerator)

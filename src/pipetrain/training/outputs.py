@@ -10,40 +10,52 @@ import torch
 
 from pipetrain.training.setup import Run
 
-__all__ = ["EvalBatches", "eval_batches", "save_state_dict", "Progress", "UpdateLosses"]
+__all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses", "say", "describe_run",
+           "evaluation_line"]
 
 
-class EvalBatches:
-    """The held-out set in fixed batches (no shuffling), in the run's dtype, read on demand: every
-    rank knows how many there are, only the rank that holds stage 0 reads them."""
+class HeldOut:
+    """Held-out data in fixed batches (no shuffling), in the run's dtype, read on demand: every
+    rank knows how many there are, only the rank that holds stage 0 reads them. From a map-style
+    data set (``size`` samples a batch, the first ``total``), or a list of ``(x, y)`` batches."""
 
-    def __init__(self, run: Run, batch_size: int | None = None) -> None:
-        self.dataset = run.test_set
-        self.dtype = run.dtype
-        self.seed = run.config.seed
-        self.size = batch_size or max(run.layout.batch_size, 64)
-        self.total = 0 if self.dataset is None else len(self.dataset)
-        if run.config.eval_samples is not None:
-            self.total = min(self.total, run.config.eval_samples)
+    def __init__(self, dataset: Any, size: int, dtype: torch.dtype, total: int | None = None, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.dtype = dtype
+        self.size = size
+        self.seed = seed  # batch i is read under data_seed(seed, i, stream=2): a held-out set that augments reads alike everywhere
+        self.batches = list(dataset) if isinstance(dataset, (list, tuple)) else None
+        self.total = 0 if dataset is None else len(dataset)
+        if total is not None:
+            self.total = min(self.total, total)
+
+    @classmethod
+    def of(cls, data: Any, size: int, dtype: torch.dtype) -> "HeldOut":
+        return cls(data, size, dtype)
 
     def __len__(self) -> int:
-        return -(-self.total // self.size)
+        return self.total if self.batches is not None else -(-self.total // self.size)
 
     def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
         from pipetrain.data import data_seed, get_batch, seeded
 
         if not 0 <= index < len(self):
             raise IndexError(index)
-        start = index * self.size
-        with seeded(data_seed(self.seed, index, stream=2)):  # a held-out set that augments reads the same everywhere
-            x, y = get_batch(self.dataset, torch.arange(start, min(start + self.size, self.total)))
+        if self.batches is not None:
+            x, y = self.batches[index]
+        else:
+            start = index * self.size
+            with seeded(data_seed(self.seed, index, stream=2)):
+                x, y = get_batch(self.dataset, torch.arange(start, min(start + self.size, self.total)))
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.to(self.dtype)
         return x, y
 
 
-def eval_batches(run: Run, batch_size: int | None = None) -> EvalBatches:
-    return EvalBatches(run, batch_size)
+def eval_batches(run: Run, batch_size: int | None = None) -> HeldOut:
+    """The run's held-out set (``--eval-samples`` of it) in batches of at least 64 samples."""
+    return HeldOut(run.test_set, batch_size or max(run.layout.batch_size, 64), run.dtype, run.config.eval_samples,
+                   seed=run.config.seed)
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
@@ -59,8 +71,11 @@ class UpdateLosses:
     """Collects the losses of units as the last stage computes them and turns each completed
     update's units into that update's loss (their mean losses weighted by sample share)."""
 
-    def __init__(self, run: Run, progress: "Progress | None" = None, rank: int | None = None) -> None:
+    def __init__(
+        self, run: Run, progress: "Progress | None" = None, rank: int | None = None, on_update: Any = None
+    ) -> None:
         self.layout = run.layout
+        self.on_update = on_update  # on_update(update, loss) as each update's loss is complete
         self.units = run.layout.units_per_update
         self.progress = progress
         # on a replicated last stage a rank sees only its replica's units
@@ -80,6 +95,8 @@ class UpdateLosses:
         if all(u in self._pending for u in expected):
             del self._expected[first]
             self.losses.append(sum(self._pending.pop(u) for u in expected))
+            if self.on_update is not None:
+                self.on_update(first // self.units, self.losses[-1])
             if self.progress is not None:
                 self.progress.update(1, self.losses[-1], self.layout.batch_size, time.perf_counter() - self._started)
 
@@ -109,6 +126,38 @@ class Progress:
             self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:.0f}", refresh=False)
             self.bar.update(steps)
 
+    def write(self, text: str) -> None:
+        """A line above the bar (or on stdout when there is none)."""
+        say(text, self)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def say(text: str, progress: Progress | None = None) -> None:
+    """A line for whoever watches the run, on stdout, with or without a terminal (a bar, where
+    shown, stays below it)."""
+    if progress is not None and progress.bar is not None:
+        progress.bar.write(text)
+    else:
+        print(text, flush=True)
+
+
+def describe_run(run: Run) -> str:
+    """What is about to be trained: the schedule, its units and updates, the data (how it is read,
+    what is held out), then one line per stage (printed before training unless ``quiet``)."""
+    schedule, layout = run.schedule, run.layout
+    units = layout.units_per_update
+    head = (f"{schedule.name}: {run.num_stages} stages on {schedule.num_ranks} "
+            f"{'workers' if run.config.executor == 'distributed' else 'emulated ranks'}, {run.updates} updates of "
+            f"{layout.batch_size} samples ({units} microbatch{'es' if units > 1 else ''} each)")
+    data = f"\n{run.data_note}" if getattr(run, "data_note", "") else ""  # the samples, how read, what is held out
+    return head + data + "\n" + run.staged.summary()
+
+
+def evaluation_line(entry: dict[str, float], updates: int) -> str:
+    """``after  90 of 450 updates: test loss 0.7416, test accuracy 77.50 %``."""
+    width = len(str(updates))
+    return (f"after {int(entry['step']):>{width}} of {updates} updates: test loss {entry['loss']:.4f}, "
+            f"test accuracy {100 * entry['accuracy']:.2f} %")

@@ -27,6 +27,9 @@ class TrainResult:
     evaluations: list[dict[str, float]] = field(default_factory=list)
     timeline: Any = None  # a pipetrain.schedule.Timeline of measured times, when recorded
     extra: dict[str, Any] = field(default_factory=dict)
+    #: False on the ranks of a distributed run other than rank 0 (same figures, no timeline, and
+    #: the model there holds only that rank's stages' trained weights)
+    is_main: bool = True
 
     @property
     def samples_per_s(self) -> float:

@@ -19,9 +19,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, UnitData, UnitLayout
-from pipetrain.models.loss import loss_for
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.training.config import TrainConfig
+from pipetrain.training.parts import RunParts
 
 __all__ = ["Run", "prepare", "EXECUTORS"]
 
@@ -46,9 +46,10 @@ class Run:
     grad_scales: list[float]
     updates: int
     dtype: torch.dtype
+    optimizer_factory: Any = None  # see RunParts.optimizer
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
-    data_note: str = ""  # one line: where the held-out data comes from (pipetrain.data.load_data)
+    data_note: str = ""  # one line: the training samples, how they are read, where the held-out data comes from
 
     @property
     def num_stages(self) -> int:
@@ -107,29 +108,34 @@ class Run:
         )
         return UnitData.of(batches, self.layout)
 
-    def make_executor(self, rank: int, stage: int) -> StageExecutor:
-        """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies)."""
+    def stage_optimizer(self, stage: int):
+        """A new optimizer for a replica of ``stage``: the parts' factory, or ``--optimizer``'s spec
+        (with ``--compensation`` and ``--lr-schedule``), given the stage's delay."""
+        if self.optimizer_factory is not None:
+            return self.optimizer_factory(stage, self.delays[stage])
         from pipetrain.optim import build_stage_optimizer
 
+        config = self.config
+        return build_stage_optimizer(
+            config.optimizer, stage_delay=self.delays[stage], compensation=(config.compensation or "none"),
+            lr_schedule=config.lr_schedule,
+        )
+
+    def make_executor(self, rank: int, stage: int) -> StageExecutor:
+        """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies)."""
         replica = self.schedule.replica_of(rank, stage)
         module = self.staged.stages[stage]
         if replica > 0:
             module = copy.deepcopy(module)
-        config = self.config
-        optimizer = build_stage_optimizer(
-            config.optimizer,
-            stage_delay=self.delays[stage],
-            compensation=config.compensation,
-            lr_schedule=config.lr_schedule,
-        )
         return StageExecutor(
             stage,
             module,
-            optimizer,
+            self.stage_optimizer(stage),
             loss_fn=self.loss_fn if stage == self.num_stages - 1 else None,
             policy=self.schedule.policy,
             grad_scale=self.grad_scales[stage],
-            seed=config.seed,
+            seed=self.config.seed,
+            nonfinite=self.config.on_nonfinite,
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
@@ -221,34 +227,42 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
             )
 
 
-def prepare(config: TrainConfig) -> Run:
-    """Build everything the run needs from ``config`` (deterministic)."""
-    from pipetrain.data import BatchSampler, LoaderBatches, load_data
+def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
+    """Build everything the run needs from ``config`` and its ``parts`` (deterministic); without
+    ``parts``, they are built from the configuration's specs (the command line)."""
+    from pipetrain.data import BatchSampler, LoaderBatches
     from pipetrain.data.batches import describe_reading, resolve_workers
-    from pipetrain.models import build_model, refuse_batchnorm
+    from pipetrain.models import refuse_batchnorm
     from pipetrain.stages import split_model
+    from pipetrain.training.parts import parts_from_config
 
     config = apply_plan(config)
     name = resolve_name(config.schedule)
     if config.executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
-    if config.dtype not in _DTYPES:
+    if config.dtype is not None and config.dtype not in _DTYPES:
         raise ConfigError(f"unknown --dtype {config.dtype!r}; choose float32 or float64")
-    dtype = _DTYPES[config.dtype]
     if config.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
     stages = _stage_count(config, name)
 
-    resolve_workers(config.data_workers)  # a bad --data-workers fails before the data loads
-    train_set, test_set, info, data_note = load_data(config.data, config.test_data, config.holdout)
-    data_note = f"{data_note}; training batches read {describe_reading(train_set, config.data_workers)}"
-    model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed)
-    model = model.to(dtype)
+    resolve_workers(config.data_workers)  # a bad data_workers fails before the data loads
+    parts = parts_from_config(config) if parts is None else parts
+    train_set, test_set = parts.train_set, parts.test_set
+    reading = describe_reading(train_set, config.data_workers)
+    model = parts.model
+    if isinstance(model, (list, tuple)):
+        model = nn.Sequential(*model)  # the unsplit model of a list of stages (keys "0.", "1.", ...)
+    if config.dtype is not None:
+        model = model.to(_DTYPES[config.dtype])
+    dtype = _DTYPES[config.dtype] if config.dtype is not None else _model_dtype(model)
 
     pieces = stages * (config.chunks if name == "interleaved" else 1)
     if config.chunks != 1 and name != "interleaved":
         raise ConfigError(f"--chunks applies to the interleaved schedule only, not to {name}")
-    if config.balance:
+    if parts.staged is not None:
+        staged = parts.staged
+    elif config.balance:
         if config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
             raise ConfigError(
                 f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
@@ -311,15 +325,28 @@ def prepare(config: TrainConfig) -> Run:
     delays = staleness(schedule)
     per_update = units_per_update(schedule)
     grad_scales = [per_update[-1] / u for u in per_update]
-    loss_fn = loss_for(model)
-    from pipetrain.optim import build_stage_optimizer
-
-    # build one optimizer now so that a bad --optimizer/--compensation fails before any work
-    build_stage_optimizer(
-        config.optimizer, stage_delay=max(delays), compensation=compensation, lr_schedule=config.lr_schedule
-    )
-    return Run(
+    run = Run(
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
-        layout=layout, sampler=sampler, loss_fn=loss_fn, delays=delays, grad_scales=grad_scales,
-        updates=updates, dtype=dtype, data_note=data_note,
+        layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
+        updates=updates, dtype=dtype, optimizer_factory=parts.optimizer,
+        data_note="; ".join(filter(None, [f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
     )
+    run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
+    return run
+
+
+def _samples(data: Any) -> str:
+    """How many samples the training data holds, in words (a DataLoader: its data set's)."""
+    data = data.dataset if isinstance(data, DataLoader) else data
+    try:
+        return str(len(data))
+    except TypeError:
+        return "a stream of"
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype of the model's parameters (inputs are cast to it), float32 if none."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32

@@ -1,15 +1,37 @@
-"""Train from a configuration on the chosen executor, then write the requested outputs."""
+"""Train from a configuration on the chosen executor, then write the requested outputs.
+
+The one path of every run: the command line calls :func:`train` with its configuration (parts
+built from the specs), the Python API with the user's objects (:class:`~pipetrain.Pipeline`).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipetrain.training.config import TrainConfig
+from pipetrain.training.parts import RunParts
 from pipetrain.training.result import TrainResult, write_json_atomic
 
 __all__ = ["train", "write_outputs"]
 
 
-def train(config: TrainConfig) -> TrainResult | None:
-    """Run training; returns the result (``None`` on distributed ranks other than 0)."""
+def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = None) -> TrainResult | None:
+    """Run training; returns the result.
+
+    On the emulator, and on every rank of the distributed runtime, the result of the run (rank 0's
+    carries the measured timeline). A command-line launcher returns rank 0's result. With
+    ``parts`` (the Python API) outside a distributed environment, the user's script is started
+    once per worker (:func:`~pipetrain.runtime.launch.launch_script`) and the exit status of the
+    workers is raised as :class:`SystemExit` here: the workers ran the script, this process only
+    watched them.
+    """
+    from pipetrain.training.callbacks import Callbacks
+    from pipetrain.training.setup import prepare
+    from pipetrain.training.validate import check_config
+
+    check_config(config, specs=parts is None)  # options and output paths, before any work
+
+    callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or ())
     if config.executor == "emulate":
         if config.checkpoint_dir or config.resume or config.checkpoint_every:
             from pipetrain.errors import ConfigError
@@ -17,19 +39,30 @@ def train(config: TrainConfig) -> TrainResult | None:
             raise ConfigError("checkpoints are written by the distributed runtime: use --executor distributed")
         import torch
 
-        from pipetrain.emulate.train import train_emulated
-        from pipetrain.training.setup import prepare
+        from pipetrain.training.emulated import train_emulated
 
         # the same thread count as a runtime worker: matrix kernels then round the same way,
         # and the emulator's parameters equal the runtime's bitwise
         torch.set_num_threads(config.threads_per_worker)
-        run = prepare(config)
-        result = train_emulated(run)
+        run = prepare(config, parts)
+        result = train_emulated(run, callbacks or None)
         write_outputs(config, result, run.model.state_dict())
+        callbacks.end(result)
         return result
-    from pipetrain.runtime.train import train_distributed
+    from pipetrain.runtime.launch import detect
+    from pipetrain.training import distributed
 
-    return train_distributed(config)
+    if parts is None:
+        result = distributed.train_distributed(config)
+        if result is not None:
+            callbacks.end(result)
+        return result
+    if detect() is None:
+        distributed.spawn_script(prepare(config, parts))  # raises SystemExit with the workers' status
+    env = distributed.join(config)
+    result = distributed.run_worker(prepare(config, parts), env, callbacks or None)
+    callbacks.end(result)
+    return result
 
 
 def write_outputs(config: TrainConfig, result: TrainResult, state_dict) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pipetrain.emulate.executor import Emulator
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.schedule.timeline import Timeline
 from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.evaluate import evaluate_chain
-from pipetrain.training.outputs import Progress, UpdateLosses, eval_batches
+from pipetrain.training.outputs import Progress, UpdateLosses, describe_run, eval_batches, evaluation_line, say
 from pipetrain.training.result import TrainResult, result_of
 from pipetrain.training.setup import Run
 
@@ -28,9 +29,12 @@ def chain_forward(executors: list[StageExecutor]):
     return forward
 
 
-def train_emulated(run: Run) -> TrainResult:
-    """Train ``run`` with the single-process emulator; the model ends with the trained weights."""
+def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
+    """Train ``run`` with the single-process emulator; the model ends with the trained weights.
+    ``callbacks``: a :class:`~pipetrain.training.callbacks.Callbacks` (losses, evaluations)."""
     schedule = run.schedule
+    if not run.config.quiet:
+        say(describe_run(run))
     executors = run.make_executors()
     first_replicas = [executors[ranks[0]][stage] for stage, ranks in enumerate(schedule.stage_ranks)]
     data = run.unit_data()
@@ -38,11 +42,16 @@ def train_emulated(run: Run) -> TrainResult:
     held_out = eval_batches(run)
     evaluations: list[dict[str, float]] = []
     progress = Progress(run.updates, run.config.progress, f"{schedule.name} (emulated)")
-    losses = UpdateLosses(run, progress)
+    losses = UpdateLosses(run, progress, on_update=None if callbacks is None else callbacks.update)
 
     def evaluate_at(step: int):
         def evaluate() -> None:
-            evaluations.append({"step": step, **evaluate_chain(chain_forward(first_replicas), held_out, run.loss_fn)})
+            metrics = evaluate_chain(chain_forward(first_replicas), held_out, run.loss_fn)
+            evaluations.append({"step": step, **metrics})
+            if run.config.eval_every and not run.config.quiet:
+                progress.write(evaluation_line(evaluations[-1], run.updates))
+            if callbacks is not None:
+                callbacks.evaluation(step, metrics)
 
         return evaluate
 
@@ -61,4 +70,6 @@ def train_emulated(run: Run) -> TrainResult:
     if len(held_out) and not run.config.eval_every:
         evaluate_at(run.updates)()
     timeline = Timeline(schedule, emulator.starts, emulator.ends)
-    return result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
+    result = result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
+    result.extra["skipped_updates"] = [executor.skipped for executor in first_replicas]  # --on-nonfinite skip
+    return result

@@ -1,21 +1,25 @@
-"""`pipetrain train --executor distributed`: one process per stage replica.
+"""Training on the distributed runtime: one process per stage replica.
 
-Started plainly, the command spawns its local workers itself (``--workers N``, one thread each
-unless ``--threads-per-worker``). Started by torchrun, every process is already a worker and reads
-torchrun's environment, so the same command runs across machines::
+Started plainly, ``pipetrain train`` spawns its local workers itself (``--workers N``, one thread
+each unless ``--threads-per-worker``), and a user's script run as ``python train.py`` starts
+copies of itself (:func:`~pipetrain.runtime.launch.launch_script`). Started by torchrun, every
+process is already a worker and reads torchrun's environment, so the same command or script runs
+across machines::
 
     pipetrain train --model mlp --schedule pipedream --stages 2            # 2 local workers
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m pipetrain.cli train --executor distributed --stages 2 ...
 
 Every worker prepares the same run (:func:`~pipetrain.training.setup.prepare`), builds executors
-for its own stages, runs its program (:class:`~pipetrain.runtime.executor.RankRunner`) and sends
-its results to rank 0, which writes the outputs and reports.
+for its own stages (:class:`RankSetup`), runs its program
+(:class:`~pipetrain.runtime.executor.RankRunner`) and sends its results to rank 0, which writes
+the outputs and reports.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -24,11 +28,12 @@ from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.result import TrainResult
 
-__all__ = ["train_distributed", "worker"]
+__all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", "RankSetup", "WorkersFailed"]
 
 
 def train_distributed(config: TrainConfig) -> TrainResult | None:
-    """Train with the runtime: as a worker if a launcher set the environment, else spawn them."""
+    """Train the command line's configuration: as a worker if a launcher set the environment,
+    else spawn the workers (each builds the run from the configuration's specs)."""
     from pipetrain.runtime.launch import detect, launch
 
     if detect() is not None:
@@ -36,56 +41,162 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     from pipetrain.training.setup import prepare
 
     run = prepare(replace(config, progress=False))  # checks the configuration before spawning
+    if not config.quiet:
+        from pipetrain.training.outputs import describe_run, say
+
+        say(describe_run(run))
     workers = run.schedule.num_ranks
     result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
                     timeout=None)
     if result.returncode != 0:
-        raise _WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
+        raise WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
     return result.results[0]
 
 
-class _WorkersFailed(PipetrainError):
+def spawn_script(run) -> None:
+    """Start the user's script once per rank of ``run`` (already prepared here, so a bad
+    configuration fails before any worker starts), wait for them, and exit with their status."""
+    from pipetrain.runtime.launch import launch_script
+
+    if not run.config.quiet:
+        from pipetrain.training.outputs import describe_run, say
+
+        say(describe_run(run))
+    result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker)
+    if result.returncode != 0 and result.message:  # a worker's own error is handed on, not printed, by it
+        print(f"pipetrain: error: {result.message}", file=sys.stderr, flush=True)
+    raise SystemExit(result.returncode)
+
+
+class WorkersFailed(PipetrainError):
+    """A worker of the run failed; ``code`` is the launcher's exit status."""
+
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
         self.code = code
 
 
 def worker(config: TrainConfig) -> TrainResult | None:
-    """One worker's whole run; rank 0 returns the result, the others ``None``."""
-    import torch
-    import torch.distributed as dist
-
-    from pipetrain.runtime.executor import RankRunner, sync_groups
-    from pipetrain.runtime.launch import init_distributed
-    from pipetrain.runtime.p2p import Messenger
-    from pipetrain.runtime.status import StatusBoard
-    from pipetrain.training.collector import setup_heap_frozen
-    from pipetrain.training.outputs import eval_batches
+    """One worker's whole run of the command line's configuration; rank 0 returns the result."""
     from pipetrain.training.setup import prepare
+
+    env = join(config)
+    return run_worker(prepare(config), env)
+
+
+def join(config: TrainConfig):
+    """Join the run's process group from the environment (torchrun's, or a pipetrain launcher's)
+    and set this worker's threads; returns the :class:`~pipetrain.runtime.launch.DistEnv`."""
+    import torch
+
+    from pipetrain.runtime.launch import init_distributed
 
     env = init_distributed("gloo", timeout=config.timeout)
     if "PIPETRAIN_THREADS" not in os.environ:
         torch.set_num_threads(config.threads_per_worker)
-    run = prepare(config)
-    schedule = run.schedule
-    if env.world_size != schedule.num_ranks:
-        raise ConfigError(
-            f"{env.world_size} workers were started but the {schedule.name} schedule with {len(run.staged.stages)} "
-            f"stages{' and replicas ' + str(schedule.replicas) if any(r > 1 for r in schedule.replicas) else ''} "
-            f"uses {schedule.num_ranks}; start {schedule.num_ranks} workers or change --stages/--replicas"
-        )
+    return env
+
+
+class RankSetup:
+    """What one rank of a prepared run holds: the executors of its stages, its data (where stage
+    0 lives), the transport, the status board and the program runner. Shared by whole runs
+    (:func:`run_worker`) and runs fed one batch at a time (:mod:`pipetrain.training.stepping`)."""
+
+    def __init__(self, run, env, data=None, start: int = 0) -> None:
+        from pipetrain.runtime.executor import RankRunner, sync_groups
+        from pipetrain.runtime.p2p import Messenger
+        from pipetrain.runtime.status import StatusBoard
+
+        schedule = run.schedule
+        if env.world_size != schedule.num_ranks:
+            raise ConfigError(
+                f"{env.world_size} workers were started but the {schedule.name} schedule with "
+                f"{len(run.staged.stages)} stages"
+                f"{' and replicas ' + str(schedule.replicas) if any(r > 1 for r in schedule.replicas) else ''} "
+                f"uses {schedule.num_ranks}; start {schedule.num_ranks} workers or change --stages/--replicas"
+            )
+        self.run, self.env, self.rank = run, env, env.rank
+        rank = env.rank
+        self.groups = sync_groups(schedule)
+        self.held = schedule.rank_stages()[rank]
+        self.executors = {stage: run.make_executor(rank, stage) for stage in self.held}
+        if data is None and 0 in self.held:
+            data = run.unit_data(prefetch=_updates_read(schedule, rank, run.layout))
+        self.data = data if 0 in self.held else None
+        self.status = StatusBoard.from_env()
+        self.messenger = Messenger(timeout=run.config.timeout, status=self.status)
+        self.runner = RankRunner(schedule, rank, self.executors, self.data, run.layout, self.messenger, self.groups,
+                                 self.status, start=start, receives=run.config.receives, messages=run.messages)
+
+    def close(self) -> None:
+        self.status.close()
+        if self.data is not None:
+            self.data.close()
+
+    def payload(self, seconds: float, evaluations: list) -> dict[str, Any]:
+        """This rank's results for rank 0: losses, timings, trained weights of its first replicas."""
+        schedule, rank, executors, runner = self.run.schedule, self.rank, self.executors, self.runner
+        for stage in self.held:
+            if schedule.replica_of(rank, stage) == 0:
+                executors[stage].write_back()
+        return {
+            "rank": rank,
+            "losses": runner.losses,
+            "starts": runner.starts,
+            "ends": runner.ends,
+            "seconds": seconds,
+            "states": {stage: executors[stage].module.state_dict() for stage in self.held
+                       if schedule.replica_of(rank, stage) == 0},
+            "digests": {stage: _digest(executors[stage].versions.latest) for stage in self.held},
+            "evaluations": evaluations,
+            "receives": "on-demand" if runner.on_demand else "ahead",
+            "skipped": {stage: executors[stage].skipped for stage in self.held},  # --on-nonfinite skip
+        }
+
+    def gather(self, payload: dict[str, Any]) -> TrainResult:
+        """Every rank's payload to rank 0, which assembles the run's result (and writes its
+        outputs); every rank returns it (the others without the measured timeline)."""
+        import torch.distributed as dist
+
+        world = self.env.world_size
+        gathered: list[Any] = [None] * world if self.rank == 0 else None
+        _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
+        result = _assemble(self.run, gathered) if self.rank == 0 else None
+        shared = [None if result is None else replace(result, timeline=None)]
+        _collective("sharing the result", lambda: dist.broadcast_object_list(shared, src=0))
+        self._release()
+        return result if result is not None else replace(shared[0], is_main=False)
+
+    def _release(self) -> None:
+        """Drop the transport and the runner, and collect what a run leaves in reference cycles
+        now, while the process group lives: left to the end of the process, torch.distributed
+        objects of earlier runs destroyed during interpreter shutdown aborted a worker of a
+        script that trained several times ("terminate called without an active exception")."""
+        import gc
+
+        self.runner = self.messenger = self.status = None
+        gc.collect()
+
+
+def run_worker(run, env, callbacks: Any = None) -> TrainResult:
+    """This rank's part of the whole ``run`` (see the module docstring); every rank returns the
+    run's result, rank 0's with the measured timeline."""
+    import torch.distributed as dist
+
+    from pipetrain.training.collector import setup_heap_frozen
+    from pipetrain.training.evaluate import Metrics
+    from pipetrain.training.outputs import eval_batches
+
+    config = run.config
     rank = env.rank
-    groups = sync_groups(schedule)
-    held = schedule.rank_stages()[rank]
-    executors = {stage: run.make_executor(rank, stage) for stage in held}
-    data = run.unit_data(prefetch=_updates_read(schedule, rank, run.layout)) if 0 in held else None
-    status = StatusBoard.from_env()
-    messenger = Messenger(timeout=config.timeout, status=status)
-    checkpoints = Checkpoints(run, rank, env.world_size)
+    if rank == 0 and env.launcher != "pipetrain" and not config.quiet:  # torchrun: no launcher said it
+        from pipetrain.training.outputs import describe_run, say
+
+        say(describe_run(run))
+    checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
     resumed = checkpoints.resume_point()
-    runner = RankRunner(schedule, rank, executors, data, run.layout, messenger, groups, status,
-                        start=resumed.cut.positions[rank] if resumed else 0, receives=config.receives,
-                        messages=run.messages)
+    setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
+    runner = setup.runner
     if resumed:
         runner.restore(resumed.state, resumed.cut)
     after = resumed.step if resumed else 0
@@ -98,9 +209,15 @@ def worker(config: TrainConfig) -> TrainResult | None:
 
     def evaluate_at(step: int):
         def evaluate() -> None:
-            metrics = runner.evaluate(len(held_out), held_out.__getitem__, run.loss_fn)
+            metrics = runner.evaluate(len(held_out), held_out.__getitem__, Metrics(run.loss_fn))
             if metrics is not None:
                 evaluations.append({"step": step, **metrics})
+                if config.eval_every and not config.quiet:
+                    from pipetrain.training.outputs import evaluation_line, say
+
+                    say(evaluation_line(evaluations[-1], run.updates), progress.progress if progress else None)
+                if callbacks is not None:
+                    callbacks.evaluation(step, metrics)
 
         return evaluate
 
@@ -110,43 +227,21 @@ def worker(config: TrainConfig) -> TrainResult | None:
         # evaluate before a checkpoint of the same step, so that the checkpoint holds it
         hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
     _inject_fault(rank, hooks)
-    progress = _progress(run, config)
+    progress = _progress(run, config, callbacks)
     with setup_heap_frozen():
         _collective("the start barrier", dist.barrier)
         started = time.perf_counter()
         try:
             runner.run(progress, origin=started, at_positions=hooks, pauses=pauses)
         finally:
-            if progress:
+            if progress is not None and progress.progress is not None:
                 progress.progress.close()
-            status.close()
-            if data is not None:
-                data.close()
+            setup.close()
     seconds = time.perf_counter() - started - runner.paused
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
     _collective("the final barrier", dist.barrier)
-    for stage in held:
-        if schedule.replica_of(rank, stage) == 0:
-            executors[stage].write_back()
-    states = {stage: executors[stage].module.state_dict() for stage in held if schedule.replica_of(rank, stage) == 0}
-    digests = {stage: _digest(executors[stage].versions.latest) for stage in held}
-    payload = {
-        "rank": rank,
-        "losses": runner.losses,
-        "starts": runner.starts,
-        "ends": runner.ends,
-        "seconds": seconds,
-        "states": states,
-        "digests": digests,
-        "evaluations": evaluations,
-        "receives": "on-demand" if runner.on_demand else "ahead",
-    }
-    gathered: list[Any] = [None] * env.world_size if rank == 0 else None
-    _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
-    if rank != 0:
-        return None
-    return _assemble(run, gathered)
+    return setup.gather(setup.payload(seconds, evaluations))
 
 
 def _collective(what: str, call) -> Any:
@@ -182,8 +277,8 @@ class Checkpoints:
     """Where this rank checkpoints (its cut after every ``--checkpoint-every`` updates) and how a
     run resumes from the newest complete checkpoint."""
 
-    def __init__(self, run, rank: int, world_size: int) -> None:
-        self.run, self.rank, self.world_size = run, rank, world_size
+    def __init__(self, run, rank: int, world_size: int, callbacks: Any = None) -> None:
+        self.run, self.rank, self.world_size, self.callbacks = run, rank, world_size, callbacks
         config = run.config
         self.directory = config.checkpoint_dir
         if config.checkpoint_every and not self.directory:
@@ -227,11 +322,13 @@ class Checkpoints:
 
             if self._store is None:  # one store client for the whole run: save rounds must match across ranks
                 self._store = env_store(self.run.config.timeout)
-            save_distributed(
+            path = save_distributed(
                 self.directory, step, {f"rank-{self.rank}.pt": runner.snapshot()}, self.meta,
                 rank=self.rank, world_size=self.world_size, store=self._store,
                 timeout=self.run.config.timeout,
             )
+            if self.callbacks is not None:
+                self.callbacks.checkpoint(step, str(path))
             if self.rank == 0:
                 prune(self.directory, keep=2)
 
@@ -246,14 +343,20 @@ def _both(first, second):
     return call
 
 
-def _progress(run, config):
-    """The rank that computes the loss of unit 0 shows the progress bar and tracks update losses."""
-    if not config.progress or run.schedule.rank_of(run.num_stages - 1, 0) != _rank():
+def _progress(run, config, callbacks=None):
+    """The ranks of the last stage track update losses (for callbacks); the one that computes the
+    loss of unit 0 shows the progress bar."""
+    last = run.num_stages - 1
+    rank = _rank()
+    if rank not in run.schedule.stage_ranks[last]:
+        return None
+    shows = config.progress and run.schedule.rank_of(last, 0) == rank
+    if not shows and callbacks is None:
         return None
     from pipetrain.training.outputs import Progress, UpdateLosses
 
-    bar = Progress(run.updates, True, f"{run.schedule.name} ({run.schedule.num_ranks} workers)")
-    return UpdateLosses(run, bar, rank=_rank())
+    bar = Progress(run.updates, shows, f"{run.schedule.name} ({run.schedule.num_ranks} workers)")
+    return UpdateLosses(run, bar, rank=rank, on_update=None if callbacks is None else callbacks.update)
 
 
 def _updates_read(schedule, rank: int, layout) -> list[int]:
@@ -312,5 +415,7 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     evaluations = max((p["evaluations"] for p in gathered), key=len)
     result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations)
     result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
+    skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
+    result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]
     write_outputs(run.config, result, run.model.state_dict())
     return result

@@ -1,0 +1,222 @@
+"""Runs fed one batch at a time by the user's own training loop (``Pipeline.step``).
+
+Each call hands over the batch of the next update and runs every rank as far as it can go
+without the batch after it (:func:`~pipetrain.runtime.cuts.feed_cuts`): the same programs, in the
+same order, as a whole run, so asynchronous schedules stay full across calls (PipeDream keeps its
+warm-up depth of minibatches in flight; nothing flushes between calls) and a call returns the
+losses of the updates that finished in it. A run of N updates must know N up front (the
+programs, with their drain at the end, are built for it); the last call drains the pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipetrain.errors import ConfigError
+from pipetrain.execution.data import UnitLayout
+from pipetrain.training.result import TrainResult
+
+__all__ = ["FedBatches", "EmulatedSession", "DistributedSession"]
+
+
+class FedBatches:
+    """The batches a training loop hands over, by update, read by the executors unit by unit
+    (the interface of :class:`~pipetrain.execution.data.UnitData`). A batch is dropped once each
+    of its units has been read ``reads_per_unit`` times."""
+
+    prefetching = False
+
+    def __init__(self, layout: UnitLayout, dtype: torch.dtype, reads_per_unit: int) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.reads_per_unit = reads_per_unit
+        self._batches: dict[int, tuple[Any, Tensor]] = {}
+        self._reads: dict[int, int] = {}
+
+    def feed(self, update: int, inputs: Any, targets: Tensor) -> None:
+        targets = torch.as_tensor(targets)
+        size = self.layout.batch_size
+        rows = targets.shape[0] if targets.dim() else 0
+        if rows != size:
+            raise ConfigError(
+                f"update {update}: the batch holds {rows} samples but the run was started with batch_size={size}; "
+                "every step needs a full batch (drop the last, short one: DataLoader(..., drop_last=True))"
+            )
+        if isinstance(inputs, Tensor) and inputs.is_floating_point() and inputs.dtype != self.dtype:
+            inputs = inputs.to(self.dtype)
+        self._batches[update] = (inputs, targets)
+        self._reads[update] = 0
+
+    def batch(self, update: int) -> tuple[Any, Tensor]:
+        try:
+            return self._batches[update]
+        except KeyError:
+            raise ConfigError(f"the batch of update {update} was not handed over (call step() once per update)") from None
+
+    def unit(self, unit: int) -> tuple[Any, Tensor]:
+        update, start, stop = self.layout.bounds(unit)
+        x, y = self.batch(update)
+        self._reads[update] += 1
+        if self._reads[update] == self.reads_per_unit * self.layout.units_per_update:
+            del self._batches[update], self._reads[update]
+        if start == 0 and stop == self.layout.batch_size:
+            return x, y
+        if isinstance(x, tuple):
+            return tuple(t[start:stop] for t in x), y[start:stop]
+        return x[start:stop], y[start:stop]
+
+    def close(self) -> None:
+        self._batches.clear()
+
+
+class _Session:
+    """What both executors share: counting updates, collecting finished losses, timing calls."""
+
+    def __init__(self, run, callbacks: Any) -> None:
+        self.run = run
+        self.callbacks = callbacks
+        self.fed = 0
+        self.seconds = 0.0  # time spent inside step() calls
+        self._finished: list[tuple[int, float]] = []
+        self.evaluations: list[dict[str, float]] = []
+
+    def _done(self, update: int, loss: float) -> None:
+        self._finished.append((update, loss))
+        if self.callbacks is not None:
+            self.callbacks.update(update, loss)
+
+    def _next(self) -> int:
+        if self.fed >= self.run.updates:
+            raise ConfigError(
+                f"step() called {self.fed + 1} times but the run was started with steps={self.run.updates}; "
+                "start it with more steps"
+            )
+        return self.fed
+
+    def _take(self) -> list[tuple[int, float]]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _check_finished(self) -> None:
+        if self.fed != self.run.updates:
+            raise ConfigError(
+                f"finish() after {self.fed} of the {self.run.updates} steps the run was started with: the "
+                f"programs drain after the last one; call step() {self.run.updates - self.fed} more times"
+            )
+
+
+class EmulatedSession(_Session):
+    """A run on the emulator, one update per :meth:`step`."""
+
+    def __init__(self, run, callbacks: Any = None) -> None:
+        from pipetrain.emulate.executor import Emulator
+        from pipetrain.runtime.cuts import feed_cuts
+        from pipetrain.training.outputs import UpdateLosses
+
+        super().__init__(run, callbacks)
+        schedule = run.schedule
+        self.executors = run.make_executors()
+        self.first_replicas = [self.executors[ranks[0]][stage] for stage, ranks in enumerate(schedule.stage_ranks)]
+        # the emulator reads each unit once, at stage 0 (its targets travel on with the activations)
+        self.data = FedBatches(run.layout, run.dtype, 1)
+        self.emulator = Emulator(schedule, self.executors, self.data)
+        self.pieces = feed_cuts(schedule, run.layout.units_per_update, run.messages)
+        self.losses = UpdateLosses(run, on_update=self._done)
+        self.emulator.begin(self.losses)
+
+    def step(self, inputs: Any, targets: Tensor) -> list[tuple[int, float]]:
+        update = self._next()
+        self.data.feed(update, inputs, targets)
+        started = time.perf_counter()
+        self.emulator.advance(self.pieces[update])
+        self.seconds += time.perf_counter() - started
+        self.fed += 1
+        return self._take()
+
+    def evaluate(self, batches) -> dict[str, float]:
+        from pipetrain.training.emulated import chain_forward
+        from pipetrain.training.evaluate import evaluate_chain
+
+        metrics = evaluate_chain(chain_forward(self.first_replicas), batches, self.run.loss_fn)
+        self.evaluations.append({"step": self.fed, **metrics})
+        return metrics
+
+    def finish(self) -> TrainResult:
+        from pipetrain.schedule.timeline import Timeline
+        from pipetrain.training.result import result_of
+
+        self._check_finished()
+        self.emulator.end()
+        for executor in self.first_replicas:
+            executor.write_back()
+        timeline = Timeline(self.run.schedule, self.emulator.starts, self.emulator.ends)
+        return result_of(self.run, "emulate", self.losses.losses, self.seconds, timeline, self.evaluations)
+
+
+class DistributedSession(_Session):
+    """This rank's part of a run on the distributed runtime, one update per :meth:`step`. Every
+    rank calls :meth:`step` once per update (only the rank of stage 0 reads the batch it is
+    given; the labels travel with the activations)."""
+
+    def __init__(self, run, env, callbacks: Any = None) -> None:
+        import torch.distributed as dist
+
+        from pipetrain.runtime.cuts import feed_cuts
+        from pipetrain.training.distributed import RankSetup, _collective
+        from pipetrain.training.outputs import UpdateLosses
+
+        super().__init__(run, callbacks)
+        schedule, rank = run.schedule, env.rank
+        held = schedule.rank_stages()[rank]
+        data = FedBatches(run.layout, run.dtype, 1) if 0 in held else None
+        self.setup = RankSetup(run, env, data=data)
+        self.rank = rank
+        everyone = feed_cuts(schedule, run.layout.units_per_update, run.messages)
+        self.pieces = [piece[rank] for piece in everyone]
+        self.losses = None
+        if rank in schedule.stage_ranks[run.num_stages - 1]:
+            self.losses = UpdateLosses(run, rank=rank, on_update=self._done)
+        _collective("the start barrier", dist.barrier)
+        # every piece's end is a pause: no send is waited for across it (the peer may be in user code)
+        self.setup.runner.begin(self.losses, pauses=everyone[:-1])
+
+    @property
+    def data(self) -> FedBatches | None:
+        return self.setup.data
+
+    def step(self, inputs: Any, targets: Tensor | None) -> list[tuple[int, float]]:
+        update = self._next()
+        if self.data is not None:
+            if targets is None:
+                raise ConfigError(f"rank {self.rank} holds stage 0: step() needs the batch (inputs and targets)")
+            self.data.feed(update, inputs, targets)
+        started = time.perf_counter()
+        self.setup.runner.advance(self.pieces[update])
+        self.seconds += time.perf_counter() - started
+        self.fed += 1
+        return self._take()
+
+    def evaluate(self, count: int, batch_at) -> dict[str, float] | None:
+        """Every rank calls it between the same two steps; metrics come back where the last stage is."""
+        from pipetrain.training.evaluate import Metrics
+
+        metrics = self.setup.runner.evaluate(count, batch_at, Metrics(self.run.loss_fn))
+        if metrics is not None:
+            self.evaluations.append({"step": self.fed, **metrics})
+        return metrics
+
+    def finish(self) -> TrainResult:
+        import torch.distributed as dist
+
+        from pipetrain.training.distributed import _collective
+
+        self._check_finished()
+        runner = self.setup.runner
+        runner.end()
+        self.setup.close()
+        _collective("the final barrier", dist.barrier)
+        return self.setup.gather(self.setup.payload(self.seconds, self.evaluations))

@@ -1,0 +1,154 @@
+"""Checks of a training configuration that need neither PyTorch nor the data: run at once.
+
+`pipetrain train` builds its :class:`~pipetrain.training.config.TrainConfig` and calls
+:func:`check_config` before it imports PyTorch (2-3 s here) or spawns a worker, so a misspelt
+schedule, optimizer, model name or output path is reported within a fraction of a second, not
+after the set-up, and never after the training. The set-up checks everything again, and what only
+the model and the data can tell (a model option, the cut into stages, the shapes); those errors
+come later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pipetrain.errors import ConfigError
+from pipetrain.paths import check_outputs
+from pipetrain.training.config import TrainConfig
+
+__all__ = ["check_config", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE"]
+
+#: Built-in names of ``--model`` and ``--data`` (``pipetrain.models.MODELS`` and
+#: ``pipetrain.data.DATASETS``, which import PyTorch; a test keeps them equal).
+MODEL_NAMES = ("gpt", "mlp", "resmlp", "resnet-gn", "resnet-gn-skip")
+DATA_NAMES = ("digits", "synthetic", "text")
+EXECUTORS = ("distributed", "emulate")
+#: ``pipetrain.execution.stage.NONFINITE`` (a test keeps them equal)
+NONFINITE = ("stop", "skip", "off")
+_DTYPES = ("float32", "float64")
+_RECEIVES = ("auto", "on-demand", "ahead")
+
+
+def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = True) -> None:
+    """Raise a :class:`~pipetrain.errors.ConfigError` (or ``ScheduleError``) for the first problem
+    of ``config`` found without PyTorch: choices, counts, specs, the plan file, checkpoint options
+    and output paths. ``rank``: under a launcher such as torchrun, this process's rank (only rank 0
+    writes ``--save``, ``--report-json``, ``--trace`` and ``--plot``; every rank writes
+    checkpoints); default: from the environment's ``RANK``, else 0. ``specs=False``: the model,
+    data and optimizer are live objects (the Python API), and their fields only describe them."""
+    _check_choices(config)
+    _check_counts(config)
+    if specs:
+        _check_specs(config)
+    _check_plan(config)
+    _check_checkpoints(config)
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0") or 0)
+    files = {"--save": config.save, "--report-json": config.report_json, "--trace": config.trace,
+             "--plot": config.plot}
+    check_outputs(
+        files=files if rank == 0 else {},
+        directories={"--checkpoint-dir": config.checkpoint_dir if config.checkpoint_every else None},
+    )
+
+
+def _choice(option: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"unknown {option} {value!r}; choose one of {', '.join(choices)}")
+
+
+def _check_choices(config: TrainConfig) -> None:
+    from pipetrain.schedule import POLICIES, resolve_name
+
+    _choice("--executor", config.executor, EXECUTORS)
+    if config.dtype is not None:  # None (the Python API): the model's own dtype
+        _choice("--dtype", config.dtype, _DTYPES)
+    _choice("--receives", config.receives, _RECEIVES)
+    _choice("--on-nonfinite", config.on_nonfinite, NONFINITE)
+    if config.schedule is not None:
+        resolve_name(config.schedule)
+    if config.policy is not None:
+        _choice("--policy", config.policy, POLICIES)
+
+
+def _at_least(option: str, value: float | None, low: float, strict: bool = False) -> None:
+    if value is None:
+        return
+    if value < low or (strict and value == low):
+        raise ConfigError(f"{option} must be {'greater than' if strict else 'at least'} {low:g}, got {value:g}")
+
+
+def _check_counts(config: TrainConfig) -> None:
+    for option, value in (("--batch-size", config.batch_size), ("--steps", config.steps),
+                          ("--microbatches", config.microbatches), ("--chunks", config.chunks),
+                          ("--stages", config.stages), ("--workers", config.workers),
+                          ("--threads-per-worker", config.threads_per_worker)):
+        _at_least(option, value, 1)
+    for option, value in (("--eval-every", config.eval_every), ("--eval-samples", config.eval_samples),
+                          ("--checkpoint-every", config.checkpoint_every)):
+        _at_least(option, value, 0)
+    _at_least("--epochs", config.epochs, 0, strict=True)
+    _at_least("--timeout", config.timeout, 0, strict=True)
+    for option, values in (("--balance", config.balance), ("--replicas", config.replicas)):
+        if values is not None and any(v < 1 for v in values):
+            raise ConfigError(f"{option} {','.join(map(str, values))}: every entry must be at least 1")
+    if config.steps is not None and config.epochs is not None:
+        raise ConfigError("give either --steps or --epochs, not both")
+    workers = config.data_workers
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+        raise ConfigError(f"--data-workers must be an integer >= 0 (0 reads on the training thread), got {workers!r}")
+    if config.holdout is not None:
+        if not (isinstance(config.holdout, (int, float)) and 0 < config.holdout < 1):
+            raise ConfigError(f"--holdout must be a fraction between 0 and 1 (e.g. 0.2), got {config.holdout!r}")
+        if config.test_data:
+            raise ConfigError("give either --test-data or --holdout, not both")
+
+
+def _check_specs(config: TrainConfig) -> None:
+    from pipetrain.optim.compensation import parse_compensation
+    from pipetrain.optim.lr_schedule import parse_lr_schedule
+    from pipetrain.optim.spec import parse_optimizer_spec
+    from pipetrain.spec import parse_spec
+
+    parse_spec(config.model, builtins=MODEL_NAMES, kind="model")
+    parse_spec(config.data, builtins=DATA_NAMES, kind="data set")
+    if config.test_data:
+        parse_spec(config.test_data, builtins=DATA_NAMES, kind="data set")
+    optimizer = parse_optimizer_spec(config.optimizer)
+    methods = parse_compensation(config.compensation)
+    if "sc" in methods and optimizer.name != "sgd":
+        raise ConfigError(
+            f"spike compensation is defined for momentum SGD only, not {optimizer.name!r}; use "
+            "--optimizer sgd:momentum=... with sc, or lwp alone with Adam (it predicts along the Adam step)"
+        )
+    if config.lr_schedule:
+        parse_lr_schedule(config.lr_schedule)
+
+
+def _check_plan(config: TrainConfig) -> None:
+    if not config.plan:
+        return
+    try:
+        with open(config.plan, encoding="utf-8") as handle:
+            plan = json.load(handle)
+        [int(n) for n in plan["balance"]], [int(r) for r in plan["replicas"]]
+    except OSError as error:
+        raise ConfigError(f"cannot read plan {config.plan!r}: {error.strerror}") from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(
+            f"{config.plan!r} is not a plan written by `pipetrain plan --out` ({type(error).__name__}: {error})"
+        ) from None
+    given = [flag for flag, value in (("--stages", config.stages), ("--balance", config.balance),
+                                      ("--split-at", config.split_at), ("--replicas", config.replicas)) if value]
+    if given:
+        raise ConfigError(f"the plan decides the stages and replicas: drop {', '.join(given)} or drop --plan")
+
+
+def _check_checkpoints(config: TrainConfig) -> None:
+    if config.executor == "emulate" and (config.checkpoint_dir or config.resume or config.checkpoint_every):
+        raise ConfigError("checkpoints are written by the distributed runtime: use --executor distributed")
+    if config.checkpoint_every and not config.checkpoint_dir:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
+    if config.resume is True and not config.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")

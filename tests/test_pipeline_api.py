@@ -1,0 +1,216 @@
+"""The Python API as a user's script uses it: spawned workers, torchrun, the emulator, fit and a
+loop of step() calls (tests/api_script.py is the script)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import api_script
+from pipetrain import Pipeline, PipetrainError
+from pipetrain.training.callbacks import Callback
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "api_script.py")
+RUNS = ("1f1b-fit", "pipedream-fit", "pipedream-step")
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("emulated")
+    api_script.main([str(out), "--executor", "emulate"])
+    return out
+
+
+def _assert_same(first, second, name):
+    a, b = torch.load(os.path.join(first, f"{name}.pt")), torch.load(os.path.join(second, f"{name}.pt"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), (name, key)
+    with open(os.path.join(first, f"{name}.json")) as f, open(os.path.join(second, f"{name}.json")) as g:
+        assert json.load(f)["losses"] == json.load(g)["losses"]
+
+
+def test_python_train_py_spawns_its_workers_and_equals_the_emulator(tmp_path, emulated):
+    done = subprocess.run([sys.executable, SCRIPT, str(tmp_path)], env=_env(), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for name in RUNS:
+        _assert_same(tmp_path, emulated, name)
+        with open(tmp_path / f"{name}.json") as f:
+            assert json.load(f)["workers"] == 2
+    with open(tmp_path / "pipedream-fit.json") as f:
+        assert json.load(f)["checkpoints"] == [[3, "step-000003"]]  # every 3 updates, before the end
+    with open(tmp_path / "pipedream-step-eval.json") as f, open(emulated / "pipedream-step-eval.json") as g:
+        assert json.load(f) == json.load(g)  # evaluation between two steps, through the pipeline
+
+
+def test_the_same_script_under_two_torchrun_agents_equals_the_emulator(tmp_path, emulated):
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pipetrain-api",
+            "--rdzv-conf", f"is_host={1 - node},join_timeout=90", "--max-restarts", "0",
+            SCRIPT, str(tmp_path), "--runs", "1f1b:fit,pipedream:step",
+        ]  # fmt: skip
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    for name in ("1f1b-fit", "pipedream-step"):
+        _assert_same(tmp_path, emulated, name)
+
+
+def test_step_by_step_pipedream_keeps_the_pipeline_full_and_equals_fit(emulated):
+    with open(emulated / "pipedream-step.json") as f:
+        stepped = json.load(f)
+    with open(emulated / "pipedream-fit.json") as f:
+        fitted = json.load(f)
+    assert stepped["programs"] == fitted["programs"]  # the very same actions, no flush between calls
+    assert stepped["in_flight"][:-1] == [1] * (api_script.STEPS - 1)  # stage 0's warm-up minibatch stays in flight
+    assert stepped["in_flight"][-1] == 0  # the last call drains
+    _assert_same(emulated, emulated, "pipedream-step")
+    a, b = torch.load(emulated / "pipedream-step.pt"), torch.load(emulated / "pipedream-fit.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _plain(model, batches, optimizer, scheduler=None, microbatches=1):
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xs, ys in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
+            loss = nn.functional.cross_entropy(model(xs), ys) * (len(ys) / len(y))
+            loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return model
+
+
+def _model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 4))
+
+
+def _batches(count=5, size=8):
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randn(size, 6, generator=generator), torch.randint(0, 4, (size,), generator=generator))
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("cls, options", [
+    (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-3)),
+    (torch.optim.RMSprop, dict(lr=0.01, alpha=0.9)),
+    (torch.optim.Adagrad, dict(lr=0.05)),
+])
+def test_torch_optimizers_equal_plain_pytorch(cls, options):
+    batches = _batches()
+    reference = _model()
+    _plain(reference, batches, cls(reference.parameters(), **options))
+    model = _model()
+    Pipeline(model, balance=[2, 3], schedule="1f1b", microbatches=1, optimizer=cls, optimizer_options=options,
+             executor="emulate").train(batches)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_torch_lr_scheduler_drives_every_stage_like_plain_pytorch():
+    batches = _batches(count=6)
+    reference = _model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.5)
+    _plain(reference, batches, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
+    for cls in (torch.optim.SGD, torch.optim.RMSprop):
+        model = _model()
+        options = dict(lr=0.2, momentum=0.5)
+        Pipeline(model, balance=[3, 2], schedule="gpipe", microbatches=1, optimizer=cls, optimizer_options=options,
+                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+                 executor="emulate").train(batches)
+        if cls is torch.optim.SGD:
+            for p, q in zip(model.parameters(), reference.parameters()):
+                assert torch.equal(p, q)
+
+
+def test_1f1b_with_microbatches_equals_plain_gradient_accumulation():
+    batches = _batches()
+    reference = _model()
+    _plain(reference, batches, torch.optim.SGD(reference.parameters(), lr=0.1), microbatches=4)
+    model = _model()
+    Pipeline(model, stages=2, schedule="1f1b", microbatches=4, optimizer=torch.optim.SGD,
+             optimizer_options=dict(lr=0.1), executor="emulate").train(batches)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+class _Recorder(Callback):
+    def __init__(self):
+        self.updates, self.evaluations, self.ended = [], [], []
+
+    def on_update(self, step, loss):
+        self.updates.append((step, loss))
+
+    def on_evaluation(self, step, metrics):
+        self.evaluations.append(step)
+
+    def on_end(self, result):
+        self.ended.append(result)
+
+
+def test_fit_calls_back_with_every_update_and_evaluation():
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(64, 6, generator=generator), torch.randint(0, 4, (64,), generator=generator))
+    recorder = _Recorder()
+    plain_calls = []
+    pipe = Pipeline(_model(), stages=2, schedule="pipedream", optimizer="sgd:lr=0.05", executor="emulate")
+    result = pipe.fit(data, batch_size=8, steps=6, eval_data=data, eval_every=3,
+                      callbacks=[recorder, lambda step, loss: plain_calls.append(step)], progress=False)
+    assert [s for s, _ in recorder.updates] == list(range(6)) == plain_calls
+    assert [loss for _, loss in recorder.updates] == result.update_losses
+    assert recorder.evaluations == [3, 6] and recorder.ended == [result]
+    assert [e["step"] for e in result.evaluations] == [3, 6]
+
+
+def test_per_step_mistakes_are_explained():
+    pipe = Pipeline(_model(), stages=2, schedule="pipedream", executor="emulate")
+    with pytest.raises(PipetrainError, match="start"):
+        pipe.step(*_batches(1)[0])
+    pipe.start(steps=2, batch_size=8)
+    with pytest.raises(PipetrainError, match="batch_size=8"):
+        pipe.step(torch.randn(5, 6), torch.zeros(5, dtype=torch.int64))
+    pipe.step(*_batches(1)[0])
+    with pytest.raises(PipetrainError, match="1 more"):
+        pipe.finish()
+    pipe.step(*_batches(1)[0])
+    with pytest.raises(PipetrainError, match="steps=2"):
+        pipe.step(*_batches(1)[0])
+    assert len(pipe.finish().update_losses) == 2
+
+
+def test_the_distributed_executor_refuses_to_rerun_a_test_runner():
+    pipe = Pipeline(_model(), stages=2, schedule="1f1b")
+    with pytest.raises(PipetrainError, match="executor='emulate'"):
+        pipe.train(_batches(2))
