@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--data", default="digits", help="digits, synthetic:features=N,classes=C,samples=K, or "
                       "PKG.MOD:FACTORY (default digits)")
     what.add_argument("--test-data", help="a separate held-out data spec (default: the data's own test split)")
+    what.add_argument("--holdout", type=float, metavar="FRACTION",
+                      help="hold out this fraction of --data (a fixed split) for evaluation instead (default: none; "
+                           "a data factory without split= then has no held-out data)")
+    what.add_argument("--data-workers", type=int, metavar="N",
+                      help="DataLoader worker processes reading a plain Dataset ahead, 0 for the training thread "
+                           "(default 1; two-tensor and batch() data sets are read by index on a thread)")
+    what.add_argument("--pin-memory", action="store_true", help="page-locked batches, with an accelerator (default off)")
     how = parser.add_argument_group("pipeline")
     how.add_argument("--schedule", help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the "
                      "plan's, else 1f1b)")
@@ -129,7 +136,8 @@ def config_from_args(args: argparse.Namespace):
     if args.translate_from_batch:
         optimizer = _translated(optimizer, args.translate_from_batch, args.batch_size)
     return TrainConfig(
-        model=args.model, data=args.data, test_data=args.test_data, schedule=args.schedule, stages=args.stages,
+        model=args.model, data=args.data, test_data=args.test_data, holdout=args.holdout,
+        data_workers=args.data_workers, pin_memory=args.pin_memory, schedule=args.schedule, stages=args.stages,
         balance=args.balance, split_at=args.split_at, plan=args.plan, balance_by=args.balance_by,
         leaf_modules=args.leaf_modules, concrete_args=args.concrete_args, replicas=args.replicas, chunks=args.chunks,
         policy=args.policy, microbatches=args.microbatches, batch_size=args.batch_size, steps=args.steps,

@@ -75,6 +75,8 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     extra["update_seconds"] = ends  # loss curves against wall time
     if getattr(run, "stage_choice", None) is not None:
         extra["stage_choice"] = run.stage_choice.as_dict()  # how the stages were chosen, sizes, measured times
+    if getattr(run, "data_note", ""):
+        extra["data"] = run.data_note  # where the held-out data came from, how batches were read
     return TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,

@@ -98,6 +98,14 @@ def _check_counts(config: TrainConfig) -> None:
             raise ConfigError(f"{option} {','.join(map(str, values))}: every entry must be at least 1")
     if config.steps is not None and config.epochs is not None:
         raise ConfigError("give either --steps or --epochs, not both")
+    workers = config.data_workers
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+        raise ConfigError(f"--data-workers must be an integer >= 0 (0 reads on the training thread), got {workers!r}")
+    if config.holdout is not None:
+        if not (isinstance(config.holdout, (int, float)) and 0 < config.holdout < 1):
+            raise ConfigError(f"--holdout must be a fraction between 0 and 1 (e.g. 0.2), got {config.holdout!r}")
+        if config.test_data:
+            raise ConfigError("give either --test-data or --holdout, not both")
 
 
 def _check_specs(config: TrainConfig) -> None:
