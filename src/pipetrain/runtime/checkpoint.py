@@ -181,16 +181,24 @@ def save_distributed(
     world_size: int,
     store: Any,
     timeout: float = 300.0,
+    key: str | None = None,
 ) -> Path:
     """Collective checkpoint: every rank calls it at the same step with its own ``shards``
     (``{stage_file(s): state}``, or ``{}`` for a rank that saves nothing, such as a second replica).
 
     Each rank writes its files and publishes their records in ``store``; rank 0 waits for all ranks
     (at most ``timeout`` seconds), writes the manifest, and announces the commit, which the other
-    ranks wait for (at most twice as long, to hear rank 0's verdict). A failure on any rank raises :class:`CheckpointError` on every rank.
+    ranks wait for (at most twice as long, to hear rank 0's verdict). A failure on any rank raises
+    :class:`CheckpointError` on every rank.
+
+    ``key`` names this save's entries in ``store``; it must differ between any two saves that use
+    the same store server (a run's store serves every run of a script, and under torchrun every
+    restart). By default saves through one store client are numbered.
     """
-    n = _rounds[id(store)] = _rounds.get(id(store), 0) + 1
-    prefix = f"pipetrain/checkpoint/{n}"
+    if key is None:
+        n = _rounds[id(store)] = _rounds.get(id(store), 0) + 1
+        key = str(n)
+    prefix = f"pipetrain/checkpoint/{key}"
     td = timedelta(seconds=timeout)
     try:
         records = [save_shard(directory, step, name, state) for name, state in shards.items()]
@@ -354,14 +362,20 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     return sorted(found)
 
 
-def find_latest(directory: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint | None:
+def find_latest(
+    directory: str | os.PathLike[str], *, verify: bool = True, skipped: list[str] | None = None
+) -> Checkpoint | None:
     """The newest complete checkpoint under ``directory``, or None. Newer step directories that are
-    incomplete or damaged are skipped with a warning that says why."""
+    incomplete or damaged are skipped with a warning that says why (appended to ``skipped``
+    instead, when given: a run that resumes by itself says so in its own words)."""
     for _, path in reversed(list_checkpoints(directory)):
         try:
             return open_checkpoint(path, verify=verify)
         except CheckpointError as error:
-            warnings.warn(f"{error}; skipping it for an older checkpoint", stacklevel=2)
+            if skipped is not None:
+                skipped.append(str(error))
+            else:
+                warnings.warn(f"{error}; skipping it for an older checkpoint", stacklevel=2)
     return None
 
 

@@ -153,15 +153,16 @@ class RankSetup:
             "skipped": {stage: executors[stage].skipped for stage in self.held},  # --on-nonfinite skip
         }
 
-    def gather(self, payload: dict[str, Any]) -> TrainResult:
+    def gather(self, payload: dict[str, Any], resumed: int = 0) -> TrainResult:
         """Every rank's payload to rank 0, which assembles the run's result (and writes its
-        outputs); every rank returns it (the others without the measured timeline)."""
+        outputs); every rank returns it (the others without the measured timeline). ``resumed``:
+        the step the run resumed from (the updates before it were not timed here)."""
         import torch.distributed as dist
 
         world = self.env.world_size
         gathered: list[Any] = [None] * world if self.rank == 0 else None
         _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
-        result = _assemble(self.run, gathered) if self.rank == 0 else None
+        result = _assemble(self.run, gathered, resumed) if self.rank == 0 else None
         shared = [None if result is None else replace(result, timeline=None)]
         _collective("sharing the result", lambda: dist.broadcast_object_list(shared, src=0))
         self._release()
@@ -193,6 +194,8 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
         from pipetrain.training.outputs import describe_run, say
 
         say(describe_run(run))
+    from pipetrain.training.checkpoints import Checkpoints, chain
+
     checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
     resumed = checkpoints.resume_point()
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
@@ -205,6 +208,7 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     pause_steps = sorted(set(checkpoints.steps(after)) | set(evaluation_steps))
     pauses = [c.positions for c in run.cuts_after(pause_steps)]  # all ranks stop together there
     hooks = checkpoints.hooks(runner, after=after)
+    runner.keep_for_cuts(sorted(hooks))  # the versions its checkpoints must hold
     evaluations = runner.evaluations  # restored with the rest of a resumed rank's state
 
     def evaluate_at(step: int):
@@ -225,7 +229,7 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
         position = run.cut_after(step).positions[rank]
         hook = evaluate_at(step)
         # evaluate before a checkpoint of the same step, so that the checkpoint holds it
-        hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
+        hooks[position] = hook if position not in hooks else chain(hook, hooks[position])
     _inject_fault(rank, hooks)
     progress = _progress(run, config, callbacks)
     with setup_heap_frozen():
@@ -241,7 +245,7 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
     _collective("the final barrier", dist.barrier)
-    return setup.gather(setup.payload(seconds, evaluations))
+    return setup.gather(setup.payload(seconds, evaluations), resumed=after)
 
 
 def _collective(what: str, call) -> Any:
@@ -266,81 +270,6 @@ def _inject_fault(rank: int, hooks: dict) -> None:
         import signal
 
         hooks[int(position)] = lambda: os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _Resumed:
-    def __init__(self, step: int, cut, state) -> None:
-        self.step, self.cut, self.state = step, cut, state
-
-
-class Checkpoints:
-    """Where this rank checkpoints (its cut after every ``--checkpoint-every`` updates) and how a
-    run resumes from the newest complete checkpoint."""
-
-    def __init__(self, run, rank: int, world_size: int, callbacks: Any = None) -> None:
-        self.run, self.rank, self.world_size, self.callbacks = run, rank, world_size, callbacks
-        config = run.config
-        self.directory = config.checkpoint_dir
-        if config.checkpoint_every and not self.directory:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
-        if config.resume is True and not self.directory:
-            raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")
-        self.every = config.checkpoint_every
-        self._store = None
-        self.meta = {"config": config.fingerprint(), "workers": world_size, "schedule": run.schedule.name}
-
-    def resume_point(self) -> _Resumed | None:
-        if not self.run.config.resume:
-            return None
-        from pipetrain.runtime.checkpoint import check_compatible, resolve
-
-        named = self.run.config.resume
-        checkpoint = resolve(named if isinstance(named, str) else self.directory)
-        check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
-        state = checkpoint.load(f"rank-{self.rank}.pt", weights_only=False)
-        return _Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state)
-
-    def steps(self, after: int) -> list[int]:
-        """The steps after ``after`` at whose cut a checkpoint is taken."""
-        if not self.every:
-            return []
-        return [step for step in range(self.every, self.run.updates, self.every) if step > after]
-
-    def hooks(self, runner, after: int) -> dict[int, Any]:
-        hooks: dict[int, Any] = {}
-        for step in self.steps(after):
-            position = self.run.cut_after(step).positions[self.rank]
-            previous = hooks.get(position)
-            save = self._saver(runner, step)
-            hooks[position] = save if previous is None else _both(previous, save)
-        return hooks
-
-    def _saver(self, runner, step: int):
-        def save() -> None:
-            from pipetrain.runtime.checkpoint import prune, save_distributed
-            from pipetrain.runtime.status import env_store
-
-            if self._store is None:  # one store client for the whole run: save rounds must match across ranks
-                self._store = env_store(self.run.config.timeout)
-            path = save_distributed(
-                self.directory, step, {f"rank-{self.rank}.pt": runner.snapshot()}, self.meta,
-                rank=self.rank, world_size=self.world_size, store=self._store,
-                timeout=self.run.config.timeout,
-            )
-            if self.callbacks is not None:
-                self.callbacks.checkpoint(step, str(path))
-            if self.rank == 0:
-                prune(self.directory, keep=2)
-
-        return save
-
-
-def _both(first, second):
-    def call() -> None:
-        first()
-        second()
-
-    return call
 
 
 def _progress(run, config, callbacks=None):
@@ -397,7 +326,7 @@ def _check_replicas(run, gathered: list[dict]) -> None:
             )
 
 
-def _assemble(run, gathered: list[dict]) -> TrainResult:
+def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     """Rank 0: the run's result from every rank's payload; writes the outputs."""
     from pipetrain.schedule.timeline import Timeline
     from pipetrain.training.outputs import UpdateLosses
@@ -413,7 +342,8 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     timeline = Timeline(run.schedule, [p["starts"] for p in gathered], [p["ends"] for p in gathered])
     seconds = max(p["seconds"] for p in gathered)
     evaluations = max((p["evaluations"] for p in gathered), key=len)
-    result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations)
+    result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations,
+                       resumed=resumed)
     result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
     skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
     result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]
