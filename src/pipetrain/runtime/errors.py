@@ -10,6 +10,7 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "LaunchError",
+    "JoinError",
     "CheckpointError",
     "CheckpointMismatchError",
 ]
@@ -17,6 +18,8 @@ __all__ = [
 
 class CommunicationError(PipetrainError):
     """A transfer between two ranks failed; the message names the action that was waiting."""
+
+    exit_status = 3  # a lost or timed-out peer (a user error is 2)
 
 
 class PeerTimeoutError(CommunicationError):
@@ -34,6 +37,12 @@ class ProtocolError(CommunicationError):
 
 class LaunchError(PipetrainError):
     """Workers could not be started, or the distributed environment is incomplete."""
+
+
+class JoinError(LaunchError):
+    """A worker could not join the run within the timeout: a peer never came, or is unreachable."""
+
+    exit_status = 3
 
 
 class CheckpointError(PipetrainError):

@@ -83,11 +83,14 @@ class Checkpoints:
 
     # -- where the run starts ----------------------------------------------------------------------
 
-    def resume_point(self) -> Resumed | None:
+    def resume_point(self, restart: int = 0) -> Resumed | None:
         """The checkpoint this run continues from, or None to start afresh; rank 0 chooses and
-        says which, every rank loads its own file of it."""
+        says which, every rank loads its own file of it. ``restart``: how many times the workers
+        were started again (a restart without checkpoints trains again from the start)."""
         named = self.run.config.resume
         if not named and not self.directory:
+            if restart and self.rank == 0:
+                self._say(f"restart {restart} without --checkpoint-dir: training again from step 0")
             return None
         path = self._choose() if self.rank == 0 else None
         if self.world_size > 1:

@@ -28,7 +28,8 @@ from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.result import TrainResult
 
-__all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", "RankSetup", "WorkersFailed"]
+__all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", "RankSetup", "WorkersFailed",
+           "refuse_restarts_here"]
 
 
 def train_distributed(config: TrainConfig) -> TrainResult | None:
@@ -37,6 +38,7 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     from pipetrain.runtime.launch import detect, launch
 
     if detect() is not None:
+        refuse_restarts_here(config)
         return worker(config)
     from pipetrain.training.setup import prepare
 
@@ -47,7 +49,7 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
         say(describe_run(run))
     workers = run.schedule.num_ranks
     result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
-                    timeout=None)
+                    timeout=None, restarts=config.max_restarts)
     if result.returncode != 0:
         raise WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
     return result.results[0]
@@ -62,18 +64,34 @@ def spawn_script(run) -> None:
         from pipetrain.training.outputs import describe_run, say
 
         say(describe_run(run))
-    result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker)
+    result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker,
+                           restarts=run.config.max_restarts)
     if result.returncode != 0 and result.message:  # a worker's own error is handed on, not printed, by it
         print(f"pipetrain: error: {result.message}", file=sys.stderr, flush=True)
     raise SystemExit(result.returncode)
 
 
+def refuse_restarts_here(config: TrainConfig) -> None:
+    """``max_restarts`` restarts the workers pipetrain starts; torchrun's are torchrun's to restart."""
+    from pipetrain.runtime.launch import detect
+
+    env = detect()
+    if config.max_restarts and env is not None and env.launcher != "pipetrain":
+        raise ConfigError(
+            "--max-restarts (max_restarts=) restarts the workers that pipetrain itself starts; under torchrun "
+            "give torchrun its own --max-restarts (a restarted run resumes from --checkpoint-dir by itself)"
+        )
+
+
 class WorkersFailed(PipetrainError):
-    """A worker of the run failed; ``code`` is the launcher's exit status."""
+    """A worker of the run failed; ``code`` is the launcher's exit status (the command's too)."""
 
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = self.exit_status = code
+
+    def __reduce__(self):
+        return (WorkersFailed, (str(self), self.code))
 
 
 def worker(config: TrainConfig) -> TrainResult | None:
@@ -197,11 +215,11 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     from pipetrain.training.checkpoints import Checkpoints, chain
 
     checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
-    resumed = checkpoints.resume_point()
+    resumed = checkpoints.resume_point(restart=env.restart)
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
     runner = setup.runner
-    if resumed:
-        runner.restore(resumed.state, resumed.cut)
+    if resumed:  # a checkpoint that does not fit this run is refused by every rank, not by one
+        _together("resuming", lambda: runner.restore(resumed.state, resumed.cut), env.world_size)
     after = resumed.step if resumed else 0
     held_out = eval_batches(run)
     evaluation_steps = [step for step in run.evaluation_steps() if step > after] if len(held_out) else []
@@ -230,7 +248,7 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
         hook = evaluate_at(step)
         # evaluate before a checkpoint of the same step, so that the checkpoint holds it
         hooks[position] = hook if position not in hooks else chain(hook, hooks[position])
-    _inject_fault(rank, hooks)
+    _inject_fault(rank, hooks, env.restart)
     progress = _progress(run, config, callbacks)
     with setup_heap_frozen():
         _collective("the start barrier", dist.barrier)
@@ -259,11 +277,30 @@ def _collective(what: str, call) -> Any:
         raise PeerLostError(f"rank {_rank()}: {what} failed because a peer is gone or stuck ({first})") from None
 
 
-def _inject_fault(rank: int, hooks: dict) -> None:
+def _together(what: str, call, world_size: int) -> None:
+    """Run ``call`` on every rank; when it raises a PipetrainError on any of them, every rank raises
+    the first (by rank) instead of leaving the others to wait for it until the timeout."""
+    import torch.distributed as dist
+
+    error = None
+    try:
+        call()
+    except PipetrainError as failure:
+        error = failure
+    if world_size > 1:
+        errors: list[Any] = [None] * world_size
+        _collective(what, lambda: dist.all_gather_object(errors, error))
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+
+
+def _inject_fault(rank: int, hooks: dict, restart: int = 0) -> None:
     """Testing aid: PIPETRAIN_FAULT_INJECT=RANK:POSITION kills that rank (SIGKILL) right before
-    the action at POSITION of its program, a real crash at a chosen point."""
+    the action at POSITION of its program, a real crash at a chosen point; only in the first
+    start of the workers (``restart`` 0), so that a restarted run gets past it."""
     spec = os.environ.get("PIPETRAIN_FAULT_INJECT")
-    if not spec:
+    if not spec or restart:
         return
     target, _, position = spec.partition(":")
     if int(target) == rank:
