@@ -81,6 +81,8 @@ def _pipeline_worker(fault, timeout):
             time.sleep(0.3)  # let the board publish what rank 1 did last
             if fault == "hang":
                 time.sleep(60)
+            elif fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its status board stops publishing too
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
         if rank < 2:
@@ -141,6 +143,17 @@ def test_a_killed_rank_is_named_by_the_launcher_and_its_peers(capfd):
     assert "rank 0 lost rank 1 while waiting for RECV_B of microbatch 1 from rank 1" in errors[0]
     assert "rank 2 lost rank 1 while waiting for RECV_F of microbatch 3 from rank 1" in errors[2]
     assert re.search(r"rank 1: .*done: F0 F1 F2 B0", errors[0])
+
+
+def test_a_stopped_rank_is_named_in_the_last_line_and_the_run_exits_3(capfd):
+    result = launch(_pipeline_worker, ("stop", 4.0), 3, grace=1.0, timeout=LIMIT)
+    assert result.returncode == EXIT_PEER_FAILURE  # a lost or timed-out peer
+    assert result.exitcodes[1] == -signal.SIGKILL  # SIGTERM waits for a stopped process; SIGKILL does not
+    # the healthy rank that timed out first is not the culprit: the message (the command's last line) says who is
+    assert re.search(r"^worker rank [02] exited with status 3 \(it lost a peer or timed out waiting for one\); rank 1 "
+                     r"is silent for \d+\.\d s: it died or is frozen \(stopped, for instance by SIGSTOP\) \(rank\(s\) "
+                     r"0, 2 waited for it\)$", result.message), result.message
+    assert "deadlock" not in capfd.readouterr().err
 
 
 def _record(rank, waiting=None, peer=None, age=0.0, done=("F0",), waited=1.0):

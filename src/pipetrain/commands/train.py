@@ -94,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "complete checkpoint when it holds one (else start afresh, saying which): one command line "
                      "for the first start and every restart (default: no checkpoints)")
     out.add_argument("--checkpoint-every", type=int, default=0,
-                     help="with --checkpoint-dir, checkpoint after every K updates, and after the last (default: "
-                          "about ten checkpoints per run, K = ceil(steps / 10))")
+                     help="with --checkpoint-dir, checkpoint after every K updates, and after the last (default 0: "
+                          "about ten checkpoints per run, every ceil(steps / 10) updates)")
     out.add_argument("--keep", type=int, default=2, metavar="K",
                      help="complete checkpoints kept in --checkpoint-dir, the newest (default 2)")
     out.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",

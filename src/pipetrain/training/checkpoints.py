@@ -101,17 +101,31 @@ class Checkpoints:
             return None
         from pipetrain.runtime.checkpoint import check_compatible, open_checkpoint
 
-        checkpoint = open_checkpoint(path)
+        checkpoint = open_checkpoint(path, verify=False)  # rank 0 verified it; load verifies this rank's file again
         check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
         state = checkpoint.load(rank_file(self.rank), weights_only=True)
         return Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state, str(checkpoint.path))
 
-    def _choose(self) -> str | None | BaseException:
+    def check(self) -> None:
+        """Refuse now, before any worker starts, a resume that every worker would refuse: a named
+        checkpoint that is missing or damaged, one written by a different run, one past this
+        run's end (the workers choose again when they start: after a restart, a newer one)."""
+        from pipetrain.runtime.checkpoint import check_compatible, open_checkpoint
+
+        path = self._choose(say=False)
+        if isinstance(path, BaseException):
+            raise path
+        if path is not None:
+            checkpoint = open_checkpoint(path, verify=False)
+            check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
+
+    def _choose(self, say: bool = True) -> str | None | BaseException:
         """Rank 0: the path of the checkpoint to resume (None: afresh), or the error that refuses
-        the resume (handed to every rank)."""
+        the resume (handed to every rank); ``say``: print which."""
         from pipetrain.errors import PipetrainError
         from pipetrain.runtime.checkpoint import find_latest, resolve
 
+        tell = self._say if say else (lambda text: None)
         config, run = self.run.config, self.run
         try:
             skipped: list[str] = []
@@ -122,8 +136,8 @@ class Checkpoints:
             else:  # --checkpoint-dir alone: the newest complete checkpoint, if any
                 checkpoint = find_latest(self.directory, skipped=skipped)
                 if checkpoint is None:
-                    self._say(f"no checkpoint in {self.directory}: starting afresh"
-                              + "".join(f"; skipped {reason}" for reason in skipped))
+                    tell(f"no checkpoint in {self.directory}: starting afresh"
+                         + "".join(f"; skipped {reason}" for reason in skipped))
                     return None
             if checkpoint.step > run.updates:
                 raise ConfigError(
@@ -132,7 +146,7 @@ class Checkpoints:
                     "with another --checkpoint-dir"
                 )
             where = "the end" if checkpoint.step == run.updates else f"step {checkpoint.step} of {run.updates}"
-            self._say(f"resuming from {where} ({checkpoint.path})" + "".join(f"; skipped {r}" for r in skipped))
+            tell(f"resuming from {where} ({checkpoint.path})" + "".join(f"; skipped {r}" for r in skipped))
             return str(checkpoint.path)
         except PipetrainError as error:
             return error

@@ -43,6 +43,9 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     from pipetrain.training.setup import prepare
 
     run = prepare(replace(config, progress=False))  # checks the configuration before spawning
+    from pipetrain.training.checkpoints import Checkpoints
+
+    Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
     if not config.quiet:
         from pipetrain.training.outputs import describe_run, say
 
@@ -59,6 +62,9 @@ def spawn_script(run) -> None:
     """Start the user's script once per rank of ``run`` (already prepared here, so a bad
     configuration fails before any worker starts), wait for them, and exit with their status."""
     from pipetrain.runtime.launch import launch_script
+    from pipetrain.training.checkpoints import Checkpoints
+
+    Checkpoints(run, 0, run.schedule.num_ranks).check()
 
     if not run.config.quiet:
         from pipetrain.training.outputs import describe_run, say
@@ -219,7 +225,11 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
     runner = setup.runner
     if resumed:  # a checkpoint that does not fit this run is refused by every rank, not by one
-        _together("resuming", lambda: runner.restore(resumed.state, resumed.cut), env.world_size)
+        try:
+            _together("resuming", lambda: runner.restore(resumed.state, resumed.cut), env.world_size)
+        except BaseException:
+            setup.close()
+            raise
     after = resumed.step if resumed else 0
     held_out = eval_batches(run)
     evaluation_steps = [step for step in run.evaluation_steps() if step > after] if len(held_out) else []
