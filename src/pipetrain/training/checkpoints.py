@@ -126,6 +126,8 @@ class Checkpoints:
         from pipetrain.runtime.checkpoint import find_latest, resolve
 
         tell = self._say if say else (lambda text: None)
+        if not self.run.config.resume and not self.directory:
+            return None
         config, run = self.run.config, self.run
         try:
             skipped: list[str] = []
