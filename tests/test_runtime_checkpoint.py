@@ -196,6 +196,7 @@ def test_distributed_protocol_with_threads_and_a_real_store(tmp_path):
         t.join(30)
     assert isinstance(outcome[0], CheckpointError) and "ranks [2] did not finish" in str(outcome[0])
     assert isinstance(outcome[1], CheckpointError) and "ranks [2]" in str(outcome[1])
+    assert outcome[0].exit_status == outcome[1].exit_status == 3  # a timed-out peer, not a bad checkpoint
     assert open_checkpoint(step_dir(tmp_path, 8)).step == 8  # the earlier commit still stands
 
 

@@ -1,4 +1,4 @@
-"""Atomic, verified checkpoints: one file per stage, and a manifest written last that vouches for them."""
+"""Atomic, verified checkpoints: one file per rank (or stage), and a manifest written last that vouches for them."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any, BinaryIO, Iterable, Mapping
 
 import torch
 
-from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError
+from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError, CheckpointPeerError
 
 __all__ = [
     "MANIFEST",
@@ -215,8 +215,8 @@ def save_distributed(
         except RuntimeError:
             late = [r for r, k in enumerate(keys) if not store.check([k])]
             reason = f"ranks {late} did not finish their checkpoint files of step {step} within {timeout:g} s"
-            store.set(commit, json.dumps({"error": reason}))
-            raise CheckpointError(reason) from None
+            store.set(commit, json.dumps({"error": reason, "peer": True}))
+            raise CheckpointPeerError(reason) from None
         all_records: list[dict[str, Any]] = []
         errors = []
         for r, k in enumerate(keys):
@@ -240,13 +240,13 @@ def save_distributed(
     try:
         store.wait([commit], 2 * td)  # longer than rank 0 waits, to hear its verdict
     except RuntimeError:
-        raise CheckpointError(
+        raise CheckpointPeerError(
             f"rank {rank} waited {2 * timeout:g} s for rank 0 to commit the checkpoint of step "
             f"{step}: rank 0 is gone or stuck"
         ) from None
     answer = json.loads(store.get(commit))
     if "error" in answer:
-        raise CheckpointError(answer["error"])
+        raise (CheckpointPeerError if answer.get("peer") else CheckpointError)(answer["error"])
     return Path(answer["ok"])
 
 
@@ -254,10 +254,11 @@ def save_distributed(
 class Checkpoint:
     """A complete, verified checkpoint: its directory, step, metadata and file records.
 
-    Layout::
+    Layout (the files are named by their writer; the training runtime writes one per rank,
+    ``rank-N.pt``, holding the state of every stage replica the rank runs)::
 
-        DIR/step-000120/stage-0.pt        torch.save of stage 0's state (weights, optimizer, versions...)
-        DIR/step-000120/stage-1.pt
+        DIR/step-000120/rank-0.pt         torch.save of rank 0's state (weights, optimizer, versions...)
+        DIR/step-000120/rank-1.pt
         DIR/step-000120/manifest.json     {"format", "step", "files": [{name, size, sha256}], "meta"}
 
     Every file is written under a temporary name, flushed, fsynced and renamed, then the directory is

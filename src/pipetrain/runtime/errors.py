@@ -13,6 +13,7 @@ __all__ = [
     "JoinError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointPeerError",
 ]
 
 
@@ -51,3 +52,10 @@ class CheckpointError(PipetrainError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint was written for a different model, schedule or configuration than this run."""
+
+
+class CheckpointPeerError(CheckpointError):
+    """A checkpoint could not be committed because another rank did not take its part in time:
+    it is gone or stuck (a lost or timed-out peer, not a bad checkpoint)."""
+
+    exit_status = 3

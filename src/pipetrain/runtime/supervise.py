@@ -37,6 +37,11 @@ EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 3
 
 
+#: With a restart to come, the seconds the other workers get to end on their own after a failure
+#: (instead of ``grace``): their reports would only echo the failure, and the restart waits for them.
+RESTART_GRACE = 1.0
+
+
 def restartable(code: int) -> bool:
     """Whether a run that ended with status ``code`` is worth starting again: not a user error
     (it would fail the same way) and not an interruption."""
@@ -93,8 +98,9 @@ def run_workers(
 
     attempt = 0
     while True:
-        result = _start(command, nprocs, attempt, threads_per_worker=threads_per_worker, cores=cores, grace=grace,
-                        timeout=timeout, env=env, say=say)
+        result = _start(command, nprocs, attempt, threads_per_worker=threads_per_worker, cores=cores,
+                        grace=grace if attempt >= restarts else min(grace, RESTART_GRACE), timeout=timeout, env=env,
+                        say=say)
         result.restarts = attempt
         if result.returncode == 0 or attempt >= restarts or not restartable(result.returncode):
             return result

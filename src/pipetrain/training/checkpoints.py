@@ -79,7 +79,8 @@ class Checkpoints:
         self.keep = config.keep
         self.serial = next(_runs)
         self._store = None
-        self.meta = {"config": config.fingerprint(), "workers": world_size, "schedule": run.schedule.name}
+        # what a resumed run must agree on, one key per option, so that a refusal names each difference
+        self.meta = {**config.fingerprint(), "schedule": run.schedule.name, "workers": world_size}
 
     # -- where the run starts ----------------------------------------------------------------------
 
