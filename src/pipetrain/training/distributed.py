@@ -13,7 +13,10 @@ across machines::
 Every worker prepares the same run (:func:`~pipetrain.training.setup.prepare`), builds executors
 for its own stages (:class:`RankSetup`), runs its program
 (:class:`~pipetrain.runtime.executor.RankRunner`) and sends its results to rank 0, which writes
-the outputs and reports.
+the outputs and reports. Where a run checkpoints and what it resumes from is
+:mod:`pipetrain.training.checkpoints`'s; after a failure, ``--max-restarts N`` has the launcher
+start every worker again (torchrun's own ``--max-restarts`` under torchrun), and they resume from
+``--checkpoint-dir`` by themselves.
 """
 
 from __future__ import annotations
@@ -36,15 +39,13 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     """Train the command line's configuration: as a worker if a launcher set the environment,
     else spawn the workers (each builds the run from the configuration's specs)."""
     from pipetrain.runtime.launch import detect, launch
+    from pipetrain.training.checkpoints import Checkpoints
+    from pipetrain.training.setup import prepare
 
     if detect() is not None:
         refuse_restarts_here(config)
         return worker(config)
-    from pipetrain.training.setup import prepare
-
     run = prepare(replace(config, progress=False))  # checks the configuration before spawning
-    from pipetrain.training.checkpoints import Checkpoints
-
     Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
     if not config.quiet:
         from pipetrain.training.outputs import describe_run, say
@@ -64,8 +65,7 @@ def spawn_script(run) -> None:
     from pipetrain.runtime.launch import launch_script
     from pipetrain.training.checkpoints import Checkpoints
 
-    Checkpoints(run, 0, run.schedule.num_ranks).check()
-
+    Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
     if not run.config.quiet:
         from pipetrain.training.outputs import describe_run, say
 
@@ -208,6 +208,7 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     run's result, rank 0's with the measured timeline."""
     import torch.distributed as dist
 
+    from pipetrain.training.checkpoints import Checkpoints, chain
     from pipetrain.training.collector import setup_heap_frozen
     from pipetrain.training.evaluate import Metrics
     from pipetrain.training.outputs import eval_batches
@@ -218,8 +219,6 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
         from pipetrain.training.outputs import describe_run, say
 
         say(describe_run(run))
-    from pipetrain.training.checkpoints import Checkpoints, chain
-
     checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
     resumed = checkpoints.resume_point(restart=env.restart)
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
