@@ -52,7 +52,9 @@ class TrainConfig:
     plot: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    resume: bool | str = False
+    resume: bool | str = False  # False: --checkpoint-dir's newest checkpoint if any; True: it must exist
+    keep: int = 2  # complete checkpoints kept (training.checkpoints.DEFAULT_KEEP)
+    max_restarts: int = 0  # spawned workers: start them again this many times after a failure
     progress: bool = True  # a progress bar (the command line shows it on a terminal only)
     quiet: bool = False  # no lines before and during training (the chosen stages, --eval-every's results)
     extra: dict[str, str] = field(default_factory=dict)

@@ -352,17 +352,23 @@ def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, tr
 
 
 def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
-    """The unit times of the run being resumed (its checkpoint's configuration), so that it is cut
-    as before."""
-    if not config.resume:
+    """The unit times of the run being resumed (its checkpoint's fingerprint), so that it is cut
+    as before: the named checkpoint, or the newest one in ``--checkpoint-dir`` (which a run with
+    that option alone resumes)."""
+    if not config.resume and not config.checkpoint_dir:
         return None
-    from pipetrain.runtime.checkpoint import resolve
+    from pipetrain.runtime.checkpoint import find_latest, resolve
 
     try:
-        checkpoint = resolve(config.resume if isinstance(config.resume, str) else config.checkpoint_dir or "")
+        if isinstance(config.resume, str):
+            checkpoint = resolve(config.resume)
+        elif config.resume:
+            checkpoint = resolve(config.checkpoint_dir or "")
+        else:
+            checkpoint = find_latest(config.checkpoint_dir, verify=False, skipped=[])  # the runtime warns
     except Exception:  # noqa: BLE001 - no usable checkpoint: the runtime reports it when it resumes
         return None
-    return checkpoint.meta.get("config", {}).get("stage_costs")
+    return None if checkpoint is None else checkpoint.meta.get("stage_costs")
 
 
 def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
