@@ -23,10 +23,12 @@ from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_nam
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
 
-__all__ = ["Run", "prepare", "EXECUTORS"]
+__all__ = ["Run", "prepare", "EXECUTORS", "AUTOCAST"]
 
 EXECUTORS = ("distributed", "emulate")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: ``--precision``: the dtype each stage's forward autocasts to (fp16: refused by check_config)
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -138,6 +140,8 @@ class Run:
             grad_scale=self.grad_scales[stage],
             seed=self.config.seed,
             nonfinite=self.config.on_nonfinite,
+            recompute=self.config.recompute == "stage",
+            autocast=AUTOCAST[self.config.precision],
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
@@ -386,7 +390,10 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     from pipetrain.models import refuse_batchnorm
     from pipetrain.training.parts import parts_from_config
 
+    from pipetrain.training.validate import check_execution
+
     config = apply_plan(config)
+    check_execution(config)
     name = resolve_name(config.schedule)
     if config.executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
@@ -406,6 +413,9 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     if config.dtype is not None:
         model = model.to(_DTYPES[config.dtype])
     dtype = _DTYPES[config.dtype] if config.dtype is not None else _model_dtype(model)
+    if config.precision != "fp32" and dtype != torch.float32:
+        raise ConfigError(f"--precision {config.precision} autocasts a float32 model (its master weights), not a "
+                          f"{str(dtype).replace('torch.', '')} one: use a float32 model or --precision fp32")
 
     pieces = stages * (config.chunks if name == "interleaved" else 1)
     if config.chunks != 1 and name != "interleaved":
