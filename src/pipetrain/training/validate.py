@@ -87,8 +87,8 @@ def check_execution(config: TrainConfig) -> None:
     _choice("--precision", config.precision, PRECISIONS)
     if config.precision == "fp16":
         raise ConfigError(
-            "--precision fp16 needs a loss scale that every stage agrees on, which pipetrain does not have yet "
-            "(docs/gpu.md says how it will work); use --precision bf16 (no loss scale needed, also on CPU) or fp32"
+            "--precision fp16 needs CUDA and a loss scale that every stage agrees on, which pipetrain does not have "
+            "yet (docs/gpu.md says how it will work); use --precision bf16 (no loss scale needed, also on CPU) or fp32"
         )
     if config.precision != "fp32" and config.dtype == "float64":
         raise ConfigError(f"--precision {config.precision} keeps float32 master weights: drop --dtype float64")
