@@ -75,6 +75,8 @@ class Pipeline:
             activation memory; see docs/gpu.md).
         precision: ``fp32``, or ``bf16`` (each stage's forward under ``torch.autocast``, float32
             master weights and optimizer state; also on CPU).
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``: where the stages compute (each
+            worker on its GPU ``LOCAL_RANK``); ``model`` ends on that device.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class Pipeline:
         on_nonfinite: str = "stop",
         recompute: str = "none",
         precision: str = "fp32",
+        device: str = "auto",
     ) -> None:
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
@@ -121,7 +124,8 @@ class Pipeline:
             replicas=list(replicas) if replicas else None, chunks=chunks, policy=policy, microbatches=microbatches,
             optimizer=spec, lr_schedule=lr_schedule, compensation=compensation, executor=executor,
             threads_per_worker=threads_per_worker, receives=receives, timeout=timeout, seed=seed, dtype=None,
-            on_nonfinite=on_nonfinite, recompute=recompute, precision=precision, progress=sys.stderr.isatty(),
+            on_nonfinite=on_nonfinite, recompute=recompute, precision=precision, device=device,
+            progress=sys.stderr.isatty(),
         ))
         from pipetrain.training.validate import check_execution
 

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from pipetrain.errors import NonFiniteError, PipetrainError
+from pipetrain.execution.device import to_device
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
 
@@ -350,10 +351,13 @@ class StageExecutor:
                 if self.optimizer is not None:
                     params = self.optimizer.predict(params, self.samples_seen)
             leaves = self._make_leaves(params)
+        device = self.device  # a batch read on the CPU, or a message, comes to the stage's device
         inputs = tuple(
             x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
-            for x in as_tuple(inputs)
+            for x in to_device(as_tuple(inputs), device, non_blocking=True)
         )
+        if isinstance(target, Tensor) and target.device != device:
+            target = target.to(device, non_blocking=True)
         if self.stochastic:
             torch.manual_seed(self._microbatch_seed(microbatch))
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
@@ -514,6 +518,8 @@ class StageExecutor:
         """Full backward: returns gradients for the stage inputs (None where an input has none) and
         accumulates the weight gradients."""
         record = self._pop(microbatch)
+        if grad_outputs is not None:
+            grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
         positions = self._input_targets(record)
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
         return self._input_grads(record, positions, results)
@@ -521,7 +527,9 @@ class StageExecutor:
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Input-gradient half of a split backward (I); the weight half (W) runs later."""
         record = self._get(microbatch)
-        record.grad_outputs = None if grad_outputs is None else tuple(grad_outputs)
+        if grad_outputs is not None:
+            grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
+        record.grad_outputs = grad_outputs
         positions = self._input_targets(record)
         if not positions:
             return self._input_grads(record, positions, [])
@@ -680,7 +688,9 @@ class StageExecutor:
 
     def restore(self, state: dict[str, Any]) -> list[tuple[int, tuple]]:
         """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
-        ``[(microbatch, outputs)]`` in their original order (for the messages that crossed)."""
+        ``[(microbatch, outputs)]`` in their original order (for the messages that crossed). The
+        state's tensors come to this stage's device, wherever they were saved."""
+        state = to_device(state, self.device)
         self.versions = VersionStore.from_state(state["versions"], state["current"])
         self._leaves.clear()
         if self.optimizer is not None and state["optimizer"] is not None:
@@ -712,8 +722,8 @@ class StageExecutor:
         was_training = self.module.training
         self.module.eval()
         try:
-            with torch.no_grad():
-                return self.call(self.versions.latest, as_tuple(inputs))
+            with torch.no_grad(), self._autocast():
+                return self.call(self.versions.latest, to_device(as_tuple(inputs), self.device, non_blocking=True))
         finally:
             self.module.train(was_training)
 

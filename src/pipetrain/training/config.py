@@ -62,6 +62,7 @@ class TrainConfig:
     pin_memory: bool = False  # page-locked batches (with an accelerator)
     recompute: str = "none"  # activation recomputation: none, or stage (keep stage inputs, recompute in the backward)
     precision: str = "fp32"  # fp32, or bf16 (autocast in each stage's forward, fp32 master weights)
+    device: str = "auto"  # auto (CUDA when available), cpu or cuda: where every stage computes
 
     def fingerprint(self) -> dict[str, object]:
         """What a checkpoint must agree on to be resumed by this run."""

@@ -171,8 +171,8 @@ class RankSetup:
             "starts": runner.starts,
             "ends": runner.ends,
             "seconds": seconds,
-            "states": {stage: executors[stage].module.state_dict() for stage in self.held
-                       if schedule.replica_of(rank, stage) == 0},
+            "states": {stage: {k: v.cpu() for k, v in executors[stage].module.state_dict().items()}
+                       for stage in self.held if schedule.replica_of(rank, stage) == 0},
             "digests": {stage: _digest(executors[stage].versions.latest) for stage in self.held},
             "evaluations": evaluations,
             "receives": "on-demand" if runner.on_demand else "ahead",
@@ -364,7 +364,7 @@ def _digest(params) -> str:
     h = hashlib.sha256()
     for name in sorted(params):
         h.update(name.encode())
-        h.update(params[name].detach().contiguous().numpy().tobytes())
+        h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -51,6 +51,7 @@ class Run:
     optimizer_factory: Any = None  # see RunParts.optimizer
     tied: TiedGradients | None = None  # where stages sharing a parameter sum its gradient (None: none shared)
     stage_choice: Any = None  # pipetrain.stages.StageChoice: how the stages were chosen, their sizes and times
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this process's stages compute
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
     data_note: str = ""  # one line: the training samples, how they are read, where the held-out data comes from
@@ -131,6 +132,7 @@ class Run:
         module = self.staged.stages[stage]
         if replica > 0:
             module = copy.deepcopy(module)
+        module.to(self.device)  # the first replica's parameters stay those of the model (moved with them)
         return StageExecutor(
             stage,
             module,
@@ -392,8 +394,11 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
 
     from pipetrain.training.validate import check_execution
 
+    from pipetrain.execution.device import resolve_device
+
     config = apply_plan(config)
     check_execution(config)
+    device = resolve_device(config.device)
     name = resolve_name(config.schedule)
     if config.executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
@@ -489,7 +494,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
-        stage_choice=choice,
+        stage_choice=choice, device=device,
         data_note="; ".join(filter(None, [f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work

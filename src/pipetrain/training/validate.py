@@ -17,7 +17,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.paths import check_outputs
 from pipetrain.training.config import TrainConfig
 
-__all__ = ["check_config", "check_execution", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
+__all__ = ["check_config", "check_execution", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
            "PRECISIONS"]
 
 #: Built-in names of ``--model`` and ``--data`` (``pipetrain.models.MODELS`` and
@@ -33,6 +33,8 @@ _RECEIVES = ("auto", "on-demand", "ahead")
 BALANCE_BY = ("auto", "time", "params")
 #: ``--recompute``: keep every activation (none), or only each stage's inputs (stage)
 RECOMPUTE = ("none", "stage")
+#: ``pipetrain.execution.device.DEVICES`` (a test keeps them equal)
+DEVICES = ("auto", "cpu", "cuda")
 #: ``--precision``: fp16 is refused (see :func:`_check_precision`)
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -84,6 +86,7 @@ def _check_choices(config: TrainConfig) -> None:
 def check_execution(config: TrainConfig) -> None:
     """``--recompute`` and ``--precision`` (also checked by the set-up, for the Python API)."""
     _choice("--recompute", config.recompute, RECOMPUTE)
+    _choice("--device", config.device, DEVICES)
     _choice("--precision", config.precision, PRECISIONS)
     if config.precision == "fp16":
         raise ConfigError(
