@@ -94,3 +94,11 @@ def test_a_run_places_its_stages_on_its_device():
                               batch_size=4, steps=1, stages=2, executor="emulate", device="cpu", progress=False))
     assert run.device == CPU
     assert [e.device for rank in run.make_executors() for e in rank.values()] == [CPU, CPU]
+
+
+def test_a_stage_without_parameters_computes_on_the_device_it_is_given():
+    executor = StageExecutor(1, nn.Tanh(), None, device=CPU)
+    assert executor.device == CPU
+    x = torch.randn(2, 3)
+    assert torch.equal(executor.forward(0, 0, x)[0], torch.tanh(x))
+    assert executor.backward(0, 0, (torch.ones(2, 3),))[0].shape == (2, 3)

@@ -229,6 +229,8 @@ class StageExecutor:
             backward (see the module docstring): activation memory for time.
         autocast: ``torch.bfloat16`` to run forwards under ``torch.autocast``, with master weights in
             the module's dtype; ``None``: no autocast.
+        device: where the stage computes (default: where its parameters or buffers are, else the
+            CPU; give it for a stage without either, such as an activation function alone).
     """
 
     def __init__(
@@ -244,6 +246,7 @@ class StageExecutor:
         nonfinite: str = "stop",
         recompute: bool = False,
         autocast: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if nonfinite not in NONFINITE:
             raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {nonfinite!r}")
@@ -265,8 +268,9 @@ class StageExecutor:
         self.buffers = dict(module.named_buffers())
         self.call = _Parameters(module)
         self.stochastic = any(isinstance(m, _STOCHASTIC) and m.p > 0 for m in module.modules())
-        #: where the stage computes (its parameters' device; the CPU for a stage without parameters)
-        self.device = next((t.device for t in self.versions.latest.values()), torch.device("cpu"))
+        #: where the stage computes, and what arrives is moved to (see the ``device`` argument)
+        self.device = torch.device(device) if device is not None else next(
+            (t.device for t in [*self.versions.latest.values(), *self.buffers.values()]), torch.device("cpu"))
         self.in_flight: dict[int, _InFlight] = {}
         self._grads: dict[str, Tensor] | None = None  # see the grads property
         self._holder: tuple[dict, dict[str, Tensor]] | None = None  # (leaf set, its trainable leaves)

@@ -144,6 +144,7 @@ class Run:
             nonfinite=self.config.on_nonfinite,
             recompute=self.config.recompute == "stage",
             autocast=AUTOCAST[self.config.precision],
+            device=self.device,
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
