@@ -160,3 +160,35 @@ def test_runtime_with_recomputation_equals_the_emulator_without(tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), (config.schedule, key)
+
+
+def test_a_recomputing_run_resumes_from_a_checkpoint_to_the_uninterrupted_parameters(tmp_path):
+    """Microbatches in flight at the checkpoint are replayed and recomputed; PB's forward versions,
+    kept for the checkpoint, stay unchanged until their backward."""
+    from distributed_parity import run_all
+
+    from pipetrain.runtime.launch import launch
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.train import train
+
+    base = dict(model="mlp:depth=6,width=16", data="synthetic:features=8,classes=3,samples=96", executor="distributed",
+                progress=False, quiet=True, timeout=60, recompute="stage", stages=3)
+    cases = {"pb": dict(schedule="pb", batch_size=1, steps=20, checkpoint_every=6),
+             "pipedream": dict(schedule="pipedream", batch_size=12, steps=9, checkpoint_every=4)}
+    configs, resumed = [], []
+    for name, options in cases.items():
+        config = TrainConfig(**base, **options, checkpoint_dir=str(tmp_path / name), save=str(tmp_path / f"{name}.pt"))
+        configs.append(config)
+        resumed.append(dataclasses.replace(config, checkpoint_dir=str(tmp_path / f"{name}-resumed"),
+                                           resume=str(tmp_path / name / f"step-{2 * options['checkpoint_every']:06d}"),
+                                           save=str(tmp_path / f"{name}-resumed.pt")))
+    result = launch(run_all, (configs + resumed,), nprocs=3, timeout=300, quiet=True)
+    assert result.returncode == 0, result.message
+    for config, again in zip(configs, resumed):
+        kept = dataclasses.replace(config, executor="emulate", recompute="none", checkpoint_dir=None,
+                                   checkpoint_every=0, save=str(tmp_path / f"{config.schedule}-emulated.pt"))
+        train(kept)
+        reference = torch.load(kept.save)
+        for path in (config.save, again.save):
+            state = torch.load(path)
+            assert all(torch.equal(state[k], reference[k]) for k in reference), (config.schedule, path)

@@ -29,8 +29,8 @@ what ``skip`` means for each schedule.
 Activation recomputation (``recompute=True``): the forward runs without recording a graph and the
 stage keeps only its inputs (and the random state the forward started from); the backward first
 runs the forward again on the same autograd leaves the first forward read (the version its action
-named: weight stashing), with the same random numbers (dropout masks), and puts the module's
-buffers back afterwards (a BatchNorm's running statistics count each microbatch once). The
+named: weight stashing), with the same random numbers (dropout masks), and on copies of the
+module's buffers (a BatchNorm's running statistics count each microbatch once). The
 recomputed forward is the same arithmetic as the first, so its graph, and the gradients, are
 bitwise those of a run without recomputation. Under ``latest`` and ``predict`` the recomputation
 reads the forward's weights while the backward resolves parameters to the backward's version, as
