@@ -43,19 +43,21 @@ def batches(steps: int, size: int, seed: int = 1):
 SCHEDULES = {
     "gpipe": dict(stages=4, microbatches=4),
     "1f1b": dict(stages=4, microbatches=4),
+    "1f1b-replicated": dict(schedule="1f1b", stages=4, microbatches=4, replicas=[2, 1, 1, 1]),
     "interleaved": dict(stages=2, chunks=2, microbatches=4),
     "zb-h1": dict(stages=4, microbatches=4),
     "pipedream": dict(stages=4),
-    "pipedream-vsync": dict(stages=4, policy="vsync"),
+    "pipedream-vsync": dict(schedule="pipedream", stages=4, policy="vsync"),
+    "pipedream-replicated": dict(schedule="pipedream", stages=4, replicas=[2, 1, 1, 1]),
     "2bw": dict(stages=4, microbatches=4),
     "pb": dict(stages=4),
-    "pb-sc+lwp": dict(stages=4, compensation="sc+lwp"),
+    "pb-sc+lwp": dict(schedule="pb", stages=4, compensation="sc+lwp"),
 }
 
 
 def trained(name: str, recompute: str) -> list[torch.Tensor]:
     options = dict(SCHEDULES[name])
-    schedule = name.split("-")[0] if name.startswith(("pb-", "pipedream-")) else name
+    schedule = options.pop("schedule", name)
     model = stages()
     pipe = Pipeline(model, schedule=schedule, optimizer="sgd:lr=0.1,momentum=0.9", executor="emulate",
                     recompute=recompute, **options)
