@@ -166,7 +166,8 @@ def test_runtime_with_recomputation_equals_the_emulator_without(tmp_path):
 
 def test_a_recomputing_run_resumes_from_a_checkpoint_to_the_uninterrupted_parameters(tmp_path):
     """Microbatches in flight at the checkpoint are replayed and recomputed; PB's forward versions,
-    kept for the checkpoint, stay unchanged until their backward."""
+    kept for the checkpoint, stay unchanged until their backward. A checkpoint of a recomputing run
+    also resumes without recomputation (PipeDream here)."""
     from distributed_parity import run_all
 
     from pipetrain.runtime.launch import launch
@@ -182,6 +183,7 @@ def test_a_recomputing_run_resumes_from_a_checkpoint_to_the_uninterrupted_parame
         config = TrainConfig(**base, **options, checkpoint_dir=str(tmp_path / name), save=str(tmp_path / f"{name}.pt"))
         configs.append(config)
         resumed.append(dataclasses.replace(config, checkpoint_dir=str(tmp_path / f"{name}-resumed"),
+                                           recompute="stage" if name == "pb" else "none",  # resumes either way
                                            resume=str(tmp_path / name / f"step-{2 * options['checkpoint_every']:06d}"),
                                            save=str(tmp_path / f"{name}-resumed.pt")))
     result = launch(run_all, (configs + resumed,), nprocs=3, timeout=300, quiet=True)

@@ -50,3 +50,19 @@ def test_pipedreams_prediction_is_the_memory_model_of_its_schedule(tmp_path):
     stages = json.loads(report_path.read_text())["memory"]["stages"]
     model = memory_by_rank(build("pipedream", 3, 4))
     assert [s["predicted_peak_versions"] for s in stages] == [model[s].peak_versions[s] for s in range(3)] == [3, 2, 1]
+
+
+def test_a_run_fed_by_step_reports_its_memory_too():
+    from torch import nn
+
+    from pipetrain import Pipeline
+
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), balance=[2, 1], schedule="gpipe",
+                    microbatches=2, executor="emulate", recompute="stage")
+    pipe.start(steps=2, batch_size=4)
+    for _ in range(2):
+        pipe.step(torch.randn(4, 4), torch.zeros(4, dtype=torch.long))
+    memory = pipe.finish().extra["memory"]
+    assert [s["predicted_peak_inputs"] for s in memory["stages"]] == [2, 2]
+    assert all(s["peak_bytes"] > 0 for s in memory["stages"])
