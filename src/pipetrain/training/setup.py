@@ -109,7 +109,8 @@ class Run:
         batches = DatasetBatches(
             self.train_set, self.sampler.indices, seed=self.config.seed,
             order=range(self.updates) if prefetch is None else prefetch,
-            workers=self.config.data_workers, pin_memory=self.config.pin_memory, dtype=self.dtype,
+            workers=self.config.data_workers, pin_memory=self.config.pin_memory or self.device.type == "cuda",
+            dtype=self.dtype,
         )
         return UnitData.of(batches, self.layout)
 
