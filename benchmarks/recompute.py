@@ -1,9 +1,11 @@
 """What activation recomputation (``--recompute stage``) costs in time and saves in memory, on the CPU.
 
 Each run is its own ``pipetrain train --executor emulate`` process (one thread), so that its peak
-resident set size is its own: the report's ``memory`` gives the peak and the size when training
-began, and their difference is what training added (weights, versions, optimizer state, the
-activations held, the allocator's caches). Rounds run every mode once, in reverse order every other
+resident set size is its own: the report's ``memory`` gives the process's peak and its size when
+training began. Their difference is how far training pushed the peak above that size (the
+activations held, the allocator's caches, versions and optimizer state made during training); a
+run whose training stays below a peak reached before it (reading the data, cutting the model)
+shows nearly 0, so the ratio of the differences is a bound, not the ratio of activations. Rounds run every mode once, in reverse order every other
 round; the ratios to ``none`` are taken within a round and their medians printed, with each run's
 samples/s and the memory model's predicted peaks of stage 0.
 
@@ -40,7 +42,7 @@ def run_once(args: argparse.Namespace, recompute: str, directory: str, index: in
         data = json.load(handle)
     stage = data["memory"]["stages"][0]
     return {"rate": data.get("steady_samples_per_s") or data["samples_per_s"],
-            "added": stage["peak_bytes"] - stage["start_bytes"], "loss": data["final_loss"],
+            "added": stage["peak_bytes"] - stage["start_bytes"], "peak": stage["peak_bytes"], "loss": data["final_loss"],
             "predicted": (stage["predicted_peak_activations"], stage.get("predicted_peak_inputs", 0))}
 
 
@@ -74,9 +76,11 @@ def main() -> None:
     for mode in modes:
         rates = [r["rate"] for r in results[mode]]
         added = [r["added"] / 2**20 for r in results[mode]]
+        peaks = [r["peak"] / 2**20 for r in results[mode]]
         activations, inputs = results[mode][0]["predicted"]
-        print(f"  {mode:<6} samples/s median {statistics.median(rates):8.0f}   memory added median "
-              f"{statistics.median(added):7.0f} MiB   stage 0 predicted: {activations} graphs, {inputs} inputs kept")
+        print(f"  {mode:<6} samples/s median {statistics.median(rates):8.0f}   peak RSS median {statistics.median(peaks):6.0f} "
+              f"MiB, {statistics.median(added):5.0f} MiB above the start of training   stage 0 predicted: "
+              f"{activations} graphs, {inputs} inputs kept")
     print(f"recompute stage against none: {time_ratio:.3f}x the time, {memory_ratio:.3f}x the memory added "
           f"(medians of {args.rounds} rounds); final losses equal: {losses['none'] == losses['stage']}")
 
