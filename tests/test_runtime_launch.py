@@ -172,8 +172,10 @@ def test_ctrl_c_stops_every_worker_and_returns_130(tmp_path):
     script.write_text(
         textwrap.dedent(
             f"""
-            import sys, time, os
+            import signal, sys, time, os
             from pipetrain.runtime.launch import launch
+            # Ctrl-C raises KeyboardInterrupt even where the test runs with SIGINT ignored (a background job)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             def sleeper(pidfile):
                 with open(pidfile + "." + os.environ["RANK"], "w") as f:
                     f.write(str(os.getpid()))

@@ -175,7 +175,8 @@ def test_given_stage_costs_cut_without_measuring_and_reach_the_report(factory, t
     report = tmp_path / "report.json"
     train(config(factory, stage_costs=costs, report_json=str(report)))
     out = capsys.readouterr().out
-    assert "; stages balanced by measured time\nstage 0: " in out and "from 4" in out and "60.0 % of the measured time" in out
+    assert "; stages balanced by measured time\ndata: " in out and "\nstage 0: " in out  # heading, data, stages
+    assert "from 4" in out and "60.0 % of the measured time" in out
     choice = json.loads(report.read_text())["stage_choice"]
     assert choice["how"] == "measured time" and choice["split_at"] == ["4"]
     assert [s["parameters"] for s in choice["stages"]] == [8 * WIDTH + WIDTH + 2 * (WIDTH * WIDTH + WIDTH),

@@ -276,7 +276,7 @@ class Pipeline:
 
         self._refuse_during_session("start")
         config = dataclasses.replace(self._config, data="batches fed by step()", batch_size=batch_size, steps=steps,
-                                     epochs=None, progress=False)
+                                     epochs=None, progress=False, data_workers=0)  # no worker for unread data
         parts = dataclasses.replace(self._parts, train_set=_Unread(), test_set=None)
         if self.executor == "emulate":
             torch.set_num_threads(config.threads_per_worker)
@@ -346,6 +346,8 @@ class Pipeline:
 
 class _Unread(torch.utils.data.Dataset):
     """The data set of a run fed by ``step()``: never read (the batches come from the loop)."""
+
+    fed_by_step = True  # the run's description says so
 
     def __len__(self) -> int:
         return 1

@@ -497,7 +497,9 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
         stage_choice=choice, device=device,
-        data_note="; ".join(filter(None, [f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
+        data_note="; ".join(filter(None, [
+            "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
+            else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
     return run
