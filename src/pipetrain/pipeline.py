@@ -70,6 +70,13 @@ class Pipeline:
         executor: ``distributed`` (worker processes over torch.distributed) or ``emulate`` (this
             process; bitwise the same parameters).
         threads_per_worker, receives, timeout: as ``pipetrain train``'s options.
+        recompute: ``none``, or ``stage`` (each stage keeps only its inputs and runs its forward
+            again in the backward, on the same weight version: the same results with less
+            activation memory; see docs/gpu.md).
+        precision: ``fp32``, or ``bf16`` (each stage's forward under ``torch.autocast``, float32
+            master weights and optimizer state; also on CPU).
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``: where the stages compute (each
+            worker on its GPU ``LOCAL_RANK``); ``model`` ends on that device.
     """
 
     def __init__(
@@ -98,6 +105,9 @@ class Pipeline:
         timeout: float = 60.0,
         seed: int = 0,
         on_nonfinite: str = "stop",
+        recompute: str = "none",
+        precision: str = "fp32",
+        device: str = "auto",
     ) -> None:
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
@@ -114,8 +124,12 @@ class Pipeline:
             replicas=list(replicas) if replicas else None, chunks=chunks, policy=policy, microbatches=microbatches,
             optimizer=spec, lr_schedule=lr_schedule, compensation=compensation, executor=executor,
             threads_per_worker=threads_per_worker, receives=receives, timeout=timeout, seed=seed, dtype=None,
-            on_nonfinite=on_nonfinite, progress=sys.stderr.isatty(),
+            on_nonfinite=on_nonfinite, recompute=recompute, precision=precision, device=device,
+            progress=sys.stderr.isatty(),
         ))
+        from pipetrain.training.validate import check_execution
+
+        check_execution(config)
         self.schedule_name = resolve_name(config.schedule)
         pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1
         if isinstance(model, (list, tuple)):

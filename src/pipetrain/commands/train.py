@@ -91,6 +91,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--no-shuffle", action="store_true", help="update t consumes samples tB..(t+1)B-1 in order")
     train.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                        help="parameters and floating-point inputs (default float32)")
+    train.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="where the stages compute: cuda (each worker on GPU LOCAL_RANK, the emulator on one GPU), "
+                            "cpu, or auto: CUDA when available (default auto)")
+    train.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                       help="bf16: each stage's forward under torch.autocast (also on CPU), float32 master weights "
+                            "and optimizer state; fp16 is not available yet (it needs a loss scale) (default fp32)")
+    train.add_argument("--recompute", default="none", choices=["none", "stage"],
+                       help="stage: keep only each stage's inputs between a forward and its backward and run the "
+                            "forward again in the backward, on the same weight version and random numbers "
+                            "(less activation memory, about one more forward; same results) (default none)")
     train.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
                        help="a NaN or infinite loss or gradient: stop the run naming the step and stage (default "
                             "stop), or skip each update whose gradient is not finite (see docs/optim.md)")
@@ -153,7 +163,8 @@ def config_from_args(args: argparse.Namespace):
         epochs=args.epochs, optimizer=optimizer, lr_schedule=args.lr_schedule, compensation=args.compensation,
         executor=args.executor, workers=args.workers, threads_per_worker=args.threads_per_worker,
         receives=args.receives, timeout=args.timeout, seed=args.seed, shuffle=not args.no_shuffle, dtype=args.dtype,
-        on_nonfinite=args.on_nonfinite,
+        on_nonfinite=args.on_nonfinite, precision=args.precision, recompute=args.recompute,
+        device=args.device,
         eval_every=args.eval_every, eval_samples=args.eval_samples, save=args.save, report_json=args.report_json,
         trace=args.trace, plot=args.plot,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,

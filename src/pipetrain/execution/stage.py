@@ -25,10 +25,28 @@ refuse weights that are not finite, so that no checkpoint and no saved model hol
 price of skipping) and leaves the weights as they are when it is not finite: the update still
 makes a version, equal to the last, and the optimizer's state does not move. docs/optim.md says
 what ``skip`` means for each schedule.
+
+Activation recomputation (``recompute=True``): the forward runs without recording a graph and the
+stage keeps only its inputs (and the random state the forward started from); the backward first
+runs the forward again on the same autograd leaves the first forward read (the version its action
+named: weight stashing), with the same random numbers (dropout masks), and on copies of the
+module's buffers (a BatchNorm's running statistics count each microbatch once). The
+recomputed forward is the same arithmetic as the first, so its graph, and the gradients, are
+bitwise those of a run without recomputation. Under ``latest`` and ``predict`` the recomputation
+reads the forward's weights while the backward resolves parameters to the backward's version, as
+without recomputation; so the forward's weights must survive until the backward: an update never
+overwrites a version in place while a microbatch that read it waits for its recomputation, and
+:func:`pipetrain.schedule.memory_by_rank` counts such versions as held.
+
+Mixed precision (``autocast=torch.bfloat16``): every forward (and the loss) runs under
+``torch.autocast`` on the stage's device; weights, versions, gradients and optimizer state stay in
+the module's own (master) dtype, and activations and their gradients travel in the dtype autocast
+gives them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -38,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from pipetrain.errors import NonFiniteError, PipetrainError
+from pipetrain.execution.device import to_device
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
 
@@ -119,6 +138,19 @@ def located(error: NonFiniteError, rank: int, action: Action, step_of_unit: Call
     )
 
 
+def _rng_state(device: torch.device) -> tuple:
+    """The random state a forward on ``device`` draws from (the CPU's, and the GPU's on CUDA)."""
+    if device.type == "cuda":
+        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    return (torch.get_rng_state(),)
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if len(state) > 1:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 def _finite_loss(loss: Tensor) -> bool:
     return math.isfinite(loss.item()) if loss.numel() == 1 else bool(torch.isfinite(loss).all())
 
@@ -175,6 +207,8 @@ class _InFlight:
     grad_outputs: tuple | None = None
     storage: dict[int, str] = field(default_factory=dict)
     leaf_set: Any = None  # all leaves of the version the forward read (the same object per version)
+    microbatch: int = 0
+    rng: Any = None  # recomputation: the random state the forward started from (None: a per-microbatch seed)
 
 
 class StageExecutor:
@@ -191,6 +225,12 @@ class StageExecutor:
             stages update over different numbers of units, see :mod:`pipetrain.execution.data`).
         seed: base of the per-microbatch random seed used when the stage has dropout.
         nonfinite: ``stop``, ``skip`` or ``off`` (see :data:`NONFINITE` and the module docstring).
+        recompute: keep only the inputs of each microbatch and run its forward again in the
+            backward (see the module docstring): activation memory for time.
+        autocast: ``torch.bfloat16`` to run forwards under ``torch.autocast``, with master weights in
+            the module's dtype; ``None``: no autocast.
+        device: where the stage computes (default: where its parameters or buffers are, else the
+            CPU; give it for a stage without either, such as an activation function alone).
     """
 
     def __init__(
@@ -204,6 +244,9 @@ class StageExecutor:
         grad_scale: float = 1.0,
         seed: int = 0,
         nonfinite: str = "stop",
+        recompute: bool = False,
+        autocast: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if nonfinite not in NONFINITE:
             raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {nonfinite!r}")
@@ -217,12 +260,17 @@ class StageExecutor:
         self.policy = policy
         self.grad_scale = grad_scale
         self.seed = seed
+        self.recompute = recompute
+        self.autocast = autocast
         named = dict(module.named_parameters())
         self.trainable = frozenset(n for n, p in named.items() if p.requires_grad)
         self.versions = VersionStore({n: p.detach().clone() for n, p in named.items()})
         self.buffers = dict(module.named_buffers())
         self.call = _Parameters(module)
         self.stochastic = any(isinstance(m, _STOCHASTIC) and m.p > 0 for m in module.modules())
+        #: where the stage computes, and what arrives is moved to (see the ``device`` argument)
+        self.device = torch.device(device) if device is not None else next(
+            (t.device for t in [*self.versions.latest.values(), *self.buffers.values()]), torch.device("cpu"))
         self.in_flight: dict[int, _InFlight] = {}
         self._grads: dict[str, Tensor] | None = None  # see the grads property
         self._holder: tuple[dict, dict[str, Tensor]] | None = None  # (leaf set, its trainable leaves)
@@ -307,25 +355,22 @@ class StageExecutor:
                 if self.optimizer is not None:
                     params = self.optimizer.predict(params, self.samples_seen)
             leaves = self._make_leaves(params)
+        device = self.device  # a batch read on the CPU, or a message, comes to the stage's device
         inputs = tuple(
             x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
-            for x in as_tuple(inputs)
+            for x in to_device(as_tuple(inputs), device, non_blocking=True)
         )
+        if isinstance(target, Tensor) and target.device != device:
+            target = target.to(device, non_blocking=True)
         if self.stochastic:
-            torch.manual_seed((self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch)
+            torch.manual_seed(self._microbatch_seed(microbatch))
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
-                           leaf_set=leaves)
+                           leaf_set=leaves, microbatch=microbatch)
+        if self.recompute and not self.stochastic:  # whatever random numbers the forward draws, replayed
+            record.rng = _rng_state(self.device)
         try:
-            if self.policy in _INCONSISTENT:
-                record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
-                with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
-                    output = self.call(leaves, inputs)
-                    if self.is_last:
-                        loss = self.loss_fn(output, target)
-            else:
-                output = self.call(leaves, inputs)
-                if self.is_last:
-                    loss = self.loss_fn(output, target)
+            with torch.no_grad() if self.recompute else contextlib.nullcontext():
+                output, loss = self._compute(record)
         except (RuntimeError, TypeError, ValueError) as error:
             raise self._forward_error(error, inputs, target) from None
         if self.is_last:
@@ -336,14 +381,70 @@ class StageExecutor:
                     f"{self._nonfinite_origin(inputs)}; training stopped there. {_advice(skip=True)}",
                     stage=self.stage, microbatch=microbatch,
                 )
-            scaled = loss * loss_scale if loss_scale != 1.0 else loss
-            record.roots = (scaled,)
+            if not self.recompute:
+                record.roots = (loss * loss_scale if loss_scale != 1.0 else loss,)
             self.in_flight[microbatch] = record
             return (self.last_loss,)
         outputs = as_tuple(output)
-        record.roots = outputs
+        if not self.recompute:
+            record.roots = outputs
         self.in_flight[microbatch] = record
         return tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+
+    def _microbatch_seed(self, microbatch: int) -> int:
+        return (self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
+
+    def _compute(self, record: _InFlight) -> tuple[Any, Tensor | None]:
+        """The stage's forward (and on the last stage the loss) of ``record`` on its leaves; when
+        recording a graph under ``latest``/``predict``, with the hooks that let the backward read
+        its own version."""
+        leaves, inputs, target = record.leaf_set, record.inputs, record.target
+        loss = None
+        with self._autocast():
+            if self.policy in _INCONSISTENT and torch.is_grad_enabled():
+                record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
+                with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
+                    output = self.call(leaves, inputs)
+                    if self.is_last:
+                        loss = self.loss_fn(output, target)
+            else:
+                output = self.call(leaves, inputs)
+                if self.is_last:
+                    loss = self.loss_fn(output, target)
+        return output, loss
+
+    def _recompute(self, record: _InFlight) -> None:
+        """Run ``record``'s forward again, recording the graph its backward needs: same leaves,
+        same random numbers, and the buffers as they were before (so that a BatchNorm's running
+        statistics are not updated twice). Nothing to do without recomputation or once done."""
+        if record.roots or not self.recompute:
+            return
+        # the forward again updates copies of the buffers, dropped afterwards (the graph may save them)
+        tables = [(self.module.get_submodule(owner)._buffers, attr)
+                  for owner, _, attr in (name.rpartition(".") for name in self.buffers)]
+        originals = [(table, attr, table[attr]) for table, attr in tables]
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            for table, attr, buffer in originals:
+                table[attr] = buffer.clone()
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                if record.rng is not None:
+                    _set_rng_state(self.device, record.rng)
+                elif self.stochastic:
+                    torch.manual_seed(self._microbatch_seed(record.microbatch))
+                output, loss = self._compute(record)
+        finally:
+            for table, attr, buffer in originals:
+                table[attr] = buffer
+        if self.is_last:
+            record.roots = (loss * record.loss_scale if record.loss_scale != 1.0 else loss,)
+        else:
+            record.roots = as_tuple(output)
 
     def _nonfinite_origin(self, inputs: tuple) -> str:
         """Where a non-finite loss came from, as far as this stage can tell (the error path only)."""
@@ -389,6 +490,7 @@ class StageExecutor:
     # -- backward --------------------------------------------------------------------------------
 
     def _differentiable(self, record: _InFlight, grad_outputs: Sequence | None):
+        self._recompute(record)
         roots, grads = [], []
         for index, root in enumerate(record.roots):
             if isinstance(root, Tensor) and root.requires_grad:
@@ -420,6 +522,8 @@ class StageExecutor:
         """Full backward: returns gradients for the stage inputs (None where an input has none) and
         accumulates the weight gradients."""
         record = self._pop(microbatch)
+        if grad_outputs is not None:
+            grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
         positions = self._input_targets(record)
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
         return self._input_grads(record, positions, results)
@@ -427,7 +531,9 @@ class StageExecutor:
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Input-gradient half of a split backward (I); the weight half (W) runs later."""
         record = self._get(microbatch)
-        record.grad_outputs = None if grad_outputs is None else tuple(grad_outputs)
+        if grad_outputs is not None:
+            grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
+        record.grad_outputs = grad_outputs
         positions = self._input_targets(record)
         if not positions:
             return self._input_grads(record, positions, [])
@@ -498,7 +604,7 @@ class StageExecutor:
         grads = self.grads or {}
         current = self.versions.latest
         # nothing reads the replaced version any more (its autograd leaves go with it): update in place
-        in_place = self.versions.current in release
+        in_place = self.versions.current in release and not self._awaits_recomputation(self.versions.current)
         if self.nonfinite == "skip" and not all_finite(list(grads.values())):
             step = self.versions.current + 1
             self.skipped.append(step)
@@ -527,6 +633,11 @@ class StageExecutor:
         for version in [v for v in self._leaves if v not in held]:
             del self._leaves[version]
         return made
+
+    def _awaits_recomputation(self, version: int) -> bool:
+        """Whether a microbatch in flight will recompute its forward on ``version``'s tensors
+        (``latest``: an update may supersede the version its forward read before its backward)."""
+        return self.recompute and any(r.version == version and not r.roots for r in self.in_flight.values())
 
     def release(self, version: int) -> None:
         """Drop ``version`` once no action reads it, with the autograd leaves cached for it (the
@@ -581,7 +692,9 @@ class StageExecutor:
 
     def restore(self, state: dict[str, Any]) -> list[tuple[int, tuple]]:
         """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
-        ``[(microbatch, outputs)]`` in their original order (for the messages that crossed)."""
+        ``[(microbatch, outputs)]`` in their original order (for the messages that crossed). The
+        state's tensors come to this stage's device, wherever they were saved."""
+        state = to_device(state, self.device)
         self.versions = VersionStore.from_state(state["versions"], state["current"])
         self._leaves.clear()
         if self.optimizer is not None and state["optimizer"] is not None:
@@ -613,8 +726,8 @@ class StageExecutor:
         was_training = self.module.training
         self.module.eval()
         try:
-            with torch.no_grad():
-                return self.call(self.versions.latest, as_tuple(inputs))
+            with torch.no_grad(), self._autocast():
+                return self.call(self.versions.latest, to_device(as_tuple(inputs), self.device, non_blocking=True))
         finally:
             self.module.train(was_training)
 

@@ -491,7 +491,7 @@ class RankRunner:
         params = executor.versions.latest
         grads = executor.grads or {}
         parts = [grads[n] if n in grads else torch.zeros_like(params[n]) for n in names]
-        flat = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0)
+        flat = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0, device=executor.device)
         counts = torch.tensor([executor.pending_samples], dtype=torch.int64)
         dist.all_reduce(flat, group=group)
         dist.all_reduce(counts, group=group)

@@ -274,7 +274,7 @@ class Channel:
         ninfo = len(info)
         if ninfo > MAX_INFO:
             raise PipetrainError(f"a message carries at most {MAX_INFO} info integers, got {ninfo}")
-        device = tensors[0].device if tensors else self.messenger.device
+        device = self.messenger.device  # the transport's buffers (wire.pack copies each tensor there)
         seq = st.seq
         st.seq = seq + 1
         works = []

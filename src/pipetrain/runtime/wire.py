@@ -110,6 +110,8 @@ def pack(
             if not nbytes:
                 continue
             src = t.detach()
+            if src.device != CPU:  # a stage on an accelerator, messages through host memory
+                src = src.cpu()
             if np_dtype is not None:
                 if src.is_complex():
                     src = src.resolve_conj().resolve_neg()

@@ -3,11 +3,18 @@
 A microbatch's activations are held on a stage from its forward until its backward (B, or I when
 the backward is split: W needs only the stage input and output gradient). A weight version is
 held from the STEP that creates it until it is no longer current and its last reader has run.
+
+With activation recomputation (``recompute=True``, ``--recompute stage``) a stage holds only the
+*inputs* of a microbatch from its forward until its backward, which runs the forward again: the
+whole activations of a microbatch then live only during its B (or from its I to its W). The
+recomputation reads the version the forward read, so under the ``latest`` policy (PB) that
+version lives until the backward too. DESIGN 3.3: ``d`` microbatches in flight hold
+``d * A_in + A_tot/d`` instead of ``d * A_tot/d``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.ir import Kind, Schedule
@@ -17,21 +24,29 @@ __all__ = ["StageMemory", "memory_by_rank"]
 
 @dataclass
 class StageMemory:
-    """Peaks on one rank: per stage held, and for the rank as a whole."""
+    """Peaks on one rank: per stage held, and for the rank as a whole.
+
+    ``peak_activations`` counts microbatches whose whole activations (the autograd graph) are held;
+    ``peak_inputs`` those of which only the stage inputs are kept for recomputation (empty without
+    recomputation)."""
 
     rank: int
     peak_activations: dict[int, int]
     peak_versions: dict[int, int]
     rank_peak_activations: int
+    peak_inputs: dict[int, int] = field(default_factory=dict)
 
 
-def memory_by_rank(schedule: Schedule) -> list[StageMemory]:
-    """Peak in-flight microbatches and live weight versions of every rank and stage it holds."""
+def memory_by_rank(schedule: Schedule, *, recompute: bool = False) -> list[StageMemory]:
+    """Peak in-flight microbatches and live weight versions of every rank and stage it holds;
+    ``recompute``: with activation recomputation (see the module docstring)."""
     with gc_paused():
-        return [_rank_memory(rank, program) for rank, program in enumerate(schedule.programs)]
+        return [_rank_memory(rank, program, recompute) for rank, program in enumerate(schedule.programs)]
 
 
-def _rank_memory(rank: int, program) -> StageMemory:
+def _rank_memory(rank: int, program, recompute: bool = False) -> StageMemory:
+    if recompute:
+        return _recomputed_memory(rank, program)
     F, B, I = Kind.F, Kind.B, Kind.I
     in_flight: dict[int, int] = {}
     peak: dict[int, int] = {}
@@ -51,16 +66,49 @@ def _rank_memory(rank: int, program) -> StageMemory:
     return StageMemory(rank, peak, _peak_versions(program), total_peak)
 
 
-def _peak_versions(program) -> dict[int, int]:
+def _recomputed_memory(rank: int, program) -> StageMemory:
+    """:func:`_rank_memory` with recomputation: inputs from F to B (or I), whole activations during
+    B and from I to W."""
+    F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+    inputs: dict[int, int] = {}
+    input_peak: dict[int, int] = {}
+    graphs: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    total = total_peak = 0
+
+    def rise(counts: dict[int, int], peaks: dict[int, int], stage: int) -> None:
+        counts[stage] = counts.get(stage, 0) + 1
+        peaks[stage] = max(peaks.get(stage, 0), counts[stage])
+
+    for kind, stage, _, _, _ in program:
+        if kind is F:
+            rise(inputs, input_peak, stage)
+        elif kind is B or kind is I:
+            inputs[stage] -= 1
+            rise(graphs, peak, stage)  # the forward again, then the backward (I: the graph stays for W)
+            total += 1
+            total_peak = max(total_peak, total)
+            if kind is B:
+                graphs[stage] -= 1
+                total -= 1
+        elif kind is W:
+            graphs[stage] -= 1
+            total -= 1
+    return StageMemory(rank, peak, _peak_versions(program, recompute=True), total_peak, input_peak)
+
+
+def _peak_versions(program, recompute: bool = False) -> dict[int, int]:
     """Per stage, the most versions alive at once.
 
     Version v of a stage is born at the STEP that makes it (version 0 before the program) and dies
-    at the later of the next version's birth and its last read.
+    at the later of the next version's birth and its last read; with ``recompute`` the backward of
+    a microbatch (B or I) also reads the version its forward read.
     """
     births: dict[int, list[int]] = {}
     last_read: dict[int, dict[int, int]] = {}
-    STEP = Kind.STEP
-    for position, (kind, stage, _, version, _) in enumerate(program):
+    forward_version: dict[tuple[int, int], int] = {}
+    STEP, F, B, I = Kind.STEP, Kind.F, Kind.B, Kind.I
+    for position, (kind, stage, k, version, _) in enumerate(program):
         if kind is STEP:
             births.setdefault(stage, [-1]).append(position)
         elif version is not None:
@@ -69,6 +117,12 @@ def _peak_versions(program) -> dict[int, int]:
                 births.setdefault(stage, [-1])
                 reads = last_read[stage] = {}
             reads[version] = position
+            if recompute:
+                if kind is F:
+                    forward_version[(stage, k)] = version
+                elif kind is B or kind is I:
+                    read = forward_version.pop((stage, k), version)
+                    reads[read] = max(reads.get(read, -1), position)
     peaks = {}
     for stage, born in births.items():
         reads = last_read.get(stage, {})

@@ -34,12 +34,13 @@ def versions_read(schedule: Schedule) -> list[list[tuple[int | None, int | None]
     return [list(zip(f, b)) for f, b in zip(forward, backward)]
 
 
-def summarize(timeline: Timeline, *, include_versions: bool = True) -> dict[str, Any]:
-    """The JSON summary of a simulated (or measured) timeline."""
+def summarize(timeline: Timeline, *, include_versions: bool = True, recompute: bool = False) -> dict[str, Any]:
+    """The JSON summary of a simulated (or measured) timeline; ``recompute``: memory with activation
+    recomputation (``peak_activations`` then counts whole graphs, ``peak_inputs`` kept inputs)."""
     schedule = timeline.schedule
     makespan = timeline.makespan
     busy = [timeline.busy(rank) for rank in range(schedule.num_ranks)]
-    memory = memory_by_rank(schedule)
+    memory = memory_by_rank(schedule, recompute=recompute)
     stages = []
     for position, ranks in enumerate(positions(schedule)):
         position_busy = sum(busy[r] for r in ranks) / len(ranks)
@@ -58,6 +59,8 @@ def summarize(timeline: Timeline, *, include_versions: bool = True) -> dict[str,
                 "peak_versions": versions,
             }
         )
+        if recompute:
+            stages[-1]["peak_inputs"] = max(max(memory[r].peak_inputs.values(), default=0) for r in ranks)
     total_busy = sum(busy)
     total_time = makespan * schedule.num_ranks
     idle = total_time - total_busy
@@ -78,6 +81,8 @@ def summarize(timeline: Timeline, *, include_versions: bool = True) -> dict[str,
         "stages": stages,
         "ranks": [{"rank": r, "busy": busy[r], "idle": makespan - busy[r]} for r in range(schedule.num_ranks)],
     }
+    if recompute:
+        summary["recompute"] = "stage"
     if include_versions:
         summary["versions"] = versions_read(schedule)
     return summary
@@ -104,5 +109,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(
             f"  {stage['stage']:>5}  {ranks:<10} {stage['busy']:>10.6g} {stage['idle']:>10.6g} "
             f"{stage['peak_activations']:>17} {stage['peak_versions']:>14}"
+            + (f"  (+{stage['peak_inputs']} inputs kept)" if "peak_inputs" in stage else "")
         )
+    if summary.get("recompute") == "stage":
+        lines.append("  with recomputation: peak activations count whole graphs, inputs kept are stage inputs only")
     return "\n".join(lines)

@@ -60,6 +60,9 @@ class TrainConfig:
     extra: dict[str, str] = field(default_factory=dict)
     data_workers: int | None = None  # DataLoader worker processes for plain data sets (None: the default, 1)
     pin_memory: bool = False  # page-locked batches (with an accelerator)
+    recompute: str = "none"  # activation recomputation: none, or stage (keep stage inputs, recompute in the backward)
+    precision: str = "fp32"  # fp32, or bf16 (autocast in each stage's forward, fp32 master weights)
+    device: str = "auto"  # auto (CUDA when available), cpu or cuda: where every stage computes
 
     def fingerprint(self) -> dict[str, object]:
         """What a checkpoint must agree on to be resumed by this run."""
@@ -71,4 +74,5 @@ class TrainConfig:
             "seed": self.seed, "shuffle": self.shuffle, "dtype": self.dtype,
             **{key: value for key, value in (("leaf_modules", self.leaf_modules), ("concrete_args", self.concrete_args),
                                              ("stage_costs", self.stage_costs)) if value},
-        } | ({"holdout": self.holdout} if self.holdout is not None else {})  # which samples train
+        } | ({"holdout": self.holdout} if self.holdout is not None else {}) | (  # which samples train
+            {"precision": self.precision} if self.precision != "fp32" else {})  # recompute: the same numbers

@@ -171,8 +171,8 @@ class RankSetup:
             "starts": runner.starts,
             "ends": runner.ends,
             "seconds": seconds,
-            "states": {stage: executors[stage].module.state_dict() for stage in self.held
-                       if schedule.replica_of(rank, stage) == 0},
+            "states": {stage: {k: v.cpu() for k, v in executors[stage].module.state_dict().items()}
+                       for stage in self.held if schedule.replica_of(rank, stage) == 0},
             "digests": {stage: _digest(executors[stage].versions.latest) for stage in self.held},
             "evaluations": evaluations,
             "receives": "on-demand" if runner.on_demand else "ahead",
@@ -261,6 +261,9 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
         hooks[position] = hook if position not in hooks else chain(hook, hooks[position])
     _inject_fault(rank, hooks, env.restart)
     progress = _progress(run, config, callbacks)
+    from pipetrain.training.memory import MemoryProbe
+
+    probe = MemoryProbe(next(iter(setup.executors.values())).device)
     with setup_heap_frozen():
         _collective("the start barrier", dist.barrier)
         started = time.perf_counter()
@@ -271,10 +274,11 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
                 progress.progress.close()
             setup.close()
     seconds = time.perf_counter() - started - runner.paused
+    measured = probe.read()
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
     _collective("the final barrier", dist.barrier)
-    return setup.gather(setup.payload(seconds, evaluations), resumed=after)
+    return setup.gather(setup.payload(seconds, evaluations) | {"memory": measured}, resumed=after)
 
 
 def _collective(what: str, call) -> Any:
@@ -360,7 +364,7 @@ def _digest(params) -> str:
     h = hashlib.sha256()
     for name in sorted(params):
         h.update(name.encode())
-        h.update(params[name].detach().contiguous().numpy().tobytes())
+        h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -398,5 +402,9 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
     skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
     result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]
+    from pipetrain.training.memory import memory_report
+
+    if all("memory" in p for p in gathered):
+        result.extra["memory"] = memory_report(run, [p["memory"] for p in gathered], per_rank=True)
     write_outputs(run.config, result, run.model.state_dict())
     return result

@@ -57,6 +57,9 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
 
     steps = run.evaluation_steps() if len(held_out) else []
     cuts = [(c.positions, evaluate_at(s)) for s, c in zip(steps, run.cuts_after(steps))]
+    from pipetrain.training.memory import MemoryProbe, memory_report
+
+    probe = MemoryProbe(first_replicas[0].device)
     with setup_heap_frozen():
         started = time.perf_counter()
         try:
@@ -65,6 +68,7 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
             progress.close()
             data.close()  # stops the data workers, also when training failed
     seconds = time.perf_counter() - started - emulator.paused
+    measured = probe.read()
     for executor in first_replicas:
         executor.write_back()
     if len(held_out) and not run.config.eval_every:
@@ -72,4 +76,5 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
     timeline = Timeline(schedule, emulator.starts, emulator.ends)
     result = result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
     result.extra["skipped_updates"] = [executor.skipped for executor in first_replicas]  # --on-nonfinite skip
+    result.extra["memory"] = memory_report(run, [measured], per_rank=False)
     return result

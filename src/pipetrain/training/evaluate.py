@@ -24,6 +24,8 @@ class Metrics:
         self.samples = self.correct = self.counted = 0
 
     def add(self, output: Tensor, target: Tensor) -> None:
+        if isinstance(output, Tensor) and isinstance(target, Tensor):  # labels read on the CPU
+            target = target.to(output.device)
         n = target_count(output, target, self.loss_fn)
         if n:
             self.loss += float(self.loss_fn(output, target)) * n

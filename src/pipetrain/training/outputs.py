@@ -63,7 +63,7 @@ def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({k: v.detach().clone() for k, v in state.items()}, tmp)
+    torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, tmp)  # loads on any machine
     os.replace(tmp, path)
 
 

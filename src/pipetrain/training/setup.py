@@ -23,10 +23,12 @@ from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_nam
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
 
-__all__ = ["Run", "prepare", "EXECUTORS"]
+__all__ = ["Run", "prepare", "EXECUTORS", "AUTOCAST"]
 
 EXECUTORS = ("distributed", "emulate")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
+#: ``--precision``: the dtype each stage's forward autocasts to (fp16: refused by check_config)
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Run:
     optimizer_factory: Any = None  # see RunParts.optimizer
     tied: TiedGradients | None = None  # where stages sharing a parameter sum its gradient (None: none shared)
     stage_choice: Any = None  # pipetrain.stages.StageChoice: how the stages were chosen, their sizes and times
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this process's stages compute
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
     data_note: str = ""  # one line: the training samples, how they are read, where the held-out data comes from
@@ -106,7 +109,8 @@ class Run:
         batches = DatasetBatches(
             self.train_set, self.sampler.indices, seed=self.config.seed,
             order=range(self.updates) if prefetch is None else prefetch,
-            workers=self.config.data_workers, pin_memory=self.config.pin_memory, dtype=self.dtype,
+            workers=self.config.data_workers, pin_memory=self.config.pin_memory or self.device.type == "cuda",
+            dtype=self.dtype,
         )
         return UnitData.of(batches, self.layout)
 
@@ -129,6 +133,7 @@ class Run:
         module = self.staged.stages[stage]
         if replica > 0:
             module = copy.deepcopy(module)
+        module.to(self.device)  # the first replica's parameters stay those of the model (moved with them)
         return StageExecutor(
             stage,
             module,
@@ -138,6 +143,9 @@ class Run:
             grad_scale=self.grad_scales[stage],
             seed=self.config.seed,
             nonfinite=self.config.on_nonfinite,
+            recompute=self.config.recompute == "stage",
+            autocast=AUTOCAST[self.config.precision],
+            device=self.device,
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
@@ -386,7 +394,13 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     from pipetrain.models import refuse_batchnorm
     from pipetrain.training.parts import parts_from_config
 
+    from pipetrain.training.validate import check_execution
+
+    from pipetrain.execution.device import resolve_device
+
     config = apply_plan(config)
+    check_execution(config)
+    device = resolve_device(config.device)
     name = resolve_name(config.schedule)
     if config.executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
@@ -406,6 +420,9 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     if config.dtype is not None:
         model = model.to(_DTYPES[config.dtype])
     dtype = _DTYPES[config.dtype] if config.dtype is not None else _model_dtype(model)
+    if config.precision != "fp32" and dtype != torch.float32:
+        raise ConfigError(f"--precision {config.precision} autocasts a float32 model (its master weights), not a "
+                          f"{str(dtype).replace('torch.', '')} one: use a float32 model or --precision fp32")
 
     pieces = stages * (config.chunks if name == "interleaved" else 1)
     if config.chunks != 1 and name != "interleaved":
@@ -479,7 +496,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
-        stage_choice=choice,
+        stage_choice=choice, device=device,
         data_note="; ".join(filter(None, [
             "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
             else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),

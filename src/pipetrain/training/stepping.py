@@ -126,6 +126,9 @@ class EmulatedSession(_Session):
         self.emulator = Emulator(schedule, self.executors, self.data, tied=run.tied)
         self.pieces = feed_cuts(schedule, run.layout.units_per_update, run.messages)
         self.losses = UpdateLosses(run, on_update=self._done)
+        from pipetrain.training.memory import MemoryProbe
+
+        self.probe = MemoryProbe(self.first_replicas[0].device)  # peak memory from here to finish()
         self.emulator.begin(self.losses)
 
     def step(self, inputs: Any, targets: Tensor) -> list[tuple[int, float]]:
@@ -153,8 +156,13 @@ class EmulatedSession(_Session):
         self.emulator.end()
         for executor in self.first_replicas:
             executor.write_back()
+        from pipetrain.training.memory import memory_report
+
+        measured = self.probe.read()
         timeline = Timeline(self.run.schedule, self.emulator.starts, self.emulator.ends)
-        return result_of(self.run, "emulate", self.losses.losses, self.seconds, timeline, self.evaluations)
+        result = result_of(self.run, "emulate", self.losses.losses, self.seconds, timeline, self.evaluations)
+        result.extra["memory"] = memory_report(self.run, [measured], per_rank=False)
+        return result
 
 
 class DistributedSession(_Session):
@@ -180,6 +188,9 @@ class DistributedSession(_Session):
         self.losses = None
         if rank in schedule.stage_ranks[run.num_stages - 1]:
             self.losses = UpdateLosses(run, rank=rank, on_update=self._done)
+        from pipetrain.training.memory import MemoryProbe
+
+        self.probe = MemoryProbe(next(iter(self.setup.executors.values())).device)
         _collective("the start barrier", dist.barrier)
         # every piece's end is a pause: no send is waited for across it (the peer may be in user code)
         self.setup.runner.begin(self.losses, pauses=everyone[:-1])
@@ -217,6 +228,7 @@ class DistributedSession(_Session):
         self._check_finished()
         runner = self.setup.runner
         runner.end()
+        measured = self.probe.read()
         self.setup.close()
         _collective("the final barrier", dist.barrier)
-        return self.setup.gather(self.setup.payload(self.seconds, self.evaluations))
+        return self.setup.gather(self.setup.payload(self.seconds, self.evaluations) | {"memory": measured})

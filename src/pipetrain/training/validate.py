@@ -17,7 +17,8 @@ from pipetrain.errors import ConfigError
 from pipetrain.paths import check_outputs
 from pipetrain.training.config import TrainConfig
 
-__all__ = ["check_config", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE"]
+__all__ = ["check_config", "check_execution", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
+           "PRECISIONS"]
 
 #: Built-in names of ``--model`` and ``--data`` (``pipetrain.models.MODELS`` and
 #: ``pipetrain.data.DATASETS``, which import PyTorch; a test keeps them equal).
@@ -30,6 +31,12 @@ _DTYPES = ("float32", "float64")
 _RECEIVES = ("auto", "on-demand", "ahead")
 #: ``pipetrain.training.setup.BALANCE_BY`` (a test keeps them equal)
 BALANCE_BY = ("auto", "time", "params")
+#: ``--recompute``: keep every activation (none), or only each stage's inputs (stage)
+RECOMPUTE = ("none", "stage")
+#: ``pipetrain.execution.device.DEVICES`` (a test keeps them equal)
+DEVICES = ("auto", "cpu", "cuda")
+#: ``--precision``: fp16 is refused (see :func:`_check_precision`)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = True) -> None:
@@ -69,10 +76,25 @@ def _check_choices(config: TrainConfig) -> None:
     _choice("--receives", config.receives, _RECEIVES)
     _choice("--on-nonfinite", config.on_nonfinite, NONFINITE)
     _choice("--balance-by", config.balance_by, BALANCE_BY)
+    check_execution(config)
     if config.schedule is not None:
         resolve_name(config.schedule)
     if config.policy is not None:
         _choice("--policy", config.policy, POLICIES)
+
+
+def check_execution(config: TrainConfig) -> None:
+    """``--recompute`` and ``--precision`` (also checked by the set-up, for the Python API)."""
+    _choice("--recompute", config.recompute, RECOMPUTE)
+    _choice("--device", config.device, DEVICES)
+    _choice("--precision", config.precision, PRECISIONS)
+    if config.precision == "fp16":
+        raise ConfigError(
+            "--precision fp16 needs CUDA and a loss scale that every stage agrees on, which pipetrain does not have "
+            "yet (docs/gpu.md says how it will work); use --precision bf16 (no loss scale needed, also on CPU) or fp32"
+        )
+    if config.precision != "fp32" and config.dtype == "float64":
+        raise ConfigError(f"--precision {config.precision} keeps float32 master weights: drop --dtype float64")
 
 
 def _at_least(option: str, value: float | None, low: float, strict: bool = False) -> None:

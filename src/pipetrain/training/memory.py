@@ -1,0 +1,110 @@
+"""Peak memory of a run, measured per process and set beside what the schedule's memory model predicts.
+
+What is measured depends on where the stages compute. On CUDA it is
+``torch.cuda.max_memory_allocated`` of the stage's device since the run started (tensors only:
+weights, versions, activations, messages, optimizer state). On the CPU it is the peak resident set
+size of the process (``resource.getrusage``), which also holds the interpreter, PyTorch's own
+libraries and the data, so it is reported with the size at the start of training
+(``start_bytes``): the difference is what training added. The distributed runtime measures each
+worker process, so each stage gets the figures of the ranks holding it; the emulator runs every
+stage in one process, so its stages share that process's figures.
+
+The prediction is :func:`pipetrain.schedule.memory_by_rank` of the run's schedule, with
+recomputation when the run recomputes: microbatches whose activations are held at once (and
+inputs kept for recomputation) and weight versions alive at once, per stage.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["MemoryProbe", "memory_report"]
+
+
+def _rss_now() -> int | None:
+    """The resident set size of this process now, in bytes (Linux), else ``None``."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            pages = int(handle.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_peak() -> int | None:
+    """The peak resident set size of this process so far, in bytes (``None`` where unknown)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+class MemoryProbe:
+    """Started before training on ``device``, read after it: this process's peak memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+        else:
+            self.start = _rss_now()
+
+    def read(self) -> dict[str, Any]:
+        """``{"measure", "device", "peak_bytes", "start_bytes"}``."""
+        if self.device.type == "cuda":
+            return {"measure": "cuda_max_memory_allocated", "device": str(self.device),
+                    "peak_bytes": int(torch.cuda.max_memory_allocated(self.device)), "start_bytes": int(self.start)}
+        return {"measure": "peak_rss", "device": str(self.device), "peak_bytes": _rss_peak(),
+                "start_bytes": self.start}
+
+
+def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: bool) -> dict[str, Any]:
+    """The report's ``memory`` object: per stage, the measured figures of the processes holding it
+    (``measured[rank]``, or one figure for every stage when not ``per_rank``: the emulator) and
+    the memory model's prediction."""
+    from pipetrain.schedule.memory import memory_by_rank
+    from pipetrain.schedule.timeline import positions
+
+    schedule = run.schedule
+    recompute = getattr(run.config, "recompute", "none") == "stage"
+    model = memory_by_rank(schedule, recompute=recompute)
+    stages = []
+    for position, ranks in enumerate(positions(schedule)):
+        figures = [measured[r] if per_rank else measured[0] for r in ranks]
+        peaks = [f["peak_bytes"] for f in figures if f.get("peak_bytes") is not None]
+        starts = [f["start_bytes"] for f in figures if f.get("start_bytes") is not None]
+        held = [model[r] for r in ranks]
+        if schedule.chunks > 1:  # a rank's chunks share its memory: the rank's figures
+            activations = max(m.rank_peak_activations for m in held)
+            inputs = max(sum(m.peak_inputs.values()) for m in held)
+            versions = max(sum(m.peak_versions.values()) for m in held)
+        else:
+            activations = max(m.peak_activations.get(position, 0) for m in held)
+            inputs = max(m.peak_inputs.get(position, 0) for m in held)
+            versions = max(m.peak_versions.get(position, 1) for m in held)
+        entry = {
+            "stage": position,
+            "ranks": list(ranks),
+            "peak_bytes": max(peaks) if peaks else None,
+            "start_bytes": max(starts) if starts else None,
+            "predicted_peak_activations": activations,
+            "predicted_peak_versions": versions,
+        }
+        if recompute:
+            entry["predicted_peak_inputs"] = inputs
+        stages.append(entry)
+    first = measured[0] if measured else {}
+    return {
+        "measure": first.get("measure"),
+        "per": "process of each rank" if per_rank else "the one process of every stage (emulator)",
+        "recompute": "stage" if recompute else "none",
+        "stages": stages,
+    }

@@ -1,0 +1,200 @@
+"""Activation recomputation (``--recompute stage``): the same parameters, bitwise, as keeping every
+activation, for every schedule, on the emulator and on the runtime; less held, as the memory model
+says."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipetrain import Pipeline
+from pipetrain.execution import StageExecutor
+from pipetrain.optim import SGD
+from pipetrain.schedule import build, memory_by_rank
+
+
+class Noise(nn.Module):
+    """Random numbers drawn outside any ``nn.Dropout`` (replayed from the forward's random state)."""
+
+    def forward(self, x):
+        return x + 0.05 * torch.randn_like(x) if self.training else x
+
+
+def stages(seed: int = 0) -> list[nn.Module]:
+    """Four stages: dropout (a per-microbatch seed), unregistered noise, a LayerNorm, the head."""
+    torch.manual_seed(seed)
+    return [
+        nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Dropout(0.2)),
+        nn.Sequential(nn.Linear(12, 12), Noise(), nn.LayerNorm(12)),
+        nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Dropout(0.1), nn.Linear(12, 12)),
+        nn.Sequential(nn.Tanh(), nn.Linear(12, 3)),
+    ]
+
+
+def batches(steps: int, size: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 6, generator=g), torch.randint(0, 3, (size,), generator=g)) for _ in range(steps)]
+
+
+SCHEDULES = {
+    "gpipe": dict(stages=4, microbatches=4),
+    "1f1b": dict(stages=4, microbatches=4),
+    "1f1b-replicated": dict(schedule="1f1b", stages=4, microbatches=4, replicas=[2, 1, 1, 1]),
+    "interleaved": dict(stages=2, chunks=2, microbatches=4),
+    "zb-h1": dict(stages=4, microbatches=4),
+    "pipedream": dict(stages=4),
+    "pipedream-vsync": dict(schedule="pipedream", stages=4, policy="vsync"),
+    "pipedream-replicated": dict(schedule="pipedream", stages=4, replicas=[2, 1, 1, 1]),
+    "2bw": dict(stages=4, microbatches=4),
+    "pb": dict(stages=4),
+    "pb-sc+lwp": dict(schedule="pb", stages=4, compensation="sc+lwp"),
+}
+
+
+def trained(name: str, recompute: str) -> list[torch.Tensor]:
+    options = dict(SCHEDULES[name])
+    schedule = options.pop("schedule", name)
+    model = stages()
+    pipe = Pipeline(model, schedule=schedule, optimizer="sgd:lr=0.1,momentum=0.9", executor="emulate",
+                    recompute=recompute, **options)
+    data = batches(6, 8)
+    if schedule == "pb":  # batch size 1
+        data = [(x[i:i + 1], y[i:i + 1]) for x, y in data[:3] for i in range(8)]
+    pipe.train(data)
+    return [p.detach().clone() for stage in model for p in stage.parameters()]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_recomputation_trains_bitwise_like_keeping_the_activations(name):
+    kept, recomputed = trained(name, "none"), trained(name, "stage")
+    assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
+    assert not all(torch.equal(a, b) for a, b in zip(kept, [p for s in stages() for p in s.parameters()]))
+
+
+def test_a_stage_keeps_only_its_inputs_until_the_backward():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3))
+    kept = StageExecutor(1, module, SGD(lr=0.1))
+    torch.manual_seed(0)
+    again = StageExecutor(1, nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3)), SGD(lr=0.1),
+                          recompute=True)
+    x, grad = torch.randn(5, 6), torch.randn(5, 3)
+    out = kept.forward(0, 0, x)
+    out_again = again.forward(0, 0, x)
+    assert torch.equal(out[0], out_again[0])
+    assert again.in_flight[0].roots == () and kept.in_flight[0].roots[0].grad_fn is not None
+    assert torch.equal(kept.backward(0, 0, (grad,))[0], again.backward(0, 0, (grad,))[0])
+    for name, g in kept.grads.items():
+        assert torch.equal(g, again.grads[name]), name
+
+
+def test_recomputation_counts_batchnorm_statistics_once():
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, 3))
+
+    results = []
+    for recompute in ("none", "stage"):
+        net = model()
+        Pipeline(net, balance=[2, 2], schedule="1f1b", microbatches=2, optimizer="sgd:lr=0.1", executor="emulate",
+                 recompute=recompute).train(batches(3, 8))
+        results.append(net.state_dict())
+    assert results[0]["1.num_batches_tracked"] == 6
+    for key, value in results[0].items():
+        assert torch.equal(value, results[1][key]), key
+
+
+def test_latest_keeps_the_forward_version_for_its_recomputation():
+    """PB with ``latest``: the forward version of a sample is superseded before its backward; the
+    update then must not overwrite it in place (the recomputation reads it)."""
+    torch.manual_seed(0)
+    executor = StageExecutor(0, nn.Linear(4, 4), SGD(lr=0.5), policy="latest", recompute=True)
+    x = torch.randn(1, 4)
+    executor.forward(0, 0, x)
+    weight = executor.versions[0]["weight"].clone()
+    executor.forward(1, 0, x)
+    executor.backward(1, 0, (torch.ones(1, 4),))
+    executor.step([0])  # version 0 released: nothing but sample 0's recomputation reads it
+    assert torch.equal(executor.in_flight[0].leaf_set["weight"], weight)
+
+
+def test_the_memory_model_counts_inputs_instead_of_activations():
+    one_f_one_b = memory_by_rank(build("1f1b", 4, 8), recompute=True)
+    assert [m.peak_inputs for m in one_f_one_b] == [{0: 4}, {1: 3}, {2: 2}, {3: 1}]
+    assert [m.peak_activations for m in one_f_one_b] == [{s: 1} for s in range(4)]
+    assert [m.peak_inputs for m in memory_by_rank(build("1f1b", 4, 8))] == [{}] * 4
+    # ZB-H1: the graph recomputed for I stays until the deferred W
+    assert [m.peak_activations for m in memory_by_rank(build("zb-h1", 4, 8), recompute=True)] == [
+        {0: 1}, {1: 2}, {2: 3}, {3: 4}]
+    # PB (latest): the forward's version lives until the backward recomputes on it: D_s + 1 versions
+    pb = build("pb", 4, 40)
+    assert [m.peak_versions for m in memory_by_rank(pb)] == [{s: 1} for s in range(4)]
+    assert [m.peak_versions for m in memory_by_rank(pb, recompute=True)] == [{0: 7}, {1: 5}, {2: 3}, {3: 1}]
+    # stashing schedules hold the forward's version anyway
+    pipedream = build("pipedream", 4, 40)
+    assert [m.peak_versions for m in memory_by_rank(pipedream, recompute=True)] == [
+        m.peak_versions for m in memory_by_rank(pipedream)]
+
+
+def test_runtime_with_recomputation_equals_the_emulator_without(tmp_path):
+    from distributed_parity import run_all
+
+    from pipetrain.runtime.launch import launch
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.train import train
+
+    base = dict(model="gpt:n_layer=2,n_head=2,n_embd=16,dropout=0.1", data="text:block_size=8,min_length=4",
+                batch_size=8, steps=3, optimizer="sgd:lr=0.05,momentum=0.9", progress=False, quiet=True,
+                stages=2, timeout=60.0)
+    configs = [TrainConfig(schedule=name, executor="distributed", recompute="stage",
+                           save=str(tmp_path / f"{name}-distributed.pt"), **base) for name in ("1f1b", "pipedream")]
+    result = launch(run_all, (configs,), nprocs=2, timeout=180, quiet=True)
+    assert result.returncode == 0, result.message
+    for config in configs:
+        kept = dataclasses.replace(config, executor="emulate", recompute="none",
+                                   save=config.save.replace("distributed", "emulated"))
+        train(kept)
+        a, b = torch.load(config.save), torch.load(kept.save)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (config.schedule, key)
+
+
+def test_a_recomputing_run_resumes_from_a_checkpoint_to_the_uninterrupted_parameters(tmp_path):
+    """Microbatches in flight at the checkpoint are replayed and recomputed; PB's forward versions,
+    kept for the checkpoint, stay unchanged until their backward. A checkpoint of a recomputing run
+    also resumes without recomputation (PipeDream here)."""
+    from distributed_parity import run_all
+
+    from pipetrain.runtime.launch import launch
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.train import train
+
+    base = dict(model="mlp:depth=6,width=16", data="synthetic:features=8,classes=3,samples=96", executor="distributed",
+                progress=False, quiet=True, timeout=60, recompute="stage", stages=3)
+    cases = {"pb": dict(schedule="pb", batch_size=1, steps=20, checkpoint_every=6),
+             "pipedream": dict(schedule="pipedream", batch_size=12, steps=9, checkpoint_every=4)}
+    configs, resumed = [], []
+    for name, options in cases.items():
+        config = TrainConfig(**base, **options, checkpoint_dir=str(tmp_path / name), save=str(tmp_path / f"{name}.pt"))
+        period = options["checkpoint_every"]  # the newest but one is kept: microbatches in flight there
+        newest_but_one = [*range(period, config.steps, period), config.steps][-2]
+        configs.append(config)
+        resumed.append(dataclasses.replace(config, checkpoint_dir=str(tmp_path / f"{name}-resumed"),
+                                           recompute="stage" if name == "pb" else "none",  # resumes either way
+                                           resume=str(tmp_path / name / f"step-{newest_but_one:06d}"),
+                                           save=str(tmp_path / f"{name}-resumed.pt")))
+    result = launch(run_all, (configs + resumed,), nprocs=3, timeout=300, quiet=True)
+    assert result.returncode == 0, result.message
+    for config, again in zip(configs, resumed):
+        kept = dataclasses.replace(config, executor="emulate", recompute="none", checkpoint_dir=None,
+                                   checkpoint_every=0, save=str(tmp_path / f"{config.schedule}-emulated.pt"))
+        train(kept)
+        reference = torch.load(kept.save)
+        for path in (config.save, again.save):
+            state = torch.load(path)
+            assert all(torch.equal(state[k], reference[k]) for k in reference), (config.schedule, path)
