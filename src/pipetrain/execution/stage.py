@@ -175,6 +175,7 @@ class _InFlight:
     grad_outputs: tuple | None = None
     storage: dict[int, str] = field(default_factory=dict)
     leaf_set: Any = None  # all leaves of the version the forward read (the same object per version)
+    predicted: dict[str, Tensor] | None = None  # the tensors the optimizer's prediction wrote, if it made any
 
 
 class StageExecutor:
@@ -231,6 +232,7 @@ class StageExecutor:
         self.last_loss: Tensor | None = None
         self._backward_params: Mapping[str, Tensor] | None = None
         self._leaves: dict[int, dict[str, Tensor]] = {}
+        self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
         warm_up_autograd()
 
     @property
@@ -297,6 +299,7 @@ class StageExecutor:
         """
         if microbatch in self.in_flight:
             raise PipetrainError(f"stage {self.stage}: microbatch {microbatch} is already in flight")
+        predicted = None
         if params is None and self.policy != "predict":
             leaves = self._leaves.get(version)
             if leaves is None:  # one set of autograd leaves per version, shared by its microbatches
@@ -305,7 +308,11 @@ class StageExecutor:
             if params is None:
                 params = self.versions[version]
                 if self.optimizer is not None:
-                    params = self.optimizer.predict(params, self.samples_seen)
+                    true = params
+                    # into the tensors of a prediction whose backward has run, when there is one
+                    params = self.optimizer.predict(true, self.samples_seen,
+                                                    out=self._predictions.pop() if self._predictions else None)
+                    predicted = {n: t for n, t in params.items() if t is not true[n]}
             leaves = self._make_leaves(params)
         inputs = tuple(
             x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
@@ -314,7 +321,7 @@ class StageExecutor:
         if self.stochastic:
             torch.manual_seed((self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch)
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
-                           leaf_set=leaves)
+                           leaf_set=leaves, predicted=predicted)
         try:
             if self.policy in _INCONSISTENT:
                 record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
@@ -422,6 +429,7 @@ class StageExecutor:
         record = self._pop(microbatch)
         positions = self._input_targets(record)
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
+        self._done(record)
         return self._input_grads(record, positions, results)
 
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
@@ -438,6 +446,12 @@ class StageExecutor:
         """Weight-gradient half of a split backward (W)."""
         record = self._pop(microbatch)
         self._backward_into(record, version, [], record.grad_outputs, weights_only=True)
+        self._done(record)
+
+    def _done(self, record: _InFlight) -> None:
+        """After a microbatch's backward: the tensors of its prediction are free for the next."""
+        if record.predicted:
+            self._predictions.append(record.predicted)
 
     def _get(self, microbatch: int) -> _InFlight:
         try:
@@ -492,15 +506,22 @@ class StageExecutor:
     def step(self, release: Sequence[int] = ()) -> int:
         """Apply the accumulated gradient: a new weight version. Returns its number.
 
-        ``release`` lists versions no longer needed once this update is made (dropped before the
-        new version is stored, so a stage never holds more versions than its schedule says).
+        ``release`` lists versions no longer needed once this update is made. They are dropped
+        before the update, so that it writes into their tensors (a stage never holds more versions
+        than its schedule says, and in steady state allocates none): into the current version's
+        own tensors when it is among them (in place), else into those of released versions
+        (:meth:`VersionStore.spares`).
         """
         grads = self.grads or {}
-        current = self.versions.latest
-        # nothing reads the replaced version any more (its autograd leaves go with it): update in place
-        in_place = self.versions.current in release
+        versions = self.versions
+        current = versions.latest
+        number = versions.current
+        in_place = versions.releasing_current(release)
+        for version in release:
+            if version != number:
+                self.release(version)
         if self.nonfinite == "skip" and not all_finite(list(grads.values())):
-            step = self.versions.current + 1
+            step = number + 1
             self.skipped.append(step)
             if len(self.skipped) >= SKIP_LIMIT and self.skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
                 raise NonFiniteError(
@@ -509,21 +530,32 @@ class StageExecutor:
                     f"keep producing NaN or infinite values; training stopped there. {_advice(skip=False)}",
                     stage=self.stage, step=step,
                 )
-            # the new version equals the last (a copy where the last stays held, so both stay immutable)
-            new = current if in_place else {n: t.clone() for n, t in current.items()}
+            if in_place:
+                new = current
+            else:  # a copy where the last stays held, so that both stay immutable (into spares, if any)
+                spares = versions.spares(current)
+                with torch.no_grad():
+                    new = {n: spares[n].copy_(t) if n in spares else t.clone() for n, t in current.items()}
         elif self.optimizer is None:
             new = dict(current)
         else:
-            if self.grad_scale != 1.0:
-                grads = {n: g * self.grad_scale for n, g in grads.items()}
-            new = self.optimizer.step(current, grads, self.samples_seen, out=current if in_place else None)
+            if self.grad_scale != 1.0:  # the sums are this executor's own (dropped after the update)
+                for grad in grads.values():
+                    if grad is not None:
+                        grad.mul_(self.grad_scale)
+            out: dict[str, Tensor] = {}
+            if in_place:  # nothing reads the replaced version any more: its tensors, unless shared
+                out = {n: current[n] for n in grads if versions.exclusive(number, n)}
+            if len(out) < len(grads):
+                out.update(versions.spares([n for n in grads if n not in out]))
+            new = self.optimizer.step(current, grads, self.samples_seen, out=out)
         self.samples_seen += self.pending_samples
         self.pending_samples = 0
         self.grads = None
-        for version in release:
-            self.release(version)
-        made = self.versions.push(new)
-        held = set(self.versions.held())  # the push dropped a current version released before it
+        if number in release:
+            self.release(number)
+        made = versions.push(new)
+        held = set(versions.held())  # the push dropped a current version released before it
         for version in [v for v in self._leaves if v not in held]:
             del self._leaves[version]
         return made

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from pipetrain.errors import ConfigError
+from pipetrain.optim import fused
 from pipetrain.optim.base import StageOptimizer
 from pipetrain.optim.lr_schedule import LRSchedule
 
@@ -60,6 +61,7 @@ class Adam(StageOptimizer):
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
         self.amsgrad = bool(amsgrad)
+        self._scratch = fused.Scratch()
 
     @property
     def state_slots(self) -> int:
@@ -100,6 +102,51 @@ class Adam(StageOptimizer):
             torch.maximum(second, exp_avg_sq, out=second)
         denom = (second.sqrt() / bias_correction2_sqrt).add_(self.eps)
         return torch.addcdiv(param, exp_avg, denom, value=-step_size, out=out)
+
+    def _update_all(self, names, params, grads, lr, outs):
+        """:meth:`_update` for every parameter, its ops batched (see :mod:`pipetrain.optim.fused`);
+        the denominators go into reused scratch tensors instead of new ones."""
+        beta1, beta2 = self.betas
+        exp_avgs, exp_avg_sqs, maxima, step_sizes, corrections = [], [], [], [], []
+        for name, param in zip(names, params):
+            slots = self.state.get(name)
+            if slots is None:
+                slots = {
+                    "step": 0,
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                }
+                if self.amsgrad:
+                    slots["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                self.state[name] = slots
+            slots["step"] += 1
+            step = float(slots["step"])
+            exp_avgs.append(slots["exp_avg"])
+            exp_avg_sqs.append(slots["exp_avg_sq"])
+            if self.amsgrad:
+                maxima.append(slots["max_exp_avg_sq"])
+            step_sizes.append(-(lr / (1 - beta1**step)))
+            corrections.append((1 - beta2**step) ** 0.5)
+
+        if self.weight_decay != 0:
+            if self.decoupled_weight_decay:
+                params = outs = fused.mul_into(outs, params, 1 - lr * self.weight_decay)
+            else:
+                grads = fused.add_into(self._scratch.get("decayed", names, grads), grads, params, self.weight_decay)
+
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        second = exp_avg_sqs
+        if self.amsgrad:
+            torch._foreach_maximum_(maxima, exp_avg_sqs)
+            second = maxima
+        denominators = self._scratch.get("denominator", names, params)
+        torch._foreach_copy_(denominators, second)
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_div_(denominators, corrections)
+        torch._foreach_add_(denominators, self.eps)
+        return fused.addcdiv_into(outs, params, exp_avgs, denominators, step_sizes)
 
     def velocity(self, name: str) -> Tensor | None:
         slots = self.state.get(name)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.optim import fused
 from pipetrain.optim.lr_schedule import ConstantLR, LRSchedule
 
 __all__ = ["StageOptimizer", "Params", "Grads"]
@@ -79,37 +80,61 @@ class StageOptimizer(ABC):
 
         ``samples_seen`` counts the samples applied by earlier updates and selects the learning
         rate. Parameters whose gradient is ``None`` or missing keep their tensor and their state.
-        ``out`` gives tensors to write the new values into (``out=params``: in place, for a
-        version nothing reads any more).
+        ``out`` gives tensors to write the new values into, by name (``out=params``: in place, for
+        a version nothing reads any more; a buffer of a released version; a name missing from
+        ``out`` gets a new tensor). Results are bitwise the same whichever way they are written.
         """
-        unknown = [name for name in grads if name not in params]
-        if unknown:
+        if not grads.keys() <= params.keys():
+            unknown = [name for name in grads if name not in params]
             raise PipetrainError(
                 f"gradients for unknown parameters {unknown}; the stage's parameters are "
                 f"{list(params)}"
             )
         lr = self.lr_at(samples_seen)
-        updated: dict[str, Tensor] = {}
+        names, bases, gradients, targets = [], [], [], []
+        for name, param in params.items():
+            grad = grads.get(name)
+            if grad is None:
+                continue
+            if grad.shape != param.shape:
+                raise PipetrainError(
+                    f"gradient of {name!r} has shape {tuple(grad.shape)} but the parameter "
+                    f"has shape {tuple(param.shape)}"
+                )
+            names.append(name)
+            bases.append(param)
+            gradients.append(grad)
+            targets.append(None if out is None else out.get(name))
+        updated = dict(params)
         with torch.no_grad():
-            for name, param in params.items():
-                grad = grads.get(name)
-                if grad is None:
-                    updated[name] = param
-                    continue
-                if grad.shape != param.shape:
-                    raise PipetrainError(
-                        f"gradient of {name!r} has shape {tuple(grad.shape)} but the parameter "
-                        f"has shape {tuple(param.shape)}"
-                    )
-                new = self._update(name, param.detach(), grad.detach(), lr, None if out is None else out[name])
-                updated[name] = new.requires_grad_(True) if param.requires_grad else new
+            if names and type(self)._update_all is not StageOptimizer._update_all and fused.available(
+                bases + gradients
+            ):
+                results = self._update_all(names, bases, gradients, lr, targets)
+            else:
+                results = [
+                    self._update(name, param.detach(), grad.detach(), lr, target)
+                    for name, param, grad, target in zip(names, bases, gradients, targets)
+                ]
+        for name, param, new in zip(names, bases, results):
+            if new.requires_grad != param.requires_grad:
+                new.requires_grad_(param.requires_grad)
+            updated[name] = new
         self.steps += 1
         return updated
 
     @abstractmethod
     def _update(self, name: str, param: Tensor, grad: Tensor, lr: float, out: Tensor | None = None) -> Tensor:
         """One parameter's update; must return a new tensor (``out``, when given, which may be
-        ``param`` itself: the last operation writes there) and may change ``self.state[name]``."""
+        ``param`` itself: the last operation writes there) and may change ``self.state[name]``.
+        This is the single-tensor path, op for op torch's."""
+
+    def _update_all(self, names: list[str], params: list[Tensor], grads: list[Tensor], lr: float,
+                    outs: list[Tensor | None]) -> list[Tensor]:
+        """Every parameter's update at once, with the arithmetic of :meth:`_update` batched into
+        foreach calls (:mod:`pipetrain.optim.fused`); called under ``no_grad`` for CPU tensors only.
+        A subclass that overrides it must round exactly as its :meth:`_update`."""
+        raise NotImplementedError
 
     # -- Linear Weight Prediction ----------------------------------------------------------------
 
@@ -123,13 +148,15 @@ class StageOptimizer(ABC):
         """
 
     def predict(
-        self, params: Params, samples_seen: int, horizon: float | None = None
+        self, params: Params, samples_seen: int, horizon: float | None = None, *, out: Params | None = None
     ) -> dict[str, Tensor]:
         """Linear Weight Prediction: ``w_hat = w - lr * T * velocity`` for the forward pass.
 
         ``T = horizon`` (default: this stage's ``lwp_horizon``) and ``lr = lr_at(samples_seen)``,
         the rate in force when the forward runs. ``T = 0`` returns the same tensors. Backward,
-        update, evaluation and checkpoints use the true weights ``w``, never ``w_hat``.
+        update, evaluation and checkpoints use the true weights ``w``, never ``w_hat``. ``out``
+        gives tensors to write predictions into, by name (those of an earlier prediction nothing
+        reads any more); a parameter without a velocity is returned as itself.
         """
         horizon = self.lwp_horizon if horizon is None else float(horizon)
         if not horizon >= 0.0:
@@ -138,14 +165,31 @@ class StageOptimizer(ABC):
             return dict(params)
         self._check_can_predict()
         step = self.lr_at(samples_seen) * horizon
-        predicted: dict[str, Tensor] = {}
+        predicted: dict[str, Tensor] = dict(params)
         with torch.no_grad():
-            for name, param in params.items():
-                new = self._predict_one(name, param.detach(), step)
-                if new is None:
-                    predicted[name] = param
+            if type(self)._predict_one is StageOptimizer._predict_one:  # w - lr*T*v: batched
+                names, bases, velocities, targets = [], [], [], []
+                for name, param in params.items():
+                    velocity = self.velocity(name)
+                    if velocity is not None:
+                        names.append(name)
+                        bases.append(param)
+                        velocities.append(velocity)
+                        targets.append(None if out is None else out.get(name))
+                if fused.available(bases + velocities):
+                    results = fused.add_into(targets, bases, velocities, -step)
                 else:
-                    predicted[name] = new.requires_grad_(True) if param.requires_grad else new
+                    results = [torch.add(b, v, alpha=-step, out=t) for b, v, t in zip(bases, velocities, targets)]
+                made = zip(names, results)
+            else:
+                made = ((name, self._predict_one(name, param.detach(), step)) for name, param in params.items())
+            for name, new in made:
+                if new is None:
+                    continue
+                param = params[name]
+                if new.requires_grad != param.requires_grad:
+                    new.requires_grad_(param.requires_grad)
+                predicted[name] = new
         return predicted
 
     def _predict_one(self, name: str, param: Tensor, lr_horizon: float) -> Tensor | None:
