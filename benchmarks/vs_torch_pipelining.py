@@ -54,7 +54,8 @@ from torch.utils.data import TensorDataset
 
 from pipetrain.runtime.launch import init_distributed, launch
 
-__all__ = ["Config", "CONFIGS", "CONTENDERS", "build_model", "split_model", "make_batch"]
+__all__ = ["Config", "CONFIGS", "CONTENDERS", "build_model", "split_model", "make_batch", "pipetrain_config",
+           "pipetrain_rate"]
 
 
 @dataclass(frozen=True)
@@ -380,16 +381,16 @@ def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
 # -- pipetrain's runtime ---------------------------------------------------------------------------
 
 
-def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto",
-               on_nonfinite: str = "stop") -> float:
-    """`pipetrain train --executor distributed` on the same model, split and optimizer; the rate is
-    taken from the last stage's update times after the warm-up updates. PipeDream updates after
-    every minibatch of the microbatch size (its unit), the flushing schedules after each batch."""
-    from pipetrain.training.distributed import train_distributed
+def pipetrain_config(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto",
+                     on_nonfinite: str = "stop", **overrides):
+    """The `pipetrain train --executor distributed` configuration of this benchmark: the same model,
+    split and optimizer as the other contenders. PipeDream updates after every minibatch of the
+    microbatch size (its unit), the flushing schedules after each batch. ``overrides`` replace
+    fields (``data=`` another data spec, for example: benchmarks/data_path.py)."""
     from pipetrain.training import TrainConfig
 
     per_batch = cfg.microbatches if schedule == "pipedream" else 1
-    config = TrainConfig(
+    options = dict(
         model=f"benchmarks.vs_torch_pipelining:pipetrain_model:width={cfg.width},hidden={cfg.hidden},"
         f"classes={cfg.classes}",
         data=f"benchmarks.vs_torch_pipelining:pipetrain_data:width={cfg.width},batch={cfg.batch},"
@@ -409,10 +410,27 @@ def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: st
         receives=receives,
         on_nonfinite=on_nonfinite,
     )
+    options.update(overrides)
+    return TrainConfig(**options)
+
+
+def pipetrain_rate(config, cfg: Config, warmup: int) -> float:
+    """Train ``config`` (from :func:`pipetrain_config`); samples/s from the last stage's update
+    times after the warm-up updates."""
+    from pipetrain.training.distributed import train_distributed
+
+    per_batch = cfg.microbatches if config.schedule == "pipedream" else 1
     result = train_distributed(config)
     times = result.extra["update_seconds"]
     skip = max(warmup * per_batch, 1)
     return (len(times) - skip) * config.batch_size / (times[-1] - times[skip - 1])
+
+
+def _pipetrain(cfg: Config, steps: int, warmup: int, schedule: str, receives: str = "auto",
+               on_nonfinite: str = "stop") -> float:
+    """`pipetrain train --executor distributed` on the same model, split and optimizer; the rate is
+    taken from the last stage's update times after the warm-up updates."""
+    return pipetrain_rate(pipetrain_config(cfg, steps, warmup, schedule, receives, on_nonfinite), cfg, warmup)
 
 
 def pipetrain_gpipe(cfg: Config, steps: int, warmup: int) -> float:

@@ -77,6 +77,32 @@ def test_bad_input_exits_2_with_one_message(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["gpipe", "--stages", "100000"],
+    ["interleaved", "--stages", "64", "--microbatches", "100000", "--chunks", "2"],
+    ["zb-h1", "--stages", "3000", "--microbatches", "3000"],
+])
+def test_a_schedule_too_large_is_refused_with_the_largest_that_fits(capsys, argv):
+    import re
+
+    from pipetrain.schedule.presets import LIMIT_SECONDS, estimated_seconds
+
+    code, out, err = run(capsys, "schedule", *argv)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    name = argv[0]
+    chunks = int(argv[argv.index("--chunks") + 1]) if "--chunks" in argv else 1
+    stages = int(argv[argv.index("--stages") + 1])
+    microbatches = int(argv[argv.index("--microbatches") + 1]) if "--microbatches" in argv else 8
+    most = int(re.search(r"at most ([\d,]+) stages", err).group(1).replace(",", ""))
+    assert estimated_seconds(name, most, microbatches, chunks=chunks) <= LIMIT_SECONDS
+    assert estimated_seconds(name, most + 1, microbatches, chunks=chunks) > LIMIT_SECONDS
+    fewer = re.search(r"or ([\d,]+) microbatches", err)
+    if fewer:
+        count = int(fewer.group(1).replace(",", ""))
+        assert estimated_seconds(name, stages, count, chunks=chunks) <= LIMIT_SECONDS
+        assert estimated_seconds(name, stages, count + 1, chunks=chunks) > LIMIT_SECONDS
+
+
 def test_deadlocking_csv_exits_2(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text(

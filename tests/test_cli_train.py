@@ -253,10 +253,12 @@ def test_the_stages_and_each_evaluation_are_printed_without_a_terminal(capfd, ex
     lines = out.splitlines()
     assert lines[0].startswith(f"1f1b: 2 stages on 2 {'workers' if executor == 'distributed' else 'emulated ranks'}, "
                                "6 updates of 8 samples (4 microbatches each)")
-    assert lines[1].startswith("stage 0: ") and lines[2].startswith("stage 1: ")
-    assert [line.split(":")[0] for line in lines[3:6]] == ["after 2 of 6 updates", "after 4 of 6 updates",
+    assert lines[1] == ("data: 64 samples, read by index, one update ahead on a background thread; held out: the test "
+                        "split of synthetic:features=8,classes=3,samples=64 (64 samples)")
+    assert lines[2].startswith("stage 0: ") and lines[3].startswith("stage 1: ")
+    assert [line.split(":")[0] for line in lines[4:7]] == ["after 2 of 6 updates", "after 4 of 6 updates",
                                                            "after 6 of 6 updates"]
-    assert "test accuracy" in lines[6]
+    assert "test accuracy" in lines[7]
     code = main(["train", "--executor", executor, *SMALL, "--stages", "2", "--steps", "6", "--eval-every", "2",
                  "--quiet"])
     out, err = capfd.readouterr()

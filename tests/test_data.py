@@ -17,6 +17,7 @@ from pipetrain.data import (
     get_batch,
     load_dataset,
     load_digits,
+    load_data,
     load_train_test,
     split_indices,
 )
@@ -158,9 +159,65 @@ def test_user_factory_train_test(tmp_path, monkeypatch):
     name = write_module(tmp_path, monkeypatch, FACTORY)
     train, test = load_train_test(f"{name}:with_split:samples=5")
     assert (len(train), len(test)) == (5, 2)
-    train, test = load_train_test(f"{name}:make:samples=10")
+    train, test = load_train_test(f"{name}:make:samples=10")  # no split=: nothing is held out
+    assert len(train) == 10 and test is None
+    train, test = load_train_test(f"{name}:make:samples=10", holdout=0.2)
     assert isinstance(train, Subset) and (len(train), len(test)) == (8, 2)
     assert sorted([*train.indices, *test.indices]) == list(range(10))
+
+
+def test_where_held_out_data_comes_from_is_said(tmp_path, monkeypatch):
+    name = write_module(tmp_path, monkeypatch, FACTORY)
+    own = load_data("digits")
+    assert len(own.test) == 360 and own.note == "held out: the test split of digits (360 samples)"
+    none = load_data(f"{name}:make:samples=10")
+    assert none.test is None and "nothing" in none.note and "--holdout FRACTION" in none.note
+    cut = load_data(f"{name}:make:samples=10", holdout=0.3)
+    assert (len(cut.train), len(cut.test)) == (7, 3) and cut.note == "held out: --holdout 0.3, 3 of the 10 samples (a fixed split)"
+    split = load_data("digits", holdout=0.5)  # a data set with splits: its train split is cut
+    assert (len(split.train), len(split.test)) == (719, 718) and split.info == DataInfo((64,), 10)
+    other = load_data(f"{name}:make:samples=10", test_data="digits:split=test")
+    assert len(other.test) == 360 and other.note == "held out: --test-data digits:split=test (360 samples)"
+    with pytest.raises(ConfigError, match="either --test-data or --holdout"):
+        load_data("digits", test_data="digits", holdout=0.2)
+    for bad in (0, 1, 1.5, -0.1, "x"):
+        with pytest.raises(ConfigError, match="--holdout must be a fraction"):
+            load_data("digits", holdout=bad)
+
+
+COUNTING = """
+import torch
+from torch.utils.data import Dataset
+
+READS = []
+
+class Counting(Dataset):
+    def __init__(self, n, declared):
+        self.n = n
+        if declared:
+            self.num_classes = 5
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        READS.append(i)
+        return torch.full((3,), float(i)), i % 4
+
+def make(samples=20, declared=False):
+    return Counting(samples, declared)
+"""
+
+
+def test_set_up_reads_no_sample_more_than_once(tmp_path, monkeypatch):
+    name = write_module(tmp_path, monkeypatch, COUNTING)
+    data = load_data(f"{name}:make")  # the class count comes from reading every sample once
+    reads = sys.modules[name].READS
+    assert data.info == DataInfo((3,), 4) and sorted(reads) == list(range(20))
+    reads.clear()
+    data = load_data(f"{name}:make:declared=true")  # declared: only the sample that checks the factory
+    assert data.info == DataInfo((3,), 5) and reads == [0]
+    reads.clear()
+    load_data(f"{name}:make", holdout=0.25)
+    assert len(reads) == len(set(reads)) == 15  # the checked sample and the training samples, once each
 
 
 @pytest.mark.parametrize(
@@ -180,12 +237,12 @@ def test_user_factory_unknown_option(tmp_path, monkeypatch):
 
 
 def test_split_indices():
-    train, test = split_indices(10)
+    train, test = split_indices(10, 0.2)
     assert len(test) == 2 and sorted(train + test) == list(range(10))
-    assert split_indices(10) == (train, test)
-    assert len(split_indices(2)[1]) == 1
+    assert split_indices(10, 0.2) == (train, test)
+    assert len(split_indices(2, 0.2)[1]) == 1
     with pytest.raises(ConfigError):
-        split_indices(1)
+        split_indices(1, 0.2)
 
 
 def test_dataset_info_scans_labels_and_subsets():
@@ -221,3 +278,102 @@ def test_get_batch_tensor_and_subset():
     sub = Subset(Subset(digits, list(range(100, 200))), [3, 1])
     x, y = get_batch(sub, [0, 1])
     assert torch.equal(x, digits.features[[103, 101]])
+    for inner in (torch.arange(100, 200), np.arange(100, 200), range(100, 200)):
+        x, y = get_batch(Subset(Subset(digits, inner), [3, 1]), torch.tensor([0, 1]))
+        assert torch.equal(x, digits.features[[103, 101]]) and torch.equal(y, digits.labels[[103, 101]])
+
+
+class _Indices(list):
+    """A Subset's index list that counts the entries read and refuses to be read whole."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read = 0
+
+    def __getitem__(self, i):
+        self.read += 1
+        return super().__getitem__(i)
+
+    def __iter__(self):
+        raise AssertionError("the whole index list was read")
+
+
+def test_a_subset_read_costs_its_batch_not_its_length():
+    pairs = [(torch.full((2,), float(i)), i % 3) for i in range(1000)]
+    for base in (TensorDataset(torch.arange(1000.0)[:, None], torch.arange(1000) % 3), pairs):
+        indices = _Indices(range(999, -1, -1))
+        x, y = get_batch(Subset(base, indices), [0, 5, 7])
+        assert indices.read == 3 and x[:, 0].tolist() == [999.0, 994.0, 992.0] and y.tolist() == [0, 1, 2]
+
+
+def test_stacking_errors_name_what_is_wrong():
+    with pytest.raises(ConfigError, match="cannot be stacked.*shapes"):
+        get_batch([(torch.zeros(2), 0), (torch.zeros(3), 1)], [0, 1])
+    with pytest.raises(ConfigError, match="integer class label"):
+        get_batch([(torch.zeros(2), 0.5), (torch.zeros(2), 1.5)], [0, 1])
+    with pytest.raises(ConfigError, match="pair"):
+        get_batch([(torch.zeros(2), 0, 1)], [0])
+    x, y = get_batch([(torch.zeros(2), torch.tensor(1)), (torch.ones(2), torch.tensor(2))], [1, 0])
+    assert x.tolist() == [[1.0, 1.0], [0.0, 0.0]] and y.dtype == torch.int64 and y.tolist() == [2, 1]
+
+
+def test_train_command_says_where_the_held_out_data_comes_from(tmp_path, monkeypatch, capsys):
+    from pipetrain.cli import main
+
+    name = write_module(tmp_path, monkeypatch, FACTORY)
+    small = ["train", "--executor", "emulate", "--model", "mlp:depth=2,width=8", "--batch-size", "4", "--steps", "2",
+             "--stages", "2", "--no-progress"]
+    assert main([*small, "--data", f"{name}:make:samples=20", "--holdout", "0.25", "--data-workers", "0"]) == 0
+    out = capsys.readouterr().out
+    assert ("data: 15 samples, read by index, one update ahead on a background thread; held out: --holdout 0.25, 5 "
+            "of the 20 samples (a fixed split)") in out.splitlines() and "test accuracy" in out
+    assert main([*small, "--data", f"{name}:pairs"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (f"data: 6 samples, read sample by sample in 1 DataLoader worker process; held out: nothing "
+                      f"({name}:pairs has no split= parameter), so no evaluation; give --test-data SPEC or --holdout "
+                      "FRACTION to evaluate")
+    assert "test accuracy" not in out[-1]
+    assert main([*small, "--data", "digits", "--data-workers", "-1"]) == 2
+    assert "--data-workers must be an integer >= 0" in capsys.readouterr().err
+    assert main([*small, "--data", "digits", "--holdout", "2"]) == 2
+    assert "--holdout must be a fraction" in capsys.readouterr().err
+
+
+def test_train_help_states_the_data_defaults(capsys):
+    from pipetrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--holdout FRACTION" in text and "(default: none;" in text
+    assert "--data-workers N" in text and "(default 1;" in text and "--pin-memory" in text
+
+
+BROKEN = """
+import torch
+from torch.utils.data import Dataset
+
+class Broken(Dataset):
+    def __init__(self, bad):
+        self.bad = bad
+    def __len__(self):
+        return 10
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise KeyError(f"sample {i} is missing")
+        return torch.zeros(2), i % 2
+
+def make(bad=0):
+    return Broken(bad)
+"""
+
+
+def test_a_failing_getitem_during_set_up_is_one_line(tmp_path, monkeypatch):
+    name = write_module(tmp_path, monkeypatch, BROKEN)
+    with pytest.raises(ConfigError) as caught:
+        load_data(f"{name}:make:bad=0")
+    assert str(caught.value).startswith("data set Broken: reading sample 0 raised KeyError: 'sample 0 is missing' (")
+    with pytest.raises(ConfigError) as caught:
+        load_data(f"{name}:make:bad=7")
+    assert str(caught.value).startswith("counting the classes of the data set (give it a num_classes attribute to skip "
+                                        "this): data set Broken: reading sample 7 raised KeyError: 'sample 7 is missing'")

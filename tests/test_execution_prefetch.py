@@ -1,8 +1,11 @@
 """Reading batches ahead: the same batches as reading them when needed, read one update ahead on
-one background thread, errors raised where the batch is used, and only for data sets whose
-batches are a function of their indices."""
+one background thread (only for data sets whose batches are a function of their indices) or in
+worker processes, errors raised where the batch is used."""
 
+import os
+import pickle
 import threading
+from collections import namedtuple
 
 import pytest
 import torch
@@ -10,7 +13,16 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from pipetrain.data.info import reads_by_index
 from pipetrain.execution import UnitData, UnitLayout
-from pipetrain.execution.prefetch import BatchPrefetcher
+from pipetrain.execution.prefetch import (
+    PACK_LIMIT,
+    BatchPrefetcher,
+    Receiver,
+    WorkerPrefetcher,
+    _Packed,
+    tensors_of,
+    pack,
+    unpack,
+)
 
 
 def _data(prefetch=None, dataset=None):
@@ -115,3 +127,111 @@ def test_runtime_reads_ahead_in_the_order_of_its_stage_0_forwards() -> None:
     first, second = (_updates_read(schedule, rank, layout) for rank in schedule.stage_ranks[0])
     assert sorted(first + second) == list(range(8)) and not set(first) & set(second)
     assert first == sorted(first) and second == sorted(second)
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+def test_packed_batches_come_back_bit_for_bit() -> None:
+    batch = (
+        (torch.randn(3, 4), torch.tensor(7), Pair(torch.arange(5, dtype=torch.int16), torch.ones(2, dtype=torch.bfloat16))),
+        {"mask": torch.tensor([True, False]), "empty": torch.zeros(0, 3)},
+        torch.arange(6, dtype=torch.int64)[::2],  # not contiguous
+        "label",
+    )
+    packed = pack(batch)
+    assert isinstance(packed[2], _Packed) and isinstance(packed[0][2], Pair)
+    back = unpack(pickle.loads(pickle.dumps(packed)))
+    flat_a, flat_b = list(tensors_of(batch)), list(tensors_of(back))
+    assert len(flat_a) == len(flat_b) == 7 and back[3] == "label" and isinstance(back[0][2], Pair)
+    for a, b in zip(flat_a, flat_b):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    big = torch.zeros(PACK_LIMIT // 4 + 1)
+    assert pack((big, big[:1]))[0] is big  # larger batches are left to DataLoader's shared memory
+
+
+def test_receiver_hands_items_over_in_order_and_raises_failures() -> None:
+    receiver = Receiver(iter(range(5)), lambda item: item * 10)
+    assert [receiver.take() for _ in range(6)] == [(True, i * 10) for i in range(5)] + [(False, None)]
+    receiver.close()
+
+    def failing():
+        yield 1
+        raise KeyError("gone")
+
+    receiver = Receiver(failing())
+    assert receiver.take() == (True, 1)
+    with pytest.raises(KeyError, match="gone"):
+        receiver.take()
+    receiver.close()
+    endless = Receiver(iter(int, 1))  # never ends: close() must still stop the thread
+    endless.take()
+    endless.close(timeout=5)
+    assert not endless._thread.is_alive()
+
+
+class _Squares(Dataset):
+    """Item t is update t's "batch": read in a worker process."""
+
+    def __getitem__(self, t: int):
+        return torch.full((2,), float(t * t)), torch.tensor([os.getpid()])
+
+
+def test_worker_prefetcher_reads_in_other_processes_in_order() -> None:
+    prefetcher = WorkerPrefetcher(_Squares(), range(10), workers=2, keep=2)
+    try:
+        got = {t: prefetcher.get(t) for t in (0, 1, 3, 2, 9)}
+        assert {t: float(x[0]) for t, (x, _) in got.items()} == {t: float(t * t) for t in got}
+        assert all(int(pid) != os.getpid() for _, pid in got.values())
+        assert prefetcher.get(4) is None  # passed and not kept (keep=2 held 2, then 4..8 went by): read it yourself
+        assert prefetcher.get(42) is None  # outside the order
+    finally:
+        prefetcher.close()
+
+
+def test_worker_prefetcher_groups_updates_and_restarts_far_ahead() -> None:
+    prefetcher = WorkerPrefetcher(_Squares(), range(200), workers=1, group=4, keep=2)
+    try:
+        assert float(prefetcher.get(0)[0][0]) == 0.0
+        pids = {int(prefetcher.get(t)[1]) for t in (1, 2, 3)}  # one group, one worker
+        assert float(prefetcher.get(150)[0][0]) == 150.0**2  # far ahead: the stream starts again there
+        assert float(prefetcher.get(151)[0][0]) == 151.0**2
+        assert prefetcher.get(4) is None
+        assert len(pids) == 1 and os.getpid() not in pids
+    finally:
+        prefetcher.close()
+
+
+def test_group_size_follows_batch_bytes_and_read_time() -> None:
+    from pipetrain.data.batches import MAX_GROUP, group_size
+
+    small = (torch.zeros(32, 64), torch.zeros(32, dtype=torch.int64))
+    assert group_size(small, 1e-4) == MAX_GROUP
+    assert group_size(small, 0.002) == 2  # slow reads: less in one message
+    assert group_size((torch.zeros(PACK_LIMIT // 4),), 1e-4) == 1  # large batches travel alone
+
+
+class _Affinity(Dataset):
+    def __getitem__(self, t: int):
+        return torch.tensor(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_data_workers_of_a_pinned_rank_may_use_every_core(monkeypatch) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("PIPETRAIN_CPUS", str(cores[0]))  # as pipetrain's launcher pins a rank
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        prefetcher = WorkerPrefetcher(_Affinity(), range(2), workers=1)
+        try:
+            assert prefetcher.get(0).tolist() == cores
+        finally:
+            prefetcher.close()
+        monkeypatch.delenv("PIPETRAIN_CPUS")  # pinned by someone else: left as it is
+        prefetcher = WorkerPrefetcher(_Affinity(), range(2), workers=1)
+        try:
+            assert prefetcher.get(0).tolist() == cores[:1]
+        finally:
+            prefetcher.close()
+    finally:
+        os.sched_setaffinity(0, cores)

@@ -56,7 +56,7 @@ def test_python_train_py_spawns_its_workers_and_equals_the_emulator(tmp_path, em
         with open(tmp_path / f"{name}.json") as f:
             assert json.load(f)["workers"] == 2
     with open(tmp_path / "pipedream-fit.json") as f:
-        assert json.load(f)["checkpoints"] == [[3, "step-000003"]]  # every 3 updates, before the end
+        assert json.load(f)["checkpoints"] == [[3, "step-000003"], [6, "step-000006"]]  # every 3 updates, and the last
     with open(tmp_path / "pipedream-step-eval.json") as f, open(emulated / "pipedream-step-eval.json") as g:
         assert json.load(f) == json.load(g)  # evaluation between two steps, through the pipeline
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 import random
 import threading
 
@@ -195,6 +196,7 @@ def test_distributed_protocol_with_threads_and_a_real_store(tmp_path):
         t.join(30)
     assert isinstance(outcome[0], CheckpointError) and "ranks [2] did not finish" in str(outcome[0])
     assert isinstance(outcome[1], CheckpointError) and "ranks [2]" in str(outcome[1])
+    assert outcome[0].exit_status == outcome[1].exit_status == 3  # a timed-out peer, not a bad checkpoint
     assert open_checkpoint(step_dir(tmp_path, 8)).step == 8  # the earlier commit still stands
 
 
@@ -218,3 +220,16 @@ def test_distributed_save_in_real_processes(tmp_path):
     assert result.returncode == 0, result
     assert result.results[0] == (str(step_dir(tmp_path, 2)), 1)
     assert result.results[1] == (str(step_dir(tmp_path, 2)), 0)
+
+
+class Payload:
+    """Any class: a pickle of an arbitrary object could run code when loaded."""
+
+
+def test_checkpoints_load_tensors_and_plain_data_only(tmp_path):
+    path = save_checkpoint(tmp_path, 1, {"evil.pt": {"x": Payload()}}, META)
+    with pytest.raises(CheckpointError, match="evil.pt holds objects other than tensors and plain data"):
+        open_checkpoint(path).load("evil.pt")
+    source = Path(__file__).resolve().parents[1] / "src"
+    found = [str(p) for p in source.rglob("*.py") if "weights_only=False" in p.read_text()]
+    assert not found, found

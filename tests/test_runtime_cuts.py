@@ -3,7 +3,7 @@
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.runtime.cuts import cut, cuts, shared_updates
+from pipetrain.runtime.cuts import cut, cuts, in_flight, shared_updates
 from pipetrain.schedule import Kind, build, loads
 
 
@@ -33,6 +33,20 @@ def test_pipedream_cuts_leave_forwards_in_flight_and_name_crossing_sends():
     # stage 1 has sent F(5), which stage 2 receives after its cut
     assert [str(schedule.programs[0][p]) for p in c.crossing_sends[0]] == ["0SEND_F6>1"]
     assert [str(schedule.programs[1][p]) for p in c.crossing_sends[1]] == ["1SEND_F5>2"]
+
+
+def test_the_forwards_in_flight_at_a_cut_and_the_versions_they_read():
+    schedule = build("pb", 3, 20)  # latest policy: each forward's version is released once it is done
+    positions = [c.positions[0] for c in cuts(schedule, [6, 11])]
+    flying = in_flight(schedule.programs[0], positions)
+    for position, forwards in zip(positions, flying):
+        done = before(schedule, 0, position)
+        backwards = {a.microbatch for a in done if a.kind is Kind.B}
+        assert [a.microbatch for a in forwards] == [a.microbatch for a in done if a.kind is Kind.F
+                                                    and a.microbatch not in backwards]
+        assert len(forwards) == 4  # right after a backward, D_0 = 2(S - 1) samples are in flight at stage 0
+        assert len({a.version for a in forwards}) == 4  # each read its own version: a checkpoint needs them all
+    assert in_flight(schedule.programs[0], [0, len(schedule.programs[0])]) == [[], []]
 
 
 def test_cut_inside_a_split_backward_is_refused():

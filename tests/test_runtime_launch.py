@@ -20,21 +20,49 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 LIMIT = 60
 
 
+def _listening(pid: int) -> list[str]:
+    """The local addresses of the TCP sockets process ``pid`` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(table) as handle:
+            for line in handle.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    address = bytes.fromhex(fields[1].split(":")[0])
+                    words = b"".join(address[i:i + 4][::-1] for i in range(0, len(address), 4))  # little-endian words
+                    found.append(socket.inet_ntop(family, words))
+    return found
+
+
 def _env_worker():
     import torch
 
     env = init_distributed("gloo", timeout=LIMIT)
+    torch.distributed.barrier()  # every connection of the process group is made
     return {
         "env": env,
         "threads": torch.get_num_threads(),
         "cpus": sorted(os.sched_getaffinity(0)),
         "world": torch.distributed.get_world_size(),
+        "listening": _listening(os.getpid()) + _listening(os.getppid()),  # the worker's and the launcher's
     }
 
 
 def test_workers_get_ranks_threads_and_disjoint_cores():
     result = launch(_env_worker, (), 2, threads_per_worker=1, timeout=LIMIT, quiet=True)
     assert result.returncode == 0 and result.exitcodes == [0, 0]
+    # the launcher's store and gloo's sockets listen on loopback only: nothing of a local run is reachable
+    # from another machine
+    listening = [address for r in result.results for address in r["listening"]]
+    assert listening and set(listening) <= {"127.0.0.1", "::1"}, listening
     envs = [r["env"] for r in result.results]
     assert [e.rank for e in envs] == [0, 1] and [e.local_rank for e in envs] == [0, 1]
     assert all(e.world_size == 2 and e.launcher == "pipetrain" for e in envs)
@@ -42,6 +70,24 @@ def test_workers_get_ranks_threads_and_disjoint_cores():
     if len(os.sched_getaffinity(0)) >= 2:
         cpus = [r["cpus"] for r in result.results]
         assert len(cpus[0]) == 1 and len(cpus[1]) == 1 and cpus[0] != cpus[1]
+
+
+def _crash_once(code):
+    """Rank 1 ends with ``code`` (a negative one: killed by that signal) in the first start only."""
+    rank, restart = int(os.environ["RANK"]), int(os.environ["PIPETRAIN_RESTART"])
+    if rank == 1 and restart == 0:
+        if code < 0:
+            os.kill(os.getpid(), -code)
+        raise SystemExit(code)
+    return restart
+
+
+def test_workers_are_started_again_after_a_failure_that_is_not_a_user_error(capfd):
+    result = launch(_crash_once, (-signal.SIGKILL,), 2, timeout=LIMIT, restarts=2)
+    assert result.returncode == 0 and result.restarts == 1 and result.results == [1, 1]
+    assert "worker rank 1 was killed by SIGKILL: starting the workers again (restart 1 of 2)" in capfd.readouterr().err
+    user_error = launch(_crash_once, (2,), 2, timeout=LIMIT, restarts=2, quiet=True)  # would fail the same way again
+    assert user_error.returncode == 2 and user_error.restarts == 0
 
 
 def test_plan_cores():

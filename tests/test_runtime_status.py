@@ -81,6 +81,8 @@ def _pipeline_worker(fault, timeout):
             time.sleep(0.3)  # let the board publish what rank 1 did last
             if fault == "hang":
                 time.sleep(60)
+            elif fault == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its status board stops publishing too
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
         if rank < 2:
@@ -143,19 +145,38 @@ def test_a_killed_rank_is_named_by_the_launcher_and_its_peers(capfd):
     assert re.search(r"rank 1: .*done: F0 F1 F2 B0", errors[0])
 
 
-def _record(rank, waiting=None, peer=None, age=0.0, done=("F0",)):
+def test_a_stopped_rank_is_named_in_the_last_line_and_the_run_exits_3(capfd):
+    result = launch(_pipeline_worker, ("stop", 4.0), 3, grace=1.0, timeout=LIMIT)
+    assert result.returncode == EXIT_PEER_FAILURE  # a lost or timed-out peer
+    assert result.exitcodes[1] == -signal.SIGKILL  # SIGTERM waits for a stopped process; SIGKILL does not
+    # the healthy rank that timed out first is not the culprit: the message (the command's last line) says who is
+    assert re.search(r"^worker rank [02] exited with status 3 \(it lost a peer or timed out waiting for one\); rank 1 "
+                     r"is silent for \d+\.\d s: it died or is frozen \(stopped, for instance by SIGSTOP\) \(rank\(s\) "
+                     r"0, 2 waited for it\)$", result.message), result.message
+    assert "deadlock" not in capfd.readouterr().err
+
+
+def _record(rank, waiting=None, peer=None, age=0.0, done=("F0",), waited=1.0):
     return {"rank": rank, "pid": 1, "host": "h", "time": time.time() - age, "done": list(done),
-            "waiting": waiting, "waiting_s": 1.0, "peer": peer, "note": ""}  # fmt: skip
+            "waiting": waiting, "waiting_s": waited, "peer": peer, "note": ""}  # fmt: skip
 
 
 def test_diagnosis_points_at_the_culprit():
-    deadlock = {0: _record(0, "RECV_B 0 from rank 1", 1), 1: _record(1, "RECV_F 1 from rank 0", 0)}
+    deadlock = {0: _record(0, "RECV_B 0 from rank 1", 1, waited=9.0), 1: _record(1, "RECV_F 1 from rank 0", 0, waited=9.0)}
     text = format_status(deadlock, 2)
     assert "likely cause: rank 0 waits for rank 1, which waits for it: the two programs deadlock" in text
+    # two waits a moment old say nothing about the programs (messages about to arrive), nor does a dead
+    # rank's last record: a rank killed while it waited for a peer that waits for it is no deadlock
+    assert "likely" not in format_status({0: _record(0, "RECV_B 0 from rank 1", 1, waited=0.1),
+                                          1: _record(1, "RECV_F 1 from rank 0", 0, waited=9.0)}, 2)
+    text = format_status(deadlock, 2, gone={1: "was killed by SIGKILL"})
+    assert "rank 1: was killed by SIGKILL; last done: F0" in text
+    assert "likely cause: rank 1 was killed by SIGKILL (rank(s) 0 wait for it)" in text and "deadlock" not in text
     dead = {0: _record(0, "RECV_B 0 from rank 1", 1), 1: _record(1, age=60.0), 2: _record(2, "RECV_F 0 from rank 1", 1)}
     text = format_status(dead, 3)
     assert "rank 1: silent for 60" in text
-    assert "likely cause: rank 1 is silent: it died or is frozen (rank(s) 0, 2 wait for it)" in text
+    assert re.search(r"likely cause: rank 1 is silent for 60\.\d s: it died or is frozen \(stopped, for instance by "
+                     r"SIGSTOP\) \(rank\(s\) 0, 2 wait for it\)", text), text
     chain = {0: _record(0, "RECV_B 0 from rank 1", 1), 1: _record(1, "RECV_B 0 from rank 2", 2)}
     text = format_status(chain, 3)
     assert "rank 2: no status published" in text

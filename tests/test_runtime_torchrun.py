@@ -1,21 +1,28 @@
 """`pipetrain train` under torchrun: two agents (two "machines") meeting at a c10d rendezvous on
-127.0.0.1 train to the emulator's parameters."""
+127.0.0.1 train to the emulator's parameters, also when a worker is killed and torchrun restarts
+them (they resume from the checkpoints by themselves); a killed agent ends the other one."""
 
 from __future__ import annotations
 
 import os
+import random
+import signal
 import socket
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 
-from pipetrain.training import TrainConfig
+from pipetrain.errors import ConfigError
+from pipetrain.training import TrainConfig, prepare
 from pipetrain.training.train import train
 
 OPTIONS = ["--schedule", "1f1b", "--stages", "2", "--model", "mlp:depth=3,width=16",
-           "--data", "synthetic:features=8,classes=3,samples=64", "--batch-size", "8", "--steps", "4",
-           "--no-progress", "--timeout", "60"]
+           "--data", "synthetic:features=8,classes=3,samples=64", "--batch-size", "8", "--steps", "8",
+           "--microbatches", "2", "--no-progress", "--timeout", "30"]
+SCRIPT = os.path.join(os.path.dirname(__file__), "restart_script.py")
 
 
 def _free_port() -> int:
@@ -24,32 +31,120 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_torchrun_agents_train_like_the_emulator(tmp_path):
+def _agents(entry: list[str], restarts: int, env: dict | None = None, outputs=None) -> list[subprocess.Popen]:
+    """Two torchrun agents of one job, the first hosting the rendezvous, each with one worker;
+    their output piped, or written to ``outputs`` (one file per agent)."""
     port = _free_port()
-    saved = tmp_path / "torchrun.pt"
-    procs = []
-    for node in (0, 1):
-        command = [
+    return [
+        subprocess.Popen([
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pipetrain-train",
-            "--rdzv-conf", f"is_host={1 - node},join_timeout=90", "--max-restarts", "0",
-            "-m", "pipetrain.cli", "train", "--executor", "distributed", *OPTIONS, "--save", str(saved),
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+            "--rdzv-conf", f"is_host={1 - node},join_timeout=90", "--max-restarts", str(restarts),
+            "--monitor-interval", "0.1", *entry,
+        ], stdout=subprocess.PIPE if outputs is None else outputs[node], stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), **(env or {})))
+        for node in (0, 1)
+    ]  # fmt: skip
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=180)[0])
+            outputs.append(proc.communicate(timeout=timeout)[0])
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
-    assert "1f1b: 4 steps on 2 workers" in "\n".join(outputs)
-    config = TrainConfig(schedule="1f1b", stages=2, model="mlp:depth=3,width=16",
-                         data="synthetic:features=8,classes=3,samples=64", batch_size=8, steps=4,
+    return outputs
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    fields = handle.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _same(a, b) -> bool:
+    a, b = torch.load(a), torch.load(b)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_torchrun_agents_restart_a_killed_worker_and_train_like_the_emulator(tmp_path):
+    saved = tmp_path / "torchrun.pt"
+    config = TrainConfig(schedule="1f1b", stages=2, model="mlp:depth=3,width=16", microbatches=2,
+                         data="synthetic:features=8,classes=3,samples=64", batch_size=8, steps=8,
                          executor="emulate", progress=False, save=str(tmp_path / "emulated.pt"))
+    rank = random.randrange(2)
+    position = random.randrange(1, len(prepare(config).schedule.programs[rank]))
+    procs = _agents(["-m", "pipetrain.cli", "train", "--executor", "distributed", *OPTIONS, "--save", str(saved),
+                     "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"], restarts=1,
+                    env={"PIPETRAIN_FAULT_INJECT": f"{rank}:{position}"})
+    text = "\n".join(_finish(procs))
+    where = f"rank {rank} killed before position {position}"
+    assert [p.returncode for p in procs] == [0, 0], (where, text)
+    assert "1f1b: 8 steps on 2 workers" in text
+    assert "no checkpoint in" in text and text.count("resuming from step") + text.count("no checkpoint in") == 2, text
     train(config)
-    a, b = torch.load(saved), torch.load(tmp_path / "emulated.pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _same(saved, config.save), where
+
+
+def test_a_script_under_torchrun_restarts_and_resumes_every_run_exactly(tmp_path):
+    import restart_script
+
+    kill = f"{random.choice(list(restart_script.RUNS))}:{random.randrange(restart_script.RUNS['1f1b']['steps'] - 1)}"
+    procs = _agents([SCRIPT, str(tmp_path), "--kill", kill], restarts=1)
+    text = "\n".join(_finish(procs))
+    assert [p.returncode for p in procs] == [0, 0], (kill, text)
+    restart_script.main([str(tmp_path), "--executor", "emulate"])
+    for schedule in restart_script.RUNS:
+        assert _same(tmp_path / f"{schedule}.pt", tmp_path / f"{schedule}-emulated.pt"), (kill, schedule)
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["the rendezvous host", "the other agent"])
+def test_killing_either_agent_ends_the_other_one_non_zero(tmp_path, victim):
+    logs = [open(tmp_path / f"agent{node}.log", "w") for node in (0, 1)]
+    long_run = OPTIONS[:OPTIONS.index("--steps")] + ["--steps", "4000"] + OPTIONS[OPTIONS.index("--steps") + 2:]
+    procs = _agents(["-m", "pipetrain.cli", "train", "--executor", "distributed", *long_run], restarts=0, outputs=logs)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("stage 0:" in (tmp_path / f"agent{n}.log").read_text()
+                                                      for n in (0, 1)):
+            time.sleep(0.2)
+        time.sleep(2.0)  # training
+        assert all(p.poll() is None for p in procs), "the run ended before the agent was killed"
+        orphans = _children(procs[victim].pid)  # its worker: it must not go on training alone
+        assert orphans
+        procs[victim].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code = procs[1 - victim].wait(timeout=120)
+        elapsed = time.monotonic() - killed
+        while time.monotonic() - killed < 10 and any(os.path.exists(f"/proc/{pid}") for pid in orphans):
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in orphans)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert code != 0
+    assert elapsed < 30 + 15, elapsed  # --timeout plus the grace torchrun takes to stop (docs/runtime-io.md)
+
+
+def test_max_restarts_is_torchruns_own_under_torchrun(monkeypatch):
+    from pipetrain.training.distributed import refuse_restarts_here
+
+    for key, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                           TORCHELASTIC_RUN_ID="job").items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match="under torchrun give torchrun its own --max-restarts"):
+        refuse_restarts_here(TrainConfig(max_restarts=1))
+    refuse_restarts_here(TrainConfig())

@@ -2,7 +2,8 @@
 
 Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
 Modules are imported only when their command runs, so `pipetrain schedule` starts without loading
-PyTorch. A :class:`~pipetrain.errors.PipetrainError` is printed as one line on stderr, exit status 2.
+PyTorch. A :class:`~pipetrain.errors.PipetrainError` is printed as one line on stderr, with its exit status (2 for bad
+input, 3 for a lost or timed-out peer, 128+N for a worker killed by signal N).
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)
-    except PipetrainError as error:
+    except PipetrainError as error:  # 2: bad input; 3: a lost or timed-out peer; 128+N: a worker killed by signal N
         print(f"pipetrain {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_status
     except KeyboardInterrupt:
         print(f"pipetrain {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -8,9 +8,12 @@ __all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "N
 class PipetrainError(Exception):
     """Base class of every error caused by user input.
 
-    The command-line tool prints the message without a traceback and exits with status 2, so the
-    message must stand on its own: say what was wrong and what would work instead.
+    The command-line tool prints the message without a traceback and exits with ``exit_status``
+    (2; 3 for a lost or timed-out peer, see :mod:`pipetrain.runtime.errors`), so the message must
+    stand on its own: say what was wrong and what would work instead.
     """
+
+    exit_status = 2
 
 
 class ScheduleError(PipetrainError):

@@ -189,6 +189,8 @@ class Pipeline:
         checkpoint_dir: str | None = None,
         checkpoint_every: int = 0,
         resume: bool | str = False,
+        keep: int = 2,
+        max_restarts: int = 0,
         progress: bool | None = None,
         quiet: bool = False,
         save: str | None = None,
@@ -202,11 +204,17 @@ class Pipeline:
 
         ``callbacks``: :class:`~pipetrain.training.callbacks.Callback` objects (or functions
         ``f(step, loss)``), called where the information is. Checkpoints (``checkpoint_dir``,
-        ``checkpoint_every``, ``resume``) and the outputs (``save``: the unsplit ``state_dict``,
+        ``checkpoint_every``, ``resume``, ``keep``) and the outputs (``save``: the unsplit ``state_dict``,
         ``report_json``, ``trace``, ``plot``) are those of ``pipetrain train``; so are the lines
         printed before and during training (the chosen stages, each evaluation), which ``quiet``
         leaves out, and the progress bar (default: on a terminal). Returns the
         :class:`~pipetrain.training.result.TrainResult`; ``model`` holds the trained weights.
+
+        ``checkpoint_dir`` alone resumes from its newest complete checkpoint when there is one, so
+        running the script again continues an interrupted run. ``max_restarts`` (distributed,
+        when ``python train.py`` starts the workers itself) starts every worker again after a
+        failure that is not a user error, up to that many times; they resume from
+        ``checkpoint_dir``. Under torchrun, use torchrun's ``--max-restarts`` instead.
         """
         from pipetrain.training.train import train
 
@@ -215,6 +223,7 @@ class Pipeline:
             self._config, data=describe_data(data), test_data=None if eval_data is None else describe_data(eval_data),
             batch_size=batch_size, epochs=epochs, steps=steps, eval_every=eval_every, eval_samples=eval_samples,
             shuffle=shuffle, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            keep=keep, max_restarts=max_restarts,
             progress=self._config.progress if progress is None else progress, quiet=quiet, save=save,
             report_json=report_json, trace=trace, plot=plot,
         )

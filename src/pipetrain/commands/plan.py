@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     cuts = build_cuts(profile)
     plan = make_plan(cuts, topology, schedule=args.schedule, cost_model=args.cost_model,
                      straight=args.straight, fewer_machines=args.fewer_machines,
-                     memory_limit=memory, microbatches=args.microbatches)
+                     memory_limit=memory, microbatches=args.microbatches, progress=True)
     plan.solve_seconds = time.perf_counter() - started
     baselines = [] if args.no_baselines else compare_baselines(
         cuts, topology, cost_model=args.cost_model, schedule=plan.schedule,

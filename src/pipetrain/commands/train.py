@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--data", default="digits", help="digits, synthetic:features=N,classes=C,samples=K, or "
                       "PKG.MOD:FACTORY (default digits)")
     what.add_argument("--test-data", help="a separate held-out data spec (default: the data's own test split)")
+    what.add_argument("--holdout", type=float, metavar="FRACTION",
+                      help="hold out this fraction of --data (a fixed split) for evaluation instead (default: none; "
+                           "a data factory without split= then has no held-out data)")
+    what.add_argument("--data-workers", type=int, metavar="N",
+                      help="DataLoader worker processes reading a plain Dataset ahead, 0 for the training thread "
+                           "(default 1; two-tensor and batch() data sets are read by index on a thread)")
+    what.add_argument("--pin-memory", action="store_true", help="page-locked batches, with an accelerator (default off)")
     how = parser.add_argument_group("pipeline")
     how.add_argument("--schedule", help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the "
                      "plan's, else 1f1b)")
@@ -101,7 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help="distributed: post each receive when it is reached (on-demand), keep every channel's "
                                 "next receive posted (ahead), or on-demand where provably deadlock-free (auto) (default auto)")
     run_group.add_argument("--timeout", type=float, default=60.0,
-                           help="seconds any blocking wait may take (default 60)")
+                           help="seconds any blocking wait may take, joining the run included (default 60)")
+    run_group.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                           help="start the workers again after a failure that is not a user error, up to N times; "
+                                "they resume from --checkpoint-dir (under torchrun use torchrun's own "
+                                "--max-restarts) (default 0)")
     out = parser.add_argument_group("outputs")
     out.add_argument("--save", help="write the trained (unsplit) model's state_dict (default: not saved)")
     out.add_argument("--report-json", help="write a JSON report: samples_per_s, final_loss, steps, ... "
@@ -109,13 +120,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--trace", help="write the measured per-action timeline as a Chrome/Perfetto trace "
                      "(default: none)")
     out.add_argument("--plot", help="draw the measured timeline next to the simulated one, PNG (default: none)")
-    out.add_argument("--checkpoint-dir", help="where --checkpoint-every writes and --resume reads checkpoints "
-                     "(default: none)")
+    out.add_argument("--checkpoint-dir", help="checkpoint the run into this directory, and resume from its newest "
+                     "complete checkpoint when it holds one (else start afresh, saying which): one command line "
+                     "for the first start and every restart (default: no checkpoints)")
     out.add_argument("--checkpoint-every", type=int, default=0,
-                     help="checkpoint after every K updates, keeping the 2 newest (default 0: never)")
+                     help="with --checkpoint-dir, checkpoint after every K updates, and after the last (default 0: "
+                          "about ten checkpoints per run, every ceil(steps / 10) updates)")
+    out.add_argument("--keep", type=int, default=2, metavar="K",
+                     help="complete checkpoints kept in --checkpoint-dir, the newest (default 2)")
     out.add_argument("--resume", nargs="?", const=True, default=False, metavar="CHECKPOINT",
-                     help="continue from the newest complete checkpoint in --checkpoint-dir, or from the named "
-                          "step directory, refused if it is incomplete or damaged (default: start afresh)")
+                     help="continue from the newest complete checkpoint in --checkpoint-dir, an error if there is "
+                          "none, or from the named step directory, refused if it is incomplete or damaged "
+                          "(default: --checkpoint-dir's newest if any, else start afresh)")
     out.add_argument("--no-progress", action="store_true",
                      help="no progress bar (it is shown only when stderr is a terminal)")
     out.add_argument("--quiet", action="store_true",
@@ -129,7 +145,8 @@ def config_from_args(args: argparse.Namespace):
     if args.translate_from_batch:
         optimizer = _translated(optimizer, args.translate_from_batch, args.batch_size)
     return TrainConfig(
-        model=args.model, data=args.data, test_data=args.test_data, schedule=args.schedule, stages=args.stages,
+        model=args.model, data=args.data, test_data=args.test_data, holdout=args.holdout,
+        data_workers=args.data_workers, pin_memory=args.pin_memory, schedule=args.schedule, stages=args.stages,
         balance=args.balance, split_at=args.split_at, plan=args.plan, balance_by=args.balance_by,
         leaf_modules=args.leaf_modules, concrete_args=args.concrete_args, replicas=args.replicas, chunks=args.chunks,
         policy=args.policy, microbatches=args.microbatches, batch_size=args.batch_size, steps=args.steps,
@@ -140,6 +157,7 @@ def config_from_args(args: argparse.Namespace):
         eval_every=args.eval_every, eval_samples=args.eval_samples, save=args.save, report_json=args.report_json,
         trace=args.trace, plot=args.plot,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+        keep=args.keep, max_restarts=args.max_restarts,
         progress=not args.no_progress and not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
     )
 

@@ -1,17 +1,23 @@
-"""What a model needs to know about a data set: input shape, class count, and batches."""
+"""What a model needs to know about a data set (input shape, class count) and reading its batches."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
 from pipetrain.errors import ConfigError
 from pipetrain.spec import describe_exception
 
-__all__ = ["DataInfo", "dataset_info", "get_batch", "check_sample", "read_sample"]
+__all__ = ["DataInfo", "DataReadError", "dataset_info", "get_batch", "check_sample", "read_sample", "stack_samples",
+           "reads_by_index"]
+
+
+class DataReadError(ConfigError):
+    """Reading a training batch failed: the update, and what the data set's code raised."""
 
 
 class DataInfo(NamedTuple):
@@ -63,33 +69,45 @@ def _class_count(labels: torch.Tensor) -> int:
     return int(counted.max()) + 1 if counted.numel() else 1
 
 
-def dataset_info(dataset: Dataset) -> DataInfo:
-    """Input shape of one sample and the class count of ``dataset``.
+def stack_samples(samples: Sequence[Any], where: str = "data set") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, y)`` pairs stacked along a new batch dimension; labels as int64.
 
-    The class count is ``dataset.num_classes`` when the data set has it (built-ins do), else one
-    more than the largest label (read from ``dataset.targets`` when present, else by visiting
-    every sample). Labels of -100 are ignored targets (padding, unmasked tokens), not classes.
+    The common case costs one ``torch.stack`` per field; only a batch that fails is checked sample
+    by sample, so that the error names what is wrong.
     """
     try:
-        n = len(dataset)  # type: ignore[arg-type]
-    except TypeError as error:
-        raise ConfigError("data set has no len(): pipetrain needs a map-style Dataset") from error
-    if n == 0:
-        raise ConfigError("data set is empty")
-    x, _ = check_sample(read_sample(dataset, 0))
-    num_classes = getattr(dataset, "num_classes", None)
-    if num_classes is None and isinstance(dataset, Subset):
-        num_classes = getattr(dataset.dataset, "num_classes", None)
-    if num_classes is None:
-        targets = getattr(dataset, "targets", None)
-        if targets is not None:
-            labels = torch.as_tensor(targets)
-        elif hasattr(dataset, "tensors") and len(dataset.tensors) == 2:  # type: ignore[attr-defined]
-            labels = dataset.tensors[1]  # type: ignore[attr-defined]
+        xs, ys = zip(*samples)
+        x = torch.stack(xs)
+        y = torch.stack(ys) if isinstance(ys[0], torch.Tensor) else torch.tensor(ys)
+    except (TypeError, ValueError, RuntimeError) as error:
+        for sample in samples:
+            check_sample(sample, where)
+        shapes = sorted({(tuple(s[0].shape), tuple(torch.as_tensor(s[1]).shape)) for s in samples})
+        raise ConfigError(
+            f"{where}: the samples of a batch cannot be stacked ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); every x must have one shape and every y "
+            f"another, got (x, y) shapes {shapes[:4]}"
+        ) from None
+    if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+        check_sample(samples[0], where)  # explains the label types
+    return x, y.to(torch.int64)
+
+
+def _base_indices(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[Dataset, list[int] | torch.Tensor]:
+    """``(base, index)``: the data set below any ``Subset`` wrappers and the indices into it, in
+    O(len(indices)) whatever the length of the subsets' index lists."""
+    index: list[int] | torch.Tensor = indices if isinstance(indices, torch.Tensor) else list(indices)
+    while isinstance(dataset, Subset):
+        inner = dataset.indices
+        if isinstance(inner, torch.Tensor):
+            index = inner[torch.as_tensor(index, dtype=torch.int64)]
+        elif isinstance(inner, np.ndarray):
+            index = torch.from_numpy(np.asarray(inner[np.asarray(index, dtype=np.int64)], dtype=np.int64))
         else:
-            labels = torch.stack([check_sample(read_sample(dataset, i))[1] for i in range(n)])
-        num_classes = _class_count(labels)
-    return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
+            positions = index.tolist() if isinstance(index, torch.Tensor) else index
+            index = [int(inner[i]) for i in positions]
+        dataset = dataset.dataset
+    return dataset, index
 
 
 def read_sample(dataset: Dataset, index: int) -> object:
@@ -143,18 +161,77 @@ def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[
     gathers the windows and, with ``min_length``, cuts the batch to a length drawn from the
     indices; build each update's whole batch with one call, then split it into microbatches). A
     data set of two tensors (built-ins, TensorDataset) is indexed in one operation; any other is
-    read sample by sample. Labels come back as int64.
+    read sample by sample (:func:`stack_samples`). ``Subset`` wrappers cost O(len(indices)).
+    Labels come back as int64.
     """
-    index = torch.as_tensor(indices, dtype=torch.int64)
-    while isinstance(dataset, Subset):
-        index = torch.as_tensor(dataset.indices, dtype=torch.int64)[index]
-        dataset = dataset.dataset
+    dataset, index = _base_indices(dataset, indices)
     batch = getattr(dataset, "batch", None)
     if callable(batch):
-        x, y = _read_batch(dataset, index)
+        x, y = _read_batch(dataset, torch.as_tensor(index, dtype=torch.int64))
         return x, y.to(torch.int64)
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) == 2:
+        index = torch.as_tensor(index, dtype=torch.int64)
         return tensors[0][index], tensors[1][index].to(torch.int64)
-    pairs = [check_sample(read_sample(dataset, int(i))) for i in index]
-    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]).to(torch.int64)
+    positions = index.tolist() if isinstance(index, torch.Tensor) else index
+    return stack_samples([read_sample(dataset, i) for i in positions])
+
+
+def _declared_classes(dataset: Dataset) -> int | None:
+    while True:
+        count = getattr(dataset, "num_classes", None)
+        if count is not None or not isinstance(dataset, Subset):
+            return count
+        dataset = dataset.dataset
+
+
+def _stored_labels(dataset: Dataset) -> torch.Tensor | None:
+    """The labels of ``dataset`` without reading a sample: its ``targets`` (torchvision's name) or
+    its second tensor, through any ``Subset`` wrappers; None when it has neither."""
+    base, index = _base_indices(dataset, torch.arange(len(dataset)))  # type: ignore[arg-type]
+    targets = getattr(base, "targets", None)
+    if targets is None:
+        tensors = getattr(base, "tensors", None)
+        if not (isinstance(tensors, tuple) and len(tensors) == 2):
+            return None
+        targets = tensors[1]
+    labels = torch.as_tensor(targets) if not isinstance(targets, torch.Tensor) else targets
+    return labels if base is dataset else labels[torch.as_tensor(index, dtype=torch.int64)]
+
+
+def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
+    """Input shape of one sample and the class count of ``dataset``.
+
+    ``first``: ``dataset[0]`` when the caller has read it already (it is not read again). The
+    class count is ``dataset.num_classes`` when the data set (or the one under a ``Subset``) has
+    it, as built-ins do; else one more than the largest label, taken from ``dataset.targets`` or
+    a second tensor when present, else by reading every other sample once (give the data set a
+    ``num_classes`` attribute to skip that pass). The pass runs under a fixed seed and leaves the
+    caller's random generators as they were. Labels of -100 are ignored targets (padding, unmasked
+    tokens), not classes.
+    """
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError as error:
+        raise ConfigError("data set has no len(): pipetrain needs a map-style Dataset") from error
+    if n == 0:
+        raise ConfigError("data set is empty")
+    x, y0 = check_sample(read_sample(dataset, 0) if first is None else first)
+    num_classes = _declared_classes(dataset)
+    if num_classes is None:
+        labels = _stored_labels(dataset)
+        if labels is None:
+            from pipetrain.data.seeding import seeded
+
+            parts = [y0.reshape(-1)]
+            try:
+                with seeded(0):
+                    for start in range(1, n, 256):
+                        parts.append(get_batch(dataset, range(start, min(start + 256, n)))[1].reshape(-1))
+            except ConfigError as error:
+                raise ConfigError(
+                    f"counting the classes of the data set (give it a num_classes attribute to skip this): {error}"
+                ) from None
+            labels = torch.cat(parts)
+        num_classes = _class_count(labels)
+    return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))

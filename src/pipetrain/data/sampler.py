@@ -99,6 +99,8 @@ class BatchSampler:
         """The ``B`` sample indices (int64) of update ``step`` (0-based)."""
         if step < 0:
             raise ValueError(f"update number must be >= 0, got {step}")
+        if not self.shuffle:  # positions t*B .. (t+1)*B-1 of 0, 1, .., N-1, 0, 1, ..: O(B), not O(N)
+            return (torch.arange(self.batch_size, dtype=torch.int64) + step * self.batch_size) % self.num_samples
         epoch, offset = self.position(step)
         parts = []
         need = self.batch_size

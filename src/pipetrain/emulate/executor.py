@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -101,6 +101,7 @@ class Emulator:
         programs = self.schedule.programs
         self._on_unit = on_unit
         self._mailbox: dict[tuple, tuple] = {}
+        self._labels: dict[int, Any] = {}  # unit -> targets, read with its inputs at stage 0 (as the runtime sends them on)
         self._outbox: dict[tuple, tuple] = {}
         self._waiting: dict[tuple, int] = {}
         self._syncs: dict[tuple[int, int], list] = {}
@@ -123,7 +124,7 @@ class Emulator:
         SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
             Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
         )
-        mailbox, outbox, waiting = self._mailbox, self._outbox, self._waiting
+        mailbox, outbox, waiting, labels = self._mailbox, self._outbox, self._waiting, self._labels
         syncs, sync_seen = self._syncs, self._sync_seen
         pcs = self.positions
         ends_at = [len(p) for p in programs] if limits is None else list(limits)
@@ -189,9 +190,12 @@ class Emulator:
                         executor = stages[stage]
                         if stage == 0:
                             inputs, target = self.data.unit(k)
+                            if stage != last_stage:
+                                labels[k] = target
+                                target = None
                         else:
                             inputs = mailbox.pop(("F", stage, k))
-                            target = self.data.unit(k)[1] if stage == last_stage else None
+                            target = labels.pop(k) if stage == last_stage else None
                         _, first, end = layout.bounds(k)
                         out = executor.forward(
                             k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=end - first

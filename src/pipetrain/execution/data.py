@@ -10,7 +10,7 @@ exactly the mean over the whole batch, the reduction of non-pipelined training.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from pipetrain.errors import ConfigError
 from pipetrain.execution.prefetch import BatchPrefetcher
 
-__all__ = ["UnitLayout", "UnitData"]
+__all__ = ["UnitLayout", "UnitData", "BatchSource"]
 
 
 @dataclass(frozen=True)
@@ -48,52 +48,91 @@ class UnitLayout:
         return (stop - start) / self.batch_size
 
 
-class UnitData:
-    """Inputs and targets of each unit, read through the batch sampler (cached per update).
+class BatchSource(Protocol):
+    """Where a :class:`UnitData` takes each update's whole batch from (for example
+    :class:`pipetrain.data.DatasetBatches` or :class:`pipetrain.data.LoaderBatches`)."""
 
-    With ``prefetch`` (the updates this rank reads, in the order it reads them), a
-    :class:`~pipetrain.execution.prefetch.BatchPrefetcher` reads each batch on a background
-    thread one update ahead, when the data set allows it."""
+    def batch(self, update: int) -> tuple[Any, torch.Tensor]: ...
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        layout: UnitLayout,
-        indices_of_update: Callable[[int], torch.Tensor],
-        get_batch: Callable[[Dataset, Any], tuple[Any, torch.Tensor]] | None = None,
-        prefetch: Sequence[int] | None = None,
-    ) -> None:
+    def close(self) -> None: ...
+
+
+class _Calls:
+    """A batch source calling ``get_batch(dataset, indices_of_update(t))``; with ``prefetch`` and
+    a data set read by index, on a background thread one update ahead."""
+
+    def __init__(self, dataset, indices_of_update, get_batch, prefetch) -> None:
         from pipetrain.data import get_batch as default_get_batch
         from pipetrain.data.info import reads_by_index
 
         self.dataset = dataset
-        self.layout = layout
         self.indices_of_update = indices_of_update
         self.get_batch = get_batch or default_get_batch
-        self._cached: tuple[int, Any, torch.Tensor] | None = None
         self._prefetcher: BatchPrefetcher | None = None
         if prefetch is not None and reads_by_index(dataset):
             self._prefetcher = BatchPrefetcher(self._read, prefetch)
 
     @property
-    def prefetching(self) -> bool:
-        """Whether batches are read ahead on a background thread (``prefetch=`` the updates this
-        rank reads, in order, and a data set that :func:`~pipetrain.data.info.reads_by_index`)."""
+    def read_ahead(self) -> bool:
         return self._prefetcher is not None
 
     def _read(self, update: int) -> tuple[Any, torch.Tensor]:
         return self.get_batch(self.dataset, self.indices_of_update(update))
 
     def batch(self, update: int) -> tuple[Any, torch.Tensor]:
+        return self._read(update) if self._prefetcher is None else self._prefetcher.get(update)
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+
+class UnitData:
+    """Inputs and targets of each unit, cut from each update's batch (cached per update).
+
+    The batches come from ``batches`` (a :class:`BatchSource`, see :meth:`of`), or else from
+    ``get_batch(dataset, indices_of_update(t))``: with ``prefetch`` (the updates this rank reads,
+    in the order it reads them) and a data set read by index, a
+    :class:`~pipetrain.execution.prefetch.BatchPrefetcher` reads each one on a background thread
+    one update ahead."""
+
+    def __init__(
+        self,
+        dataset: Dataset | None,
+        layout: UnitLayout,
+        indices_of_update: Callable[[int], Any] | None = None,
+        get_batch: Callable[[Dataset, Any], tuple[Any, torch.Tensor]] | None = None,
+        prefetch: Sequence[int] | None = None,
+        *,
+        batches: BatchSource | None = None,
+    ) -> None:
+        self.layout = layout
+        if batches is None:
+            if indices_of_update is None:
+                raise TypeError("UnitData needs indices_of_update (or batches=)")
+            batches = _Calls(dataset, indices_of_update, get_batch, prefetch)
+        self.batches = batches
+        self._cached: tuple[int, Any, torch.Tensor] | None = None
+
+    @classmethod
+    def of(cls, batches: BatchSource, layout: UnitLayout) -> "UnitData":
+        """The units of the batches ``batches.batch(t)`` (update ``t``), split by ``layout``."""
+        return cls(None, layout, batches=batches)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether batches are read ahead (on a background thread or in worker processes)."""
+        return bool(getattr(self.batches, "read_ahead", False))
+
+    def batch(self, update: int) -> tuple[Any, torch.Tensor]:
         if self._cached is None or self._cached[0] != update:
-            x, y = self._read(update) if self._prefetcher is None else self._prefetcher.get(update)
+            x, y = self.batches.batch(update)
             self._cached = (update, x, y)
         return self._cached[1], self._cached[2]
 
     def close(self) -> None:
-        """Stop reading ahead (a no-op without prefetching)."""
-        if self._prefetcher is not None:
-            self._prefetcher.close()
+        """Stop reading ahead (a no-op without it)."""
+        self.batches.close()
 
     def unit(self, unit: int) -> tuple[Any, torch.Tensor]:
         update, start, stop = self.layout.bounds(unit)

@@ -1,24 +1,40 @@
-"""Reading the next update's batch on a background thread while the pipeline runs.
+"""Reading the next updates' batches while the pipeline runs: on a background thread, or in
+DataLoader worker processes.
 
 Only stage 0 reads data, and a batch is read when its update's first microbatch enters the
-pipeline: every other stage then waits for that read. A :class:`BatchPrefetcher` reads on one
-background thread, in the order the rank will need the batches, always one ahead of use, so the
-read overlaps the rank's computation and its waits for messages (torch and gloo release the GIL
-there). All reads happen on that one thread, in order, so a data set or sampler is never read
-from two threads at once.
+pipeline: every other stage then waits for that read. Two ways to read ahead, both in the order
+the rank will need the batches:
 
-Only a data set whose batch is a function of its indices may be read ahead (see
-:func:`pipetrain.data.info.reads_by_index`): one that draws random numbers in ``__getitem__``
-(augmentation) would interleave its draws with the training thread's, and a run would no longer
-equal the emulator's. Such data sets are read in the training thread, when needed.
+* :class:`BatchPrefetcher` reads on one background thread, one update ahead, overlapping the
+  rank's computation and its waits for messages (torch and gloo release the GIL there). Only for
+  a data set whose batch is a function of its indices (see
+  :func:`pipetrain.data.info.reads_by_index`): one that draws random numbers in ``__getitem__``
+  (augmentation) would interleave its draws with the training thread's.
+* :class:`WorkerPrefetcher` reads in DataLoader worker processes, ``workers x prefetch_factor``
+  updates ahead, any map-style data set; each process seeds its own generators per update (see
+  :mod:`pipetrain.data.seeding`), so augmentation is reproducible. A receiving thread takes the
+  batches from the workers' queue, so the training thread only picks up a finished batch.
+  Batches up to :data:`PACK_LIMIT` bytes travel packed as bytes through the workers' pipe
+  (:func:`pack`): one shared-memory segment per tensor, DataLoader's default, costs about 1 ms a
+  batch on this project's machine whatever its size, bytes cost 0.2-0.3 ms below 256 KiB.
 """
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["BatchPrefetcher"]
+import torch
+
+__all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "Unpinned", "pack", "unpack", "pin", "pin_available",
+           "tensors_of", "unpin_worker", "PACK_LIMIT"]
+
+#: batches of at most this many bytes of tensors are packed as bytes between processes (see above)
+PACK_LIMIT = 512 * 1024
 
 
 class BatchPrefetcher:
@@ -28,6 +44,7 @@ class BatchPrefetcher:
 
     def __init__(self, load: Callable[[int], Any], order: Sequence[int]) -> None:
         self._load = load
+        order = list(order)
         self._following = dict(zip(order, order[1:]))
         self._pending: dict[int, Future] = {}
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="pipetrain-prefetch")
@@ -53,3 +70,273 @@ class BatchPrefetcher:
                 future.cancel()
             self._pending.clear()
             pool.shutdown(wait=True)
+
+
+class _Packed:
+    """A tensor as a numpy array, which pickles as one buffer of bytes (dtypes numpy lacks, such
+    as bfloat16, as raw uint8 with their dtype and shape)."""
+
+    __slots__ = ("data", "dtype", "shape")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        self.dtype: torch.dtype | None = None
+        self.shape = tuple(tensor.shape)
+        try:
+            self.data = tensor.numpy()
+        except (TypeError, RuntimeError):  # no numpy dtype (bfloat16, ...), or a conjugate/negative view
+            self.data = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+            self.dtype = tensor.dtype
+
+    def tensor(self) -> torch.Tensor:
+        tensor = torch.from_numpy(self.data)
+        return tensor if self.dtype is None else tensor.view(self.dtype).reshape(self.shape)
+
+
+def tensors_of(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (nested tuples, lists and dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_of(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_of(item)
+
+
+def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, tuple):
+        mapped = [_map(v, fn, kind) for v in value]
+        return type(value)(*mapped) if hasattr(value, "_fields") else tuple(mapped)
+    if isinstance(value, list):
+        return [_map(v, fn, kind) for v in value]
+    if isinstance(value, dict):
+        return {k: _map(v, fn, kind) for k, v in value.items()}
+    return value
+
+
+def pack(value: Any) -> Any:
+    """``value`` (tensors in tuples, lists and dicts) with every tensor as bytes when they total
+    at most :data:`PACK_LIMIT` bytes; larger batches are left to DataLoader's shared memory."""
+    total = sum(t.numel() * t.element_size() for t in tensors_of(value))
+    if total > PACK_LIMIT or total == 0:
+        return value
+    return _map(value, _Packed, torch.Tensor)
+
+
+def unpack(value: Any) -> Any:
+    """The inverse of :func:`pack`."""
+    return _map(value, _Packed.tensor, _Packed)
+
+
+def pin(value: Any) -> Any:
+    """``value`` with every tensor in page-locked memory (for faster copies to an accelerator)."""
+    return _map(value, lambda t: t.pin_memory(), torch.Tensor)
+
+
+def pin_available(asked: bool) -> bool:
+    """Whether to pin: asked for and an accelerator exists (else a warning, as DataLoader does)."""
+    if not asked:
+        return False
+    available = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
+    if not available:
+        warnings.warn("pin_memory is set but no accelerator is available: batches are not pinned", stacklevel=3)
+    return available
+
+
+_END = object()
+
+
+class Receiver:
+    """Takes the items of ``iterator`` on a background thread, ``convert`` s them there and hands
+    them over in order, at most ``depth`` ahead (:meth:`take`). An exception raised by the
+    iterator or ``convert`` is raised by the :meth:`take` that would have returned the item.
+
+    The thread only calls ``next(iterator)`` and ``convert``: creating the iterator (which may draw
+    random numbers) is the caller's business, on the caller's thread."""
+
+    def __init__(self, iterator: Iterator[Any], convert: Callable[[Any], Any] = lambda item: item,
+                 depth: int = 2, name: str = "pipetrain-data") -> None:
+        self._iterator = iterator
+        self._convert = convert
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for item in self._iterator:
+                if not self._put((True, self._convert(item))):
+                    return
+            self._put((True, _END))
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread
+            self._put((False, error))
+        finally:
+            self._iterator = None  # a DataLoader iterator shuts its workers down when dropped
+
+    def take(self) -> tuple[bool, Any]:
+        """``(True, item)``, or ``(False, None)`` once the iterator is exhausted."""
+        if self._ended:
+            return False, None
+        ok, item = self._queue.get()
+        if not ok:
+            self._ended = True
+            raise item
+        if item is _END:
+            self._ended = True
+            return False, None
+        return True, item
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop taking items (after the one under way) and let the iterator go."""
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout)
+
+
+def unpin_worker(_worker_id: int = 0) -> None:
+    """In a data worker of a rank that pipetrain's launcher pinned to its own cores
+    (``PIPETRAIN_CPUS``): let the worker run on any core. Pinned beside its rank it competes with
+    that rank for one core and falls behind whenever the core is busy (benchmarks/RESULTS.md,
+    "Data path": the training thread waited 1.3-1.7 s per run for batches pinned, 0.08-0.35 s
+    unpinned). Under another launcher (torchrun, numactl) the affinity it was given stays."""
+    if os.environ.get("PIPETRAIN_CPUS"):
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps it inside the cgroup's cpuset
+        except (OSError, AttributeError):
+            pass
+
+
+class Unpinned:
+    """A DataLoader ``worker_init_fn``: :func:`unpin_worker`, then the loader's own (``then``)."""
+
+    def __init__(self, then: Callable[[int], Any] | None = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        unpin_worker(worker_id)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+class _Groups:
+    """Item ``(t1, t2, ...)``: the list ``[reads[t1], reads[t2], ...]``, read by one worker."""
+
+    def __init__(self, reads: Any) -> None:
+        self.reads = reads
+
+    def __getitem__(self, updates: tuple[int, ...]) -> list[Any]:
+        return [self.reads[update] for update in updates]
+
+
+class WorkerPrefetcher:
+    """``get(update)``: ``reads[update]`` read in DataLoader worker processes, the updates of
+    ``order`` in turn (each once, in the order the rank reads them).
+
+    ``reads`` is a map-style data set whose item ``t`` is update ``t``'s whole batch. One worker
+    reads ``group`` consecutive updates of ``order`` in one go and sends them as one message: the
+    cost of a message between processes (about 0.3-1 ms here) is then shared by ``group`` small
+    batches. ``workers x prefetch_factor`` groups are under way at a time. A request for an update
+    a little ahead of the stream waits for it and keeps the ones before it (up to ``keep``) for
+    their own requests; one far ahead (a resumed run) restarts the stream there. ``get`` returns
+    None for an update the stream cannot deliver any more (not in ``order``, or passed and not
+    kept): the caller reads that one itself."""
+
+    def __init__(self, reads: Any, order: Sequence[int], *, workers: int, pin_memory: bool = False,
+                 prefetch_factor: int = 2, keep: int = 16, group: int = 1) -> None:
+        from torch.utils.data import DataLoader
+
+        if workers < 1 or group < 1:
+            raise ValueError(f"WorkerPrefetcher needs at least one worker and a group of one, got {workers}, {group}")
+        self._groups = _Groups(reads)
+        self._order = list(order)
+        self._position = {update: i for i, update in enumerate(self._order)}
+        self._workers = workers
+        self._prefetch_factor = prefetch_factor
+        self._pin = pin_available(pin_memory)
+        self._group = group
+        self._keep = max(keep, group)
+        self._kept: dict[int, Any] = {}
+        self._stream: Receiver | None = None
+        self._arrived: list[Any] = []  # the rest of the group taken last, in order
+        self._next = 0  # position in order of the next update the stream delivers
+        self._loader = DataLoader  # bound here so that a restart needs no import
+
+    def _start(self, position: int) -> None:
+        self._stop()
+        rest = self._order[position:]
+        groups = [tuple(rest[i : i + self._group]) for i in range(0, len(rest), self._group)]
+        with warnings.catch_warnings():
+            # DataLoader counts the cores of this (pinned) rank; its workers may use them all (unpin_worker)
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+            loader = self._loader(
+                self._groups, batch_size=None, sampler=groups, num_workers=self._workers,
+                collate_fn=pack, prefetch_factor=self._prefetch_factor,
+                generator=torch.Generator(),  # the workers' base seed is not drawn from the global generator
+                worker_init_fn=unpin_worker,
+            )
+            iterator = iter(loader)
+        convert = (lambda item: pin(unpack(item))) if self._pin else unpack
+        self._stream = Receiver(iterator, convert, depth=2)
+        self._next = position
+
+    def _stop(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self._arrived = []
+
+    def _take(self) -> Any:
+        if not self._arrived:
+            assert self._stream is not None
+            more, items = self._stream.take()
+            if not more:
+                raise RuntimeError("the data workers' stream ended early")
+            self._arrived = list(reversed(items))
+        return self._arrived.pop()
+
+    def get(self, update: int) -> Any | None:
+        """The batch of ``update``, or None (see the class docstring)."""
+        position = self._position.get(update)
+        if position is None:
+            return None
+        if update in self._kept:
+            return self._kept.pop(update)
+        if position < self._next and self._stream is not None:
+            return None
+        ahead = max(self._keep, 2 * self._workers * self._prefetch_factor * self._group)
+        if self._stream is None or position > self._next + ahead:
+            self._start(position)
+        while True:
+            item = self._take()
+            here = self._order[self._next]
+            self._next += 1
+            if here == update:
+                return item
+            self._kept[here] = item
+            if len(self._kept) > self._keep:
+                self._kept.pop(next(iter(self._kept)))
+
+    def close(self) -> None:
+        """Stop the workers (after the reads under way)."""
+        self._stop()
+        self._kept.clear()

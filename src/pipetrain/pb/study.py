@@ -202,7 +202,13 @@ def plan_runs(config: StudyConfig) -> list[RunSpec]:
 def _load_data(config: StudyConfig) -> tuple[Dataset, Dataset]:
     if config.test_data:
         return load_dataset(config.data), load_dataset(config.test_data)
-    return load_train_test(config.data)
+    train, test = load_train_test(config.data)
+    if test is None:
+        raise ConfigError(
+            f"pipetrain pb measures test accuracy, but {config.data!r} has no test split (its factory has no "
+            "split= parameter): give --test-data SPEC"
+        )
+    return train, test
 
 
 def _tensors(dataset: Dataset, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

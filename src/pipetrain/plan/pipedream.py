@@ -25,10 +25,20 @@ more workers never give a worse plan), and a memory limit per worker for a singl
 weight versions and minibatches of activations). Deviation from the public code, on purpose: with
 ``fewer_machines`` a one-layer range may also use fewer replicas, and for DAG models the ranges of
 inner levels are only ever between nested cuts (the public code also subtracts unrelated ones).
+
+The tables are the recurrence's, filled so that thousands of workers take seconds (docs/planner.md,
+"How it stays fast"): one machine count at a time with a crossing pointer per (row, k, j) instead
+of a min over every ``m'`` (:mod:`pipetrain.plan.sweep`); large last levels only inside the
+machine counts a plan within a bisected time can use (:mod:`pipetrain.plan.window`); several levels
+in a band of the stages such a plan can have (:meth:`_Solver._band`); idle workers under a memory
+limit by one DP built from the end of the model (:class:`_Mirror`). Each table's cost is
+estimated first: long ones show progress, ones that would not finish are refused
+(:mod:`pipetrain.plan.effort`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -39,20 +49,22 @@ import numpy as np
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import check_schedule, format_bytes, stage_memory
-from pipetrain.plan.minmax import (minmax_band, minmax_dense, minmax_hybrid, minmax_monotone,
-                                   monotone_limit)
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
+from pipetrain.plan.effort import Effort
+from pipetrain.plan.sweep import best_split, build_ranges, solve_table
 from pipetrain.plan.topology import Topology
+from pipetrain.plan.window import (fewest, nested_ranges, prefix_fewest, suffix_fewest,
+                                   threshold, upper_bound)
 
 __all__ = ["optimize", "COST_MODELS", "data_parallel_time"]
 
 COST_MODELS = ("pipedream-code", "paper")
 _BAND_START = 2.0   # first upper bound on a banded solve: this many times the lower bound
 _BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bound, this times
-_BAND_PASSES = 4    # banded solves before the whole table
-_BANDED_COST_ELEMENTS = 8_000_000   # largest table of banded last-stage costs (64 MB)
-_BAND_DENSE_DEPTH = 400             # inner levels try every cut while the band is this shallow
+_BAND_PASSES = 8    # banded solves before the whole table
+_BAND_JUMP = 0.5    # a band this much of data parallelism's: solve that one (exact) instead
+_WINDOW_MACHINES = 64  # last levels with this many machines or more are solved in windows
 
 
 # --------------------------------------------------------------------------- cost formulas
@@ -102,11 +114,15 @@ class _Memory:
 
 
 class _Level:
-    """The DP table of one topology level, with the formulas it was built from."""
+    """The DP table of one topology level, with the formulas it was built from.
+
+    Filled by :func:`pipetrain.plan.sweep.solve_table` over the level's (row, k, j) triples: the
+    rows are every start cut for an inner level (the next level prices any range by this level's
+    best pipeline over it) and only cut 0 for the last level.
+    """
 
     def __init__(self, solver: "_Solver", index: int, seg: Callable,
-                 limit: np.ndarray | None = None, stops: np.ndarray | None = None,
-                 bound: float | None = None) -> None:
+                 band: np.ndarray | None = None, bound: float | None = None) -> None:
         self.s = solver
         self.index = index
         self.n = solver.topology.machines[index]
@@ -114,49 +130,43 @@ class _Level:
         self.within = solver.topology.machines[index - 1] if index > 0 else 1
         self.final = index == solver.topology.levels - 1
         self.seg = seg
-        self.limit = limit              # chains: seg[1..limit[j], j] is non-increasing in k
         cuts = solver.cuts
         self.rows = np.array([0]) if self.final else np.arange(cuts.num_states - 1)
+        if band is not None and not self.final:
+            self.rows = self.rows[band[self.rows].any(axis=1)]      # rows with ranges to solve
+        self.row_of = np.full(cuts.num_states, -1, dtype=np.int64)   # cut -> table row
+        self.row_of[self.rows] = np.arange(self.rows.size)
         self.memory = solver.memory if (self.final and solver.topology.levels == 1) else None
-        self.table = np.full((self.n + 1, len(self.rows), cuts.num_states), np.inf)
-        # a band of ranges (chains): only r -> j with j <= stops[r] can be in an optimal plan
-        self.stops = self.first = self.columns = None
-        if stops is not None:
-            states = np.arange(cuts.num_states)
-            if self.final:
-                self.first = np.searchsorted(stops[:-1], states, side="left")
-                self.columns = self._columns(bound)
-                self.bound = bound
-            else:
-                self.stops = stops[self.rows]
+        # a band: the last level only uses the stages band[k, j], an inner level only solves
+        # the ranges band[r, j] (see _Solver._band)
+        self.band = None if (band is None or self.final) else band[self.rows]
+        self.bound = bound if self.final else None
+        self.ranges = build_ranges(cuts.ancestors, self.rows, band if self.final else None,
+                                   self.band)
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        self.pair_seg = np.asarray(seg(k, j), dtype=np.float64)
+        self.pair_params = cuts.params[j] - cuts.params[k]
+        # bytes in and out of a last stage: both cost 2 bytes / (B m) in pipedream-code (the
+        # larger decides); paper: only the input, 2 bytes / B
+        out = np.where(j == cuts.num_states - 1, 0.0, cuts.output[j])
+        self.pair_transfer = 2.0 * (cuts.output[k] if solver.model == "paper" else
+                                    np.maximum(cuts.output[k], out))
+        self.table = self.running = None
 
-    def _band_ranges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every range ``r -> j`` of the band: (row index, r, j), grouped by row."""
-        if not hasattr(self, "_ranges"):
-            lengths = np.maximum(self.stops - self.rows, 0)
-            index = np.repeat(np.arange(len(self.rows)), lengths)
-            heads = np.cumsum(lengths) - lengths
-            r = self.rows[index]
-            self._ranges = (index, r, r + 1 + np.arange(index.size) - heads[index])
-        return self._ranges
+    def effort(self, windows: tuple[np.ndarray, ...] | None = None) -> Effort:
+        """What this level's sweep will cost (:mod:`pipetrain.plan.effort`)."""
+        top = self.s.topology
+        if windows is None:
+            elements = self.n * self.ranges.triples
+        else:
+            _, start, stop = windows
+            elements = int(np.clip(np.minimum(stop, self.n) - np.maximum(start, 2) + 1, 0,
+                                   None).sum())
+        what = f"{self.n:,} workers" if top.levels == 1 else \
+            f"level {self.index + 1} of {top.levels} ({self.n:,} machines)"
+        return Effort(self.n, elements, len(self.rows) * self.s.cuts.num_states, what)
 
-    def _columns(self, bound: float) -> tuple[np.ndarray, np.ndarray]:
-        """Last level: the prefixes ``0 -> j`` on ``M`` machines an optimal plan can contain.
-
-        A plan no slower than ``bound`` runs ``0 -> j`` on ``M`` components of ``W`` workers and
-        ``j -> end`` on the other ``n - M``, each at least its compute over its workers: so
-        ``compute(0 -> j) <= bound M W`` and ``compute(j -> end) <= bound (n - M) W``. Returns
-        the first and last such ``j`` per ``M``.
-        """
-        compute = self.s.cuts.compute
-        workers = math.prod(self.s.topology.machines[:-1])
-        limit = bound * (1 + 1e-9) * workers
-        machines = np.arange(self.n + 1)
-        last = np.searchsorted(compute, limit * machines, side="right") - 1
-        first = np.searchsorted(compute, compute[-1] - limit * (self.n - machines), side="left")
-        return first, last
-
-    # costs on index arrays (broadcasting) ------------------------------------------------
+    # costs ----------------------------------------------------------------------------------
     def _mem(self, k, j, m, workers_from_here):
         c = self.s.cuts
         return stage_memory(self.memory.schedule, parameter_bytes=c.params[j] - c.params[k],
@@ -168,316 +178,193 @@ class _Level:
     def _limited(self) -> bool:
         return self.memory is not None and self.memory.limit is not None
 
-    def single(self, r, j, m, mode: str = "time"):
-        """One stage ``r -> j`` on ``m`` replicas; ``inf`` where that is no stage."""
+    def single(self, r, j, m, mode: str = "time", limit: bool = True):
+        """One stage ``r -> j`` on ``m`` replicas; ``inf`` where that is no stage (or, with
+        ``limit``, where it does not fit the memory limit)."""
         cuts = self.s.cuts
         valid = cuts.ancestors[r, j]
         if mode == "memory":
             return np.where(valid, self._mem(r, j, m, self.memory.workers), np.inf)
         value = _stage_time(self.s.model, self.seg(r, j), cuts.params[j] - cuts.params[r], m,
                             self.bandwidth, self.within, single=True)
-        if self._limited():
+        if limit and self._limited():
             value = np.where(self._mem(r, j, m, self.memory.workers) > self.memory.limit,
                              np.inf, value)
         return np.where(valid, value, np.inf)
 
-    def stage(self, k, j, m, machines, mode: str = "time"):
-        """Last stage ``k -> j`` on ``m`` replicas after a prefix of ``machines`` (no out term)."""
-        cuts = self.s.cuts
-        valid = cuts.ancestors[k, j] & (np.asarray(k) >= 1)
+    def last(self, p, m, machines: int, mode: str = "time"):
+        """Last stage (pair ``p``) of a ``machines``-machine pipeline on ``m`` replicas: its
+        input transfer, compute and all-reduce, and output transfer unless it ends the model
+        (``inf`` where it does not fit the memory limit)."""
         if mode == "memory":
-            return np.where(valid, self._mem(k, j, m, self.memory.workers - machines + m),
-                            np.inf)
-        value = _stage_time(self.s.model, self.seg(k, j), cuts.params[j] - cuts.params[k], m,
-                            self.bandwidth)
+            k, j = self.ranges.pair_k[p], self.ranges.pair_j[p]
+            return self._mem(k, j, m, self.memory.workers - machines + m)
+        value = self.last_time(p, m)
         if self._limited():
-            mem = self._mem(k, j, m, self.memory.workers - machines + m)
-            value = np.where(mem > self.memory.limit, np.inf, value)
-        return np.where(valid, value, np.inf)
+            value = np.where(self.fits(p, m, machines), value, np.inf)
+        return value
 
-    def tout(self, j, m, mode: str = "time"):
-        cuts = self.s.cuts
-        if mode == "memory":
-            return np.zeros(np.shape(j))
-        return _transfer_out(self.s.model, cuts.output[j], m, self.bandwidth,
-                             np.asarray(j) == cuts.num_states - 1)
+    def last_time(self, p, m):
+        """:meth:`last` without the memory limit (it does not depend on the machine count)."""
+        value = _stage_time(self.s.model, self.pair_seg[p], self.pair_params[p], m,
+                            self.bandwidth)
+        transfer = self.pair_transfer[p]
+        if self.s.model == "paper":
+            return np.maximum(value, transfer / self.bandwidth)
+        return np.maximum(value, transfer / (self.bandwidth * m))
 
-    def split(self, k, j, m, machines, mode: str = "time"):
-        """Last stage with its out term: ``max(stage(k -> j), out(j))``."""
-        return np.maximum(self.stage(k, j, m, machines, mode), self.tout(j, m, mode))
+    def fits(self, p, m, machines: int):
+        """The last stage (pair ``p``, ``m`` replicas) of ``machines`` fits the memory limit.
 
-    def tin(self, k, m, mode: str = "time"):
-        if mode == "memory":
-            return np.zeros(np.shape(k))
-        return _transfer_in(self.s.model, self.s.cuts.output[k], m, self.bandwidth)
+        A worker's memory grows only with its stage's depth ``ceil(workers from here / m)``
+        (:mod:`pipetrain.plan.memory`), so each pair has a deepest depth that fits, found once.
+        """
+        if not hasattr(self, "_deepest"):
+            self._deepest = self._deepest_fitting()
+        m = np.asarray(m)
+        depth = (self.memory.workers - machines + 2 * m - 1) // m
+        return depth <= self._deepest[p]
 
-    def replica_choices(self, machines: int) -> range:
-        return range(1, 2) if self.s.straight else range(1, machines)
+    def _deep_enough(self, deepest: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """The fewest machines at which a last stage whose prefix needs ``lo`` fits: on
+        ``m <= M - lo`` replicas its depth is ``ceil((W - M + m) / m)``, at most ``deepest``
+        where it fits, so ``M >= (W + (deepest - 1) lo) / deepest``."""
+        d = deepest.astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.ceil((self.memory.workers + (d - 1) * lo) / d)
+        return np.where((d > 0) & np.isfinite(lo), need, np.inf)
+
+    def _deepest_fitting(self) -> np.ndarray:
+        """Per pair: the largest depth ``d <= workers`` whose memory fits (0: none)."""
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        workers, limit = self.memory.workers, self.memory.limit
+        lo = np.zeros(k.size, dtype=np.int64)
+        hi = np.full(k.size, workers, dtype=np.int64)
+        while True:
+            open_ = np.flatnonzero(lo < hi)
+            if not open_.size:
+                return lo
+            mid = (lo[open_] + hi[open_] + 1) >> 1
+            ok = self._mem(k[open_], j[open_], 1, mid) <= limit
+            lo[open_] = np.where(ok, mid, lo[open_])
+            hi[open_] = np.where(ok, hi[open_], mid - 1)
 
     # the table ----------------------------------------------------------------------------
-    def solve(self, mode: str = "time") -> np.ndarray:
-        """Fill ``table[machines, row, j]`` for every machine count, row and cut ``j``."""
-        cuts = self.s.cuts
-        table = np.full_like(self.table, np.inf)
-        if cuts.chain:
-            solve = self._solve_chain_rows if len(self.rows) > 1 else self._solve_chain_final
-        else:
-            solve = self._solve_dag
-        for machines in range(1, self.n + 1):
-            if self.s.straight and machines > 1:
-                best = np.full((len(self.rows), cuts.num_states), np.inf)
-            elif self.stops is not None:
-                index, r, j = self._band_ranges()
-                best = np.full((len(self.rows), cuts.num_states), np.inf)
-                best[index, j] = self.single(r, j, machines, mode)
-            else:
-                states = np.arange(cuts.num_states)
-                best = self.single(self.rows[:, None], states[None, :], machines, mode)
-            choices = [m for m in self.replica_choices(machines)
-                       if np.isfinite(table[machines - m]).any()]
-            if choices:
-                np.minimum(best, solve(table, machines, choices, mode), out=best)
-            if self.s.fewer and machines > 1:
-                np.minimum(best, table[machines - 1], out=best)
-            if self.columns is not None:
-                best[:, :self.columns[0][machines]] = np.inf
-                best[:, self.columns[1][machines] + 1:] = np.inf
-            table[machines] = best
-        if mode == "time":
-            self.table = table
-        self._cache = {}
-        return table
-
-    def _prefix(self, table, machines, m, mode):
-        states = np.arange(self.s.cuts.num_states)
-        return np.maximum(table[machines - m], self.tin(states, m, mode)[None, :])
-
-    def _solve_chain_final(self, table, machines, choices, mode):
-        """Row 0 of a chain: one binary search per (replica count, cut), all at once."""
-        ms = np.array(choices)
-        nothing = np.full((1, self.s.cuts.num_states), np.inf)
-        stops = mask = None
-        if self.columns is not None:
-            # only columns lo..hi are kept; their cuts k are at least first[lo] (first rises)
-            lo, hi = self.columns[0][machines], self.columns[1][machines]
-            if hi < lo:
-                return nothing
-            feasible = self._feasible() if mode == "time" and not self._limited() else None
-            if feasible is not None:
-                ms = ms[feasible[ms, lo:hi + 1].any(axis=1)]
-                if ms.size == 0:
-                    return nothing
-                mask = feasible[ms]
-            stops = np.full(ms.size, hi, dtype=np.int64)
-        a = np.stack([self._prefix(table, machines, m, mode)[0] for m in ms])
-        starts = np.zeros(ms.size, dtype=np.int64)
-        if self.columns is not None:
-            starts[:] = max(int(self.first[lo]), 1) - 1
-
-        banded = self._banded_costs() if mode == "time" and not self._limited() else None
-        if banded is not None:
-            depth = banded.shape[2]
-            plane = banded.shape[1] * depth
-            flat = banded.ravel()
-
-            def cost(p, k, j):
-                return flat[ms[p] * plane + k * depth + (j - k)]
-        elif mode == "time" and not self._limited():
-            seg, pseg = self._flat_matrices()
-            width = self.s.cuts.num_states
-            out, end = self.s.cuts.output, self._end
-
-            def cost(p, k, j):
-                index = k * width + j
-                m = ms[p]
-                value = _stage_time(self.s.model, seg[index], pseg[index], m, self.bandwidth)
-                return np.maximum(value, _transfer_out(self.s.model, out[j], m, self.bandwidth,
-                                                       end[j]))
-        else:
-            def cost(p, k, j):
-                return self.split(k, j, ms[p], machines, mode)
-
-        if self.limit is None:
-            cand = minmax_monotone(a, starts, cost, stops=stops, first=self.first, mask=mask)
-        else:
-            cand = minmax_hybrid(a, starts, cost, self.limit, stops=stops, first=self.first,
-                                 mask=mask)
-        return cand.min(axis=0, keepdims=True)
-
-    def _banded_costs(self) -> np.ndarray | None:
-        """Last level in a band: ``cost[m, k, j - k]`` of every last stage the band allows."""
-        if self.first is None:
-            return None
-        if not hasattr(self, "_banded"):
-            states = np.arange(self.s.cuts.num_states)
-            depth = int(np.max(states - self.first, initial=0)) + 1
-            self._banded = None
-            if self.n * states.size * depth <= _BANDED_COST_ELEMENTS:
-                k = states[:, None]
-                j = np.minimum(k + np.arange(depth)[None, :], states.size - 1)
-                inside = (j > k) & (self.first[j] <= k)
-                k, j = np.broadcast_to(k, j.shape)[inside], j[inside]
-                banded = np.full((self.n, states.size, depth), np.inf)
-                for m in self.replica_choices(self.n):
-                    banded[m][inside] = self.split(k, j, m, self.n)
-                self._banded = banded
-        return self._banded
-
-    def _feasible(self) -> np.ndarray | None:
-        """``[m, j]``: some last stage ``k -> j`` on ``m`` replicas is no slower than the bound
-        (the others only price plans slower than it, which the band leaves out anyway)."""
-        banded = self._banded_costs()
-        if banded is None:
-            return None
-        if not hasattr(self, "_feasible_cache"):
-            size = banded.shape[1]
-            depth = np.arange(banded.shape[2])
-            j = np.arange(size)[:, None]
-            k = j - depth[None, :]
-            inside = k >= 0
-            cheapest = np.where(inside[None], banded[:, np.maximum(k, 0), depth[None, :]],
-                                np.inf).min(axis=2)
-            self._feasible_cache = cheapest <= self.bound * (1 + 1e-9)
-        return self._feasible_cache
-
-    def _flat_matrices(self) -> tuple[np.ndarray, np.ndarray]:
-        """Base times (``inf`` where ``k -> j`` is no stage) and parameter bytes, flattened."""
-        if not hasattr(self, "_flat"):
-            cuts = self.s.cuts
-            states = np.arange(cuts.num_states)
-            valid = cuts.ancestors & (states[:, None] >= 1)
-            seg = np.where(valid, self.seg(states[:, None], states[None, :]), np.inf)
-            pseg = cuts.params[None, :] - cuts.params[:, None]
-            self._flat = (seg.ravel(), pseg.ravel())
-            self._end = states == cuts.num_states - 1
-        return self._flat
-
-    def _dense(self, m, machines, mode, key=""):
-        """The (cut, cut) matrix of last-stage costs with out terms, cached per replica count."""
-        cacheable = mode == "time" and not self._limited()
-        cache = self.__dict__.setdefault("_cache", {})
-        if cacheable and (m, key) in cache:
-            return cache[(m, key)]
-        states = np.arange(self.s.cuts.num_states)
-        if self.stops is not None:
-            _, k, j = self._band_ranges()
-            full = np.full((states.size, states.size), np.inf)
-            full[k, j] = self.split(k, j, m, machines, mode)
-        else:
-            full = self.split(states[:, None], states[None, :], m, machines, mode)
-        if cacheable:
-            if sum(v.size for v in cache.values()) > 40_000_000:
-                cache.clear()
-            cache[(m, key)] = full
-        return full
-
-    def _band_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Inner levels in a band: gather indices ``(r, k)`` of ``[r, k - r]`` and where they are
-        inside the band; None if the band is too deep for :func:`minmax_band` to pay off."""
-        if self.stops is None:
-            return None
-        if not hasattr(self, "_layout"):
-            depth = int(np.max(self.stops - self.rows, initial=0)) + 1
-            self._layout = None
-            if depth <= _BAND_DENSE_DEPTH:
-                r = self.rows[:, None]
-                offset = np.arange(depth)[None, :]
-                inside = offset <= (self.stops - self.rows)[:, None]
-                k = np.minimum(r + offset, self.s.cuts.num_states - 1)
-                self._layout = (np.broadcast_to(r, k.shape), k, inside)
-        return self._layout
-
-    def _band_costs(self, m, machines, mode, depth):
-        """``[k, j - k]``: the last stage ``k -> j`` on ``m`` replicas in the band (padded)."""
-        cacheable = mode == "time" and not self._limited()
-        cache = self.__dict__.setdefault("_cache", {})
-        if cacheable and (m, "band") in cache:
-            return cache[(m, "band")]
-        _, k, j = self._band_ranges()
-        out = np.full((len(self.rows) + depth, depth), np.inf)
-        out[k, j - k] = self.split(k, j, m, machines, mode)
-        if cacheable:
-            cache[(m, "band")] = out
-        return out
-
-    def _solve_chain_rows(self, table, machines, choices, mode):
-        """Every row of a chain (inner levels): a 2-D binary search per replica count, or in a
-        shallow band every cut, band layout."""
-        best = np.full((len(self.rows), self.s.cuts.num_states), np.inf)
-        layout = self._band_layout()
-        if layout is not None:
-            r, k, inside = layout
-            depth = k.shape[1]
-            banded = np.full(k.shape, np.inf)
-            for m in choices:
-                a = np.maximum(table[machines - m][r, k], self.tin(k, m, mode))
-                a[~inside] = np.inf
-                cand = minmax_band(a, self._band_costs(m, machines, mode, depth))
-                np.minimum(banded, cand, out=banded)
-            best[r[inside], k[inside]] = banded[inside]
-            return best
-        width = self.s.cuts.num_states
-        for m in choices:
-            a = self._prefix(table, machines, m, mode)
-            full = self._dense(m, machines, mode).ravel()
-
-            def cost(p, k, j, flat=full):
-                return flat[k * width + j]
-
-            if self.limit is None:
-                cand = minmax_monotone(a, self.rows, cost, stops=self.stops)
-            else:
-                cand = minmax_hybrid(a, self.rows, cost, self.limit, stops=self.stops)
-            np.minimum(best, cand, out=best)
-        return best
-
-    def _solve_dag(self, table, machines, choices, mode):
+    def _first(self, mode: str) -> Callable[[int], np.ndarray]:
+        """One stage over each row's range on all ``M`` machines, flat over (row, j)."""
         cuts = self.s.cuts
         states = np.arange(cuts.num_states)
-        best = np.full((len(self.rows), cuts.num_states), np.inf)
-        sparse = len(self.rows) == 1
-        if sparse and not hasattr(self, "_pairs"):
-            anc = np.ascontiguousarray(cuts.ancestors[1:].T)
-            jj, kk = np.nonzero(anc)                      # all stages k -> j, grouped by j
-            kk = kk + 1
-            starts = np.flatnonzero(np.r_[True, jj[1:] != jj[:-1]])
-            seg = self.seg(kk, jj)
-            pseg = cuts.params[jj] - cuts.params[kk]
-            self._pairs = (kk, jj, starts, jj[starts], seg, pseg)
-        cacheable = mode == "time" and not self._limited()
-        cache = self.__dict__.setdefault("_cache", {})
-        for m in choices:
-            a = self._prefix(table, machines, m, mode)
-            if sparse:
-                kk, jj, starts, groups, seg, pseg = self._pairs
-                if cacheable and (m, "pairs") in cache:
-                    stage = cache[(m, "pairs")]
-                elif cacheable:
-                    stage = cache[(m, "pairs")] = _stage_time(self.s.model, seg, pseg, m,
-                                                                self.bandwidth)
-                else:
-                    stage = self.stage(kk, jj, m, machines, mode)
-                values = np.maximum(a[0, kk], stage)
-                cand = np.full((1, cuts.num_states), np.inf)
-                cand[0, groups] = np.minimum.reduceat(values, starts)
-            else:
-                ks = np.flatnonzero(np.isfinite(a).any(axis=0)[1:]) + 1
-                if cacheable and (m, "stage") in cache:
-                    full = cache[(m, "stage")]
-                else:
-                    full = self.stage(states[:, None], states[None, :], m, machines, mode)
-                    if cacheable:
-                        cache[(m, "stage")] = full
-                cand = minmax_dense(a[:, ks], full[ks])
-            np.maximum(cand, self.tout(states, m, mode)[None, :], out=cand)
-            np.minimum(best, cand, out=best)
-        return best
+        r, j = self.rows[:, None], states[None, :]
+        outside = None if self.band is None else ~self.band
+        empty = np.full(len(self.rows) * cuts.num_states, np.inf)
+
+        def first(machines: int) -> np.ndarray:
+            if self.s.straight and machines > 1:
+                return empty
+            value = self.single(r, j, machines, mode)
+            if outside is not None:
+                value = np.where(outside, np.inf, value)
+            return value.ravel()
+
+        return first
+
+    def solve(self, mode: str = "time") -> np.ndarray:
+        """Fill ``table[machines, row, j]`` for every machine count, row and cut ``j``."""
+        static = mode == "time" and not self._limited()
+        windows, bound, keep = None, math.inf, None
+        if mode == "time" and self.final and (self.bound is not None or
+                                              (static and self.n >= _WINDOW_MACHINES)):
+            found = self._windows(self.bound)
+            if found is not None:
+                windows, fewest_machines, most_machines, bound = found
+
+                def keep(machines: int, row: np.ndarray) -> None:
+                    row[(fewest_machines > machines) | (most_machines < machines)] = np.inf
+
+        limited = mode == "time" and self._limited()
+        if limited:
+            last, fits = (lambda p, m, machines: self.last_time(p, m)), self.fits
+        else:
+            last, fits = (lambda p, m, machines: self.last(p, m, machines, mode)), None
+        effort = self.effort(windows)
+        effort.check()
+        progress, done = effort.progress(self.s.progress)
+        try:
+            table, running = solve_table(
+                self.n, self.ranges, self._first(mode), last, fits=fits,
+                replicate=not self.s.straight, fewer=self.s.fewer, keep=keep,
+                static=static or limited, windows=windows, bound=bound, progress=progress)
+        finally:
+            done()
+        shape = (self.n + 1, len(self.rows), self.s.cuts.num_states)
+        table, running = table.reshape(shape), running.reshape(shape)
+        if mode == "time":
+            self.table, self.running = table, running
+        return table
+
+    def _fewest(self, bound: float) -> tuple[np.ndarray, ...]:
+        """Fewest replicas within ``bound`` of every last stage and of one stage ``0 -> j``,
+        each as (any count, at least 2), memory limit left out (fewer never hurts a bound)."""
+        replicate = not self.s.straight
+        pairs = self.ranges.pair_k.size
+        states = self.s.cuts.num_states
+        last = fewest(self.last_time, pairs, self.n, bound, replicate)
+        first = fewest(lambda j, m: self.single(np.zeros_like(j), j, m, limit=False), states,
+                       self.n, bound, replicate)
+        return last + first
+
+    def reach(self, bound: float) -> tuple[np.ndarray, ...]:
+        """Within ``bound``: the fewest machines of every prefix ``0 -> j`` and of every rest
+        ``j -> end``, and the fewest replicas of every last stage and one-stage prefix."""
+        cuts = self.s.cuts
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        replicas, _, first, _ = self._fewest(bound)
+        first[0] = np.inf
+        lo = prefix_fewest(k, j, first, replicas)
+        g = suffix_fewest(k, j, cuts.num_states, replicas)
+        return lo, g, replicas, first
+
+    def _windows(self, bound: float | None = None
+                 ) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray, float] | None:
+        """Last level: the machine-count windows of a plan within ``bound``
+        (:mod:`pipetrain.plan.window`), with the bound found by bisection if not given; None
+        where no bound is found."""
+        cuts = self.s.cuts
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        end = cuts.num_states - 1
+
+        def feasible(bound: float) -> bool:
+            replicas, two, first, first_two = self._fewest(bound)
+            lo = prefix_fewest(k, j, first, replicas)
+            if self.s.fewer:
+                return bool(lo[end] <= self.n)
+            return bool(threshold(k, j, lo, two, replicas == 1, first_two)[end] <= self.n)
+
+        if bound is None:
+            high = float(self.single(np.array(0), np.array(end), self.n))
+            low = float(cuts.compute[end]) / self.s.topology.workers
+            if not (math.isfinite(high) and feasible(high)):
+                return None
+            bound = upper_bound(feasible, low, high)
+        lo, g, replicas, _ = self.reach(bound)
+        pair = self.ranges.pair
+        start = lo[k[pair]] + replicas[pair]
+        if self._limited():
+            if not hasattr(self, "_deepest"):
+                self._deepest = self._deepest_fitting()
+            start = np.maximum(start, self._deep_enough(self._deepest[pair], lo[k[pair]]))
+        stop = self.n - g[j[pair]]
+        as_int = (lambda x: np.clip(x, -1, self.n + 1).astype(np.int64))   # inf: never
+        return (as_int(lo[k[pair]]), as_int(start), as_int(stop)), as_int(lo), \
+            as_int(self.n - g), bound
 
     # traceback ----------------------------------------------------------------------------
     def choose(self, r: int, j: int, machines: int) -> tuple:
-        """The decision behind ``table[machines, r -> j]``: first minimum in a fixed order."""
+        """The decision behind ``table[machines, r -> j]``: the first minimum in the order
+        one stage, an idle worker, then the last stage's cut (earliest first), then its replicas
+        (fewest first)."""
         cuts = self.s.cuts
-        row = 0 if self.final else r
+        row = int(self.row_of[r])
         options: list[tuple] = []
         values: list[float] = []
         if not (self.s.straight and machines > 1):
@@ -488,16 +375,16 @@ class _Level:
             values.append(float(self.table[machines - 1, row, j]))
         ks = np.flatnonzero(cuts.ancestors[r] & cuts.ancestors[:, j])
         ks = ks[ks >= 1]
-        ms = np.array(list(self.replica_choices(machines)), dtype=np.int64)
-        if ks.size and ms.size:
-            # (k, m) grid in k-major order: first minimum = smallest cut, then fewest replicas
-            kk, mm = ks[:, None], ms[None, :]
-            grid = np.maximum(self.table[machines - mm, row, kk], self.tin(kk, mm))
-            grid = np.maximum(grid, self.split(kk, j, mm, machines))
-            flat = int(np.argmin(grid))
-            options.append(("split", int(ks[flat // ms.size]), int(ms[flat % ms.size])))
-            values.append(float(grid.ravel()[flat]))
-        # first minimum in the order single, fewer, split
+        pairs = self.ranges.pair_id[ks, j]
+        ks, pairs = ks[pairs >= 0], pairs[pairs >= 0]
+        if ks.size and machines >= 2:
+            width = self.table.shape[2]
+            value, pick, m = best_split(
+                self.table.reshape(self.n + 1, -1), self.running.reshape(self.n + 1, -1),
+                row * width + ks, pairs, machines, lambda p, mm, M: self.last(p, mm, M),
+                replicate=not self.s.straight)
+            options.append(("split", int(ks[pick]), m))
+            values.append(value)
         best = int(np.argmin(values)) if values else -1
         if best < 0 or not math.isfinite(values[best]):
             raise PipetrainError("internal: no finite decision while tracing the plan back")
@@ -505,6 +392,8 @@ class _Level:
 
 
 class _Solver:
+    progress = False   # show progress of long tables (a bar on a terminal, one line otherwise)
+
     def __init__(self, cuts: Cuts, topology: Topology, model: str, straight: bool,
                  fewer: bool, memory: _Memory) -> None:
         self.cuts = cuts
@@ -516,8 +405,23 @@ class _Solver:
         self.levels: list[_Level] = []
 
     def solve(self) -> float:
-        """The best time per minibatch; chains over several levels are solved in a band."""
-        if not (self.cuts.chain and self.topology.levels > 1):
+        """The best time per minibatch; topologies of several levels are solved in a band."""
+        if self.topology.levels == 1:
+            if self.memory.limit is None or self.topology.workers < _WINDOW_MACHINES:
+                return self._solve_levels(None)
+            # a memory limit: the plan without it is no slower, so its time is where machine
+            # windows start (they never depend on the limit); widen until the plan is inside
+            relaxed = _Solver(self.cuts, self.topology, self.model, self.straight, self.fewer,
+                              dataclasses.replace(self.memory, limit=None))
+            relaxed.progress = self.progress
+            bound = relaxed.solve()
+            for _ in range(_BAND_PASSES):
+                if not (math.isfinite(bound) and bound > 0):
+                    break
+                value = self._solve_levels(None, bound)
+                if value <= bound:
+                    return value
+                bound *= _BAND_GROWTH
             return self._solve_levels(None)
         if self.straight and not self.fewer and self.topology.workers > self.cuts.num_states - 1:
             return math.inf                     # fewer layers than workers: no straight plan
@@ -525,20 +429,48 @@ class _Solver:
         # an upper bound U on the optimum, ranges whose bound exceeds U are in no optimal plan,
         # nor are the ranges that contain them: inner levels solve only the band of shorter
         # ranges. A banded solution no slower than U is the exact optimum (the optimal plan
-        # lies inside the band); otherwise U grows to that solution's time (then exact) or by
-        # _BAND_GROWTH, and after _BAND_PASSES tries the whole table is solved.
+        # lies inside the band). U starts at _BAND_START times a lower bound and grows to the
+        # banded solution's time (a plan, so the next pass is exact) or by _BAND_GROWTH; after
+        # _BAND_PASSES tries the whole table is solved. Passes below the optimum are cheap
+        # where their bands are narrow; where a band is about as wide as that of plain data
+        # parallelism (a plan: one stage at every level), that is solved instead, exactly.
+        cap = math.inf
+        if not self.straight:
+            cap = data_parallel_time(float(self.cuts.compute[-1]), float(self.cuts.params[-1]),
+                                     self.topology, self.model)
+        capped = None
         bound = _BAND_START * self._lower_bound()
         for _ in range(_BAND_PASSES):
             if not (math.isfinite(bound) and bound > 0):
                 break
-            stops = self._band(bound)
-            if stops is None:
-                break
-            value = self._solve_levels(stops, bound)
+            band = self._band(min(bound, cap))
+            if bound < cap and math.isfinite(cap):
+                capped = self._band(cap) if capped is None else capped
+                if self._band_work(band) >= _BAND_JUMP * self._band_work(capped):
+                    bound, band = cap, capped
+            bound = min(bound, cap)
+            value = math.inf if band is None else self._solve_levels(band, bound)
             if value <= bound:
                 return value
             bound = min(value, _BAND_GROWTH * bound)
         return self._solve_levels(None)
+
+    def _band_work(self, band: np.ndarray | None) -> float:
+        """About how many (triple, machine count) steps the levels solve in ``band``."""
+        if band is None:
+            return 0.0
+        cuts = self.cuts
+        states = np.arange(cuts.num_states)
+        inner = np.maximum(states[None, :] - states[:, None] - 1, 0)    # cuts between
+        machines = self.topology.machines
+        work = machines[-1] * float(inner[0][band[0]].sum() + band[1:].sum())
+        if len(machines) > 1:
+            prefixes = nested_ranges(band, cuts.ancestors, cuts.chain, prefixes=True)
+            work += machines[-2] * float(inner[prefixes].sum())
+        if len(machines) > 2:
+            nested = nested_ranges(band, cuts.ancestors, cuts.chain)
+            work += sum(machines[:-2]) * float(inner[nested].sum())
+        return work
 
     def range_bound(self, k, j):
         """A lower bound on any last-level stage over ``k -> j``: non-decreasing as it grows.
@@ -565,47 +497,73 @@ class _Solver:
         """The optimum is at least total compute / workers and every one-layer range's bound."""
         cuts = self.cuts
         last = cuts.num_states - 1
-        layers = np.arange(last)
+        if cuts.chain:
+            k = np.arange(last)
+            j = k + 1
+        else:                                   # DAGs: the stages of one layer
+            size = cuts.members.sum(axis=1)
+            k, j = np.nonzero(cuts.ancestors & (size[None, :] - size[:, None] == 1))
         return float(max(cuts.compute[last] / self.topology.workers,
-                         np.max(self.range_bound(layers, layers + 1), initial=0.0)))
+                         np.max(self.range_bound(k, j), initial=0.0)))
 
     def _band(self, bound: float) -> np.ndarray | None:
-        """``stops[k]``: the last cut ``j`` with ``range_bound(k, j) <= bound`` (None: all)."""
-        last = self.cuts.num_states - 1
-        limit = bound * (1 + 1e-9)              # rounding: never cut a range the DP prices at U
-        starts = np.arange(last + 1)
-        lo = starts.copy()                      # range_bound(k, k) = 0 <= limit
-        hi = np.full(last + 1, last)
-        while True:
-            open_ = lo < hi
-            if not open_.any():
-                break
-            mid = (lo + hi + 1) >> 1
-            ok = self.range_bound(starts, mid) <= limit
-            lo = np.where(open_ & ok, mid, lo)
-            hi = np.where(open_ & ~ok, mid - 1, hi)
-        if lo[0] >= last:
-            return None                         # the whole model fits: no band
-        return np.maximum.accumulate(lo)
+        """``band[k, j]``: ``k -> j`` can be a last-level stage of a plan within ``bound``
+        (None: no plan is).
 
-    def _solve_levels(self, stops: np.ndarray | None, bound: float | None = None) -> float:
+        A last-level stage over ``k -> j`` costs at least what it would if the levels below ran
+        the range at its compute over their ``W`` workers (no pipeline beats that), and the
+        cuts before and after it need machines of their own. Pricing the last level with that
+        lower bound (all-reduce, transfers and replica counts as they are) gives the fewest
+        machines ``lo(k)`` for ``0 -> k``, ``g(j)`` for ``j -> end`` and ``m(k -> j)`` for the
+        stage within ``bound`` (:mod:`pipetrain.plan.window`); a plan within ``bound`` only
+        has stages with ``lo(k) + m(k -> j) + g(j) <= n``. The level below solves these ranges
+        and their prefixes (its rows start where they start), deeper levels every range
+        nested in them (see :meth:`_solve_levels`).
+        """
+        cuts = self.cuts
+        top = self.topology
+        inner = math.prod(top.machines[:-1])
+        compute = cuts.compute
+        probe = _Level(self, top.levels - 1, lambda k, j: (compute[j] - compute[k]) / inner)
+        lo, g, replicas, first = probe.reach(bound)
+        if not lo[-1] <= probe.n:
+            return None
+        k, j = probe.ranges.pair_k, probe.ranges.pair_j
+        useful = np.zeros((cuts.num_states, cuts.num_states), dtype=bool)
+        fits = lo[k] + replicas + g[j] <= probe.n
+        useful[k[fits], j[fits]] = True
+        useful[0] = cuts.ancestors[0] & (first + g <= probe.n)
+        return useful
+
+    def _solve_levels(self, band: np.ndarray | None, bound: float | None = None) -> float:
+        """Solve every level, inner first; with a band (the last level's possible stages), the
+        level below the last solves only the ranges that start where one of them starts and
+        end inside it (the prefixes its DP rows need), and deeper levels, which price the
+        stages of those rows, every range nested in one of them."""
         cuts = self.cuts
         compute = cuts.compute
         self.levels = []
+        top = self.topology.levels - 1
+        bands = {}
+        if band is not None:
+            bands[top] = band
+            if top >= 1:
+                bands[top - 1] = nested_ranges(band, cuts.ancestors, cuts.chain, prefixes=True)
+            if top >= 2:
+                nested = nested_ranges(band, cuts.ancestors, cuts.chain)
+                bands.update((index, nested) for index in range(top - 1))
 
         def seg_compute(k, j):
             return compute[j] - compute[k]
 
         seg: Callable = seg_compute
-        limit = None
         for index in range(self.topology.levels):
-            level = _Level(self, index, seg, limit, stops, bound)
+            level = _Level(self, index, seg, bands.get(index), bound)
             level.solve()
             self.levels.append(level)
             if not level.final:
                 full = np.full((cuts.num_states, cuts.num_states), np.inf)
-                full[:-1] = level.table[level.n]
-                limit = monotone_limit(full) if cuts.chain else None
+                full[level.rows] = level.table[level.n]
                 seg = (lambda k, j, full=full: full[k, j])
         last = self.levels[-1]
         return float(last.table[last.n, 0, cuts.num_states - 1])
@@ -645,14 +603,126 @@ class _Solver:
         return out
 
 
+class _MirrorLevel(_Level):
+    """A one-level table of the reversed model: entry ``M, 0 -> j`` is the original rest from
+    cut ``end - j`` to the end on ``M`` machines, so a stage's workers from here are the
+    entry's ``M`` whatever the total (:class:`_Mirror`).
+
+    Transfers as the original pays them: a stage pays for its input, and a middle stage also
+    for its output; so the original first stage (reversed: a last stage ending at ``end``)
+    pays nothing.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cuts = self.s.cuts
+        k, j = self.ranges.pair_k, self.ranges.pair_j
+        first = j == cuts.num_states - 1
+        if self.s.model == "paper":
+            self.pair_transfer = np.where(first, 0.0, 2.0 * cuts.output[j])
+        else:
+            self.pair_transfer = np.where(first, 0.0,
+                                          2.0 * np.maximum(cuts.output[k], cuts.output[j]))
+
+    def single(self, r, j, m, mode: str = "time", limit: bool = True):
+        """The original last stage: one stage to the end, with its input transfer."""
+        cuts = self.s.cuts
+        valid = cuts.ancestors[r, j]
+        if mode == "memory":
+            return np.where(valid, self._mem(r, j, m, m), np.inf)
+        value = _stage_time(self.s.model, self.seg(r, j), cuts.params[j] - cuts.params[r], m,
+                            self.bandwidth)
+        out = np.where(np.asarray(j) == cuts.num_states - 1, 0.0, cuts.output[j])
+        value = np.maximum(value, _transfer_in(self.s.model, out, m, self.bandwidth))
+        if limit and self._limited():
+            value = np.where(self._mem(r, j, m, m) > self.memory.limit, np.inf, value)
+        return np.where(valid, value, np.inf)
+
+    def last(self, p, m, machines: int, mode: str = "time"):
+        if mode == "memory":
+            k, j = self.ranges.pair_k[p], self.ranges.pair_j[p]
+            return self._mem(k, j, m, machines)
+        return super().last(p, m, machines, mode)
+
+    def fits(self, p, m, machines: int):
+        if not hasattr(self, "_deepest"):
+            self._deepest = self._deepest_fitting()
+        m = np.asarray(m)
+        return (machines + m - 1) // m <= self._deepest[p]
+
+    def _deep_enough(self, deepest: np.ndarray, lo: np.ndarray) -> np.ndarray:
+        """Depth ``ceil(M / m)`` with ``m <= M - lo``: ``M >= deepest lo / (deepest - 1)``."""
+        d = deepest.astype(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.ceil(d * lo / (d - 1))
+        return np.where((d > 1) & np.isfinite(lo), need, np.inf)
+
+
+class _Mirror(_Solver):
+    """PipeDream's one-level DP built from the end of the model: the best plan on exactly
+    ``n`` workers for every ``n`` up to the topology's, memory limit included.
+
+    A stage's memory depends on the workers from it to the end; built from the start, that
+    needs the total, so idle workers (a smaller total) would need one solve per total. Built
+    from the end it does not: the reversed model (cut ``j`` is the original ``end - j``; the
+    prefix sums are negated so that every range's sums are the same floats) gives, in one
+    table, the time of every total, exactly as the solve for that total would.
+    """
+
+    def __init__(self, cuts: Cuts, topology: Topology, model: str, straight: bool,
+                 memory: _Memory) -> None:
+        flip = (lambda values: -values[::-1])
+        mirrored = dataclasses.replace(
+            cuts, compute=flip(cuts.compute), params=flip(cuts.params),
+            optimizer=flip(cuts.optimizer), activations=flip(cuts.activations),
+            output=cuts.output[::-1].copy(),
+            ancestors=np.ascontiguousarray(cuts.ancestors[::-1, ::-1].T))
+        super().__init__(mirrored, topology, model, straight, False, memory)
+        self.original = cuts
+
+    def best(self, mode: str = "time") -> np.ndarray:
+        """Per total ``n = 1..workers``: the best time (or, ``mode="memory"``, the smallest
+        memory limit that fits); with many workers, times above the best are ``inf``.
+
+        Many workers: machine windows (:mod:`pipetrain.plan.window`) from a bound that starts
+        at the best time without the memory limit, idle workers allowed (never slower than any
+        total with the limit) and widens until some total is within it.
+        """
+        compute = self.cuts.compute
+        end = self.cuts.num_states - 1
+
+        def solve(bound: float | None) -> np.ndarray:
+            level = _MirrorLevel(self, 0, lambda k, j: compute[j] - compute[k], None, bound)
+            return level.solve(mode=mode)[1:, 0, end]
+
+        if mode == "memory" or self.topology.workers < _WINDOW_MACHINES:
+            return solve(None)
+        relaxed = _Solver(self.original, self.topology, self.model, self.straight, True,
+                          dataclasses.replace(self.memory, limit=None))
+        relaxed.progress = self.progress
+        bound = relaxed.solve()
+        for _ in range(_BAND_PASSES):
+            if not (math.isfinite(bound) and bound > 0):
+                break
+            times = solve(bound)
+            if times.min() <= bound:
+                return times
+            bound *= _BAND_GROWTH
+        return solve(None)
+
+
 def optimize(profile: Profile | Cuts, topology: Topology | int, *,
              cost_model: str = "pipedream-code", straight: bool = False,
              fewer_machines: bool = False, memory_limit: float | None = None,
-             schedule: str = "pipedream", microbatches: int = 1) -> Plan:
+             schedule: str = "pipedream", microbatches: int = 1,
+             progress: bool = False) -> Plan:
     """Partition ``profile`` over ``topology`` with PipeDream's optimizer.
 
     ``topology`` is a :class:`Topology` or a worker count (one level at 1e9 B/s). Returns a
     :class:`Plan` whose ``predicted_time_per_minibatch`` is the slowest stage's time.
+    ``progress``: show the progress of tables that take more than a few seconds (a bar on a
+    terminal, one line on stderr otherwise). A size that would not finish here is refused with
+    the largest that would (:mod:`pipetrain.plan.effort`).
     """
     if cost_model not in COST_MODELS:
         raise ConfigError(f"unknown cost model {cost_model!r}; choose {' or '.join(COST_MODELS)}")
@@ -664,20 +734,26 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
     if memory_limit is not None and fewer_machines and topology.levels == 1:
-        # idle workers change every stage's in-flight count: solve each worker count exactly
-        solvers = [_Solver(cuts, Topology.flat(n, topology.bandwidths[0]), cost_model, straight,
-                           False, _Memory(memory_limit, schedule, int(microbatches), n))
-                   for n in range(1, topology.workers + 1)]
-        times = [solver.solve() for solver in solvers]
+        # idle workers change every stage's in-flight count: the best plan on exactly n workers
+        # for every n at once (built from the end), then the fastest n solved as usual
+        memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
+        mirror = _Mirror(cuts, topology, cost_model, straight, memory)
+        mirror.progress = progress
+        times = mirror.best()
         pick = int(np.argmin(times))
-        solver, best = solvers[pick], times[pick]
+        flat = Topology.flat(pick + 1, topology.bandwidths[0])
+        solver = _Solver(cuts, flat, cost_model, straight, False,
+                         _Memory(memory_limit, schedule, int(microbatches), pick + 1))
+        solver.progress = progress
+        best = solver.solve() if math.isfinite(times[pick]) else math.inf
         if not math.isfinite(best):
-            smallest = min(s.smallest_memory() for s in solvers)
+            smallest = float(np.min(mirror.best(mode="memory")))
             _explain_infeasible(solver, cuts, topology, straight, True, memory_limit, schedule,
                                 smallest)
     else:
         memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
         solver = _Solver(cuts, topology, cost_model, straight, fewer_machines, memory)
+        solver.progress = progress
         best = solver.solve()
         if not math.isfinite(best):
             _explain_infeasible(solver, cuts, topology, straight, fewer_machines, memory_limit,

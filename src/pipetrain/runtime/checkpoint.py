@@ -1,4 +1,4 @@
-"""Atomic, verified checkpoints: one file per stage, and a manifest written last that vouches for them."""
+"""Atomic, verified checkpoints: one file per rank (or stage), and a manifest written last that vouches for them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -19,7 +20,7 @@ from typing import Any, BinaryIO, Iterable, Mapping
 
 import torch
 
-from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError
+from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError, CheckpointPeerError
 
 __all__ = [
     "MANIFEST",
@@ -181,16 +182,24 @@ def save_distributed(
     world_size: int,
     store: Any,
     timeout: float = 300.0,
+    key: str | None = None,
 ) -> Path:
     """Collective checkpoint: every rank calls it at the same step with its own ``shards``
     (``{stage_file(s): state}``, or ``{}`` for a rank that saves nothing, such as a second replica).
 
     Each rank writes its files and publishes their records in ``store``; rank 0 waits for all ranks
     (at most ``timeout`` seconds), writes the manifest, and announces the commit, which the other
-    ranks wait for (at most twice as long, to hear rank 0's verdict). A failure on any rank raises :class:`CheckpointError` on every rank.
+    ranks wait for (at most twice as long, to hear rank 0's verdict). A failure on any rank raises
+    :class:`CheckpointError` on every rank.
+
+    ``key`` names this save's entries in ``store``; it must differ between any two saves that use
+    the same store server (a run's store serves every run of a script, and under torchrun every
+    restart). By default saves through one store client are numbered.
     """
-    n = _rounds[id(store)] = _rounds.get(id(store), 0) + 1
-    prefix = f"pipetrain/checkpoint/{n}"
+    if key is None:
+        n = _rounds[id(store)] = _rounds.get(id(store), 0) + 1
+        key = str(n)
+    prefix = f"pipetrain/checkpoint/{key}"
     td = timedelta(seconds=timeout)
     try:
         records = [save_shard(directory, step, name, state) for name, state in shards.items()]
@@ -206,8 +215,8 @@ def save_distributed(
         except RuntimeError:
             late = [r for r, k in enumerate(keys) if not store.check([k])]
             reason = f"ranks {late} did not finish their checkpoint files of step {step} within {timeout:g} s"
-            store.set(commit, json.dumps({"error": reason}))
-            raise CheckpointError(reason) from None
+            store.set(commit, json.dumps({"error": reason, "peer": True}))
+            raise CheckpointPeerError(reason) from None
         all_records: list[dict[str, Any]] = []
         errors = []
         for r, k in enumerate(keys):
@@ -231,13 +240,13 @@ def save_distributed(
     try:
         store.wait([commit], 2 * td)  # longer than rank 0 waits, to hear its verdict
     except RuntimeError:
-        raise CheckpointError(
+        raise CheckpointPeerError(
             f"rank {rank} waited {2 * timeout:g} s for rank 0 to commit the checkpoint of step "
             f"{step}: rank 0 is gone or stuck"
         ) from None
     answer = json.loads(store.get(commit))
     if "error" in answer:
-        raise CheckpointError(answer["error"])
+        raise (CheckpointPeerError if answer.get("peer") else CheckpointError)(answer["error"])
     return Path(answer["ok"])
 
 
@@ -245,10 +254,11 @@ def save_distributed(
 class Checkpoint:
     """A complete, verified checkpoint: its directory, step, metadata and file records.
 
-    Layout::
+    Layout (the files are named by their writer; the training runtime writes one per rank,
+    ``rank-N.pt``, holding the state of every stage replica the rank runs)::
 
-        DIR/step-000120/stage-0.pt        torch.save of stage 0's state (weights, optimizer, versions...)
-        DIR/step-000120/stage-1.pt
+        DIR/step-000120/rank-0.pt         torch.save of rank 0's state (weights, optimizer, versions...)
+        DIR/step-000120/rank-1.pt
         DIR/step-000120/manifest.json     {"format", "step", "files": [{name, size, sha256}], "meta"}
 
     Every file is written under a temporary name, flushed, fsynced and renamed, then the directory is
@@ -270,11 +280,12 @@ class Checkpoint:
     meta: dict[str, Any]
     files: dict[str, dict[str, Any]]
 
-    def load(self, name: str, map_location: Any = "cpu", *, weights_only: bool = True) -> Any:
+    def load(self, name: str, map_location: Any = "cpu") -> Any:
         """The state saved as ``name``, after checking its size and SHA-256 once more.
 
-        ``weights_only`` (torch.load's safe mode) accepts tensors and plain containers of numbers
-        and strings: save RNG states with :func:`capture_rng`, not as numpy objects.
+        Always in torch.load's safe mode (``weights_only=True``), which unpickles nothing but
+        tensors and plain containers of numbers and strings: a checkpoint directory is input, and
+        a pickle could run code. Save RNG states with :func:`capture_rng`, not as numpy objects.
         """
         record = self.files.get(name)
         if record is None:
@@ -282,7 +293,14 @@ class Checkpoint:
                 f"checkpoint {self.path} has no file {name!r}; it holds {sorted(self.files)}"
             )
         data = _read_verified(self.path, record)
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+        try:
+            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CheckpointError(
+                f"checkpoint {self.path}: {name} holds objects other than tensors and plain data, which pipetrain "
+                f"does not load ({first}); it was not written by pipetrain"
+            ) from None
 
 
 def _read_verified(d: Path, record: Mapping[str, Any]) -> bytes:
@@ -354,14 +372,20 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     return sorted(found)
 
 
-def find_latest(directory: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint | None:
+def find_latest(
+    directory: str | os.PathLike[str], *, verify: bool = True, skipped: list[str] | None = None
+) -> Checkpoint | None:
     """The newest complete checkpoint under ``directory``, or None. Newer step directories that are
-    incomplete or damaged are skipped with a warning that says why."""
+    incomplete or damaged are skipped with a warning that says why (appended to ``skipped``
+    instead, when given: a run that resumes by itself says so in its own words)."""
     for _, path in reversed(list_checkpoints(directory)):
         try:
             return open_checkpoint(path, verify=verify)
         except CheckpointError as error:
-            warnings.warn(f"{error}; skipping it for an older checkpoint", stacklevel=2)
+            if skipped is not None:
+                skipped.append(str(error))
+            else:
+                warnings.warn(f"{error}; skipping it for an older checkpoint", stacklevel=2)
     return None
 
 

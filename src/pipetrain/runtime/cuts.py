@@ -19,7 +19,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.runtime.sends import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
-__all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates"]
+__all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "in_flight"]
 
 
 @dataclass
@@ -200,6 +200,29 @@ def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | No
         stuck = [rank for rank, (pc, p) in enumerate(zip(out[-1], programs)) if pc != len(p)]
         raise ConfigError(f"the programs of ranks {stuck} cannot run to their end (see `pipetrain schedule --load`)")
     return out
+
+
+def in_flight(program: Sequence, positions: Sequence[int]) -> list[list]:
+    """For each of one rank's cut ``positions``: its forwards in flight there (F actions before the
+    cut whose backward is at or after it), in program order.
+
+    A resumed run replays them, so the checkpoint holds their inputs and the versions they read.
+    Under the ``latest`` policy (Pipelined Backpropagation) a forward's version is released as soon
+    as the forward is done, since the backward reads the current weights; a rank that checkpoints
+    keeps such versions up to the cut (:meth:`~pipetrain.runtime.executor.RankRunner.keep_for_cuts`).
+    """
+    forwards: dict[tuple[int, int], tuple[int, object]] = {}  # (stage, microbatch) -> (position, F)
+    ends: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> position of its last backward action
+    for position, action in enumerate(program):
+        kind = action.kind
+        if kind is Kind.F:
+            forwards[(action.stage, action.microbatch)] = (position, action)
+        elif kind is Kind.B or kind is Kind.W:
+            ends[(action.stage, action.microbatch)] = position
+    return [
+        [action for key, (start, action) in forwards.items() if start < cut <= ends.get(key, cut)]
+        for cut in positions
+    ]
 
 
 def _positions(program: Sequence, order: Sequence[int]) -> list[int]:

@@ -10,13 +10,17 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "LaunchError",
+    "JoinError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointPeerError",
 ]
 
 
 class CommunicationError(PipetrainError):
     """A transfer between two ranks failed; the message names the action that was waiting."""
+
+    exit_status = 3  # a lost or timed-out peer (a user error is 2)
 
 
 class PeerTimeoutError(CommunicationError):
@@ -36,9 +40,22 @@ class LaunchError(PipetrainError):
     """Workers could not be started, or the distributed environment is incomplete."""
 
 
+class JoinError(LaunchError):
+    """A worker could not join the run within the timeout: a peer never came, or is unreachable."""
+
+    exit_status = 3
+
+
 class CheckpointError(PipetrainError):
     """A checkpoint is missing, incomplete or corrupted, or could not be written."""
 
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint was written for a different model, schedule or configuration than this run."""
+
+
+class CheckpointPeerError(CheckpointError):
+    """A checkpoint could not be committed because another rank did not take its part in time:
+    it is gone or stuck (a lost or timed-out peer, not a bad checkpoint)."""
+
+    exit_status = 3

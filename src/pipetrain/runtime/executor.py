@@ -405,11 +405,30 @@ class RankRunner:
             "rng": capture_rng(),
         }
 
+    def keep_for_cuts(self, positions: list[int]) -> None:
+        """Keep every version that a forward in flight at one of these cuts (this rank's positions
+        of the cuts where it checkpoints) read, up to the cut, so that the checkpoint holds it
+        (see :func:`~pipetrain.runtime.cuts.in_flight`); released right after the cut."""
+        from pipetrain.runtime.cuts import in_flight
+
+        released = {key: position for position, keys in self._releases.items() for key in keys}
+        for cut, forwards in zip(positions, in_flight(self.program, positions)):
+            for key in {(action.stage, action.version) for action in forwards}:
+                early = released.get(key)
+                if early is not None and early < cut:
+                    self._releases[early] = [k for k in self._releases[early] if k != key]
+                    self._releases.setdefault(cut, []).append(key)
+                    released[key] = cut
+
     def restore(self, state: dict[str, Any], cut) -> int:
         """Load this rank's state at ``cut``, replay the forwards in flight and re-send what
         crossed the cut; returns the program position to continue from."""
+        from pipetrain.runtime.cuts import in_flight
+
         schedule, rank, program = self.schedule, self.rank, self.program
         position = cut.positions[rank]
+        forwards = in_flight(program, [position])[0]
+        _check_in_flight(state, forwards, rank, cut.units // self.layout.units_per_update)
         self._resumed_cut = cut
         self.losses = dict(state["losses"])
         self._labels = dict(state["labels"])
@@ -426,9 +445,14 @@ class RankRunner:
                     if (stage + 1, k) in later_forwards:
                         self._local[("F", stage + 1, k)] = out
                 elif (stage, k) in crossing:
-                    position, action = crossing[(stage, k)]
+                    sent_at, action = crossing[(stage, k)]
                     self._send(out + (self._labels[k],), schedule.peer_of(action), "act" + str(stage + 1), k, action,
-                               position)
+                               sent_at)
+        # versions kept only for the checkpoint (keep_for_cuts): the program released them before the cut
+        released = {key: p for p, keys in self._releases.items() for key in keys}
+        for stage, version in {(action.stage, action.version) for action in forwards}:
+            if released.get((stage, version), position) < position:
+                self.executors[stage].release(version)
         return position
 
     def _forward(self, action: Action, executor: StageExecutor, on_loss) -> None:
@@ -500,6 +524,24 @@ class RankRunner:
                 return value
 
             tied.assign(t, tied.total(t, part), self.executors.values())
+
+
+def _check_in_flight(state: dict[str, Any], forwards: list[Action], rank: int, step: int) -> None:
+    """Refuse a checkpoint whose forwards in flight are not those this run's program has at the
+    cut: it was written by a run of another length, whose programs end differently (an
+    asynchronous schedule drains its pipeline at the end)."""
+    from pipetrain.runtime.errors import CheckpointMismatchError
+
+    for stage, saved in state["stages"].items():
+        held = sorted(record["microbatch"] for record in saved["in_flight"])
+        expected = sorted(action.microbatch for action in forwards if action.stage == stage)
+        if held != expected:
+            raise CheckpointMismatchError(
+                f"rank {rank}: the checkpoint of step {step} holds microbatches {held} of stage {stage} in "
+                f"flight, where this run's program has {expected}: it was written by a run of another length "
+                "(--steps / --epochs), whose pipeline drains at a different point; resume with the length it was "
+                "written with"
+            )
 
 
 def _unmask(payload, mask: int | None) -> tuple:

@@ -7,16 +7,16 @@ import datetime
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from pipetrain.errors import PipetrainError
 from pipetrain.runtime.errors import LaunchError
+from pipetrain.runtime.supervise import EXIT_PEER_FAILURE, EXIT_USER_ERROR, LaunchResult, run_workers
 
 __all__ = [
     "DistEnv",
@@ -29,13 +29,9 @@ __all__ = [
     "EXIT_USER_ERROR",
     "report_worker_error",
     "EXIT_PEER_FAILURE",
+    "die_with_parent",
 ]
 
-#: Exit status of a worker that stopped on a PipetrainError of its own (a user error).
-EXIT_USER_ERROR = 2
-#: Exit status of a worker that stopped because of another rank (lost peer, timeout): a secondary
-#: failure; the launcher names a primary failure first when it sees both.
-EXIT_PEER_FAILURE = 3
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -96,7 +92,7 @@ def detect(environ: Mapping[str, str] | None = None) -> DistEnv | None:
         master_addr=env["MASTER_ADDR"],
         master_port=port,
         launcher=launcher,
-        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", env.get("PIPETRAIN_RESTART", "0"))),
     )
 
 
@@ -104,10 +100,20 @@ def init_distributed(backend: str = "gloo", timeout: float = 300.0) -> DistEnv:
     """Join the run's default process group from the environment (pipetrain's launcher, torchrun,
     or variables set by hand); ``timeout`` (seconds) bounds the rendezvous and every collective.
 
+    Under a launcher that keeps the run's store (pipetrain's, torchrun's agents) the workers of
+    this start agree on their generation first (:mod:`pipetrain.runtime.rendezvous`), which
+    tolerates workers that start up to ``timeout`` apart and restarts that find the keys of a
+    dead start. Gloo listens on the interface that reaches the store (loopback for a local run)
+    unless ``GLOO_SOCKET_IFNAME`` says otherwise. A worker started by torchrun dies with its
+    agent, so that a killed agent takes its workers with it and the run ends everywhere.
+
     With ``backend="nccl"`` the process first selects GPU LOCAL_RANK. Idempotent.
     """
     import torch
     import torch.distributed as dist
+
+    from pipetrain.runtime.errors import JoinError
+    from pipetrain.runtime.rendezvous import GENERATION, agree, generation, interface_towards
 
     env = detect()
     if env is None:
@@ -123,19 +129,33 @@ def init_distributed(backend: str = "gloo", timeout: float = 300.0) -> DistEnv:
         torch.cuda.set_device(env.local_rank)
     elif backend != "gloo":
         raise LaunchError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+    if env.launcher == "torchrun":
+        die_with_parent(os.getppid())
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = interface_towards(env.master_addr, env.master_port)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+    started = time.monotonic()
+    td = datetime.timedelta(seconds=timeout)
     try:
-        dist.init_process_group(
-            backend,
-            init_method="env://",
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the launcher hosts the store
+            base = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=td,
+                                 wait_for_workers=False)
+            if env.launcher == "torchrun":  # one store for every restart: agree on this start's keys
+                os.environ[GENERATION] = agree(base, env.rank, env.world_size, timeout)
+            store = dist.PrefixStore(f"pipetrain/{generation()}/pg/", base)
+            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(seconds=max(1.0, timeout - (time.monotonic() - started))))
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                    timeout=td)
+    except JoinError:
+        raise
     except (RuntimeError, ValueError) as error:  # DistStoreError and DistNetworkError are RuntimeErrors
-        raise LaunchError(
+        raise JoinError(
             f"rank {env.rank} could not join the run at {env.master_addr}:{env.master_port} "
-            f"within {timeout:g} s ({type(error).__name__}: {str(error).splitlines()[0]}); check "
-            "that every worker started, and that the address is reachable"
+            f"({time.monotonic() - started:.1f} s after it tried; {type(error).__name__}: "
+            f"{str(error).splitlines()[0]}); check that every worker started, and that the address is reachable"
         ) from None
     return env
 
@@ -146,27 +166,6 @@ def plan_cores(nprocs: int, threads_per_worker: int, available: Sequence[int] | 
     if nprocs * threads_per_worker > len(cores):
         return None
     return [cores[i * threads_per_worker : (i + 1) * threads_per_worker] for i in range(nprocs)]
-
-
-@dataclass
-class LaunchResult:
-    """How the workers ended. ``returncode`` 0 means all succeeded; ``results[r]`` is what rank
-    r's entry function returned (None if it failed or returned nothing)."""
-
-    returncode: int
-    results: list[Any] = field(default_factory=list)
-    exitcodes: list[int | None] = field(default_factory=list)
-    message: str = ""
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with status {code}"
 
 
 def launch(
@@ -180,11 +179,12 @@ def launch(
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
+    restarts: int = 0,
 ) -> LaunchResult:
     """Run ``fn(*args)`` in ``nprocs`` local worker processes (ranks 0..nprocs-1) and wait.
 
-    The launcher hosts the run's TCPStore itself (on a free port of 127.0.0.1, so there is
-    no port race), starts one subprocess per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+    The launcher hosts the run's TCPStore itself (on a free port of 127.0.0.1, listening there
+    only, so there is no port race), starts one subprocess per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
     MASTER_PORT set, pins each to its own cores, and watches them: when one fails, it prints what every
     rank was doing (from the store it hosts, which outlives any worker), gives the others a few seconds
     to report their own errors, then stops them. Ctrl-C stops every worker. It never waits forever.
@@ -204,8 +204,11 @@ def launch(
     worker gets ``torch.set_num_threads(threads_per_worker)`` and, with ``pin`` and enough cores,
     its own ``threads_per_worker`` cores. When a worker fails, the others get ``grace`` seconds to
     exit on their own (peers of a dead rank report the loss), then are terminated. ``timeout``
-    (seconds, optional) bounds the whole run. Returns a :class:`LaunchResult`: returncode 0, the
-    first failure's status (128+N for a signal N), 124 on timeout, 130 on Ctrl-C.
+    (seconds, optional) bounds each start of the workers. After a failure that is neither a
+    user error nor an interruption, all workers are started again, up to ``restarts`` times (see
+    :mod:`pipetrain.runtime.supervise`). Returns a :class:`LaunchResult`: returncode 0, the
+    primary failure's status (2 a user error, 3 a lost or timed-out peer, 128+N for a signal N),
+    124 on timeout, 130 on Ctrl-C.
     """
     if nprocs < 1:
         raise PipetrainError(f"need at least one worker, got {nprocs}")
@@ -224,8 +227,9 @@ def launch(
     command = [sys.executable, "-c", "from pipetrain.runtime.launch import _worker_main; _worker_main()"]
     extra = dict(env or {}, PIPETRAIN_ENTRY=payload, PIPETRAIN_MAIN=main_path)
     try:
-        result = _run_workers(command, nprocs, threads_per_worker=threads_per_worker, pin=pin, grace=grace,
-                              timeout=timeout, env=extra, quiet=quiet)
+        result = run_workers(command, nprocs, threads_per_worker=threads_per_worker,
+                             cores=plan_cores(nprocs, threads_per_worker) if pin else None, grace=grace,
+                             timeout=timeout, env=extra, quiet=quiet, restarts=restarts)
         result.results = [_read_result(workdir, r) for r in range(nprocs)]
     finally:
         _rmtree(workdir)
@@ -241,6 +245,7 @@ def launch_script(
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
+    restarts: int = 0,
 ) -> LaunchResult:
     """Run this process's own script again in ``nprocs`` local workers, as torchrun would, and wait.
 
@@ -248,7 +253,7 @@ def launch_script(
     call of the script (:meth:`pipetrain.Pipeline.fit`) finds no distributed environment and
     starts the workers here; each runs the whole script from the top with RANK, WORLD_SIZE, ...
     set, so every rank builds the same model and data, and the same call joins the run. The
-    launcher watches them exactly as :func:`launch` does. The script is found from the
+    launcher watches (and restarts) them exactly as :func:`launch` does. The script is found from the
     interpreter's own command line (``python script.py``, ``python -m package.module``); an
     interactive session or a test runner cannot be re-run and is refused.
     """
@@ -256,8 +261,9 @@ def launch_script(
 
     head, script = _script_command()
     command = [sys.executable, *head, "-c", "from pipetrain.runtime.launch import _script_main; _script_main()"]
-    return _run_workers(command, nprocs, threads_per_worker=threads_per_worker, pin=pin, grace=grace,
-                        timeout=timeout, env=dict(env or {}, PIPETRAIN_SCRIPT=json.dumps(script)), quiet=quiet)
+    return run_workers(command, nprocs, threads_per_worker=threads_per_worker,
+                       cores=plan_cores(nprocs, threads_per_worker) if pin else None, grace=grace, timeout=timeout,
+                       env=dict(env or {}, PIPETRAIN_SCRIPT=json.dumps(script)), quiet=quiet, restarts=restarts)
 
 
 #: programs whose command line re-run in a worker would not be the user's script
@@ -293,79 +299,6 @@ def _script_command() -> tuple[list[str], tuple[str, str, list[str]]]:
     return head, ("path", os.path.abspath(path), sys.argv[1:])
 
 
-def _run_workers(
-    command: list[str],
-    nprocs: int,
-    *,
-    threads_per_worker: int,
-    pin: bool,
-    grace: float,
-    timeout: float | None,
-    env: Mapping[str, str],
-    quiet: bool,
-) -> LaunchResult:
-    """Start ``command`` once per rank with the distributed environment set, watch and reap them
-    (see :func:`launch`)."""
-    import torch.distributed as dist
-
-    if nprocs < 1:
-        raise PipetrainError(f"need at least one worker, got {nprocs}")
-    if threads_per_worker < 1:
-        raise PipetrainError(f"--threads-per-worker must be at least 1, got {threads_per_worker}")
-    cores = plan_cores(nprocs, threads_per_worker) if pin else None
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size=nprocs, is_master=True, wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=30),
-    )  # fmt: skip
-    base = dict(os.environ)
-    base.update(env)
-    path = [p for p in sys.path if p]
-    base["PYTHONPATH"] = os.pathsep.join(path + [base["PYTHONPATH"]] if base.get("PYTHONPATH") else path)
-    base.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs),
-        GROUP_RANK="0",
-        TORCHELASTIC_USE_AGENT_STORE="True",  # every rank is a client of the store hosted here
-        PIPETRAIN_LAUNCHER="1",
-        PIPETRAIN_THREADS=str(threads_per_worker),
-        PIPETRAIN_PARENT=str(os.getpid()),
-        OMP_NUM_THREADS=str(threads_per_worker),
-        MKL_NUM_THREADS=str(threads_per_worker),
-    )
-    for key in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
-        base.pop(key, None)
-
-    def say(text: str) -> None:
-        if not quiet:
-            print(f"pipetrain launch: {text}", file=sys.stderr, flush=True)
-
-    procs: list[subprocess.Popen[bytes]] = []
-    result = LaunchResult(returncode=0)
-    old_term = None
-    try:
-        if _in_main_thread():
-            old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
-        for rank in range(nprocs):
-            wenv = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-            if cores is not None:
-                wenv["PIPETRAIN_CPUS"] = ",".join(map(str, cores[rank]))
-            procs.append(subprocess.Popen(command, env=wenv, start_new_session=True))
-        result = _watch(procs, store, grace, timeout, say)
-    except KeyboardInterrupt:
-        say("interrupted: stopping every worker")
-        _stop(procs, 3.0)
-        result = LaunchResult(returncode=130, message="interrupted")
-    finally:
-        _stop(procs, 3.0)
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
-        result.exitcodes = [p.poll() for p in procs]
-        del store
-    return result
-
-
 def _main_path(fn: Callable[..., Any]) -> str:
     """The script to re-run (as ``__mp_main__``) in workers when ``fn`` lives in ``__main__``."""
     if getattr(fn, "__module__", None) != "__main__":
@@ -393,89 +326,6 @@ def _load_main() -> None:
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _watch(
-    procs: list[subprocess.Popen[bytes]],
-    store: Any,
-    grace: float,
-    timeout: float | None,
-    say: Callable[[str], None],
-) -> LaunchResult:
-    from pipetrain.runtime.status import format_status, read_errors, read_status
-
-    start = time.monotonic()
-    first: tuple[int, int] | None = None
-    stop_at: float | None = None
-    message = ""
-    while True:
-        codes = [p.poll() for p in procs]
-        if first is None:
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # Peers of a dead rank exit within milliseconds of it: name the cause, not them.
-                first = min(failed, key=lambda rc: (rc[1] >= 0, rc[1] == EXIT_PEER_FAILURE, rc[0]))
-                errors = read_errors(store, len(procs)) if first[1] == EXIT_USER_ERROR else {}
-                if first[0] in errors:  # the worker's own error (bad data, a NaN loss): the run's one message
-                    message = errors[first[0]]
-                else:
-                    message = f"worker rank {first[0]} {_describe_exit(first[1])}"
-                    if first[1] == EXIT_PEER_FAILURE:
-                        message += " (it lost a peer or timed out waiting for one)"
-                        finished = [r for r, c in enumerate(codes) if c == 0]
-                        if finished:
-                            message += (
-                                f"; rank(s) {', '.join(map(str, finished))} had already finished "
-                                "normally, before the others (do the programs match?)"
-                            )
-                    say(f"{message}; stopping the other workers")
-                    say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
-                stop_at = time.monotonic() + grace
-        if all(c is not None for c in codes):
-            break
-        now = time.monotonic()
-        if stop_at is not None and now >= stop_at:
-            late = [r for r, c in enumerate(codes) if c is None]
-            say(f"rank(s) {', '.join(map(str, late))} still running {grace:g} s later: terminating them")
-            break
-        if timeout is not None and now - start > timeout and first is None:
-            message = f"the workers did not finish within {timeout:g} s"
-            say(f"{message}; terminating them")
-            say(format_status(read_status(store, len(procs), timeout=1.0), len(procs)))
-            _stop(procs, 3.0)
-            return LaunchResult(returncode=124, message=message)
-        time.sleep(0.05)
-    if first is None:
-        return LaunchResult(returncode=0)
-    code = first[1]
-    return LaunchResult(returncode=128 - code if code < 0 else code, message=message)
-
-
-def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM every live worker, SIGKILL those still alive ``grace`` seconds later, reap all."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        try:
-            p.terminate()
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _read_result(workdir: str, rank: int) -> Any:
     path = os.path.join(workdir, f"result-{rank}.pkl")
     try:
@@ -491,21 +341,23 @@ def _rmtree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _die_with_parent() -> None:
-    parent = int(os.environ.get("PIPETRAIN_PARENT", "0"))
+def die_with_parent(parent: int) -> None:
+    """End this process (SIGKILL) when its parent ``parent`` dies (PR_SET_PDEATHSIG, Linux): a
+    worker must not outlive the launcher or the torchrun agent that watches it, or a lost
+    launcher leaves it training alone to the end."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if parent and os.getppid() != parent:  # the launcher died before prctl took effect
+    if parent and os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
 def _settle() -> None:
     """A spawned worker's own process settings: die with the launcher, pin to its cores, one
     thread per core."""
-    _die_with_parent()
+    die_with_parent(int(os.environ.get("PIPETRAIN_PARENT", "0")))
     cpus = os.environ.get("PIPETRAIN_CPUS")
     if cpus:
         os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
@@ -521,6 +373,9 @@ def _worker_main() -> None:
     entry = os.environ["PIPETRAIN_ENTRY"]
 
     def run() -> None:
+        result = os.path.join(os.path.dirname(entry), f"result-{rank}.pkl")
+        if os.path.exists(result):  # left by an earlier start of the workers (see launch's restarts)
+            os.remove(result)
         _load_main()
         with open(entry, "rb") as f:
             fn, args = pickle.load(f)
@@ -529,7 +384,7 @@ def _worker_main() -> None:
             tmp = os.path.join(os.path.dirname(entry), f".result-{rank}.tmp")
             with open(tmp, "wb") as f:
                 pickle.dump(value, f)
-            os.replace(tmp, os.path.join(os.path.dirname(entry), f"result-{rank}.pkl"))
+            os.replace(tmp, result)
 
     _run_and_exit(run, rank)
 
@@ -556,18 +411,15 @@ def _script_main() -> None:
 
 
 def _run_and_exit(run: Callable[[], None], rank: int) -> None:
-    """Run a worker's work and end the process with the launcher's exit statuses: 0, 2 for a
-    user error, 3 for a lost peer, 130 on Ctrl-C, a SystemExit's own code, 1 for anything else
-    (with its traceback)."""
+    """Run a worker's work and end the process with the launcher's exit statuses: 0, the error's
+    ``exit_status`` for a PipetrainError (2 for a user error, 3 for a lost or timed-out peer), 130
+    on Ctrl-C, a SystemExit's own code, 1 for anything else (with its traceback)."""
     try:
         run()
     except PipetrainError as error:
-        from pipetrain.runtime.errors import CommunicationError
-
-        lost_peer = isinstance(error, CommunicationError)
         if not report_worker_error(rank, error):
             print(f"pipetrain worker rank {rank}: error: {error}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_FAILURE if lost_peer else EXIT_USER_ERROR)
+        os._exit(error.exit_status)
     except KeyboardInterrupt:
         os._exit(130)
     except SystemExit as exit_:
@@ -604,6 +456,8 @@ def report_worker_error(rank: int, error: PipetrainError) -> bool:
     if isinstance(error, CommunicationError):
         world = int(os.environ.get("WORLD_SIZE", "0"))
         return any(other != rank for other in read_errors(store, world))
+    if error.exit_status != EXIT_USER_ERROR:  # a worker that could not join: it says so itself
+        return False
     return publish_error(store, rank, str(error))
 
 

@@ -224,8 +224,9 @@ class Messenger:
         else:
             exc = CommunicationError(f"rank {self.rank} failed {what} with {other}: {text}")
         if self.status is not None:
+            gone = {peer: "is gone (its connection closed)"} if isinstance(exc, PeerLostError) and peer is not None else None
             try:
-                exc.args = (f"{exc.args[0]}\n{self.status.report()}",)
+                exc.args = (f"{exc.args[0]}\n{self.status.report(gone=gone)}",)
             except Exception:  # the report is a courtesy; never mask the real error
                 pass
         return exc

@@ -12,10 +12,11 @@ from datetime import timedelta
 from typing import Any, Callable
 
 __all__ = [
-    "StatusBoard", "read_status", "format_status", "env_store", "default_prefix", "publish_error", "read_errors",
+    "StatusBoard", "read_status", "format_status", "diagnose", "env_store", "default_prefix", "publish_error",
+    "read_errors",
 ]
 
-_PREFIX = "pipetrain/status"
+_PREFIX = "status"
 
 
 def _key(prefix: str, rank: int) -> str:
@@ -23,23 +24,28 @@ def _key(prefix: str, rank: int) -> str:
 
 
 def default_prefix() -> str:
-    """Key prefix of this run: torchrun restarts reuse the store, so the restart count is part of it."""
-    return f"{_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    """Key prefix of the status records in the run's store (:func:`env_store`, whose keys are
+    already those of this start of the workers)."""
+    return _PREFIX
 
 
 def env_store(timeout: float = 10.0) -> Any:
     """A client of the TCPStore at MASTER_ADDR:MASTER_PORT (the launcher's or torchrun's store,
-    or the one rank 0 hosts). A separate connection, so status traffic never queues behind the
-    process group's own store operations."""
+    or the one rank 0 hosts), seen through the keys of this start of the workers
+    (:func:`~pipetrain.runtime.rendezvous.run_store`: torchrun keeps one store for all restarts).
+    A separate connection, so status traffic never queues behind the process group's own store
+    operations."""
     import torch.distributed as dist
 
-    return dist.TCPStore(
+    from pipetrain.runtime.rendezvous import run_store
+
+    return run_store(dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
         timeout=timedelta(seconds=timeout),
         wait_for_workers=False,
-    )
+    ))
 
 
 class StatusBoard:
@@ -166,14 +172,20 @@ class StatusBoard:
         while not self._stop.wait(self.interval):
             self.publish()
 
-    def report(self, timeout: float = 2.0) -> str:
-        """Every rank's last published record, formatted; never blocks longer than ``timeout``."""
+    def report(self, timeout: float = 2.0, gone: dict[int, str] | None = None) -> str:
+        """Every rank's last published record, formatted; never blocks longer than ``timeout``.
+        ``gone``: ranks this one knows ended (a closed connection), see :func:`format_status`."""
         if self.address is not None and not _reachable(self.address, min(timeout, 1.0)):
             records = None  # skip the store client: on a dead server it prints C++ stack traces
         else:
             self.publish()
             records = read_status(self.store, self.world_size, prefix=self.prefix, timeout=timeout, lock=self._lock)
-        return format_status(records, self.world_size, stale_after=3 * self.interval + 1.0)
+        return format_status(records, self.world_size, stale_after=self.stale_after, gone=gone)
+
+    @property
+    def stale_after(self) -> float:
+        """Seconds after which a record that stopped updating means a dead or frozen rank."""
+        return 3 * self.interval + 1.0
 
 
 def publish_error(store: Any, rank: int, message: str, *, prefix: str | None = None) -> bool:
@@ -253,17 +265,26 @@ def read_status(
 
 
 def format_status(
-    records: dict[int, dict[str, Any]] | None, world_size: int, *, stale_after: float = 2.0
+    records: dict[int, dict[str, Any]] | None,
+    world_size: int,
+    *,
+    stale_after: float = 2.0,
+    gone: dict[int, str] | None = None,
 ) -> str:
-    """Human-readable lines, one per rank, from :func:`read_status`'s records."""
+    """Human-readable lines, one per rank, from :func:`read_status`'s records, and a "likely
+    cause" line for each rank that others wait for when the records support one (see
+    :func:`diagnose`). ``gone``: ranks known to have ended, with how (``"was killed by
+    SIGKILL"``), which the launcher knows from their exit statuses."""
     if records is None:
         return "status of the other ranks: unavailable (the store did not answer; its host may be gone)"
+    gone = gone or {}
     now = time.time()
     lines = ["status of every rank (most recent action last):"]
     for rank in range(world_size):
         rec = records.get(rank)
         if rec is None:
-            lines.append(f"  rank {rank}: no status published (not started, or died before its first report)")
+            ended = f"{gone[rank]}, with " if rank in gone else ""
+            lines.append(f"  rank {rank}: {ended}no status published (not started, or died before its first report)")
             continue
         age = max(0.0, now - rec["time"])
         done = " ".join(rec["done"]) if rec["done"] else "(nothing yet)"
@@ -272,19 +293,36 @@ def format_status(
             doing = f"waiting {rec['waiting_s']:.1f} s for {rec['waiting']}"
         else:
             doing = "busy (not communicating)"
-        if age > stale_after:
+        if rank in gone:
+            lines.append(f"  rank {rank}{note}: {gone[rank]}; last done: {done}; was {doing}")
+        elif age > stale_after:
             lines.append(
                 f"  rank {rank}{note}: silent for {age:.1f} s (dead or frozen); last done: {done}; "
                 f"was {doing}"
             )
         else:
             lines.append(f"  rank {rank}{note}: {doing}; done: {done}; seen {age:.1f} s ago")
-    lines.extend(_diagnose(records, now, stale_after))
+    lines.extend(f"likely cause: rank {peer} {state} (rank(s) {', '.join(map(str, waiters))} wait for it)"
+                 for peer, state, waiters in diagnose(records, stale_after=stale_after, gone=gone, now=now))
     return "\n".join(lines)
 
 
-def _diagnose(records: dict[int, dict[str, Any]], now: float, stale_after: float) -> list[str]:
-    """Point at the rank the others wait for, and say what it is doing."""
+def diagnose(
+    records: dict[int, dict[str, Any]],
+    *,
+    stale_after: float = 2.0,
+    gone: dict[int, str] | None = None,
+    now: float | None = None,
+) -> list[tuple[int, str, list[int]]]:
+    """The ranks that others wait for, each with what it is doing and who waits: ``[(rank,
+    state, waiters)]``, only where the records support a cause. A rank that ended (``gone``) is
+    the cause when others wait for it; one whose record stopped updating died or is frozen
+    (SIGSTOP); one that publishes but does not communicate hangs in its computation. Two ranks
+    are said to deadlock only when both have waited for each other for ``stale_after`` seconds
+    or more and both still publish: a dead rank's last record, or two waits that are about to be
+    met, say nothing about the programs."""
+    gone = gone or {}
+    now = time.time() if now is None else now
 
     def stale(rec: dict[str, Any]) -> bool:
         return now - rec["time"] > stale_after
@@ -292,24 +330,27 @@ def _diagnose(records: dict[int, dict[str, Any]], now: float, stale_after: float
     waits = {
         r: rec["peer"]
         for r, rec in records.items()
-        if rec.get("waiting") is not None and rec.get("peer") is not None and not stale(rec)
+        if rec.get("waiting") is not None and rec.get("peer") is not None and not stale(rec) and r not in gone
     }
     out = []
     for peer in sorted(set(waits.values())):
-        waiters = ", ".join(str(r) for r, p in sorted(waits.items()) if p == peer)
+        waiters = [r for r, p in sorted(waits.items()) if p == peer]
         rec = records.get(peer)
-        if rec is None:
+        if peer in gone:
+            state = gone[peer]
+        elif rec is None:
             state = "has published no status (it never started, or died at once)"
         elif stale(rec):
-            state = "is silent: it died or is frozen"
+            state = f"is silent for {now - rec['time']:.1f} s: it died or is frozen (stopped, for instance by SIGSTOP)"
         elif rec.get("waiting") is None:
             state = "is busy and not communicating: it hangs in its computation, or is far slower"
-        elif waits.get(peer) is not None and records.get(waits[peer], {}).get("peer") == peer:
+        elif (waits.get(peer) in waiters and rec.get("waiting_s", 0.0) >= stale_after
+              and records[waits[peer]].get("waiting_s", 0.0) >= stale_after):
             state = (
                 f"waits for rank {waits[peer]}, which waits for it: the two programs deadlock "
                 "(their sends and receives are not in matching order)"
             )
         else:
-            continue  # it waits for someone else: follow the chain from there
-        out.append(f"likely cause: rank {peer} {state} (rank(s) {waiters} wait for it)")
+            continue  # it waits for someone else (follow the chain from there), or only just started to
+        out.append((peer, state, waiters))
     return out

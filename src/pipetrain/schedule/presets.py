@@ -31,12 +31,20 @@ from pipetrain.schedule.pb import pb
 from pipetrain.schedule.pipedream import pipedream, two_bw
 from pipetrain.schedule.versions import POLICIES, assign_versions
 
-__all__ = ["SCHEDULES", "ASYNCHRONOUS", "build", "order", "resolve_name"]
+__all__ = ["SCHEDULES", "ASYNCHRONOUS", "build", "order", "resolve_name", "estimated_seconds",
+           "LIMIT_SECONDS"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw", "pb")
 #: Schedules that never flush: each of their pipeline units is its own update (2bw: each batch).
 ASYNCHRONOUS = frozenset({"pipedream", "2bw", "pb"})
 _ALIASES = {"pipedream-flush": "1f1b", "1F1B": "1f1b", "zbh1": "zb-h1", "zb": "zb-h1", "pipedream-2bw": "2bw"}
+
+# What `pipetrain schedule` costs on the project's 2-core box under load (benchmarks/RESULTS.md,
+# section 1): per compute action through generation, versions, communication, validation,
+# simulation and the summary, and per rank (its program, memory and summary rows).
+_ACTION_SECONDS = 12.5e-6
+_RANK_SECONDS = 1.5e-4
+LIMIT_SECONDS = 30.0  #: larger schedules are refused, with the largest that fits
 
 
 def resolve_name(name: str) -> str:
@@ -47,6 +55,57 @@ def resolve_name(name: str) -> str:
     close = difflib.get_close_matches(name, SCHEDULES, n=2, cutoff=0.4)
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     raise ScheduleError(f"unknown schedule {name!r}{hint}; choose one of {', '.join(SCHEDULES)}")
+
+
+def _actions_per_cell(name: str, chunks: int) -> int:
+    """Compute actions per (stage, microbatch, step): forward and backward (zb-h1: and W)."""
+    return (3 if name == "zb-h1" else 2) * (chunks if name == "interleaved" else 1)
+
+
+def estimated_seconds(name: str, stages: int, microbatches: int, steps: int = 1, chunks: int = 1,
+                      replicas: Sequence[int] | None = None) -> float:
+    """About how long building, checking and simulating this schedule takes here."""
+    name = resolve_name(name)
+    ranks = sum(replicas) if replicas else stages
+    cells = max(stages, 1) * max(microbatches, 1) * max(steps, 1)
+    return cells * _actions_per_cell(name, chunks) * _ACTION_SECONDS + ranks * _RANK_SECONDS
+
+
+def _check_size(name: str, stages: int, microbatches: int, steps: int, chunks: int,
+                replicas: Sequence[int] | None) -> None:
+    """Refuse a schedule that would take minutes, naming the largest sizes that fit."""
+    seconds = estimated_seconds(name, stages, microbatches, steps, chunks, replicas)
+    if seconds <= LIMIT_SECONDS:
+        return
+    per_action = _actions_per_cell(name, chunks) * _ACTION_SECONDS * max(steps, 1)
+    extra = (sum(replicas) - stages) * _RANK_SECONDS if replicas else 0.0
+    most_stages = _largest(
+        lambda count: estimated_seconds(name, count, microbatches, steps, chunks) + extra
+        <= LIMIT_SECONDS,
+        int((LIMIT_SECONDS - extra) // (microbatches * per_action + _RANK_SECONDS)))
+    most_microbatches = _largest(
+        lambda count: estimated_seconds(name, stages, count, steps, chunks, replicas)
+        <= LIMIT_SECONDS,
+        int((LIMIT_SECONDS - (sum(replicas) if replicas else stages) * _RANK_SECONDS)
+            // (stages * per_action)))
+    raise ScheduleError(
+        f"{name} over {stages:,} stages and {microbatches:,} microbatches"
+        + (f" x {steps:,} steps" if steps > 1 else "")
+        + f" would take about {seconds:,.0f} s here, more than {LIMIT_SECONDS:.0f} s; at most "
+        f"{max(most_stages, 0):,} stages fit with {microbatches:,} microbatches"
+        + (f", or {most_microbatches:,} microbatches with {stages:,} stages"
+           if most_microbatches else "")
+        + ": lower --stages or --microbatches")
+
+
+def _largest(fits: Callable[[int], bool], guess: int) -> int:
+    """The largest count that ``fits`` (0 if none), from a guess off by rounding."""
+    count = max(guess, 0)
+    while count > 0 and not fits(count):
+        count -= 1
+    while fits(count + 1):
+        count += 1
+    return count
 
 
 def order(
@@ -70,6 +129,7 @@ def order(
             f"{name} has no steps: every pipeline unit is its own update, so --microbatches counts all of them; "
             "drop --steps"
         )
+    _check_size(name, stages, microbatches, steps, chunks, replicas)
     makers: dict[str, Callable[[], Schedule]] = {
         "gpipe": lambda: gpipe(stages, microbatches, steps, replicas),
         "1f1b": lambda: one_f_one_b(stages, microbatches, steps, replicas),

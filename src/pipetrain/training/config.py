@@ -15,6 +15,7 @@ class TrainConfig:
     model: str = "mlp:depth=2,width=128"
     data: str = "digits"
     test_data: str | None = None
+    holdout: float | None = None  # fraction of --data held out for evaluation (default: none)
     schedule: str | None = None  # None: the plan's, else 1f1b
     stages: int | None = None
     balance: list[int] | None = None
@@ -51,10 +52,14 @@ class TrainConfig:
     plot: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    resume: bool | str = False
+    resume: bool | str = False  # False: --checkpoint-dir's newest checkpoint if any; True: it must exist
+    keep: int = 2  # complete checkpoints kept (training.checkpoints.DEFAULT_KEEP)
+    max_restarts: int = 0  # spawned workers: start them again this many times after a failure
     progress: bool = True  # a progress bar (the command line shows it on a terminal only)
     quiet: bool = False  # no lines before and during training (the chosen stages, --eval-every's results)
     extra: dict[str, str] = field(default_factory=dict)
+    data_workers: int | None = None  # DataLoader worker processes for plain data sets (None: the default, 1)
+    pin_memory: bool = False  # page-locked batches (with an accelerator)
 
     def fingerprint(self) -> dict[str, object]:
         """What a checkpoint must agree on to be resumed by this run."""
@@ -66,4 +71,4 @@ class TrainConfig:
             "seed": self.seed, "shuffle": self.shuffle, "dtype": self.dtype,
             **{key: value for key, value in (("leaf_modules", self.leaf_modules), ("concrete_args", self.concrete_args),
                                              ("stage_costs", self.stage_costs)) if value},
-        }
+        } | ({"holdout": self.holdout} if self.holdout is not None else {})  # which samples train

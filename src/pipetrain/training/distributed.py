@@ -13,7 +13,10 @@ across machines::
 Every worker prepares the same run (:func:`~pipetrain.training.setup.prepare`), builds executors
 for its own stages (:class:`RankSetup`), runs its program
 (:class:`~pipetrain.runtime.executor.RankRunner`) and sends its results to rank 0, which writes
-the outputs and reports.
+the outputs and reports. Where a run checkpoints and what it resumes from is
+:mod:`pipetrain.training.checkpoints`'s; after a failure, ``--max-restarts N`` has the launcher
+start every worker again (torchrun's own ``--max-restarts`` under torchrun), and they resume from
+``--checkpoint-dir`` by themselves.
 """
 
 from __future__ import annotations
@@ -28,19 +31,22 @@ from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.result import TrainResult
 
-__all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", "RankSetup", "WorkersFailed"]
+__all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", "RankSetup", "WorkersFailed",
+           "refuse_restarts_here"]
 
 
 def train_distributed(config: TrainConfig) -> TrainResult | None:
     """Train the command line's configuration: as a worker if a launcher set the environment,
     else spawn the workers (each builds the run from the configuration's specs)."""
     from pipetrain.runtime.launch import detect, launch
-
-    if detect() is not None:
-        return worker(config)
+    from pipetrain.training.checkpoints import Checkpoints
     from pipetrain.training.setup import prepare
 
+    if detect() is not None:
+        refuse_restarts_here(config)
+        return worker(config)
     run = prepare(replace(config, progress=False))  # checks the configuration before spawning
+    Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
     if not config.quiet:
         from pipetrain.training.outputs import describe_run, say
 
@@ -48,7 +54,7 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     workers = run.schedule.num_ranks
     config = replace(config, stage_costs=run.config.stage_costs)  # the workers cut as measured here
     result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
-                    timeout=None)
+                    timeout=None, restarts=config.max_restarts)
     if result.returncode != 0:
         raise WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
     return result.results[0]
@@ -58,23 +64,41 @@ def spawn_script(run) -> None:
     """Start the user's script once per rank of ``run`` (already prepared here, so a bad
     configuration fails before any worker starts), wait for them, and exit with their status."""
     from pipetrain.runtime.launch import launch_script
+    from pipetrain.training.checkpoints import Checkpoints
 
+    Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
     if not run.config.quiet:
         from pipetrain.training.outputs import describe_run, say
 
         say(describe_run(run))
-    result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker)
+    result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker,
+                           restarts=run.config.max_restarts)
     if result.returncode != 0 and result.message:  # a worker's own error is handed on, not printed, by it
         print(f"pipetrain: error: {result.message}", file=sys.stderr, flush=True)
     raise SystemExit(result.returncode)
 
 
+def refuse_restarts_here(config: TrainConfig) -> None:
+    """``max_restarts`` restarts the workers pipetrain starts; torchrun's are torchrun's to restart."""
+    from pipetrain.runtime.launch import detect
+
+    env = detect()
+    if config.max_restarts and env is not None and env.launcher != "pipetrain":
+        raise ConfigError(
+            "--max-restarts (max_restarts=) restarts the workers that pipetrain itself starts; under torchrun "
+            "give torchrun its own --max-restarts (a restarted run resumes from --checkpoint-dir by itself)"
+        )
+
+
 class WorkersFailed(PipetrainError):
-    """A worker of the run failed; ``code`` is the launcher's exit status."""
+    """A worker of the run failed; ``code`` is the launcher's exit status (the command's too)."""
 
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = self.exit_status = code
+
+    def __reduce__(self):
+        return (WorkersFailed, (str(self), self.code))
 
 
 def worker(config: TrainConfig) -> TrainResult | None:
@@ -155,15 +179,16 @@ class RankSetup:
             "skipped": {stage: executors[stage].skipped for stage in self.held},  # --on-nonfinite skip
         }
 
-    def gather(self, payload: dict[str, Any]) -> TrainResult:
+    def gather(self, payload: dict[str, Any], resumed: int = 0) -> TrainResult:
         """Every rank's payload to rank 0, which assembles the run's result (and writes its
-        outputs); every rank returns it (the others without the measured timeline)."""
+        outputs); every rank returns it (the others without the measured timeline). ``resumed``:
+        the step the run resumed from (the updates before it were not timed here)."""
         import torch.distributed as dist
 
         world = self.env.world_size
         gathered: list[Any] = [None] * world if self.rank == 0 else None
         _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
-        result = _assemble(self.run, gathered) if self.rank == 0 else None
+        result = _assemble(self.run, gathered, resumed) if self.rank == 0 else None
         shared = [None if result is None else replace(result, timeline=None)]
         _collective("sharing the result", lambda: dist.broadcast_object_list(shared, src=0))
         self._release()
@@ -185,6 +210,7 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     run's result, rank 0's with the measured timeline."""
     import torch.distributed as dist
 
+    from pipetrain.training.checkpoints import Checkpoints, chain
     from pipetrain.training.collector import setup_heap_frozen
     from pipetrain.training.evaluate import Metrics
     from pipetrain.training.outputs import eval_batches
@@ -196,17 +222,22 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
 
         say(describe_run(run))
     checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
-    resumed = checkpoints.resume_point()
+    resumed = checkpoints.resume_point(restart=env.restart)
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
     runner = setup.runner
-    if resumed:
-        runner.restore(resumed.state, resumed.cut)
+    if resumed:  # a checkpoint that does not fit this run is refused by every rank, not by one
+        try:
+            _together("resuming", lambda: runner.restore(resumed.state, resumed.cut), env.world_size)
+        except BaseException:
+            setup.close()
+            raise
     after = resumed.step if resumed else 0
     held_out = eval_batches(run)
     evaluation_steps = [step for step in run.evaluation_steps() if step > after] if len(held_out) else []
     pause_steps = sorted(set(checkpoints.steps(after)) | set(evaluation_steps))
     pauses = [c.positions for c in run.cuts_after(pause_steps)]  # all ranks stop together there
     hooks = checkpoints.hooks(runner, after=after)
+    runner.keep_for_cuts(sorted(hooks))  # the versions its checkpoints must hold
     evaluations = runner.evaluations  # restored with the rest of a resumed rank's state
 
     def evaluate_at(step: int):
@@ -227,8 +258,8 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
         position = run.cut_after(step).positions[rank]
         hook = evaluate_at(step)
         # evaluate before a checkpoint of the same step, so that the checkpoint holds it
-        hooks[position] = hook if position not in hooks else _both(hook, hooks[position])
-    _inject_fault(rank, hooks)
+        hooks[position] = hook if position not in hooks else chain(hook, hooks[position])
+    _inject_fault(rank, hooks, env.restart)
     progress = _progress(run, config, callbacks)
     with setup_heap_frozen():
         _collective("the start barrier", dist.barrier)
@@ -243,7 +274,7 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
     _collective("the final barrier", dist.barrier)
-    return setup.gather(setup.payload(seconds, evaluations))
+    return setup.gather(setup.payload(seconds, evaluations), resumed=after)
 
 
 def _collective(what: str, call) -> Any:
@@ -257,92 +288,36 @@ def _collective(what: str, call) -> Any:
         raise PeerLostError(f"rank {_rank()}: {what} failed because a peer is gone or stuck ({first})") from None
 
 
-def _inject_fault(rank: int, hooks: dict) -> None:
+def _together(what: str, call, world_size: int) -> None:
+    """Run ``call`` on every rank; when it raises a PipetrainError on any of them, every rank raises
+    the first (by rank) instead of leaving the others to wait for it until the timeout."""
+    import torch.distributed as dist
+
+    error = None
+    try:
+        call()
+    except PipetrainError as failure:
+        error = failure
+    if world_size > 1:
+        errors: list[Any] = [None] * world_size
+        _collective(what, lambda: dist.all_gather_object(errors, error))
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise error
+
+
+def _inject_fault(rank: int, hooks: dict, restart: int = 0) -> None:
     """Testing aid: PIPETRAIN_FAULT_INJECT=RANK:POSITION kills that rank (SIGKILL) right before
-    the action at POSITION of its program, a real crash at a chosen point."""
+    the action at POSITION of its program, a real crash at a chosen point; only in the first
+    start of the workers (``restart`` 0), so that a restarted run gets past it."""
     spec = os.environ.get("PIPETRAIN_FAULT_INJECT")
-    if not spec:
+    if not spec or restart:
         return
     target, _, position = spec.partition(":")
     if int(target) == rank:
         import signal
 
         hooks[int(position)] = lambda: os.kill(os.getpid(), signal.SIGKILL)
-
-
-class _Resumed:
-    def __init__(self, step: int, cut, state) -> None:
-        self.step, self.cut, self.state = step, cut, state
-
-
-class Checkpoints:
-    """Where this rank checkpoints (its cut after every ``--checkpoint-every`` updates) and how a
-    run resumes from the newest complete checkpoint."""
-
-    def __init__(self, run, rank: int, world_size: int, callbacks: Any = None) -> None:
-        self.run, self.rank, self.world_size, self.callbacks = run, rank, world_size, callbacks
-        config = run.config
-        self.directory = config.checkpoint_dir
-        if config.checkpoint_every and not self.directory:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
-        if config.resume is True and not self.directory:
-            raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")
-        self.every = config.checkpoint_every
-        self._store = None
-        self.meta = {"config": config.fingerprint(), "workers": world_size, "schedule": run.schedule.name}
-
-    def resume_point(self) -> _Resumed | None:
-        if not self.run.config.resume:
-            return None
-        from pipetrain.runtime.checkpoint import check_compatible, resolve
-
-        named = self.run.config.resume
-        checkpoint = resolve(named if isinstance(named, str) else self.directory)
-        check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
-        state = checkpoint.load(f"rank-{self.rank}.pt", weights_only=False)
-        return _Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state)
-
-    def steps(self, after: int) -> list[int]:
-        """The steps after ``after`` at whose cut a checkpoint is taken."""
-        if not self.every:
-            return []
-        return [step for step in range(self.every, self.run.updates, self.every) if step > after]
-
-    def hooks(self, runner, after: int) -> dict[int, Any]:
-        hooks: dict[int, Any] = {}
-        for step in self.steps(after):
-            position = self.run.cut_after(step).positions[self.rank]
-            previous = hooks.get(position)
-            save = self._saver(runner, step)
-            hooks[position] = save if previous is None else _both(previous, save)
-        return hooks
-
-    def _saver(self, runner, step: int):
-        def save() -> None:
-            from pipetrain.runtime.checkpoint import prune, save_distributed
-            from pipetrain.runtime.status import env_store
-
-            if self._store is None:  # one store client for the whole run: save rounds must match across ranks
-                self._store = env_store(self.run.config.timeout)
-            path = save_distributed(
-                self.directory, step, {f"rank-{self.rank}.pt": runner.snapshot()}, self.meta,
-                rank=self.rank, world_size=self.world_size, store=self._store,
-                timeout=self.run.config.timeout,
-            )
-            if self.callbacks is not None:
-                self.callbacks.checkpoint(step, str(path))
-            if self.rank == 0:
-                prune(self.directory, keep=2)
-
-        return save
-
-
-def _both(first, second):
-    def call() -> None:
-        first()
-        second()
-
-    return call
 
 
 def _progress(run, config, callbacks=None):
@@ -399,7 +374,7 @@ def _check_replicas(run, gathered: list[dict]) -> None:
             )
 
 
-def _assemble(run, gathered: list[dict]) -> TrainResult:
+def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     """Rank 0: the run's result from every rank's payload; writes the outputs."""
     from pipetrain.schedule.timeline import Timeline
     from pipetrain.training.outputs import UpdateLosses
@@ -418,7 +393,8 @@ def _assemble(run, gathered: list[dict]) -> TrainResult:
     timeline = Timeline(run.schedule, [p["starts"] for p in gathered], [p["ends"] for p in gathered])
     seconds = max(p["seconds"] for p in gathered)
     evaluations = max((p["evaluations"] for p in gathered), key=len)
-    result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations)
+    result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations,
+                       resumed=resumed)
     result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
     skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
     result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]

@@ -37,7 +37,8 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
         say(describe_run(run))
     executors = run.make_executors()
     first_replicas = [executors[ranks[0]][stage] for stage, ranks in enumerate(schedule.stage_ranks)]
-    emulator = Emulator(schedule, executors, run.unit_data(), tied=run.tied)
+    data = run.unit_data()
+    emulator = Emulator(schedule, executors, data, tied=run.tied)
     held_out = eval_batches(run)
     evaluations: list[dict[str, float]] = []
     progress = Progress(run.updates, run.config.progress, f"{schedule.name} (emulated)")
@@ -62,6 +63,7 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
             emulator.run(losses, cuts=cuts)
         finally:
             progress.close()
+            data.close()  # stops the data workers, also when training failed
     seconds = time.perf_counter() - started - emulator.paused
     for executor in first_replicas:
         executor.write_back()

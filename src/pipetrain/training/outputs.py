@@ -19,10 +19,11 @@ class HeldOut:
     rank knows how many there are, only the rank that holds stage 0 reads them. From a map-style
     data set (``size`` samples a batch, the first ``total``), or a list of ``(x, y)`` batches."""
 
-    def __init__(self, dataset: Any, size: int, dtype: torch.dtype, total: int | None = None) -> None:
+    def __init__(self, dataset: Any, size: int, dtype: torch.dtype, total: int | None = None, seed: int = 0) -> None:
         self.dataset = dataset
         self.dtype = dtype
         self.size = size
+        self.seed = seed  # batch i is read under data_seed(seed, i, stream=2): a held-out set that augments reads alike everywhere
         self.batches = list(dataset) if isinstance(dataset, (list, tuple)) else None
         self.total = 0 if dataset is None else len(dataset)
         if total is not None:
@@ -36,7 +37,7 @@ class HeldOut:
         return self.total if self.batches is not None else -(-self.total // self.size)
 
     def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
-        from pipetrain.data import get_batch
+        from pipetrain.data import data_seed, get_batch, seeded
 
         if not 0 <= index < len(self):
             raise IndexError(index)
@@ -44,7 +45,8 @@ class HeldOut:
             x, y = self.batches[index]
         else:
             start = index * self.size
-            x, y = get_batch(self.dataset, torch.arange(start, min(start + self.size, self.total)))
+            with seeded(data_seed(self.seed, index, stream=2)):
+                x, y = get_batch(self.dataset, torch.arange(start, min(start + self.size, self.total)))
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             x = x.to(self.dtype)
         return x, y
@@ -52,7 +54,8 @@ class HeldOut:
 
 def eval_batches(run: Run, batch_size: int | None = None) -> HeldOut:
     """The run's held-out set (``--eval-samples`` of it) in batches of at least 64 samples."""
-    return HeldOut(run.test_set, batch_size or max(run.layout.batch_size, 64), run.dtype, run.config.eval_samples)
+    return HeldOut(run.test_set, batch_size or max(run.layout.batch_size, 64), run.dtype, run.config.eval_samples,
+                   seed=run.config.seed)
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
@@ -143,22 +146,23 @@ def say(text: str, progress: Progress | None = None) -> None:
 
 def describe_run(run: Run) -> str:
     """What is about to be trained: the schedule, its units and updates, how the stages were chosen,
-    then one line per stage: parameters, share of the measured time (when measured), where it
-    starts (printed before training unless ``quiet``; the report holds the same as
-    ``stage_choice``)."""
+    the data (how it is read, what is held out), then one line per stage: parameters, share of the
+    measured time (when measured), where it starts (printed before training unless ``quiet``; the
+    report holds the same as ``stage_choice`` and ``data``)."""
     schedule, layout = run.schedule, run.layout
     units = layout.units_per_update
     head = (f"{schedule.name}: {run.num_stages} stages on {schedule.num_ranks} "
             f"{'workers' if run.config.executor == 'distributed' else 'emulated ranks'}, {run.updates} updates of "
             f"{layout.batch_size} samples ({units} microbatch{'es' if units > 1 else ''} each)")
+    data = f"\n{run.data_note}" if getattr(run, "data_note", "") else ""  # the samples, how read, what is held out
     choice = run.stage_choice
     if choice is None or run.num_stages < 2:
-        return head + "\n" + run.staged.summary()
+        return head + data + "\n" + run.staged.summary()
     lines = choice.stage_lines()
     if run.staged.boundaries is not None:  # a traced cut: what each stage receives
         lines = [line + (f"  inputs: {', '.join(run.staged.boundaries[s - 1])}" if s else "")
                  for s, line in enumerate(lines)]
-    return f"{head}; {choice.heading()}\n" + "\n".join(lines)
+    return f"{head}; {choice.heading()}{data}\n" + "\n".join(lines)
 
 
 def evaluation_line(entry: dict[str, float], updates: int) -> str:

@@ -34,6 +34,8 @@ class RunParts:
     factory, or ``None`` to build the optimizer from ``config.optimizer`` (a spec string);
     ``staged``: the model already cut into stages (a
     :class:`~pipetrain.stages.StagedModel`), or ``None`` to cut it as the configuration says.
+    ``train_set`` may also be a ``DataLoader``: its batches are the updates
+    (:class:`~pipetrain.data.LoaderBatches`).
     """
 
     model: nn.Module | Sequence[nn.Module]
@@ -42,22 +44,20 @@ class RunParts:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     optimizer: OptimizerFactory | None = None
     staged: Any = None
+    data_note: str = ""  # where the held-out data came from (pipetrain.data.load_data), for the report
 
 
 def parts_from_config(config: TrainConfig) -> RunParts:
-    """The parts named by the command line's specs: ``--data``/``--test-data`` loaded, ``--model``
-    built for the data's input shape and class count (initialised under ``--seed``), its loss."""
-    from pipetrain.data import dataset_info, load_dataset, load_train_test
+    """The parts named by the command line's specs: ``--data``/``--test-data``/``--holdout``
+    loaded (:func:`pipetrain.data.load_data`), ``--model`` built for the data's input shape and
+    class count (initialised under ``--seed``), its loss."""
+    from pipetrain.data import load_data
     from pipetrain.models import build_model
     from pipetrain.models.loss import loss_for
 
-    if config.test_data:
-        train_set, test_set = load_dataset(config.data), load_dataset(config.test_data)
-    else:
-        train_set, test_set = load_train_test(config.data)
-    info = dataset_info(train_set)
+    train_set, test_set, info, note = load_data(config.data, config.test_data, config.holdout)
     model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed)
-    return RunParts(model=model, train_set=train_set, test_set=test_set, loss_fn=loss_for(model))
+    return RunParts(model=model, train_set=train_set, test_set=test_set, loss_fn=loss_for(model), data_note=note)
 
 
 def describe_model(model: nn.Module | Sequence[nn.Module]) -> str:

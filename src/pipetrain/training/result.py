@@ -63,25 +63,30 @@ class TrainResult:
 
 
 def result_of(run: Any, executor: str, update_losses: list[float], seconds: float, timeline: Any,
-              evaluations: list[dict[str, float]]) -> TrainResult:
-    """The result of a finished run, with per-rank busy and idle seconds from its measured timeline."""
+              evaluations: list[dict[str, float]], resumed: int = 0) -> TrainResult:
+    """The result of a finished run, with per-rank busy and idle seconds from its measured timeline.
+    A run resumed after ``resumed`` updates timed only the others: samples and rates count those."""
     schedule = run.schedule
     busy = [timeline.busy(rank) for rank in range(schedule.num_ranks)]
-    extra = {"units_per_update": run.layout.units_per_update}
-    ends = _last_stage_updates(timeline)
+    extra: dict[str, Any] = {"units_per_update": run.layout.units_per_update}
+    ends = _last_stage_updates(timeline)[resumed:]
     steady = _steady_rate(run, ends)
     if steady is not None:
         extra["steady_samples_per_s"] = steady
-    extra["update_seconds"] = ends  # loss curves against wall time
+    extra["update_seconds"] = ends  # loss curves against wall time (the updates timed here)
+    if resumed:
+        extra["resumed_from"] = resumed
     if getattr(run, "stage_choice", None) is not None:
         extra["stage_choice"] = run.stage_choice.as_dict()  # how the stages were chosen, sizes, measured times
+    if getattr(run, "data_note", ""):
+        extra["data"] = run.data_note  # where the held-out data came from, how batches were read
     return TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,
         workers=schedule.num_ranks,
         executor=executor,
         updates=run.updates,
-        samples=run.updates * run.layout.batch_size,
+        samples=(run.updates - resumed) * run.layout.batch_size,
         seconds=seconds,
         update_losses=update_losses,
         stage_busy=busy,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
@@ -40,7 +40,7 @@ class Run:
     staged: Any  # pipetrain.stages.StagedModel
     schedule: Schedule
     layout: UnitLayout
-    sampler: Any  # pipetrain.data.BatchSampler
+    sampler: Any  # pipetrain.data.BatchSampler (a LoaderBatches when the data is a DataLoader)
     loss_fn: Callable[[Any, Tensor], Tensor]
     delays: list[int]
     grad_scales: list[float]
@@ -51,6 +51,7 @@ class Run:
     stage_choice: Any = None  # pipetrain.stages.StageChoice: how the stages were chosen, their sizes and times
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
+    data_note: str = ""  # one line: the training samples, how they are read, where the held-out data comes from
 
     @property
     def num_stages(self) -> int:
@@ -95,18 +96,19 @@ class Run:
         return self._messages
 
     def unit_data(self, prefetch: Sequence[int] | None = None) -> UnitData:
-        """The run's training data by unit; ``prefetch``: the updates the caller reads, in order,
-        to read each batch ahead on a background thread (see :class:`UnitData`)."""
+        """The run's training data by unit; ``prefetch``: the updates the caller reads, in order
+        (default: every update of the run), read ahead as :class:`~pipetrain.data.DatasetBatches`
+        says (background thread, or DataLoader worker processes under per-update seeds)."""
+        from pipetrain.data import DatasetBatches, LoaderBatches
 
-        def get_batch(dataset: Dataset, indices: Tensor):
-            from pipetrain.data import get_batch as read
-
-            x, y = read(dataset, indices)
-            if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != self.dtype:
-                x = x.to(self.dtype)
-            return x, y
-
-        return UnitData(self.train_set, self.layout, self.sampler.indices, get_batch, prefetch=prefetch)
+        if isinstance(self.sampler, LoaderBatches):  # a DataLoader as the data: read in its own order
+            return UnitData.of(self.sampler, self.layout)
+        batches = DatasetBatches(
+            self.train_set, self.sampler.indices, seed=self.config.seed,
+            order=range(self.updates) if prefetch is None else prefetch,
+            workers=self.config.data_workers, pin_memory=self.config.pin_memory, dtype=self.dtype,
+        )
+        return UnitData.of(batches, self.layout)
 
     def stage_optimizer(self, stage: int):
         """A new optimizer for a replica of ``stage``: the parts' factory, or ``--optimizer``'s spec
@@ -350,23 +352,30 @@ def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, tr
 
 
 def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
-    """The unit times of the run being resumed (its checkpoint's configuration), so that it is cut
-    as before."""
-    if not config.resume:
+    """The unit times of the run being resumed (its checkpoint's fingerprint), so that it is cut
+    as before: the named checkpoint, or the newest one in ``--checkpoint-dir`` (which a run with
+    that option alone resumes)."""
+    if not config.resume and not config.checkpoint_dir:
         return None
-    from pipetrain.runtime.checkpoint import resolve
+    from pipetrain.runtime.checkpoint import find_latest, resolve
 
     try:
-        checkpoint = resolve(config.resume if isinstance(config.resume, str) else config.checkpoint_dir or "")
+        if isinstance(config.resume, str):
+            checkpoint = resolve(config.resume)
+        elif config.resume:
+            checkpoint = resolve(config.checkpoint_dir or "")
+        else:
+            checkpoint = find_latest(config.checkpoint_dir, verify=False, skipped=[])  # the runtime warns
     except Exception:  # noqa: BLE001 - no usable checkpoint: the runtime reports it when it resumes
         return None
-    return checkpoint.meta.get("config", {}).get("stage_costs")
+    return None if checkpoint is None else checkpoint.meta.get("stage_costs")
 
 
 def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     """Build everything the run needs from ``config`` and its ``parts`` (deterministic); without
     ``parts``, they are built from the configuration's specs (the command line)."""
-    from pipetrain.data import BatchSampler
+    from pipetrain.data import BatchSampler, LoaderBatches
+    from pipetrain.data.batches import describe_reading, resolve_workers
     from pipetrain.models import refuse_batchnorm
     from pipetrain.training.parts import parts_from_config
 
@@ -380,8 +389,10 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
     stages = _stage_count(config, name)
 
+    resolve_workers(config.data_workers)  # a bad data_workers fails before the data loads
     parts = parts_from_config(config) if parts is None else parts
     train_set, test_set = parts.train_set, parts.test_set
+    reading = describe_reading(train_set, config.data_workers)
     model = parts.model
     if isinstance(model, (list, tuple)):
         model = nn.Sequential(*model)  # the unsplit model of a list of stages (keys "0.", "1.", ...)
@@ -415,7 +426,10 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     if units < 1:
         raise ConfigError(f"--microbatches must be at least 1, got {units}")
     layout = UnitLayout(config.batch_size, units)
-    sampler = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle)
+    if isinstance(train_set, DataLoader):
+        sampler = LoaderBatches(train_set, seed=config.seed, dtype=dtype, batch_size=config.batch_size)
+    else:
+        sampler = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle)
     if config.steps is not None and config.epochs is not None:
         raise ConfigError("give either --steps or --epochs, not both")
     if config.steps is not None:
@@ -459,9 +473,19 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
         stage_choice=choice,
+        data_note="; ".join(filter(None, [f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
     return run
+
+
+def _samples(data: Any) -> str:
+    """How many samples the training data holds, in words (a DataLoader: its data set's)."""
+    data = data.dataset if isinstance(data, DataLoader) else data
+    try:
+        return str(len(data))
+    except TypeError:
+        return "a stream of"
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:

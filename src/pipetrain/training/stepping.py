@@ -121,8 +121,8 @@ class EmulatedSession(_Session):
         schedule = run.schedule
         self.executors = run.make_executors()
         self.first_replicas = [self.executors[ranks[0]][stage] for stage, ranks in enumerate(schedule.stage_ranks)]
-        # the emulator reads each unit at stage 0 and its targets again at the last stage
-        self.data = FedBatches(run.layout, run.dtype, 1 if run.num_stages == 1 else 2)
+        # the emulator reads each unit once, at stage 0 (its targets travel on with the activations)
+        self.data = FedBatches(run.layout, run.dtype, 1)
         self.emulator = Emulator(schedule, self.executors, self.data, tied=run.tied)
         self.pieces = feed_cuts(schedule, run.layout.units_per_update, run.messages)
         self.losses = UpdateLosses(run, on_update=self._done)

@@ -59,6 +59,7 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
         return result
     if detect() is None:
         distributed.spawn_script(prepare(config, parts))  # raises SystemExit with the workers' status
+    distributed.refuse_restarts_here(config)
     env = distributed.join(config)
     result = distributed.run_worker(prepare(config, parts), env, callbacks or None)
     callbacks.end(result)

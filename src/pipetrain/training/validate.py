@@ -51,7 +51,7 @@ def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = 
              "--plot": config.plot}
     check_outputs(
         files=files if rank == 0 else {},
-        directories={"--checkpoint-dir": config.checkpoint_dir if config.checkpoint_every else None},
+        directories={"--checkpoint-dir": config.checkpoint_dir},
     )
 
 
@@ -86,10 +86,10 @@ def _check_counts(config: TrainConfig) -> None:
     for option, value in (("--batch-size", config.batch_size), ("--steps", config.steps),
                           ("--microbatches", config.microbatches), ("--chunks", config.chunks),
                           ("--stages", config.stages), ("--workers", config.workers),
-                          ("--threads-per-worker", config.threads_per_worker)):
+                          ("--threads-per-worker", config.threads_per_worker), ("--keep", config.keep)):
         _at_least(option, value, 1)
     for option, value in (("--eval-every", config.eval_every), ("--eval-samples", config.eval_samples),
-                          ("--checkpoint-every", config.checkpoint_every)):
+                          ("--checkpoint-every", config.checkpoint_every), ("--max-restarts", config.max_restarts)):
         _at_least(option, value, 0)
     _at_least("--epochs", config.epochs, 0, strict=True)
     _at_least("--timeout", config.timeout, 0, strict=True)
@@ -98,6 +98,14 @@ def _check_counts(config: TrainConfig) -> None:
             raise ConfigError(f"{option} {','.join(map(str, values))}: every entry must be at least 1")
     if config.steps is not None and config.epochs is not None:
         raise ConfigError("give either --steps or --epochs, not both")
+    workers = config.data_workers
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+        raise ConfigError(f"--data-workers must be an integer >= 0 (0 reads on the training thread), got {workers!r}")
+    if config.holdout is not None:
+        if not (isinstance(config.holdout, (int, float)) and 0 < config.holdout < 1):
+            raise ConfigError(f"--holdout must be a fraction between 0 and 1 (e.g. 0.2), got {config.holdout!r}")
+        if config.test_data:
+            raise ConfigError("give either --test-data or --holdout, not both")
 
 
 def _check_specs(config: TrainConfig) -> None:
@@ -147,3 +155,5 @@ def _check_checkpoints(config: TrainConfig) -> None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
     if config.resume is True and not config.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")
+    if config.max_restarts and config.executor == "emulate":
+        raise ConfigError("--max-restarts restarts the workers of the distributed runtime: use --executor distributed")

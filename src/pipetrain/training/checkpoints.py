@@ -1,0 +1,224 @@
+"""Where a distributed run checkpoints, and where it starts from: a named checkpoint, the newest
+complete one of ``--checkpoint-dir``, or afresh.
+
+One command line serves the first start and every restart: ``--checkpoint-dir D`` alone resumes
+from D's newest complete checkpoint when there is one and starts afresh otherwise, saying which;
+``--resume`` insists on a checkpoint (an error when D holds none); ``--resume D/step-N`` names
+one. Every rank is told the same checkpoint by rank 0 (one broadcast), so no two ranks can pick
+different ones.
+
+Checkpoints are taken after every ``--checkpoint-every`` updates (default
+:data:`DEFAULT_CHECKPOINTS` per run) and after the last update, at a consistent cut of the
+programs (:mod:`pipetrain.runtime.cuts`); the newest ``--keep`` (default :data:`DEFAULT_KEEP`)
+complete ones are kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+from pipetrain.errors import ConfigError
+
+__all__ = ["Checkpoints", "Resumed", "DEFAULT_KEEP", "DEFAULT_CHECKPOINTS", "checkpoint_period", "rank_file", "chain"]
+
+#: Complete checkpoints kept by default (``--keep``).
+DEFAULT_KEEP = 2
+#: Without ``--checkpoint-every``, a run with ``--checkpoint-dir`` checkpoints about this many times.
+DEFAULT_CHECKPOINTS = 10
+
+_runs = itertools.count()  # runs of this process: every rank counts the same runs in the same order
+
+
+def rank_file(rank: int) -> str:
+    """The file of a rank's state in a checkpoint: ``rank-3.pt``."""
+    return f"rank-{rank}.pt"
+
+
+def checkpoint_period(run) -> int:
+    """The updates between two checkpoints: ``--checkpoint-every``, or by default a tenth of the run
+    (:data:`DEFAULT_CHECKPOINTS`), moved up to the next period whose pauses do not split an update
+    that the replicas of a stage make together. 0 without ``--checkpoint-dir``."""
+    config = run.config
+    if not config.checkpoint_dir:
+        return 0
+    if config.checkpoint_every:
+        return config.checkpoint_every
+    period = max(1, math.ceil(run.updates / DEFAULT_CHECKPOINTS))
+    if any(len(ranks) > 1 for ranks in run.schedule.stage_ranks):
+        from pipetrain.runtime.cuts import shared_updates
+
+        units = run.layout.units_per_update
+        split = {c for _, first, last in shared_updates(run.schedule) for c in range(first + 1, last + 1)}
+        while period < run.updates and any(step * units in split for step in range(period, run.updates, period)):
+            period += 1
+    return period
+
+
+class Resumed:
+    """The checkpoint a run starts from: its step, its cut, this rank's state and where it is."""
+
+    def __init__(self, step: int, cut, state, path: str) -> None:
+        self.step, self.cut, self.state, self.path = step, cut, state, path
+
+
+class Checkpoints:
+    """Where this rank checkpoints (its cut after every :func:`checkpoint_period` updates and
+    after the last) and what the run resumes from (see the module docstring)."""
+
+    def __init__(self, run, rank: int, world_size: int, callbacks: Any = None) -> None:
+        self.run, self.rank, self.world_size, self.callbacks = run, rank, world_size, callbacks
+        config = run.config
+        self.directory = config.checkpoint_dir
+        if config.checkpoint_every and not self.directory:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
+        if config.resume is True and not self.directory:
+            raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")
+        self.every = checkpoint_period(run)
+        self.keep = config.keep
+        self.serial = next(_runs)
+        self._store = None
+        # what a resumed run must agree on, one key per option, so that a refusal names each difference
+        self.meta = {**config.fingerprint(), "schedule": run.schedule.name, "workers": world_size}
+
+    # -- where the run starts ----------------------------------------------------------------------
+
+    def resume_point(self, restart: int = 0) -> Resumed | None:
+        """The checkpoint this run continues from, or None to start afresh; rank 0 chooses and
+        says which, every rank loads its own file of it. ``restart``: how many times the workers
+        were started again (a restart without checkpoints trains again from the start)."""
+        named = self.run.config.resume
+        if not named and not self.directory:
+            if restart and self.rank == 0:
+                self._say(f"restart {restart} without --checkpoint-dir: training again from step 0")
+            return None
+        path = self._choose() if self.rank == 0 else None
+        if self.world_size > 1:
+            path = _broadcast(path)
+        if isinstance(path, BaseException):
+            raise path
+        if path is None:
+            return None
+        from pipetrain.runtime.checkpoint import check_compatible, open_checkpoint
+
+        checkpoint = open_checkpoint(path, verify=False)  # rank 0 verified it; load verifies this rank's file again
+        check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
+        state = checkpoint.load(rank_file(self.rank))  # tensors and plain data only (weights_only=True)
+        return Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state, str(checkpoint.path))
+
+    def check(self) -> None:
+        """Refuse now, before any worker starts, a resume that every worker would refuse: a named
+        checkpoint that is missing or damaged, one written by a different run, one past this
+        run's end (the workers choose again when they start: after a restart, a newer one)."""
+        from pipetrain.runtime.checkpoint import check_compatible, open_checkpoint
+
+        path = self._choose(say=False)
+        if isinstance(path, BaseException):
+            raise path
+        if path is not None:
+            checkpoint = open_checkpoint(path, verify=False)
+            check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
+
+    def _choose(self, say: bool = True) -> str | None | BaseException:
+        """Rank 0: the path of the checkpoint to resume (None: afresh), or the error that refuses
+        the resume (handed to every rank); ``say``: print which."""
+        from pipetrain.errors import PipetrainError
+        from pipetrain.runtime.checkpoint import find_latest, resolve
+
+        tell = self._say if say else (lambda text: None)
+        if not self.run.config.resume and not self.directory:
+            return None
+        config, run = self.run.config, self.run
+        try:
+            skipped: list[str] = []
+            if isinstance(config.resume, str):
+                checkpoint = resolve(config.resume)
+            elif config.resume:
+                checkpoint = resolve(self.directory)
+            else:  # --checkpoint-dir alone: the newest complete checkpoint, if any
+                checkpoint = find_latest(self.directory, skipped=skipped)
+                if checkpoint is None:
+                    tell(f"no checkpoint in {self.directory}: starting afresh"
+                         + "".join(f"; skipped {reason}" for reason in skipped))
+                    return None
+            if checkpoint.step > run.updates:
+                raise ConfigError(
+                    f"checkpoint {checkpoint.path} is at step {checkpoint.step}, past the end of this run "
+                    f"({run.updates} steps): resume with --steps {checkpoint.step} or more, or start afresh "
+                    "with another --checkpoint-dir"
+                )
+            where = "the end" if checkpoint.step == run.updates else f"step {checkpoint.step} of {run.updates}"
+            tell(f"resuming from {where} ({checkpoint.path})" + "".join(f"; skipped {r}" for r in skipped))
+            return str(checkpoint.path)
+        except PipetrainError as error:
+            return error
+
+    def _say(self, text: str) -> None:
+        if not self.run.config.quiet:
+            from pipetrain.training.outputs import say
+
+            say(text)
+
+    # -- where the run checkpoints -------------------------------------------------------------
+
+    def steps(self, after: int) -> list[int]:
+        """The steps after ``after`` at whose cut a checkpoint is taken (the last step included)."""
+        if not self.every:
+            return []
+        updates = self.run.updates
+        return [step for step in [*range(self.every, updates, self.every), updates] if step > after]
+
+    def hooks(self, runner, after: int) -> dict[int, Any]:
+        """``{program position: save}`` for this rank's checkpoints after step ``after``."""
+        hooks: dict[int, Any] = {}
+        for step in self.steps(after):
+            position = self.run.cut_after(step).positions[self.rank]
+            previous = hooks.get(position)
+            save = self._saver(runner, step)
+            hooks[position] = save if previous is None else chain(previous, save)
+        return hooks
+
+    def _saver(self, runner, step: int):
+        def save() -> None:
+            from pipetrain.runtime.checkpoint import prune, save_distributed
+            from pipetrain.runtime.status import env_store
+
+            if self._store is None:  # one store client for the whole run
+                self._store = env_store(self.run.config.timeout)
+            path = save_distributed(
+                self.directory, step, {rank_file(self.rank): runner.snapshot()},
+                dict(self.meta, updates=self.run.updates), rank=self.rank, world_size=self.world_size,
+                store=self._store, timeout=self.run.config.timeout, key=f"{self.serial}/{step}",
+            )
+            if self.callbacks is not None:
+                self.callbacks.checkpoint(step, str(path))
+            if self.rank == 0:
+                prune(self.directory, keep=self.keep)
+
+        return save
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    import torch.distributed as dist
+
+    from pipetrain.runtime.errors import PeerLostError
+
+    box = [value]
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except RuntimeError as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PeerLostError(f"choosing the checkpoint to resume failed because a peer is gone or stuck ({first})") from None
+    return box[0]
+
+
+def chain(first, second):
+    """One hook that runs ``first``, then ``second`` (an evaluation and a checkpoint at one cut)."""
+
+    def call() -> None:
+        first()
+        second()
+
+    return call

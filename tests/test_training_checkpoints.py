@@ -1,0 +1,123 @@
+"""Where a distributed run checkpoints and resumes (pipetrain.training.checkpoints): every schedule
+resumes to the parameters of the uninterrupted run, bitwise; --checkpoint-dir alone resumes or
+starts afresh; the last step is checkpointed; checkpoints that do not fit the run are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.runtime.checkpoint import list_checkpoints
+from pipetrain.runtime.launch import launch
+from pipetrain.training import TrainConfig, prepare
+from pipetrain.training.checkpoints import checkpoint_period
+from pipetrain.training.train import train
+
+BASE = dict(model="mlp:depth=6,width=16", data="synthetic:features=8,classes=3,samples=96", batch_size=12, steps=9,
+            executor="distributed", progress=False, quiet=True, timeout=60)
+#: every schedule on 3 workers, resumed from its checkpoint of step RESUME (the newest but one)
+SCHEDULES = {
+    "gpipe": dict(schedule="gpipe", stages=3, microbatches=3),
+    "1f1b": dict(schedule="1f1b", stages=3, microbatches=3),
+    "interleaved": dict(schedule="interleaved", stages=3, chunks=2, microbatches=3),
+    "zb-h1": dict(schedule="zb-h1", stages=3, microbatches=3),
+    "pipedream": dict(schedule="pipedream", stages=3),
+    "pipedream-vsync": dict(schedule="pipedream", stages=3, policy="vsync"),
+    "2bw": dict(schedule="2bw", stages=3, microbatches=3),
+    "pb": dict(schedule="pb", stages=3, batch_size=1, steps=30, checkpoint_every=4),
+    "pb-sc": dict(schedule="pb", stages=3, batch_size=1, steps=30, compensation="sc", checkpoint_every=7),
+    "pb-lwp": dict(schedule="pb", stages=3, batch_size=1, steps=30, compensation="lwp", checkpoint_every=5),
+    "pipedream-replicated": dict(schedule="pipedream", stages=2, replicas=[2, 1], steps=12),
+}
+
+
+def _each(runs):
+    """Worker entry: run ``(config, error file)`` pairs in one process group; a PipetrainError
+    (raised by every rank alike) is written to the error file by rank 0 and the next run starts."""
+    from pipetrain.training.distributed import worker
+
+    for config, errors in runs:
+        try:
+            worker(config)
+        except PipetrainError as error:
+            if errors is None:
+                raise
+            if int(os.environ["RANK"]) == 0:
+                with open(errors, "w") as handle:
+                    handle.write(str(error))
+
+
+def _equal(a: str, b: str) -> bool:
+    first, second = torch.load(a), torch.load(b)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_every_schedule_resumes_to_the_uninterrupted_parameters(tmp_path):
+    runs, expected, full = [], {}, {}
+    for name, options in SCHEDULES.items():
+        config = TrainConfig(**dict(BASE, **options), checkpoint_dir=str(tmp_path / name), save=str(tmp_path / f"{name}.pt"))
+        period = checkpoint_period(prepare(config))
+        resume = [*range(period, config.steps, period), config.steps][-2]  # the newest but one: microbatches in flight
+        full[name] = config
+        resumed = dataclasses.replace(config, checkpoint_dir=str(tmp_path / f"{name}-resumed"),
+                                      resume=str(tmp_path / name / f"step-{resume:06d}"),
+                                      save=str(tmp_path / f"{name}-resumed.pt"))
+        runs += [(config, None), (resumed, None)]
+        expected[name] = dataclasses.replace(config, executor="emulate", checkpoint_dir=None, checkpoint_every=0,
+                                             save=str(tmp_path / f"{name}-emulated.pt"))
+    # a finished run started again resumes from its end (the last step is checkpointed) and saves the
+    # same model; a checkpoint past a run's end, or from a run whose pipeline drains elsewhere, is refused
+    again = dataclasses.replace(full["pb"], save=str(tmp_path / "pb-again.pt"))  # --checkpoint-dir alone
+    shorter = dataclasses.replace(again, steps=20, save=None)
+    longer = dataclasses.replace(full["pipedream"], steps=18, checkpoint_dir=str(tmp_path / "pipedream-longer"),
+                                 save=None, resume=str(tmp_path / "pipedream" / "step-000009"))
+    runs += [(again, None), (shorter, str(tmp_path / "shorter.txt")), (longer, str(tmp_path / "longer.txt"))]
+    result = launch(_each, (runs,), nprocs=3, timeout=600, quiet=True)
+    assert result.returncode == 0, result.message
+    for name, config in expected.items():
+        train(config)
+        assert _equal(str(tmp_path / f"{name}.pt"), config.save), name
+        assert _equal(str(tmp_path / f"{name}-resumed.pt"), config.save), name
+    assert _equal(str(tmp_path / "pb-again.pt"), str(tmp_path / "pb.pt"))
+    # default period: a tenth of the run; the newest two kept, the last step among them
+    assert [step for step, _ in list_checkpoints(tmp_path / "pipedream")] == [8, 9]
+    assert [step for step, _ in list_checkpoints(tmp_path / "pb")] == [28, 30]
+    assert (tmp_path / "shorter.txt").read_text() == (
+        f"checkpoint {tmp_path / 'pb' / 'step-000030'} is at step 30, past the end of this run (20 steps): resume "
+        "with --steps 30 or more, or start afresh with another --checkpoint-dir")
+    text = (tmp_path / "longer.txt").read_text()
+    assert "the checkpoint of step 9 holds microbatches [] of stage 0 in flight, where this run's program has [9, 10]" in text
+    assert "a run of another length" in text
+
+
+def test_the_default_period_is_a_tenth_of_the_run_and_fits_replicas():
+    def period(**options):
+        return checkpoint_period(prepare(TrainConfig(**dict(BASE, **options))))
+
+    assert period(schedule="1f1b", stages=2, steps=45, checkpoint_dir="d") == 5
+    assert period(schedule="1f1b", stages=2, steps=7, checkpoint_dir="d") == 1
+    assert period(schedule="1f1b", stages=2, steps=45, checkpoint_dir="d", checkpoint_every=4) == 4
+    assert period(schedule="1f1b", stages=2, steps=45) == 0  # no --checkpoint-dir: no checkpoints
+    # replicas [2, 1] under pipedream update together over pairs of minibatches: odd steps cannot be cut
+    assert period(schedule="pipedream", stages=2, replicas=[2, 1], steps=30, checkpoint_dir="d") == 4
+
+
+def test_checkpoint_options_are_checked_before_any_work(tmp_path):
+    from pipetrain.training.validate import check_config
+
+    with pytest.raises(ConfigError, match="--keep must be at least 1"):
+        check_config(TrainConfig(checkpoint_dir=str(tmp_path), keep=0))
+    with pytest.raises(ConfigError, match="--max-restarts must be at least 0"):
+        check_config(TrainConfig(max_restarts=-1))
+    with pytest.raises(ConfigError, match="--max-restarts restarts the workers of the distributed runtime"):
+        check_config(TrainConfig(executor="emulate", max_restarts=1))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="--checkpoint-dir"):  # checked without --checkpoint-every too
+        check_config(TrainConfig(checkpoint_dir=str(tmp_path / "file")))
+    assert json.loads(json.dumps(TrainConfig().fingerprint()))  # keep and max_restarts do not enter it
+    assert "keep" not in TrainConfig().fingerprint() and "max_restarts" not in TrainConfig().fingerprint()
