@@ -52,7 +52,7 @@ def _run(cls, options, dtype, mode, steps, single, monkeypatch):
         optimizer = cls(lr=0.05, **options)
         params = _params(dtype)
         spare = {n: torch.full_like(p, 7.0).requires_grad_() for n, p in params.items()}
-        history, predictions = [], []
+        history, predictions, predicted = [], [], None
         for step in range(steps):
             out = {"in place": params, "spare": spare, "new": None}[mode]
             new = optimizer.step(params, _grads(params, step), samples_seen=4 * step, out=out)
@@ -60,8 +60,12 @@ def _run(cls, options, dtype, mode, steps, single, monkeypatch):
                 spare = {n: p for n, p in params.items() if new[n] is not p}
             params = new
             history.append({n: p.detach().clone() for n, p in params.items()})
-            if optimizer.lwp_horizon:
-                predictions.append({n: p.detach().clone() for n, p in optimizer.predict(params, 4 * step).items()})
+            if optimizer.lwp_horizon:  # into the tensors of the last prediction, except in mode "new"
+                made = optimizer.predict(params, 4 * step, out=None if mode == "new" else predicted)
+                if predicted is not None and mode != "new":
+                    assert all(made[n] is predicted[n] for n in predicted)
+                predicted = {n: t for n, t in made.items() if t is not params[n]}
+                predictions.append({n: p.detach().clone() for n, p in made.items()})
         return history, predictions, optimizer
 
 
@@ -97,22 +101,29 @@ def test_outputs_keep_requires_grad_and_parameters_without_gradients_keep_their_
 
 
 @pytest.mark.parametrize("cls, options", [(SGD, dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
-                                          (SGD, dict(momentum=0.9, sc_delay=3.0)),
-                                          (AdamW, dict(weight_decay=0.1, amsgrad=True))])
+                                          (SGD, dict(momentum=0.9, sc_delay=3.0, lwp_horizon=3.0)),
+                                          (SGD, dict(momentum=0.0, weight_decay=0.01, lwp_horizon=2.0)),
+                                          (Adam, dict(weight_decay=0.1, lwp_horizon=2.0)),
+                                          (AdamW, dict(weight_decay=0.1, amsgrad=True, lwp_horizon=2.0))])
 def test_an_update_into_given_tensors_allocates_no_parameter_memory(cls, options):
-    """After the first updates (state and scratch tensors made once), an update written into given
-    tensors allocates no parameter memory, counted by PyTorch's profiler (PyTorch's scalar
-    arguments still make 4-byte tensors)."""
+    """After the first updates (state and scratch tensors made once), an update or a prediction
+    written into given tensors allocates no parameter memory, counted by PyTorch's profiler
+    (PyTorch's scalar arguments still make 4-byte tensors)."""
     optimizer = cls(lr=0.01, **options)
     params = {n: torch.randn(64, 64).requires_grad_() for n in ("w0", "w1", "w2")}
     spare = {n: torch.empty_like(p).requires_grad_() for n, p in params.items()}
     grads = {n: torch.randn_like(p) for n, p in params.items()}
+    predicted = {n: torch.empty_like(p) for n, p in params.items()}
     for step in range(3):
         params, spare = optimizer.step(params, grads, step, out=spare), params
+        if optimizer.lwp_horizon:
+            optimizer.predict(params, step, out=predicted)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for step, mode in zip(range(3, 53), itertools.cycle(["spare", "in place"])):
             if mode == "spare":
                 params, spare = optimizer.step(params, grads, step, out=spare), params
             else:
                 params = optimizer.step(params, grads, step, out=params)
+            if optimizer.lwp_horizon:
+                assert optimizer.predict(params, step, out=predicted)["w1"] is predicted["w1"]
     assert [e.name for e in prof.events() if e.cpu_memory_usage >= 64] == []

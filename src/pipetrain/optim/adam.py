@@ -149,14 +149,20 @@ class Adam(StageOptimizer):
         return fused.addcdiv_into(outs, params, exp_avgs, denominators, step_sizes)
 
     def velocity(self, name: str) -> Tensor | None:
+        """The Adam step per unit learning rate, in a scratch tensor of this optimizer (rewritten by
+        the next call for ``name``: use it before, or clone it)."""
         slots = self.state.get(name)
         if slots is None:
             return None
         beta1, beta2 = self.betas
         step = float(slots["step"])
         second = slots["max_exp_avg_sq"] if self.amsgrad else slots["exp_avg_sq"]
-        denom = (second.sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
-        return torch.div(slots["exp_avg"], denom).div_(1 - beta1**step)
+        exp_avg = slots["exp_avg"]
+        denom, velocity = (self._scratch.get(slot, [name], [exp_avg])[0] for slot in ("velocity_denominator", "velocity"))
+        # the ops of (second.sqrt() / sqrt(1 - beta2**t)).add_(eps), then exp_avg / denom / (1 - beta1**t)
+        torch.sqrt(second, out=denom)
+        denom.div_((1 - beta2**step) ** 0.5).add_(self.eps)
+        return torch.div(exp_avg, denom, out=velocity).div_(1 - beta1**step)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
@@ -195,10 +201,11 @@ class AdamW(Adam):
             lr, betas, eps, weight_decay, amsgrad, lwp_horizon=lwp_horizon, lr_schedule=lr_schedule
         )
 
-    def _predict_one(self, name: str, param: Tensor, lr_horizon: float) -> Tensor | None:
+    def _predict_one(self, name: str, param: Tensor, lr_horizon: float, out: Tensor | None = None) -> Tensor | None:
         velocity = self.velocity(name)
         if velocity is None:
             return None
         if self.weight_decay != 0:
-            param = param.mul(1 - lr_horizon * self.weight_decay)
-        return torch.add(param, velocity, alpha=-lr_horizon)
+            param = torch.mul(param, 1 - lr_horizon * self.weight_decay, out=out)
+            return param.add_(velocity, alpha=-lr_horizon)
+        return torch.add(param, velocity, alpha=-lr_horizon, out=out)

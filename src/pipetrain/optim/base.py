@@ -182,7 +182,8 @@ class StageOptimizer(ABC):
                     results = [torch.add(b, v, alpha=-step, out=t) for b, v, t in zip(bases, velocities, targets)]
                 made = zip(names, results)
             else:
-                made = ((name, self._predict_one(name, param.detach(), step)) for name, param in params.items())
+                made = ((name, self._predict_one(name, param.detach(), step, None if out is None else out.get(name)))
+                        for name, param in params.items())
             for name, new in made:
                 if new is None:
                     continue
@@ -192,9 +193,11 @@ class StageOptimizer(ABC):
                 predicted[name] = new
         return predicted
 
-    def _predict_one(self, name: str, param: Tensor, lr_horizon: float) -> Tensor | None:
+    def _predict_one(self, name: str, param: Tensor, lr_horizon: float, out: Tensor | None = None) -> Tensor | None:
+        """One parameter's prediction (into ``out`` when given), or None without a velocity; a
+        subclass whose prediction is not ``w - lr*T*velocity`` overrides it."""
         velocity = self.velocity(name)
-        return None if velocity is None else torch.add(param, velocity, alpha=-lr_horizon)
+        return None if velocity is None else torch.add(param, velocity, alpha=-lr_horizon, out=out)
 
     def _check_can_predict(self) -> None:
         """Raise if this optimizer keeps no velocity to predict with."""
