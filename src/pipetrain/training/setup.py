@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
@@ -325,8 +325,15 @@ def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype:
     layout = UnitLayout(config.batch_size, max(_units_per_update(config, name), 1))
     _, start, stop = layout.bounds(0)
     with torch.random.fork_rng(devices=[]):
-        indices = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle).indices(0)
-        x, y = get_batch(train_set, indices[start:stop])
+        if isinstance(train_set, DataLoader):  # a microbatch's worth of its samples times the stages alike
+            if isinstance(train_set.dataset, IterableDataset):
+                x, y = next(iter(train_set))
+                x, y = x[start:stop], y[start:stop]
+            else:
+                x, y = get_batch(train_set.dataset, range(start, min(stop, len(train_set.dataset))))
+        else:
+            indices = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle).indices(0)
+            x, y = get_batch(train_set, indices[start:stop])
     if isinstance(x, Tensor) and x.is_floating_point():
         x = x.to(dtype)
     return x, y
