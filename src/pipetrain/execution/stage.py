@@ -555,16 +555,15 @@ class StageExecutor:
         if number in release:
             self.release(number)
         made = versions.push(new)
-        held = set(versions.held())  # the push dropped a current version released before it
-        for version in [v for v in self._leaves if v not in held]:
-            del self._leaves[version]
+        if number in self._leaves and not versions.holds(number):  # the push dropped it (released before)
+            del self._leaves[number]
         return made
 
     def release(self, version: int) -> None:
         """Drop ``version`` once no action reads it, with the autograd leaves cached for it (the
         current version stays until the next update)."""
         self.versions.release(version)
-        if version in self._leaves and version not in self.versions.held():
+        if version in self._leaves and not self.versions.holds(version):
             del self._leaves[version]
 
     # -- checkpoints -----------------------------------------------------------------------------

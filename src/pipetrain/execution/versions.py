@@ -112,6 +112,9 @@ class VersionStore:
     def held(self) -> list[int]:
         return sorted(self._versions)
 
+    def holds(self, version: int) -> bool:
+        return version in self._versions
+
     def state(self) -> dict[int, Params]:
         """All held versions (for checkpoints)."""
         return dict(self._versions)

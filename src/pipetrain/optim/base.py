@@ -91,25 +91,21 @@ class StageOptimizer(ABC):
                 f"{list(params)}"
             )
         lr = self.lr_at(samples_seen)
-        names, bases, gradients, targets = [], [], [], []
-        for name, param in params.items():
-            grad = grads.get(name)
-            if grad is None:
-                continue
+        names = [name for name, grad in grads.items() if grad is not None]
+        if list(params) != names:  # in the parameters' order (the order of every state and result)
+            names = [name for name in params if grads.get(name) is not None]
+        bases = [params[name] for name in names]
+        gradients = [grads[name] for name in names]
+        for name, param, grad in zip(names, bases, gradients):
             if grad.shape != param.shape:
                 raise PipetrainError(
                     f"gradient of {name!r} has shape {tuple(grad.shape)} but the parameter "
                     f"has shape {tuple(param.shape)}"
                 )
-            names.append(name)
-            bases.append(param)
-            gradients.append(grad)
-            targets.append(None if out is None else out.get(name))
+        targets = [None] * len(names) if out is None else [out.get(name) for name in names]
         updated = dict(params)
         with torch.no_grad():
-            if names and type(self)._update_all is not StageOptimizer._update_all and fused.available(
-                bases + gradients
-            ):
+            if names and self._batched and fused.available(bases) and fused.available(gradients):
                 results = self._update_all(names, bases, gradients, lr, targets)
             else:
                 results = [
@@ -122,6 +118,11 @@ class StageOptimizer(ABC):
             updated[name] = new
         self.steps += 1
         return updated
+
+    @property
+    def _batched(self) -> bool:
+        """Whether this class batches its updates (overrides :meth:`_update_all`)."""
+        return type(self)._update_all is not StageOptimizer._update_all
 
     @abstractmethod
     def _update(self, name: str, param: Tensor, grad: Tensor, lr: float, out: Tensor | None = None) -> Tensor:

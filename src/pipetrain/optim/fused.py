@@ -31,7 +31,7 @@ Outs = Sequence["Tensor | None"]
 def available(tensors: Sequence[Tensor]) -> bool:
     """Whether the batched path computes exactly the single-tensor path's values for ``tensors``
     (all on the CPU)."""
-    return all(t.device.type == "cpu" for t in tensors)
+    return all(t.is_cpu for t in tensors)  # (not t.device: a device object per tensor costs 5x more)
 
 
 def _groups(outs: Outs, bases: Sequence[Tensor]) -> tuple[list[int], list[int], list[int]]:
