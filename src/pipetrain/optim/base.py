@@ -36,10 +36,11 @@ class StageOptimizer(ABC):
 
     Returned tensors are plain leaf tensors with ``requires_grad`` copied from the input
     parameter; a parameter whose gradient is ``None`` (or absent) is returned as the same object.
-    The one exception is the caller's to make: ``step(..., out=params)`` writes the new values
-    into the old tensors when no reader of the old version remains (the stage executor does so
-    when an update releases the version it replaces), which saves an allocation and a memory
-    stream per parameter; the arithmetic, and so every bit of the result, is the same.
+    The one exception is the caller's to make: ``step(..., out=tensors)`` writes the new values
+    into given tensors, those of a version no reader needs any more (the stage executor passes the
+    replaced version's own tensors when the update releases it, else those of an older released
+    version, see :class:`~pipetrain.execution.VersionStore`), which saves an allocation per
+    parameter and per update; the arithmetic, and so every bit of the result, is the same.
     """
 
     #: Short name used in specs and state dicts (``"sgd"``, ``"adam"``, ``"adamw"``).
