@@ -253,7 +253,7 @@ def test_the_stages_and_each_evaluation_are_printed_without_a_terminal(capfd, ex
     lines = out.splitlines()
     assert lines[0].startswith(f"1f1b: 2 stages on 2 {'workers' if executor == 'distributed' else 'emulated ranks'}, "
                                "6 updates of 8 samples (4 microbatches each)")
-    assert lines[1] == ("data: 64 samples, read by index, one update ahead on a background thread; held out: the test "
+    assert lines[1] == ("data: 64 samples, read by index, ahead on a background thread; held out: the test "
                         "split of synthetic:features=8,classes=3,samples=64 (64 samples)")
     assert lines[2].startswith("stage 0: ") and lines[3].startswith("stage 1: ")
     assert [line.split(":")[0] for line in lines[4:7]] == ["after 2 of 6 updates", "after 4 of 6 updates",

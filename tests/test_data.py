@@ -325,7 +325,7 @@ def test_train_command_says_where_the_held_out_data_comes_from(tmp_path, monkeyp
              "--stages", "2", "--no-progress"]
     assert main([*small, "--data", f"{name}:make:samples=20", "--holdout", "0.25", "--data-workers", "0"]) == 0
     out = capsys.readouterr().out
-    assert ("data: 15 samples, read by index, one update ahead on a background thread; held out: --holdout 0.25, 5 "
+    assert ("data: 15 samples, read by index, ahead on a background thread; held out: --holdout 0.25, 5 "
             "of the 20 samples (a fixed split)") in out.splitlines() and "test accuracy" in out
     assert main([*small, "--data", f"{name}:pairs"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -98,7 +98,7 @@ def test_data_sets_read_by_index_stay_on_the_fast_path():
     tensors = TensorDataset(torch.arange(40.0)[:, None], torch.arange(40) % 3)
     for data in (tensors, Subset(tensors, list(range(39, -1, -1)))):
         batches = _batches(data, workers=2)
-        assert batches.workers == 0 and batches.reading == "by index, one update ahead on a background thread"
+        assert batches.workers == 0 and batches.reading == "by index, ahead on a background thread"
         sampler = BatchSampler(data, 6, seed=3)
         for t, (x, y) in enumerate(_read(batches, range(8))):
             index = sampler.indices(t)

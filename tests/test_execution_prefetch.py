@@ -235,3 +235,35 @@ def test_data_workers_of_a_pinned_rank_may_use_every_core(monkeypatch) -> None:
             prefetcher.close()
     finally:
         os.sched_setaffinity(0, cores)
+
+
+def test_groups_of_updates_are_read_in_one_task_and_a_failure_raises_at_its_own_update() -> None:
+    tasks: list[list[int]] = []
+    current: list[int] = []
+
+    def load(update: int) -> int:
+        if update == 7:
+            raise ValueError("update 7 is unreadable")
+        current.append(update)
+        return update * 10
+
+    order = [0, 2, 4, 5, 6, 7, 8, 9]  # not consecutive: every update this rank reads, in its order
+    prefetcher = BatchPrefetcher(load, order, group=3)
+    original = prefetcher._read_group
+
+    def read_group(index: int):
+        current.clear()
+        result = original(index)
+        tasks.append(list(current))
+        return result
+
+    prefetcher._read_group = read_group
+    try:
+        assert [prefetcher.get(u) for u in (0, 2, 4, 5, 6)] == [0, 20, 40, 50, 60]
+        with pytest.raises(ValueError, match="update 7 is unreadable"):
+            prefetcher.get(7)
+        assert prefetcher.get(8) == 80 and prefetcher.get(9) == 90  # read when asked, after the failure
+        assert prefetcher.get(1) == 10  # outside the order: read when asked for
+        assert tasks[:2] == [[0, 2, 4], [5, 6]]  # a group per task; the third stopped at 7
+    finally:
+        prefetcher.close()

@@ -3,9 +3,10 @@
 ==========================================  ============================================================
 data set                                    how update t's batch is read
 ==========================================  ============================================================
-two tensors, or a ``batch(indices)`` method  one indexing operation, on a background thread one update
-(built-ins, ``TensorDataset``, ``text``)      ahead; no generator is seeded (the batch is a function of
-                                            its indices), whatever ``workers`` says
+two tensors, or a ``batch(indices)`` method  one indexing operation, on a background thread ahead, in
+(built-ins, ``TensorDataset``, ``text``)      groups of :func:`group_size` updates; no generator is
+                                            seeded (the batch is a function of its indices),
+                                            whatever ``workers`` says
 any other map-style ``Dataset``               in ``workers`` DataLoader worker processes (default
                                             :data:`DEFAULT_WORKERS`), read ahead in groups of
                                             :func:`group_size` updates, under ``data_seed(seed, t)``
@@ -52,7 +53,8 @@ MAX_GROUP, GROUP_SECONDS = 16, 0.005
 
 
 def group_size(batch: Any, seconds: float) -> int:
-    """How many updates one worker reads and sends together, from one batch and its read time:
+    """How many updates one worker (or the background thread) reads and sends together, from one
+    batch and its read time:
     as many as fit in :data:`~pipetrain.execution.prefetch.PACK_LIMIT` bytes and
     :data:`GROUP_SECONDS` of reading, at most :data:`MAX_GROUP`, at least 1. Small, quick batches
     share one message between processes (about 0.3-1 ms each on the project's machine, more than
@@ -72,7 +74,7 @@ def describe_reading(dataset: Dataset, workers: int | None) -> str:
             f"in its {count} worker process{'es' * (count > 1)}" if count else "on the training thread"
         )
     if reads_by_index(dataset):
-        return "by index, one update ahead on a background thread"
+        return "by index, ahead on a background thread"
     workers = resolve_workers(workers)
     if workers:
         return f"sample by sample in {workers} DataLoader worker process{'es' * (workers > 1)}"
@@ -127,9 +129,14 @@ class DatasetBatches:
         if pinning:
             read = self._read_here
             self._read_here = lambda update: pin(read(update))
-        if self.reading == "by index" and order is not None:
-            self._thread = BatchPrefetcher(self._read_here, order)
-            self.reading += ", one update ahead on a background thread"
+        if self.reading == "by index" and order is not None and len(order):
+            order = list(order)
+            self._first = (order[0], self._read_here(order[0]))  # read here: it sizes the groups
+            started = time.perf_counter()
+            self._read_here(order[0])  # timed again, without the first call's warm-up
+            self.group = group_size(self._first[1], time.perf_counter() - started)
+            self._thread = BatchPrefetcher(self._read_here, order[1:], group=self.group)
+            self.reading += ", ahead on a background thread"
 
     @property
     def read_ahead(self) -> bool:
@@ -138,11 +145,11 @@ class DatasetBatches:
 
     def batch(self, update: int) -> tuple[Any, torch.Tensor]:
         """Update ``update``'s batch (any update; those in ``order`` come read ahead)."""
-        if self._thread is not None:
-            return self._thread.get(update)
         if self._first is not None and self._first[0] == update:
             batch, self._first = self._first[1], None
             return batch
+        if self._thread is not None:
+            return self._thread.get(update)
         if self._processes is not None:
             batch = self._processes.get(update)
             if batch is not None:

@@ -5,7 +5,8 @@ Only stage 0 reads data, and a batch is read when its update's first microbatch 
 pipeline: every other stage then waits for that read. Two ways to read ahead, both in the order
 the rank will need the batches:
 
-* :class:`BatchPrefetcher` reads on one background thread, one update ahead, overlapping the
+* :class:`BatchPrefetcher` reads on one background thread, ahead (small batches a group of
+  updates at a time, one hand-over per group), overlapping the
   rank's computation and its waits for messages (torch and gloo release the GIL there). Only for
   a data set whose batch is a function of its indices (see
   :func:`pipetrain.data.info.reads_by_index`): one that draws random numbers in ``__getitem__``
@@ -39,28 +40,60 @@ PACK_LIMIT = 512 * 1024
 
 class BatchPrefetcher:
     """``get(update)`` returns ``load(update)``, read on a background thread; asking for an update
-    also starts reading the one that follows it in ``order`` (the updates this rank reads, each
-    once, in the order it reads them). An update outside ``order`` is read when asked for."""
+    also starts reading the ones that follow it in ``order`` (the updates this rank reads, each
+    once, in the order it reads them). An update outside ``order`` is read when asked for.
 
-    def __init__(self, load: Callable[[int], Any], order: Sequence[int]) -> None:
+    ``group``: how many consecutive updates of ``order`` one task of the thread reads. Handing a
+    read to the thread and taking its result back costs two thread switches and a contended GIL,
+    0.1-0.6 ms on a rank pinned to one core (benchmarks/RESULTS.md, "PipeDream's per-update
+    costs"), more than reading a small batch by index; with a group of them the thread reads the
+    next group while the training thread takes the current one's batches. A read that fails
+    raises in ``get`` of its own update, in the training thread, as without groups.
+    """
+
+    def __init__(self, load: Callable[[int], Any], order: Sequence[int], group: int = 1) -> None:
         self._load = load
         order = list(order)
-        self._following = dict(zip(order, order[1:]))
-        self._pending: dict[int, Future] = {}
+        size = max(1, int(group))
+        self._groups = [order[i:i + size] for i in range(0, len(order), size)]
+        self._group_of = {update: g for g, updates in enumerate(self._groups) for update in updates}
+        self._pending: dict[int, Future] = {}  # group -> its reads, under way
+        self._ready: dict[int, Any] = {}  # update -> its batch (or _ReadFailure), read and not yet taken
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="pipetrain-prefetch")
+
+    def _read_group(self, index: int) -> dict[int, Any]:
+        batches: dict[int, Any] = {}
+        for update in self._groups[index]:
+            try:
+                batches[update] = self._load(update)
+            except Exception as error:  # noqa: BLE001 - raised by get() of this update
+                batches[update] = _ReadFailure(error)
+                break  # the rest of the group is read when asked for
+        return batches
 
     def get(self, update: int) -> Any:
         """The batch of ``update`` (waiting for its read if it is still under way); a read that
         failed raises here, in the training thread."""
-        if self._pool is None:
+        pool = self._pool
+        if pool is None:
             raise RuntimeError("the prefetcher is closed")
-        future = self._pending.pop(update, None)
-        if future is None:
-            future = self._pool.submit(self._load, update)
-        following = self._following.get(update)
-        if following is not None and following not in self._pending:
-            self._pending[following] = self._pool.submit(self._load, following)
-        return future.result()
+        if update not in self._ready:
+            index = self._group_of.get(update)
+            if index is None:
+                return pool.submit(self._load, update).result()
+            future = self._pending.pop(index, None)
+            if future is None:
+                future = pool.submit(self._read_group, index)
+            following = index + 1
+            if following < len(self._groups) and following not in self._pending:
+                self._pending[following] = pool.submit(self._read_group, following)
+            self._ready.update(future.result())
+        batch = self._ready.pop(update, _MISSING)
+        if batch is _MISSING:  # after a failed read in its group
+            return pool.submit(self._load, update).result()
+        if isinstance(batch, _ReadFailure):
+            raise batch.error
+        return batch
 
     def close(self) -> None:
         """Drop the reads not yet started and stop the thread (after the read under way)."""
@@ -69,7 +102,18 @@ class BatchPrefetcher:
             for future in self._pending.values():
                 future.cancel()
             self._pending.clear()
+            self._ready.clear()
             pool.shutdown(wait=True)
+
+
+class _ReadFailure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+_MISSING = object()
 
 
 class _Packed:

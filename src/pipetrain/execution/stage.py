@@ -209,6 +209,7 @@ class _InFlight:
     leaf_set: Any = None  # all leaves of the version the forward read (the same object per version)
     microbatch: int = 0
     rng: Any = None  # recomputation: the random state the forward started from (None: a per-microbatch seed)
+    predicted: dict[str, Tensor] | None = None  # the tensors the optimizer's prediction wrote, if it made any
 
 
 class StageExecutor:
@@ -264,7 +265,8 @@ class StageExecutor:
         self.autocast = autocast
         named = dict(module.named_parameters())
         self.trainable = frozenset(n for n, p in named.items() if p.requires_grad)
-        self.versions = VersionStore({n: p.detach().clone() for n, p in named.items()})
+        # recomputing microbatches may still read a released version (PB's latest): its buffers are not reused
+        self.versions = VersionStore({n: p.detach().clone() for n, p in named.items()}, recycle=not recompute)
         self.buffers = dict(module.named_buffers())
         self.call = _Parameters(module)
         self.stochastic = any(isinstance(m, _STOCHASTIC) and m.p > 0 for m in module.modules())
@@ -279,6 +281,7 @@ class StageExecutor:
         self.last_loss: Tensor | None = None
         self._backward_params: Mapping[str, Tensor] | None = None
         self._leaves: dict[int, dict[str, Tensor]] = {}
+        self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
         warm_up_autograd()
 
     @property
@@ -345,6 +348,7 @@ class StageExecutor:
         """
         if microbatch in self.in_flight:
             raise PipetrainError(f"stage {self.stage}: microbatch {microbatch} is already in flight")
+        predicted = None
         if params is None and self.policy != "predict":
             leaves = self._leaves.get(version)
             if leaves is None:  # one set of autograd leaves per version, shared by its microbatches
@@ -353,7 +357,11 @@ class StageExecutor:
             if params is None:
                 params = self.versions[version]
                 if self.optimizer is not None:
-                    params = self.optimizer.predict(params, self.samples_seen)
+                    true = params
+                    # into the tensors of a prediction whose backward has run, when there is one
+                    params = self.optimizer.predict(true, self.samples_seen,
+                                                    out=self._predictions.pop() if self._predictions else None)
+                    predicted = {n: t for n, t in params.items() if t is not true[n]}
             leaves = self._make_leaves(params)
         device = self.device  # a batch read on the CPU, or a message, comes to the stage's device
         inputs = tuple(
@@ -365,7 +373,7 @@ class StageExecutor:
         if self.stochastic:
             torch.manual_seed(self._microbatch_seed(microbatch))
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
-                           leaf_set=leaves, microbatch=microbatch)
+                           leaf_set=leaves, microbatch=microbatch, predicted=predicted)
         if self.recompute and not self.stochastic:  # whatever random numbers the forward draws, replayed
             record.rng = _rng_state(self.device)
         try:
@@ -526,6 +534,7 @@ class StageExecutor:
             grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
         positions = self._input_targets(record)
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
+        self._done(record)
         return self._input_grads(record, positions, results)
 
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
@@ -544,6 +553,12 @@ class StageExecutor:
         """Weight-gradient half of a split backward (W)."""
         record = self._pop(microbatch)
         self._backward_into(record, version, [], record.grad_outputs, weights_only=True)
+        self._done(record)
+
+    def _done(self, record: _InFlight) -> None:
+        """After a microbatch's backward: the tensors of its prediction are free for the next."""
+        if record.predicted:
+            self._predictions.append(record.predicted)
 
     def _get(self, microbatch: int) -> _InFlight:
         try:
@@ -598,15 +613,24 @@ class StageExecutor:
     def step(self, release: Sequence[int] = ()) -> int:
         """Apply the accumulated gradient: a new weight version. Returns its number.
 
-        ``release`` lists versions no longer needed once this update is made (dropped before the
-        new version is stored, so a stage never holds more versions than its schedule says).
+        ``release`` lists versions no longer needed once this update is made. They are dropped
+        before the update, so that it writes into their tensors (a stage never holds more versions
+        than its schedule says, and in steady state allocates none): into the current version's
+        own tensors when it is among them (in place), else into those of released versions
+        (:meth:`VersionStore.spares`).
         """
         grads = self.grads or {}
-        current = self.versions.latest
-        # nothing reads the replaced version any more (its autograd leaves go with it): update in place
-        in_place = self.versions.current in release and not self._awaits_recomputation(self.versions.current)
+        versions = self.versions
+        current = versions.latest
+        number = versions.current
+        # nothing reads the replaced version any more (its autograd leaves go with it), unless a
+        # microbatch in flight will recompute its forward on it: then update in place
+        in_place = versions.releasing_current(release) and not self._awaits_recomputation(number)
+        for version in release:
+            if version != number:
+                self.release(version)
         if self.nonfinite == "skip" and not all_finite(list(grads.values())):
-            step = self.versions.current + 1
+            step = number + 1
             self.skipped.append(step)
             if len(self.skipped) >= SKIP_LIMIT and self.skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
                 raise NonFiniteError(
@@ -615,23 +639,33 @@ class StageExecutor:
                     f"keep producing NaN or infinite values; training stopped there. {_advice(skip=False)}",
                     stage=self.stage, step=step,
                 )
-            # the new version equals the last (a copy where the last stays held, so both stay immutable)
-            new = current if in_place else {n: t.clone() for n, t in current.items()}
+            if in_place:
+                new = current
+            else:  # a copy where the last stays held, so that both stay immutable (into spares, if any)
+                spares = versions.spares(current)
+                with torch.no_grad():
+                    new = {n: spares[n].copy_(t) if n in spares else t.clone() for n, t in current.items()}
         elif self.optimizer is None:
             new = dict(current)
         else:
-            if self.grad_scale != 1.0:
-                grads = {n: g * self.grad_scale for n, g in grads.items()}
-            new = self.optimizer.step(current, grads, self.samples_seen, out=current if in_place else None)
+            if self.grad_scale != 1.0:  # the sums are this executor's own (dropped after the update)
+                for grad in grads.values():
+                    if grad is not None:
+                        grad.mul_(self.grad_scale)
+            out: dict[str, Tensor] = {}
+            if in_place:  # nothing reads the replaced version any more: its tensors, unless shared
+                out = {n: current[n] for n in grads if versions.exclusive(number, n)}
+            if len(out) < len(grads):
+                out.update(versions.spares([n for n in grads if n not in out]))
+            new = self.optimizer.step(current, grads, self.samples_seen, out=out)
         self.samples_seen += self.pending_samples
         self.pending_samples = 0
         self.grads = None
-        for version in release:
-            self.release(version)
-        made = self.versions.push(new)
-        held = set(self.versions.held())  # the push dropped a current version released before it
-        for version in [v for v in self._leaves if v not in held]:
-            del self._leaves[version]
+        if number in release:
+            self.release(number)
+        made = versions.push(new)
+        if number in self._leaves and not versions.holds(number):  # the push dropped it (released before)
+            del self._leaves[number]
         return made
 
     def _awaits_recomputation(self, version: int) -> bool:
@@ -643,7 +677,7 @@ class StageExecutor:
         """Drop ``version`` once no action reads it, with the autograd leaves cached for it (the
         current version stays until the next update)."""
         self.versions.release(version)
-        if version in self._leaves and version not in self.versions.held():
+        if version in self._leaves and not self.versions.holds(version):
             del self._leaves[version]
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -695,7 +729,7 @@ class StageExecutor:
         ``[(microbatch, outputs)]`` in their original order (for the messages that crossed). The
         state's tensors come to this stage's device, wherever they were saved."""
         state = to_device(state, self.device)
-        self.versions = VersionStore.from_state(state["versions"], state["current"])
+        self.versions = VersionStore.from_state(state["versions"], state["current"], recycle=not self.recompute)
         self._leaves.clear()
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from pipetrain.errors import ConfigError
+from pipetrain.optim import fused
 from pipetrain.optim.base import StageOptimizer
 from pipetrain.optim.lr_schedule import LRSchedule
 
@@ -60,6 +61,7 @@ class Adam(StageOptimizer):
         self.eps = float(eps)
         self.weight_decay = float(weight_decay)
         self.amsgrad = bool(amsgrad)
+        self._scratch = fused.Scratch()
 
     @property
     def state_slots(self) -> int:
@@ -101,15 +103,66 @@ class Adam(StageOptimizer):
         denom = (second.sqrt() / bias_correction2_sqrt).add_(self.eps)
         return torch.addcdiv(param, exp_avg, denom, value=-step_size, out=out)
 
+    def _update_all(self, names, params, grads, lr, outs):
+        """:meth:`_update` for every parameter, its ops batched (see :mod:`pipetrain.optim.fused`);
+        the denominators go into reused scratch tensors instead of new ones."""
+        beta1, beta2 = self.betas
+        exp_avgs, exp_avg_sqs, maxima, step_sizes, corrections = [], [], [], [], []
+        for name, param in zip(names, params):
+            slots = self.state.get(name)
+            if slots is None:
+                slots = {
+                    "step": 0,
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                }
+                if self.amsgrad:
+                    slots["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                self.state[name] = slots
+            slots["step"] += 1
+            step = float(slots["step"])
+            exp_avgs.append(slots["exp_avg"])
+            exp_avg_sqs.append(slots["exp_avg_sq"])
+            if self.amsgrad:
+                maxima.append(slots["max_exp_avg_sq"])
+            step_sizes.append(-(lr / (1 - beta1**step)))
+            corrections.append((1 - beta2**step) ** 0.5)
+
+        if self.weight_decay != 0:
+            if self.decoupled_weight_decay:
+                params = outs = fused.mul_into(outs, params, 1 - lr * self.weight_decay)
+            else:
+                grads = fused.add_into(self._scratch.get("decayed", names, grads), grads, params, self.weight_decay)
+
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        second = exp_avg_sqs
+        if self.amsgrad:
+            torch._foreach_maximum_(maxima, exp_avg_sqs)
+            second = maxima
+        denominators = self._scratch.get("denominator", names, params)
+        torch._foreach_copy_(denominators, second)
+        torch._foreach_sqrt_(denominators)
+        torch._foreach_div_(denominators, corrections)
+        torch._foreach_add_(denominators, self.eps)
+        return fused.addcdiv_into(outs, params, exp_avgs, denominators, step_sizes)
+
     def velocity(self, name: str) -> Tensor | None:
+        """The Adam step per unit learning rate, in a scratch tensor of this optimizer (rewritten by
+        the next call for ``name``: use it before, or clone it)."""
         slots = self.state.get(name)
         if slots is None:
             return None
         beta1, beta2 = self.betas
         step = float(slots["step"])
         second = slots["max_exp_avg_sq"] if self.amsgrad else slots["exp_avg_sq"]
-        denom = (second.sqrt() / (1 - beta2**step) ** 0.5).add_(self.eps)
-        return torch.div(slots["exp_avg"], denom).div_(1 - beta1**step)
+        exp_avg = slots["exp_avg"]
+        denom, velocity = (self._scratch.get(slot, [name], [exp_avg])[0] for slot in ("velocity_denominator", "velocity"))
+        # the ops of (second.sqrt() / sqrt(1 - beta2**t)).add_(eps), then exp_avg / denom / (1 - beta1**t)
+        torch.sqrt(second, out=denom)
+        denom.div_((1 - beta2**step) ** 0.5).add_(self.eps)
+        return torch.div(exp_avg, denom, out=velocity).div_(1 - beta1**step)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
@@ -148,10 +201,11 @@ class AdamW(Adam):
             lr, betas, eps, weight_decay, amsgrad, lwp_horizon=lwp_horizon, lr_schedule=lr_schedule
         )
 
-    def _predict_one(self, name: str, param: Tensor, lr_horizon: float) -> Tensor | None:
+    def _predict_one(self, name: str, param: Tensor, lr_horizon: float, out: Tensor | None = None) -> Tensor | None:
         velocity = self.velocity(name)
         if velocity is None:
             return None
         if self.weight_decay != 0:
-            param = param.mul(1 - lr_horizon * self.weight_decay)
-        return torch.add(param, velocity, alpha=-lr_horizon)
+            param = torch.mul(param, 1 - lr_horizon * self.weight_decay, out=out)
+            return param.add_(velocity, alpha=-lr_horizon)
+        return torch.add(param, velocity, alpha=-lr_horizon, out=out)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.optim import fused
 from pipetrain.optim.lr_schedule import ConstantLR, LRSchedule
 
 __all__ = ["StageOptimizer", "Params", "Grads"]
@@ -35,10 +36,11 @@ class StageOptimizer(ABC):
 
     Returned tensors are plain leaf tensors with ``requires_grad`` copied from the input
     parameter; a parameter whose gradient is ``None`` (or absent) is returned as the same object.
-    The one exception is the caller's to make: ``step(..., out=params)`` writes the new values
-    into the old tensors when no reader of the old version remains (the stage executor does so
-    when an update releases the version it replaces), which saves an allocation and a memory
-    stream per parameter; the arithmetic, and so every bit of the result, is the same.
+    The one exception is the caller's to make: ``step(..., out=tensors)`` writes the new values
+    into given tensors, those of a version no reader needs any more (the stage executor passes the
+    replaced version's own tensors when the update releases it, else those of an older released
+    version, see :class:`~pipetrain.execution.VersionStore`), which saves an allocation per
+    parameter and per update; the arithmetic, and so every bit of the result, is the same.
     """
 
     #: Short name used in specs and state dicts (``"sgd"``, ``"adam"``, ``"adamw"``).
@@ -79,37 +81,62 @@ class StageOptimizer(ABC):
 
         ``samples_seen`` counts the samples applied by earlier updates and selects the learning
         rate. Parameters whose gradient is ``None`` or missing keep their tensor and their state.
-        ``out`` gives tensors to write the new values into (``out=params``: in place, for a
-        version nothing reads any more).
+        ``out`` gives tensors to write the new values into, by name (``out=params``: in place, for
+        a version nothing reads any more; a buffer of a released version; a name missing from
+        ``out`` gets a new tensor). Results are bitwise the same whichever way they are written.
         """
-        unknown = [name for name in grads if name not in params]
-        if unknown:
+        if not grads.keys() <= params.keys():
+            unknown = [name for name in grads if name not in params]
             raise PipetrainError(
                 f"gradients for unknown parameters {unknown}; the stage's parameters are "
                 f"{list(params)}"
             )
         lr = self.lr_at(samples_seen)
-        updated: dict[str, Tensor] = {}
+        names = [name for name, grad in grads.items() if grad is not None]
+        if list(params) != names:  # in the parameters' order (the order of every state and result)
+            names = [name for name in params if grads.get(name) is not None]
+        bases = [params[name] for name in names]
+        gradients = [grads[name] for name in names]
+        for name, param, grad in zip(names, bases, gradients):
+            if grad.shape != param.shape:
+                raise PipetrainError(
+                    f"gradient of {name!r} has shape {tuple(grad.shape)} but the parameter "
+                    f"has shape {tuple(param.shape)}"
+                )
+        targets = [None] * len(names) if out is None else [out.get(name) for name in names]
+        updated = dict(params)
         with torch.no_grad():
-            for name, param in params.items():
-                grad = grads.get(name)
-                if grad is None:
-                    updated[name] = param
-                    continue
-                if grad.shape != param.shape:
-                    raise PipetrainError(
-                        f"gradient of {name!r} has shape {tuple(grad.shape)} but the parameter "
-                        f"has shape {tuple(param.shape)}"
-                    )
-                new = self._update(name, param.detach(), grad.detach(), lr, None if out is None else out[name])
-                updated[name] = new.requires_grad_(True) if param.requires_grad else new
+            if names and self._batched and fused.available(bases) and fused.available(gradients):
+                results = self._update_all(names, bases, gradients, lr, targets)
+            else:
+                results = [
+                    self._update(name, param.detach(), grad.detach(), lr, target)
+                    for name, param, grad, target in zip(names, bases, gradients, targets)
+                ]
+        for name, param, new in zip(names, bases, results):
+            if new.requires_grad != param.requires_grad:
+                new.requires_grad_(param.requires_grad)
+            updated[name] = new
         self.steps += 1
         return updated
+
+    @property
+    def _batched(self) -> bool:
+        """Whether this class batches its updates (overrides :meth:`_update_all`)."""
+        return type(self)._update_all is not StageOptimizer._update_all
 
     @abstractmethod
     def _update(self, name: str, param: Tensor, grad: Tensor, lr: float, out: Tensor | None = None) -> Tensor:
         """One parameter's update; must return a new tensor (``out``, when given, which may be
-        ``param`` itself: the last operation writes there) and may change ``self.state[name]``."""
+        ``param`` itself: the last operation writes there) and may change ``self.state[name]``.
+        This is the single-tensor path, op for op torch's."""
+
+    def _update_all(self, names: list[str], params: list[Tensor], grads: list[Tensor], lr: float,
+                    outs: list[Tensor | None]) -> list[Tensor]:
+        """Every parameter's update at once, with the arithmetic of :meth:`_update` batched into
+        foreach calls (:mod:`pipetrain.optim.fused`); called under ``no_grad`` for CPU tensors only.
+        A subclass that overrides it must round exactly as its :meth:`_update`."""
+        raise NotImplementedError
 
     # -- Linear Weight Prediction ----------------------------------------------------------------
 
@@ -123,13 +150,15 @@ class StageOptimizer(ABC):
         """
 
     def predict(
-        self, params: Params, samples_seen: int, horizon: float | None = None
+        self, params: Params, samples_seen: int, horizon: float | None = None, *, out: Params | None = None
     ) -> dict[str, Tensor]:
         """Linear Weight Prediction: ``w_hat = w - lr * T * velocity`` for the forward pass.
 
         ``T = horizon`` (default: this stage's ``lwp_horizon``) and ``lr = lr_at(samples_seen)``,
         the rate in force when the forward runs. ``T = 0`` returns the same tensors. Backward,
-        update, evaluation and checkpoints use the true weights ``w``, never ``w_hat``.
+        update, evaluation and checkpoints use the true weights ``w``, never ``w_hat``. ``out``
+        gives tensors to write predictions into, by name (those of an earlier prediction nothing
+        reads any more); a parameter without a velocity is returned as itself.
         """
         horizon = self.lwp_horizon if horizon is None else float(horizon)
         if not horizon >= 0.0:
@@ -138,19 +167,39 @@ class StageOptimizer(ABC):
             return dict(params)
         self._check_can_predict()
         step = self.lr_at(samples_seen) * horizon
-        predicted: dict[str, Tensor] = {}
+        predicted: dict[str, Tensor] = dict(params)
         with torch.no_grad():
-            for name, param in params.items():
-                new = self._predict_one(name, param.detach(), step)
-                if new is None:
-                    predicted[name] = param
+            if type(self)._predict_one is StageOptimizer._predict_one:  # w - lr*T*v: batched
+                names, bases, velocities, targets = [], [], [], []
+                for name, param in params.items():
+                    velocity = self.velocity(name)
+                    if velocity is not None:
+                        names.append(name)
+                        bases.append(param)
+                        velocities.append(velocity)
+                        targets.append(None if out is None else out.get(name))
+                if fused.available(bases + velocities):
+                    results = fused.add_into(targets, bases, velocities, -step)
                 else:
-                    predicted[name] = new.requires_grad_(True) if param.requires_grad else new
+                    results = [torch.add(b, v, alpha=-step, out=t) for b, v, t in zip(bases, velocities, targets)]
+                made = zip(names, results)
+            else:
+                made = ((name, self._predict_one(name, param.detach(), step, None if out is None else out.get(name)))
+                        for name, param in params.items())
+            for name, new in made:
+                if new is None:
+                    continue
+                param = params[name]
+                if new.requires_grad != param.requires_grad:
+                    new.requires_grad_(param.requires_grad)
+                predicted[name] = new
         return predicted
 
-    def _predict_one(self, name: str, param: Tensor, lr_horizon: float) -> Tensor | None:
+    def _predict_one(self, name: str, param: Tensor, lr_horizon: float, out: Tensor | None = None) -> Tensor | None:
+        """One parameter's prediction (into ``out`` when given), or None without a velocity; a
+        subclass whose prediction is not ``w - lr*T*velocity`` overrides it."""
         velocity = self.velocity(name)
-        return None if velocity is None else torch.add(param, velocity, alpha=-lr_horizon)
+        return None if velocity is None else torch.add(param, velocity, alpha=-lr_horizon, out=out)
 
     def _check_can_predict(self) -> None:
         """Raise if this optimizer keeps no velocity to predict with."""

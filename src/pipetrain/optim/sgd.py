@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from pipetrain.errors import ConfigError
+from pipetrain.optim import fused
 from pipetrain.optim.base import StageOptimizer
 from pipetrain.optim.compensation import spike_coefficients
 from pipetrain.optim.lr_schedule import LRSchedule
@@ -70,6 +71,7 @@ class SGD(StageOptimizer):
         self._spike_a = a
         self._spike_b = b * (1.0 - self.dampening)
         self._keep_last_grad = self.momentum == 0.0 and self.lwp_horizon > 0.0
+        self._scratch = fused.Scratch()
 
     @property
     def state_slots(self) -> int:
@@ -100,6 +102,45 @@ class SGD(StageOptimizer):
         else:
             direction = grad.mul(self._spike_b).add_(buf, alpha=self._spike_a)
         return torch.add(param, direction, alpha=-lr, out=out)
+
+    def _update_all(self, names, params, grads, lr, outs):
+        """:meth:`_update` for every parameter, its ops batched (see :mod:`pipetrain.optim.fused`)."""
+        if self.weight_decay != 0:
+            grads = fused.add_into(self._scratch.get("decayed", names, grads), grads, params, self.weight_decay)
+        if self.momentum == 0:
+            if self._keep_last_grad:
+                for name, grad in zip(names, grads):
+                    slots = self.state.get(name)
+                    if slots is None:
+                        self.state[name] = {"momentum_buffer": grad.clone()}
+                    else:
+                        slots["momentum_buffer"].copy_(grad)
+            return fused.add_into(outs, params, grads, -lr)
+
+        bufs, old_bufs, old_grads = [], [], []
+        for name, grad in zip(names, grads):
+            slots = self.state.setdefault(name, {})
+            buf = slots.get("momentum_buffer")
+            if buf is None:
+                buf = slots["momentum_buffer"] = grad.clone()
+            else:
+                old_bufs.append(buf)
+                old_grads.append(grad)
+            bufs.append(buf)
+        if old_bufs:
+            torch._foreach_mul_(old_bufs, self.momentum)
+            torch._foreach_add_(old_bufs, old_grads, alpha=1 - self.dampening)
+
+        if self.nesterov:
+            directions = fused.add_into(self._scratch.get("direction", names, grads), grads, bufs, self.momentum)
+        elif self.sc_delay == 0.0:
+            directions = bufs
+        elif self._spike_b == 1.0:
+            directions = fused.add_into(self._scratch.get("direction", names, grads), grads, bufs, self._spike_a)
+        else:
+            directions = fused.mul_into(self._scratch.get("direction", names, grads), grads, self._spike_b)
+            torch._foreach_add_(directions, bufs, alpha=self._spike_a)
+        return fused.add_into(outs, params, directions, -lr)
 
     def velocity(self, name: str) -> Tensor | None:
         slots = self.state.get(name)

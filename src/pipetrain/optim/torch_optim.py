@@ -11,8 +11,9 @@ holds. Two routes:
   Prediction.
 * Any other ``torch.optim.Optimizer`` runs as itself inside :class:`TorchOptimizer`: before each
   update its parameter slots are pointed at the tensors that receive the new weights (the old
-  version's tensors when nothing reads them any more, fresh copies otherwise), so the old version
-  stays intact. Its state moves with the slots.
+  version's tensors when nothing reads them any more, else copies of them in the tensors of a
+  released version or in fresh ones), so the old version stays intact. Its state moves with the
+  slots.
 
 A ``torch.optim.lr_scheduler`` is given as ``lr_scheduler(optimizer) -> scheduler`` and stepped
 once per update of each stage (:class:`SchedulerLR` drives pipetrain's own optimizers with it).
@@ -116,7 +117,11 @@ class TorchOptimizer(StageOptimizer):
                 if grad is None:
                     updated[name] = params[name]
                     continue
-                target = out[name] if out is not None else params[name].detach().clone()
+                target = None if out is None else out.get(name)
+                if target is None:
+                    target = params[name].detach().clone()
+                elif target is not params[name]:  # a released version's tensor: the update starts from params
+                    target.copy_(params[name])
                 old = slots[index]
                 if old is not target:  # the slot (and the optimizer's state) follows the new tensor
                     slots[index] = target
