@@ -44,8 +44,12 @@ class BatchPrefetcher:
 
     def __init__(self, load: Callable[[int], Any], order: Sequence[int]) -> None:
         self._load = load
-        order = list(order)
-        self._following = dict(zip(order, order[1:]))
+        self._following: Any
+        if isinstance(order, range):  # a long run reads its updates in turn: no table of them
+            self._following = _Following(order)
+        else:
+            order = list(order)
+            self._following = dict(zip(order, order[1:]))
         self._pending: dict[int, Future] = {}
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="pipetrain-prefetch")
 
@@ -70,6 +74,19 @@ class BatchPrefetcher:
                 future.cancel()
             self._pending.clear()
             pool.shutdown(wait=True)
+
+
+class _Following:
+    """``get(update)``: the update after ``update`` in a range (None after the last)."""
+
+    def __init__(self, order: range) -> None:
+        self._order = order
+
+    def get(self, update: int) -> int | None:
+        order = self._order
+        if update in order and update != order[-1]:
+            return update + order.step
+        return None
 
 
 class _Packed:

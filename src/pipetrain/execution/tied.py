@@ -85,7 +85,7 @@ class TiedGradients:
         self._updates = [self._update_count(t) for t in self.tied]
         self.ranks = [sorted({r for s in t.stages for r in schedule.stage_ranks[s]}) for t in self.tied]
         self.sources = [[(s, n, schedule.stage_ranks[s][0]) for s, n in t.holders] for t in self.tied]
-        self._due = [self._points(rank) for rank in range(schedule.num_ranks)]
+        self._due = [self._points(rank) if self.tied else {} for rank in range(schedule.num_ranks)]
 
     def __bool__(self) -> bool:
         return bool(self.tied)

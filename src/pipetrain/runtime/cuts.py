@@ -61,6 +61,11 @@ def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut
     """The cut after ``units`` units, or a ConfigError if it is not consistent or leaves a split
     backward half done. ``messages``: the schedule's :class:`~pipetrain.runtime.sends.Messages`,
     if already built."""
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:
+        return cuts(schedule, [units], messages)[0]
     for stage, first, last in shared_updates(schedule):
         if first < units <= last:
             raise ConfigError(
@@ -105,6 +110,18 @@ def cuts(schedule: Schedule, counts: Sequence[int], messages: Messages | None = 
     """:func:`cut` for many unit counts at once, in one pass over the programs and messages
     (evaluating or checkpointing after every update would otherwise scan the programs once per
     update). Raises :func:`cut`'s error for the smallest count that has one."""
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:  # each cut is the sample's at the same place of its middle periods, shifted
+        shifts = [pattern.shift_of_units(units) for units in counts]
+        found = cuts(pattern.sample, [units - s * pattern.units for units, s in zip(counts, shifts)])
+        lengths = [program._l for program in pattern.programs]
+        return [
+            Cut(units, [p + s * lengths[r] for r, p in enumerate(c.positions)],
+                [[p + s * lengths[r] for p in sends] for r, sends in enumerate(c.crossing_sends)])
+            for units, s, c in zip(counts, shifts, found)
+        ]
     order = sorted(set(counts))
     if not order:
         return []
@@ -211,6 +228,13 @@ def in_flight(program: Sequence, positions: Sequence[int]) -> list[list]:
     as the forward is done, since the backward reads the current weights; a rank that checkpoints
     keeps such versions up to the cut (:meth:`~pipetrain.runtime.executor.RankRunner.keep_for_cuts`).
     """
+    from pipetrain.schedule.pattern import PeriodicProgram
+
+    if isinstance(program, PeriodicProgram) and program.pattern is not None:  # the sample's, shifted
+        pattern, rank = program.pattern, program.rank
+        mapped = [pattern.to_sample(rank, position) for position in positions]
+        found = in_flight(pattern.sample.programs[rank], [q for q, _ in mapped])
+        return [[program.shift(action, shift) for action in actions] for (_, shift), actions in zip(mapped, found)]
     forwards: dict[tuple[int, int], tuple[int, object]] = {}  # (stage, microbatch) -> (position, F)
     ends: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> position of its last backward action
     for position, action in enumerate(program):

@@ -168,6 +168,86 @@ class Pattern:
     def shift_action(self, rank: int, action: Action, shift: int) -> Action:
         return self.programs[rank].shift(action, shift)
 
+    def lag(self, rank: int) -> int:
+        """Positions of ``rank``'s program within which a unit's actions (and a version's reads
+        and release) lie: a period's body and the head and tail around it."""
+        program = self.programs[rank]
+        return 3 * program._l + program._h + len(program.tail)
+
+
+class ShiftedEnds:
+    """``message -> (rank, position)`` of a long schedule, read off the sample's table (see
+    :class:`~pipetrain.runtime.sends.Messages`)."""
+
+    def __init__(self, pattern: Pattern, sample: dict) -> None:
+        self.pattern, self.sample = pattern, sample
+        self._lengths = [p._l for p in pattern.programs]
+
+    def __getitem__(self, message: tuple) -> tuple[int, int]:
+        kind, stage, k = message
+        pattern = self.pattern
+        shift = pattern.shift_of_units(k)
+        rank, position = self.sample[(kind, stage, k - shift * pattern.units)]
+        return rank, position + shift * self._lengths[rank]
+
+    def get(self, message: tuple, default=None):
+        try:
+            return self[message]
+        except KeyError:
+            return default
+
+    def __contains__(self, message: object) -> bool:
+        return self.get(message) is not None  # type: ignore[arg-type]
+
+
+class ShiftedReleases:
+    """Position -> ``[(stage, version)]`` released there in one rank's long program (see
+    :func:`~pipetrain.execution.versions.version_release_points`), read off the sample's, with
+    the changes a rank makes to keep versions for its checkpoints on top."""
+
+    def __init__(self, program: PeriodicProgram, sample: dict[int, list[tuple[int, int]]]) -> None:
+        assert program.pattern is not None
+        self.program, self.pattern, self.sample = program, program.pattern, sample
+        self.changed: dict[int, list[tuple[int, int]]] = {}
+
+    def get(self, position: int, default=None):
+        changed = self.changed.get(position)
+        if changed is not None:
+            return changed
+        sample_position, shift = self.pattern.to_sample(self.program.rank, position)
+        found = self.sample.get(sample_position)
+        if found is None:
+            return default
+        if not shift:
+            return found
+        versions = self.program.versions
+        return [(stage, version + shift * versions.get(stage, 0)) for stage, version in found]
+
+    def __getitem__(self, position: int) -> list[tuple[int, int]]:
+        found = self.get(position)
+        if found is None:
+            raise KeyError(position)
+        return found
+
+    def __setitem__(self, position: int, keys: list[tuple[int, int]]) -> None:
+        self.changed[position] = keys
+
+    def setdefault(self, position: int, default: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        found = self.changed.get(position)
+        if found is None:
+            found = self.changed[position] = list(self.get(position, default))
+        return found
+
+    def released_before(self, key: tuple[int, int], position: int) -> int | None:
+        """Where ``key`` is released if that is before ``position`` and within a period's reach
+        of it (the reads of a version in flight at ``position`` are), else None."""
+        rank = self.program.rank
+        for at in range(position - 1, max(-1, position - 1 - self.pattern.lag(rank)), -1):
+            found = self.get(at)
+            if found and key in found:
+                return at
+        return None
+
 
 def pattern_of(schedule: Schedule) -> Pattern | None:
     """The pattern whose expansion ``schedule``'s programs are (None for a schedule stored whole)."""

@@ -168,8 +168,7 @@ class RankSetup:
         return {
             "rank": rank,
             "losses": runner.losses,
-            "starts": runner.starts,
-            "ends": runner.ends,
+            **runner.times.payload(),  # starts and ends of its (first) actions, aggregates of a long run
             "seconds": seconds,
             "states": {stage: executors[stage].module.state_dict() for stage in self.held
                        if schedule.replica_of(rank, stage) == 0},
@@ -340,7 +339,14 @@ def _updates_read(schedule, rank: int, layout) -> list[int]:
     """The updates whose batches ``rank`` reads (its forwards of stage 0), each once, in the order
     of their first read."""
     from pipetrain.schedule.ir import Kind
+    from pipetrain.schedule.pattern import pattern_of
 
+    pattern = pattern_of(schedule)
+    if pattern is not None:  # a long schedule: its updates in turn, if its sample reads them so
+        sample = _updates_read(pattern.sample, rank, layout)
+        per = layout.units_per_update
+        if sample == list(range(-(-pattern.sample.total_microbatches // per))):
+            return range(-(-schedule.total_microbatches // per))  # type: ignore[return-value]
     first_reads = {
         layout.bounds(action.microbatch)[0]: None
         for action in schedule.programs[rank]
@@ -376,7 +382,7 @@ def _check_replicas(run, gathered: list[dict]) -> None:
 
 def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     """Rank 0: the run's result from every rank's payload; writes the outputs."""
-    from pipetrain.schedule.timeline import Timeline
+    from pipetrain.execution.timing import measured_timeline
     from pipetrain.training.outputs import UpdateLosses
     from pipetrain.training.result import result_of
     from pipetrain.training.train import write_outputs
@@ -390,7 +396,7 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
         losses.update(payload["losses"])
         for stage, state in payload["states"].items():  # the unsplit model gets every stage's weights
             run.staged.stages[stage].load_state_dict(state)
-    timeline = Timeline(run.schedule, [p["starts"] for p in gathered], [p["ends"] for p in gathered])
+    timeline = measured_timeline(run.schedule, gathered)
     seconds = max(p["seconds"] for p in gathered)
     evaluations = max((p["evaluations"] for p in gathered), key=len)
     result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations,

@@ -101,6 +101,8 @@ def _last_stage_updates(timeline: Any) -> list[float]:
     """End times of the last stage's updates (its first replica's STEP actions)."""
     from pipetrain.schedule.ir import Kind
 
+    if getattr(timeline, "update_ends", None) is not None:  # a window of a long run: the whole run's
+        return list(timeline.update_ends)
     schedule = timeline.schedule
     last = schedule.num_stages - 1
     rank = schedule.stage_ranks[last][0]

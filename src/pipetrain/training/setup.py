@@ -454,10 +454,12 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
                 f"among the replicas of every stage (a multiple of {group}); use --steps {fixed}"
             )
     if asynchronous:
-        schedule = build(name, stages, updates * units, replicas=config.replicas, policy=policy, update_every=units)
+        schedule = build(name, stages, updates * units, replicas=config.replicas, policy=policy, update_every=units,
+                         pattern=True)
     else:
         schedule = build(
-            name, stages, units, steps=updates, chunks=config.chunks, replicas=config.replicas, policy=policy
+            name, stages, units, steps=updates, chunks=config.chunks, replicas=config.replicas, policy=policy,
+            pattern=True,
         )
     check(schedule)
     _check_pauses(config, schedule, units, updates)
