@@ -19,6 +19,7 @@ from pipetrain.errors import DeadlockError, NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData
 from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
+from pipetrain.execution.timing import ActionTimes
 from pipetrain.execution.versions import version_release_points
 from pipetrain.schedule.ir import Kind, Schedule, format_action
 
@@ -70,8 +71,11 @@ class Emulator:
         self.losses: dict[int, float] = {}
         self.paused = 0.0  # seconds spent in cut callbacks (evaluation), left out of timings
         #: measured start and end (seconds from the start of :meth:`run`) of every action, by rank
-        self.starts: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
-        self.ends: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
+        last = schedule.num_stages - 1
+        self.times = [ActionTimes(p, last if schedule.stage_ranks[last][0] == rank else None)
+                      for rank, p in enumerate(schedule.programs)]
+        self.starts: list[list[float]] = [t.starts for t in self.times]  # the window (all of a short program)
+        self.ends: list[list[float]] = [t.ends for t in self.times]
         self._releases = [version_release_points(p) for p in schedule.programs]
 
     def run(
@@ -161,6 +165,8 @@ class Emulator:
             pc = pcs[rank]
             limit = ends_at[rank]
             starts, ends = self.starts[rank], self.ends[rank]
+            times = self.times[rank]
+            window, windowed = times.window, times.windowed
             stop = cut_position(rank)  # changes only when a cut fires
             while True:
                 if stop is not None and pc == stop:
@@ -184,7 +190,9 @@ class Emulator:
                     break
                 action = program[pc]
                 kind, stage, k, version, _ = action
-                starts[pc] = clock() - origin
+                began = clock() - origin
+                if pc < window:
+                    starts[pc] = began
                 try:
                     if kind is F:
                         executor = stages[stage]
@@ -258,7 +266,11 @@ class Emulator:
                     raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
                 for release_stage, release_version in releases.get(pc, ()):
                     stages[release_stage].release(release_version)
-                ends[pc] = clock() - origin
+                finished = clock() - origin
+                if pc < window:
+                    ends[pc] = finished
+                if windowed:
+                    times.record(action, began, finished)
                 pc += 1
             pcs[rank] = pc
         self._origin = origin

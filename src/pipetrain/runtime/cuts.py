@@ -176,7 +176,16 @@ def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | No
     programs: a forward of stage 0 needs its batch fed, a receive its send, a SYNC every replica.
     Each piece is a consistent cut (everything received before it was sent before it), and the
     last one is the end of every program.
+
+    For a long schedule expanded from a pattern: a sequence that computes each update's piece from
+    its sample's (:class:`FeedCuts`), instead of a list of them all.
     """
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None and pattern.units % units_per_update == 0:
+        return FeedCuts(pattern, feed_cuts(pattern.sample, units_per_update), units_per_update,
+                        -(-schedule.total_microbatches // units_per_update))  # type: ignore[return-value]
     programs = schedule.programs
     messages = Messages(schedule) if messages is None else messages
     units = max((a.microbatch + 1 for p in programs for a in p if a.kind is Kind.F and a.stage == 0), default=0)
@@ -217,6 +226,36 @@ def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | No
         stuck = [rank for rank, (pc, p) in enumerate(zip(out[-1], programs)) if pc != len(p)]
         raise ConfigError(f"the programs of ranks {stuck} cannot run to their end (see `pipetrain schedule --load`)")
     return out
+
+
+class FeedCuts(Sequence):
+    """:func:`feed_cuts` of a long schedule: piece ``t`` is the sample's piece at the same place of
+    its middle periods, shifted. Slices are views (``pieces[:-1]``), never lists of every piece."""
+
+    def __init__(self, pattern, sample: list[list[int]], units_per_update: int, updates: int,
+                 start: int = 0, stop: int | None = None) -> None:
+        self.pattern, self.sample, self.per, self.updates = pattern, sample, units_per_update, updates
+        self.start, self.stop = start, updates if stop is None else stop
+        self._lengths = [program._l for program in pattern.programs]
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return FeedCuts(self.pattern, self.sample, self.per, self.updates, self.start + start,
+                            self.start + max(start, stop))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("update out of range")
+        update = self.start + index
+        shift = self.pattern.shift_of_units((update + 1) * self.per)
+        piece = self.sample[update - shift * (self.pattern.units // self.per)]
+        return [p + shift * length for p, length in zip(piece, self._lengths)]
 
 
 def in_flight(program: Sequence, positions: Sequence[int]) -> list[list]:

@@ -204,7 +204,8 @@ class RankRunner:
         if self.receives == "on-demand":
             self.on_demand = True
         elif self.receives == "auto":
-            known = {pause[self.rank] for pause in pauses}
+            wanted = set(hooks)
+            known = {pause[self.rank] for pause in pauses if pause[self.rank] in wanted}
             self.on_demand = all(position in known for position in hooks) and on_demand_is_safe(
                 self.schedule, self._messages, pauses, start=self._resumed_cut
             )
@@ -277,7 +278,7 @@ class RankRunner:
         self._on_loss = on_loss
         self._origin = time.perf_counter() if origin is None else origin
         self._hooks = at_positions or {}
-        self._pauses = list(pauses or ())
+        self._pauses = pauses if hasattr(pauses, "pattern") else list(pauses or ())  # a long run's: a view
         self._next_pause = 0
         self._choose_receives(self._hooks, self._pauses)
         self._pause_at = self._pauses[0][self.rank] if self._pauses else -1  # this rank's next pause

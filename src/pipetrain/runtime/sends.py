@@ -224,14 +224,13 @@ def _to_sample(pattern: Any, pauses: Sequence[Sequence[int]], start: Any) -> tup
             return None
         return moved, shift
 
-    moved_pauses = []
+    seen: set[tuple[int, ...]] = set()
     for pause in pauses:
         found = move(pause)
         if found is None:
             return None
-        if found[0] not in moved_pauses:
-            moved_pauses.append(found[0])
-    moved_pauses.sort()
+        seen.add(tuple(found[0]))
+    moved_pauses = [list(pause) for pause in sorted(seen)]
     moved_start = None
     if start is not None:
         found = move(start.positions)
