@@ -22,19 +22,28 @@ pattern and all its seams.
 
 from __future__ import annotations
 
+import os
 from math import lcm
 from typing import Callable, Iterator, Sequence, overload
 
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule.ir import Action, Kind, Schedule
 
-__all__ = ["PeriodicProgram", "Pattern", "periodic", "pattern_of", "period_units", "MIN_COPIES"]
+__all__ = ["PeriodicProgram", "Pattern", "periodic", "pattern_of", "period_units", "MIN_COPIES", "min_copies"]
 
 #: Periods of the sample (the built schedule the pattern is read from and checked on); the middle
 #: ones are at least two periods away from the head and the tail.
 SAMPLE_COPIES = 5
-#: Runs of fewer periods than this are built whole (cheaper than the three samples).
+#: Runs of fewer periods than this are built whole (cheaper than the three samples); the
+#: environment variable PIPETRAIN_PATTERN_MIN_COPIES overrides it (a testing aid: a small value
+#: runs short schedules from their pattern, a huge one builds every schedule whole).
 MIN_COPIES = 16
+
+
+def min_copies() -> int:
+    """The periods from which a schedule is run from its pattern (see :data:`MIN_COPIES`)."""
+    value = os.environ.get("PIPETRAIN_PATTERN_MIN_COPIES")
+    return int(value) if value else MIN_COPIES
 
 _new = tuple.__new__
 
@@ -268,7 +277,7 @@ def periodic(make: Callable[[int], Schedule], copies: int, units: int, microbatc
     whole schedule of ``n`` periods; ``microbatches`` and ``steps`` are the long schedule's (see
     :class:`~pipetrain.schedule.ir.Schedule`). None when the run is too short to be worth it or the
     schedule does not repeat (the caller builds it whole then)."""
-    if copies < max(MIN_COPIES, SAMPLE_COPIES + 2):
+    if copies < max(min_copies(), SAMPLE_COPIES + 2):
         return None
     base = SAMPLE_COPIES
     first, second, third = make(base), make(base + 1), make(base + 2)
