@@ -31,8 +31,9 @@ class ActionTimes:
     passes it), for the report's rates and loss curves against time.
     """
 
-    def __init__(self, program: Sequence[Action], last_stage: int | None = None, window: int = WINDOW) -> None:
+    def __init__(self, program: Sequence[Action], last_stage: int | None = None, window: int | None = None) -> None:
         length = len(program)
+        window = WINDOW if window is None else window
         self.windowed = length > window
         self.window = window if self.windowed else length
         self.starts = [0.0] * self.window

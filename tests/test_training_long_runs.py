@@ -1,0 +1,90 @@
+"""Long runs from their schedule's pattern (pipetrain.schedule.pattern): training equals the run of
+the whole-built schedule bitwise, on the emulator and the distributed runtime, and resumes from a
+checkpoint exactly; the measured timeline of a long run is a window plus whole-run aggregates."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from pipetrain.runtime.launch import launch
+from pipetrain.schedule.pattern import pattern_of
+from pipetrain.training import TrainConfig, prepare
+from pipetrain.training.train import train
+
+BASE = dict(model="mlp:depth=3,width=8", data="synthetic:features=6,classes=3,samples=64", batch_size=2,
+            progress=False, quiet=True, timeout=60)
+CONFIGS = {
+    "pipedream": dict(schedule="pipedream", stages=2, steps=300),
+    "pb": dict(schedule="pb", stages=2, batch_size=1, steps=200, compensation="sc+lwp"),
+    "1f1b": dict(schedule="1f1b", stages=2, microbatches=2, steps=20),
+    "2bw": dict(schedule="2bw", stages=2, microbatches=2, steps=20),
+}
+PATTERN, WHOLE = "7", "1000000000"  # PIPETRAIN_PATTERN_MIN_COPIES: from the pattern, or built whole
+
+
+def _equal(a: str, b: str) -> bool:
+    first, second = torch.load(a), torch.load(b)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_emulator_trains_a_pattern_as_the_whole_schedule(name, tmp_path, monkeypatch):
+    config = TrainConfig(**dict(BASE, **CONFIGS[name]), executor="emulate")
+    results = {}
+    for label, value in (("pattern", PATTERN), ("whole", WHOLE)):
+        monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", value)
+        run = dataclasses.replace(config, save=str(tmp_path / f"{label}.pt"))
+        assert (pattern_of(prepare(run).schedule) is not None) == (label == "pattern")
+        results[label] = train(run)
+    assert _equal(str(tmp_path / "pattern.pt"), str(tmp_path / "whole.pt"))
+    assert results["pattern"].update_losses == results["whole"].update_losses
+
+
+def test_a_long_run_keeps_a_window_of_action_times(tmp_path, monkeypatch):
+    from pipetrain.execution import timing
+
+    monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", PATTERN)
+    monkeypatch.setattr(timing, "WINDOW", 100)
+    config = TrainConfig(**dict(BASE, **CONFIGS["pipedream"]), executor="emulate")
+    result = train(config)
+    timeline = result.timeline
+    assert [len(p) for p in timeline.schedule.programs] == [100, 100]
+    assert len(result.extra["update_seconds"]) == 300  # every update's end, over the whole run
+    assert result.extra["update_seconds"] == sorted(result.extra["update_seconds"])
+    assert all(busy > 0 for busy in result.stage_busy)
+    assert result.extra["steady_samples_per_s"] > 0
+
+
+def _each(runs):
+    """Worker entry: each ``(config, PIPETRAIN_PATTERN_MIN_COPIES)`` in one process group."""
+    from pipetrain.training.distributed import worker
+
+    for config, copies in runs:
+        os.environ["PIPETRAIN_PATTERN_MIN_COPIES"] = copies
+        worker(config)
+
+
+def test_the_runtime_trains_and_resumes_a_pattern_bitwise(tmp_path, monkeypatch):
+    runs, pairs = [], []
+    for name, every, resume in (("pipedream", 70, 210), ("pb", 50, 150)):
+        config = TrainConfig(**dict(BASE, **CONFIGS[name]), executor="distributed", workers=2)
+        long = dataclasses.replace(config, checkpoint_dir=str(tmp_path / name), checkpoint_every=every, keep=10,
+                                   save=str(tmp_path / f"{name}.pt"))
+        whole = dataclasses.replace(config, save=str(tmp_path / f"{name}-whole.pt"))
+        resumed = dataclasses.replace(long, checkpoint_dir=str(tmp_path / f"{name}-resumed"),
+                                      resume=str(tmp_path / name / f"step-{resume:06d}"),
+                                      save=str(tmp_path / f"{name}-resumed.pt"))
+        runs += [(long, PATTERN), (whole, WHOLE), (resumed, PATTERN)]
+        pairs += [(f"{name}.pt", f"{name}-whole.pt"), (f"{name}.pt", f"{name}-resumed.pt")]
+        monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", PATTERN)
+        emulated = dataclasses.replace(config, executor="emulate", workers=None, save=str(tmp_path / f"{name}-emulated.pt"))
+        train(emulated)
+        pairs.append((f"{name}.pt", f"{name}-emulated.pt"))
+    result = launch(_each, (runs,), nprocs=2, timeout=300)
+    assert result.returncode == 0, result.message
+    for a, b in pairs:
+        assert _equal(str(tmp_path / a), str(tmp_path / b)), (a, b)
