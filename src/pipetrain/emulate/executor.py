@@ -19,7 +19,7 @@ from pipetrain.errors import DeadlockError, NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData
 from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
-from pipetrain.execution.timing import ActionTimes
+from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
 from pipetrain.schedule.ir import Kind, Schedule, format_action
 
@@ -72,7 +72,8 @@ class Emulator:
         self.paused = 0.0  # seconds spent in cut callbacks (evaluation), left out of timings
         #: measured start and end (seconds from the start of :meth:`run`) of every action, by rank
         last = schedule.num_stages - 1
-        self.times = [ActionTimes(p, last if schedule.stage_ranks[last][0] == rank else None)
+        windows = window_lengths(schedule, data.layout.units_per_update)
+        self.times = [ActionTimes(p, last if schedule.stage_ranks[last][0] == rank else None, windows[rank])
                       for rank, p in enumerate(schedule.programs)]
         self.starts: list[list[float]] = [t.starts for t in self.times]  # the window (all of a short program)
         self.ends: list[list[float]] = [t.ends for t in self.times]

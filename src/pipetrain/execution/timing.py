@@ -14,12 +14,39 @@ from typing import Sequence
 
 from pipetrain.schedule.ir import Action, Kind
 
-__all__ = ["ActionTimes", "WINDOW"]
+__all__ = ["ActionTimes", "WINDOW", "window_lengths", "measured_timeline"]
 
 #: actions per rank timed one by one (the window of a long run's measured timeline)
 WINDOW = 50_000
 
 _BUSY = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP})
+
+
+def window_lengths(schedule, units_per_update: int = 1) -> list[int]:
+    """Per rank, the actions timed one by one: every action of programs of at most :data:`WINDOW`
+    actions; else the actions before a consistent cut (:mod:`~pipetrain.runtime.cuts`) within
+    :data:`WINDOW` actions of every rank, so that the window is itself a schedule the simulator can
+    run (the measured timeline's simulated counterpart, traces and plots)."""
+    from pipetrain.errors import PipetrainError
+    from pipetrain.runtime.cuts import cuts
+
+    lengths = [len(program) for program in schedule.programs]
+    if max(lengths, default=0) <= WINDOW:
+        return lengths
+    units = max(units_per_update, 1)
+    count = WINDOW * schedule.total_microbatches // max(lengths) // units * units
+    for _ in range(8):
+        if count <= 0:
+            break
+        try:
+            found = cuts(schedule, [count])[0]
+        except PipetrainError:  # this count cannot be cut (replicas updating together): one update less
+            count -= units
+            continue
+        if max(found.positions) <= WINDOW:
+            return found.positions
+        count = count * 9 // 10 // units * units
+    return [min(length, WINDOW) for length in lengths]
 
 
 class ActionTimes:
@@ -33,7 +60,7 @@ class ActionTimes:
 
     def __init__(self, program: Sequence[Action], last_stage: int | None = None, window: int | None = None) -> None:
         length = len(program)
-        window = WINDOW if window is None else window
+        window = min(length, WINDOW) if window is None else window
         self.windowed = length > window
         self.window = window if self.windowed else length
         self.starts = [0.0] * self.window

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
-from pipetrain.execution.timing import ActionTimes
+from pipetrain.execution.losses import UnitLosses
+from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
@@ -123,11 +124,12 @@ class RankRunner:
         self.status = status
         self.program = schedule.programs[rank]
         self.last_stage = schedule.num_stages - 1
-        self.losses: dict[int, float] = {}
+        self.losses: MutableMapping[int, float] = UnitLosses()  # of the units whose last stage runs here
         self.evaluations: list[dict[str, float]] = []
         self.paused = 0.0  # seconds spent in hooks (evaluation, checkpoints), left out of timings
         last_first = schedule.stage_ranks[self.last_stage][0] == rank
-        self.times = ActionTimes(self.program, self.last_stage if last_first else None)
+        window = window_lengths(schedule, layout.units_per_update)[rank]
+        self.times = ActionTimes(self.program, self.last_stage if last_first else None, window)
         self.starts, self.ends = self.times.starts, self.times.ends  # the window (all of a short program)
         self._releases = version_release_points(self.program)
         self._local: dict[tuple, Any] = {}
@@ -498,7 +500,7 @@ class RankRunner:
         forwards = in_flight(program, [position])[0]
         _check_in_flight(state, forwards, rank, cut.units // self.layout.units_per_update)
         self._resumed_cut = cut
-        self.losses = dict(state["losses"])
+        self.losses = UnitLosses(state["losses"])
         self._labels = dict(state["labels"])
         self.evaluations = list(state.get("evaluations", []))
         restore_rng(state["rng"])

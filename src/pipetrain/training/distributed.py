@@ -391,7 +391,9 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     from pipetrain.stages.tied import check_tied_copies
 
     check_tied_copies(run.staged.tied, {s: state for p in gathered for s, state in p["states"].items()})
-    losses: dict[int, float] = {}
+    from pipetrain.execution.losses import UnitLosses
+
+    losses = UnitLosses()
     for payload in gathered:
         losses.update(payload["losses"])
         for stage, state in payload["states"].items():  # the unsplit model gets every stage's weights
