@@ -85,7 +85,8 @@ def version_release_points(program: Sequence[Action]) -> dict[int, list[tuple[in
 
     if isinstance(program, PeriodicProgram) and program.pattern is not None:
         sample = program.pattern.sample.programs[program.rank]
-        return ShiftedReleases(program, version_release_points(sample))  # type: ignore[return-value]
+        table = program.pattern.cached(("releases", program.rank), lambda: version_release_points(sample))
+        return ShiftedReleases(program, table)  # type: ignore[return-value]
     last_read: dict[tuple[int, int], int] = {}
     superseded: dict[tuple[int, int], int] = {}  # (stage, v) -> position of the STEP making v + 1
     counts: dict[int, int] = {}

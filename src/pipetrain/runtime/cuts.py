@@ -115,7 +115,8 @@ def cuts(schedule: Schedule, counts: Sequence[int], messages: Messages | None = 
     pattern = pattern_of(schedule)
     if pattern is not None:  # each cut is the sample's at the same place of its middle periods, shifted
         shifts = [pattern.shift_of_units(units) for units in counts]
-        found = cuts(pattern.sample, [units - s * pattern.units for units, s in zip(counts, shifts)])
+        sample_messages = pattern.cached("messages", lambda: Messages(pattern.sample))
+        found = cuts(pattern.sample, [units - s * pattern.units for units, s in zip(counts, shifts)], sample_messages)
         lengths = [program._l for program in pattern.programs]
         return [
             Cut(units, [p + s * lengths[r] for r, p in enumerate(c.positions)],

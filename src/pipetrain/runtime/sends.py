@@ -38,7 +38,7 @@ class Messages:
         self.received_at: dict[tuple, tuple[int, int]] = {}
         pattern = pattern_of(schedule)
         if pattern is not None:  # a long schedule: its sample's table, shifted (no table of every message)
-            sample = Messages(pattern.sample)
+            sample = pattern.cached("messages", lambda: Messages(pattern.sample))
             self.sent_at = ShiftedEnds(pattern, sample.sent_at)  # type: ignore[assignment]
             self.received_at = ShiftedEnds(pattern, sample.received_at)  # type: ignore[assignment]
             return

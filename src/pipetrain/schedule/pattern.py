@@ -147,6 +147,14 @@ class Pattern:
         self.sample, self.check_sample, self.programs = sample, check_sample, programs
         self.units, self.copies = units, copies
         self.mid = SAMPLE_COPIES // 2
+        #: what analyses computed on the sample once (its messages, release points, ...), by name
+        self.cache: dict = {}
+
+    def cached(self, key, compute: Callable[[], object]):
+        """``compute()`` once per pattern and ``key``."""
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
 
     @property
     def total_units(self) -> int:
