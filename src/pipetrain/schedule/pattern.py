@@ -26,7 +26,6 @@ import os
 from math import lcm
 from typing import Callable, Iterator, Sequence, overload
 
-from pipetrain.errors import ScheduleError
 from pipetrain.schedule.ir import Action, Kind, Schedule
 
 __all__ = ["PeriodicProgram", "Pattern", "periodic", "pattern_of", "period_units", "MIN_COPIES", "min_copies"]
@@ -44,6 +43,7 @@ def min_copies() -> int:
     """The periods from which a schedule is run from its pattern (see :data:`MIN_COPIES`)."""
     value = os.environ.get("PIPETRAIN_PATTERN_MIN_COPIES")
     return int(value) if value else MIN_COPIES
+
 
 _new = tuple.__new__
 
