@@ -63,8 +63,12 @@ class ActionTimes:
         window = min(length, WINDOW) if window is None else window
         self.windowed = length > window
         self.window = window if self.windowed else length
-        self.starts = [0.0] * self.window
-        self.ends = [0.0] * self.window
+        if self.windowed:  # 8 bytes a time, not a float object's 32
+            self.starts: Sequence[float] = array("d", bytes(8 * self.window))
+            self.ends: Sequence[float] = array("d", bytes(8 * self.window))
+        else:
+            self.starts = [0.0] * self.window
+            self.ends = [0.0] * self.window
         self.busy = 0.0
         self.last_stage = last_stage
         self.update_ends = array("d")
@@ -82,7 +86,7 @@ class ActionTimes:
         out: dict = {"starts": self.starts, "ends": self.ends}
         if self.windowed:
             out["busy"] = self.busy
-            out["update_ends"] = list(self.update_ends)
+            out["update_ends"] = self.update_ends
         return out
 
 
