@@ -94,3 +94,38 @@ def test_the_runtime_trains_and_resumes_a_pattern_bitwise(tmp_path, monkeypatch)
     assert result.returncode == 0, result.message
     for a, b in pairs:
         assert _equal(str(tmp_path / a), str(tmp_path / b)), (a, b)
+
+
+@pytest.mark.parametrize("name, options, batch, steps", [("pipedream", {}, 2, 300), ("1f1b", dict(microbatches=2), 4, 20)])
+def test_feeding_a_long_run_batch_by_batch_equals_the_whole_schedule(name, options, batch, steps, monkeypatch):
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from pipetrain import Pipeline
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+
+    def pipeline(module):
+        return Pipeline(module, stages=2, schedule=name, optimizer="sgd:lr=0.05,momentum=0.9", executor="emulate",
+                        **options)
+
+    monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", WHOLE)
+    whole_model = model()
+    whole = pipeline(whole_model).fit(TensorDataset(x, y), batch_size=batch, steps=steps, shuffle=False,
+                                      progress=False)
+    monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", PATTERN)
+    stepped_model = model()
+    pipe = pipeline(stepped_model)
+    pipe.start(steps=steps, batch_size=batch)
+    assert pattern_of(pipe._run.schedule) is not None
+    for update in range(steps):
+        start = update * batch % len(x)
+        pipe.step(x[start:start + batch], y[start:start + batch])
+    result = pipe.finish()
+    assert result.update_losses == whole.update_losses
+    assert all(torch.equal(p, q) for p, q in zip(stepped_model.parameters(), whole_model.parameters()))
