@@ -129,3 +129,46 @@ def test_feeding_a_long_run_batch_by_batch_equals_the_whole_schedule(name, optio
     result = pipe.finish()
     assert result.update_losses == whole.update_losses
     assert all(torch.equal(p, q) for p, q in zip(stepped_model.parameters(), whole_model.parameters()))
+
+
+def _stepped_worker(out: str) -> None:
+    """Worker entry: a long PipeDream run fed batch by batch from the pattern, on the runtime."""
+    from torch import nn
+
+    from pipetrain import Pipeline
+
+    os.environ["PIPETRAIN_PATTERN_MIN_COPIES"] = PATTERN
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+    pipe = Pipeline(model, stages=2, schedule="pipedream", optimizer="sgd:lr=0.05,momentum=0.9", timeout=60)
+    pipe.start(steps=300, batch_size=2)
+    assert pattern_of(pipe._run.schedule) is not None
+    for update in range(300):
+        start = update * 2 % len(x)
+        pipe.step(x[start:start + 2], y[start:start + 2])
+    result = pipe.finish()
+    if pipe.is_main:
+        torch.save({"losses": result.update_losses, "model": model.state_dict()}, out)
+
+
+def test_the_runtime_fed_batch_by_batch_runs_a_pattern_as_the_emulator(tmp_path, monkeypatch):
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from pipetrain import Pipeline
+
+    result = launch(_stepped_worker, (str(tmp_path / "stepped.pt"),), nprocs=2, timeout=240)
+    assert result.returncode == 0, result.message
+    monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", WHOLE)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+    whole = Pipeline(model, stages=2, schedule="pipedream", optimizer="sgd:lr=0.05,momentum=0.9",
+                     executor="emulate").fit(TensorDataset(x, y), batch_size=2, steps=300, shuffle=False,
+                                             progress=False)
+    stepped = torch.load(tmp_path / "stepped.pt")
+    assert stepped["losses"] == whole.update_losses
+    assert all(torch.equal(stepped["model"][k], v) for k, v in model.state_dict().items())
