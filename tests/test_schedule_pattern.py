@@ -137,3 +137,12 @@ def test_the_pattern_does_not_grow_with_the_run(monkeypatch):
     assert [len(p) for p in long.programs] == [5 * 1_000_000] * 2  # F, B, STEP, a SEND and a RECV per unit
     assert str(long.programs[1][5 * 999_999]) == "1RECV_F999999<0"
     assert str(long.programs[0][-1]) == "0STEP"
+
+
+def test_the_counts_a_replicated_update_splits_are_read_off_the_pattern():
+    from pipetrain.runtime.cuts import shared_updates, split_counts
+
+    whole = build("pipedream", 3, 300, replicas=[2, 1, 1])
+    long = build("pipedream", 3, 300, replicas=[2, 1, 1], pattern=True)
+    expected = {c for _, first, last in shared_updates(whole) for c in range(first + 1, last + 1)}
+    assert expected and {c for c in range(301) if c in split_counts(long)} == expected

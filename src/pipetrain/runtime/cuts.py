@@ -19,7 +19,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.runtime.sends import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
-__all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "in_flight"]
+__all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "split_counts", "in_flight"]
 
 
 @dataclass
@@ -55,6 +55,29 @@ def shared_updates(schedule: Schedule) -> list[tuple[int, int, int]]:
                 seen[stage] = occurrence + 1
                 groups.setdefault((stage, occurrence), []).extend(pending.pop(stage, []))
     return [(stage, min(units), max(units)) for (stage, _), units in sorted(groups.items()) if units]
+
+
+class _SplitCounts:
+    """``count in split``: whether stopping after ``count`` units would split an update that the
+    replicas of a stage make together (of a long schedule: at the same place of its sample)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        from pipetrain.schedule.pattern import pattern_of
+
+        self.pattern = pattern_of(schedule)
+        self.split = {c for _, first, last in shared_updates(schedule if self.pattern is None else self.pattern.sample)
+                      for c in range(first + 1, last + 1)}
+
+    def __contains__(self, count: object) -> bool:
+        if self.pattern is not None and isinstance(count, int):
+            count -= self.pattern.shift_of_units(count) * self.pattern.units
+        return count in self.split
+
+
+def split_counts(schedule: Schedule) -> _SplitCounts:
+    """The unit counts after which no rank can stop (see :func:`shared_updates`), as a set-like
+    object that a long schedule answers from its pattern."""
+    return _SplitCounts(schedule)
 
 
 def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut:

@@ -213,9 +213,9 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
     every = {"--eval-every": config.eval_every, "--checkpoint-every": config.checkpoint_every}
     if not any(every.values()) or all(len(ranks) < 2 for ranks in schedule.stage_ranks):
         return
-    from pipetrain.runtime.cuts import shared_updates
+    from pipetrain.runtime.cuts import split_counts
 
-    split = {c for _, first, last in shared_updates(schedule) for c in range(first + 1, last + 1)}
+    split = split_counts(schedule)
 
     def fits(period: int) -> bool:
         return all(step * units not in split for step in range(period, updates, period))
