@@ -173,3 +173,27 @@ def test_the_runtime_fed_batch_by_batch_runs_a_pattern_as_the_emulator(tmp_path,
     stepped = torch.load(tmp_path / "stepped.pt")
     assert stepped["losses"] == whole.update_losses
     assert all(torch.equal(stepped["model"][k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("schedule, microbatches", [("1f1b", 1), ("1f1b", 2)])
+def test_a_tied_parameter_sums_where_the_pattern_says(schedule, microbatches, monkeypatch):
+    from test_execution_tied import OPTIMIZER, batches, tied_gpt
+
+    from pipetrain import Pipeline
+    from pipetrain.schedule.pattern import pattern_of as of
+
+    data = batches(steps=9)
+    trained = {}
+    for label, value in (("pattern", PATTERN), ("whole", WHOLE)):
+        monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", value)
+        model = tied_gpt()
+        pipe = Pipeline(model, executor="emulate", stages=2, schedule=schedule, microbatches=microbatches,
+                        optimizer=OPTIMIZER)
+        pipe.start(steps=len(data), batch_size=8)
+        assert (of(pipe._run.schedule) is not None) == (label == "pattern") and pipe._run.tied
+        for x, y in data:
+            pipe.step(x, y)
+        pipe.finish()
+        assert model.head.weight is model.wte.weight
+        trained[label] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(trained["pattern"][n], p) for n, p in trained["whole"].items())
