@@ -156,10 +156,6 @@ class Pattern:
             self.cache[key] = compute()
         return self.cache[key]
 
-    @property
-    def total_units(self) -> int:
-        return self.sample.total_microbatches + self.copies * self.units
-
     def shift_of_units(self, units: int) -> int:
         """Periods to shift the sample by so that a unit count (or unit number) ``units`` of the
         long schedule falls in the sample's middle periods."""
@@ -178,12 +174,6 @@ class Pattern:
         """``(sample position, shift)``: the long program's ``position`` is the sample's shifted."""
         shift = self.shift_of_position(rank, position)
         return position - shift * self.programs[rank]._l, shift
-
-    def from_sample(self, rank: int, position: int, shift: int) -> int:
-        return position + shift * self.programs[rank]._l
-
-    def shift_action(self, rank: int, action: Action, shift: int) -> Action:
-        return self.programs[rank].shift(action, shift)
 
     def lag(self, rank: int) -> int:
         """Positions of ``rank``'s program within which a unit's actions (and a version's reads
