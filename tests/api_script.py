@@ -1,7 +1,8 @@
 """A user's training script on pipetrain's Python API, as tests/test_pipeline_api.py runs it:
 ``python tests/api_script.py OUT`` (spawns its own workers), under torchrun, or with
 ``--executor emulate``. Each run of ``--runs SCHEDULE:MODE,...`` trains the same seeded model on a
-plain map-style Dataset, with ``fit`` or with a loop of ``step`` calls over a DataLoader, and the
+plain map-style Dataset, with ``fit`` (``loader``: ``fit`` given a DataLoader with a worker process) or
+with a loop of ``step`` calls over a DataLoader, and the
 main rank saves its state dict, losses and schedule to OUT/SCHEDULE-MODE.{pt,json}."""
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def one_run(schedule: str, mode: str, executor: str, out: str) -> None:
         result = pipe.fit(data, batch_size=BATCH, steps=STEPS, shuffle=False, progress=False,
                           checkpoint_dir=os.path.join(out, "checkpoints") if kept else None,
                           checkpoint_every=3 if kept else 0, callbacks=[Saved(checkpoints)])
+    elif mode == "loader":  # the same batches as fit's unshuffled ones, read by the loader's own worker
+        result = pipe.fit(DataLoader(data, batch_size=BATCH, num_workers=1), steps=STEPS, progress=False)
     else:
         pipe.start(steps=STEPS, batch_size=BATCH)
         finished = []
@@ -84,7 +87,7 @@ def one_run(schedule: str, mode: str, executor: str, out: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--runs", default="1f1b:fit,pipedream:fit,pipedream:step")
+    parser.add_argument("--runs", default="1f1b:fit,pipedream:fit,pipedream:step,pipedream:loader")
     parser.add_argument("--executor", default="distributed")
     args = parser.parse_args(argv)
     for item in args.runs.split(","):

@@ -18,7 +18,7 @@ from pipetrain import Pipeline, PipetrainError
 from pipetrain.training.callbacks import Callback
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "api_script.py")
-RUNS = ("1f1b-fit", "pipedream-fit", "pipedream-step")
+RUNS = ("1f1b-fit", "pipedream-fit", "pipedream-step", "pipedream-loader")
 
 
 def _env():
@@ -59,6 +59,12 @@ def test_python_train_py_spawns_its_workers_and_equals_the_emulator(tmp_path, em
         assert json.load(f)["checkpoints"] == [[3, "step-000003"], [6, "step-000006"]]  # every 3 updates, and the last
     with open(tmp_path / "pipedream-step-eval.json") as f, open(emulated / "pipedream-step-eval.json") as g:
         assert json.load(f) == json.load(g)  # evaluation between two steps, through the pipeline
+
+
+def test_fit_on_a_dataloader_reads_its_batches_like_fit_on_its_dataset(emulated):
+    # DataLoader(data, batch_size=8, num_workers=1) yields fit(data, shuffle=False)'s batches
+    a, b = torch.load(emulated / "pipedream-loader.pt"), torch.load(emulated / "pipedream-fit.pt")
+    assert all(torch.equal(a[key], b[key]) for key in a)
 
 
 def test_the_same_script_under_two_torchrun_agents_equals_the_emulator(tmp_path, emulated):

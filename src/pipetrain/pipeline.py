@@ -178,7 +178,7 @@ class Pipeline:
         self,
         data: Any,
         *,
-        batch_size: int = 32,
+        batch_size: int | None = None,
         epochs: float | None = None,
         steps: int | None = None,
         eval_data: Any = None,
@@ -198,9 +198,15 @@ class Pipeline:
         trace: str | None = None,
         plot: str | None = None,
     ) -> TrainResult:
-        """Train on ``data`` (a map-style ``Dataset`` of ``(x, y)``) for ``epochs`` passes or
-        ``steps`` updates of ``batch_size`` samples (default one epoch), evaluating on
-        ``eval_data`` every ``eval_every`` updates and at the end.
+        """Train on ``data`` (a map-style ``Dataset`` of ``(x, y)``, or a ``DataLoader``) for
+        ``epochs`` passes or ``steps`` updates of ``batch_size`` samples (default one epoch, 32
+        samples), evaluating on ``eval_data`` every ``eval_every`` updates and at the end.
+
+        A ``Dataset`` is batched, shuffled (``shuffle``) and read ahead by pipetrain, each update
+        under its own seed (docs/data.md). A ``DataLoader`` is read as it is, one of its batches
+        per update, with its own sampler, workers and ``pin_memory``: ``batch_size`` defaults to
+        the loader's and ``shuffle`` does not apply. ``eval_data`` may be either too (a loader's
+        data set is evaluated).
 
         ``callbacks``: :class:`~pipetrain.training.callbacks.Callback` objects (or functions
         ``f(step, loss)``), called where the information is. Checkpoints (``checkpoint_dir``,
@@ -219,15 +225,21 @@ class Pipeline:
         from pipetrain.training.train import train
 
         self._refuse_during_session("fit")
+        loader = isinstance(data, torch.utils.data.DataLoader)
+        if batch_size is None:
+            batch_size = data.batch_size if loader else 32
+            if batch_size is None:
+                raise ConfigError("the DataLoader has no batch_size (it has a batch_sampler): give fit(batch_size=B), "
+                                  "the size of each of its batches")
         config = dataclasses.replace(
             self._config, data=describe_data(data), test_data=None if eval_data is None else describe_data(eval_data),
             batch_size=batch_size, epochs=epochs, steps=steps, eval_every=eval_every, eval_samples=eval_samples,
-            shuffle=shuffle, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+            shuffle=shuffle and not loader, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
             keep=keep, max_restarts=max_restarts,
             progress=self._config.progress if progress is None else progress, quiet=quiet, save=save,
             report_json=report_json, trace=trace, plot=plot,
         )
-        parts = dataclasses.replace(self._parts, train_set=_dataset(data, "data"),
+        parts = dataclasses.replace(self._parts, train_set=data if loader else _dataset(data, "data"),
                                     test_set=None if eval_data is None else _dataset(eval_data, "eval_data"))
         result = train(config, parts, callbacks)
         self.last_result = result
@@ -250,7 +262,7 @@ class Pipeline:
 
         self._refuse_during_session("start")
         config = dataclasses.replace(self._config, data="batches fed by step()", batch_size=batch_size, steps=steps,
-                                     epochs=None, progress=False)
+                                     epochs=None, progress=False, data_workers=0)  # no worker for unread data
         parts = dataclasses.replace(self._parts, train_set=_Unread(), test_set=None)
         if self.executor == "emulate":
             torch.set_num_threads(config.threads_per_worker)
@@ -321,6 +333,8 @@ class Pipeline:
 class _Unread(torch.utils.data.Dataset):
     """The data set of a run fed by ``step()``: never read (the batches come from the loop)."""
 
+    fed_by_step = True  # the run's description says so
+
     def __len__(self) -> int:
         return 1
 
@@ -329,11 +343,9 @@ class _Unread(torch.utils.data.Dataset):
 
 
 def _dataset(data: Any, what: str):
+    """The map-style data set of ``data`` (a ``DataLoader``'s own, for evaluation)."""
     if isinstance(data, torch.utils.data.DataLoader):
-        raise ConfigError(
-            f"{what}: give the DataLoader's dataset (pipetrain batches, shuffles and reads ahead itself), or feed "
-            "the loader's batches to step() from your own loop"
-        )
+        data = data.dataset
     if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
         raise ConfigError(f"{what} must be a map-style Dataset of (x, y) samples, got {type(data).__name__}")
     return data

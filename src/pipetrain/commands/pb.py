@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "8 for S = 8, 4 for longer pipelines)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes training in parallel, one thread each (default 1)")
-    parser.add_argument("--out", metavar="DIR", help="write results.md, summary.csv, runs.csv, results.json and plots (default: print only)")
+    parser.add_argument("--out", metavar="DIR", help="write results.md, summary.csv, runs.csv, results.json and plots, and keep every finished run in "
+                             "DIR/runs.jsonl: the same command again resumes an interrupted study (default: print only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--from-json", metavar="FILE",
@@ -91,8 +92,18 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.update(count)
 
+    journal = None
+    if args.out:
+        from pipetrain.pb.journal import StudyJournal
+
+        journal = StudyJournal(args.out, config)
+
+    def on_resume(held: int, total: int) -> None:
+        if held:
+            print(f"resuming the study in {journal.path}: {held} of {total} runs already trained", file=sys.stderr)
+
     try:
-        result = run_study(config, progress=progress, on_start=on_start)
+        result = run_study(config, progress=progress, on_start=on_start, journal=journal, on_resume=on_resume)
     finally:
         if bar is not None:
             bar.close()
@@ -111,6 +122,10 @@ def _show(args: argparse.Namespace, result) -> int:
         sys.stdout.write("\n")
         return 0
     hyper = result.hyperparameters
+    from pipetrain.pb.study import untrained_text
+
+    for entry in hyper.get("untrained_reference", []):
+        print(untrained_text(entry), file=sys.stderr)
     ref, tr = hyper["reference"], hyper["translated"]
     print(f"{config.model} on {config.data} ({result.train_samples} train / {result.test_samples} test samples, "
           f"{hyper['units']} units), {config.epochs:g} epochs, seeds {len(config.seeds)}, {result.seconds:.0f} s")

@@ -159,7 +159,7 @@ def format_table(plan, baselines, source: str) -> str:
                 table.append((c["schedule"], str(c["microbatches"]), "-", "-", "-", why))
             else:
                 table.append((c["schedule"], str(c["microbatches"]),
-                              "-".join(map(str, c["replicas"])),
+                              _replicas_text(c["replicas"]),
                               f"{c['simulated_time_per_minibatch']:.6f}",
                               format_bytes(c["peak_memory_bytes"]),
                               "yes" if c["fits"] else "no"))
@@ -173,8 +173,16 @@ def format_table(plan, baselines, source: str) -> str:
             table.append((f"this plan ({p.method})" if p is plan else p.method,
                           f"{p.predicted_time_per_minibatch:.6f}",
                           ratio(p.predicted_time_per_minibatch),
-                          "-".join(map(str, p.replicas))))
+                          _replicas_text(p.replicas)))
         table.append((f"data parallel ({plan.workers})", f"{plan.data_parallel_time:.6f}",
                       ratio(plan.data_parallel_time), str(plan.workers)))
         lines.extend(aligned(table))
     return "\n".join(lines)
+
+
+def _replicas_text(replicas: list[int], shown: int = 16) -> str:
+    """``3-1`` for a few stages; a long straight pipeline as ``1-1-1-...-1 (177 stages)``."""
+    if len(replicas) <= shown:
+        return "-".join(map(str, replicas))
+    head, tail = "-".join(map(str, replicas[:shown - 2])), "-".join(map(str, replicas[-2:]))
+    return f"{head}-...-{tail} ({len(replicas)} stages)"

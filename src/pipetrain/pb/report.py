@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
-from pipetrain.pb.study import RunResult, StudyResult
+from pipetrain.pb.study import RunResult, StudyResult, untrained_text
 
 __all__ = ["summarize", "markdown_tables", "write_outputs", "study_json", "load_results", "study_command",
            "plot_accuracy", "plot_curves"]
@@ -95,6 +95,9 @@ def markdown_tables(result: StudyResult, rows: list[dict[str, Any]] | None = Non
         if not here:
             continue
         hyper = result.hyperparameters["translated"]
+        for entry in result.hyperparameters.get("untrained_reference", []):
+            if entry["lr_scale"] == lr_scale:
+                out += [f"**{untrained_text(entry)}.**", ""]
         out.append(f"lr scale {lr_scale:g} (batch 1: lr {hyper['lr'] * lr_scale:.3g}, momentum {hyper['momentum']:.6g}; "
                    f"batch {config.reference_batch}: lr {config.lr * lr_scale:.3g}, momentum {config.momentum:g})")
         out.append("")

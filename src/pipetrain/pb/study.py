@@ -184,6 +184,39 @@ def _mark_divergence(runs: list["RunResult"], num_classes: int) -> None:
         run.diverged = is_diverged(run.final_train_loss, finite, num_classes, sgd.get((run.seed, run.lr_scale)))
 
 
+#: a reference whose mean test accuracy stays within this much of chance (0.10: ten points) did not train
+UNTRAINED_MARGIN = 0.10
+
+
+def reference_untrained(runs: list[RunResult], num_classes: int) -> list[dict[str, Any]]:
+    """The lr scales at which the study's reference did not train: batch-B SGD (``sgd-batch``), or
+    batch-1 SGD without it, at a mean test accuracy (a fraction, as in :class:`RunResult`) within
+    :data:`UNTRAINED_MARGIN` of chance (1/C). A comparison of PB methods against an untrained reference says nothing
+    about PB: the tables say so instead (a network the defaults do not suit, say)."""
+    chance = 1.0 / num_classes
+    for name in ("sgd-batch", "sgd"):
+        reference = [r for r in runs if r.method == name]
+        if reference:
+            break
+    else:
+        return []
+    found = []
+    for lr_scale in sorted({r.lr_scale for r in reference}):
+        accuracies = [r.test_accuracy for r in reference if r.lr_scale == lr_scale]
+        mean = sum(accuracies) / len(accuracies) if all(math.isfinite(a) for a in accuracies) else math.nan
+        if not mean > chance + UNTRAINED_MARGIN:
+            found.append({"method": name, "lr_scale": lr_scale, "test_accuracy": _finite(mean), "chance": chance})
+    return found
+
+
+def untrained_text(entry: dict[str, Any]) -> str:
+    """One warning line for an entry of :func:`reference_untrained`."""
+    accuracy = "not finite" if entry["test_accuracy"] is None else f"{100 * entry['test_accuracy']:.1f} %"
+    return (f"WARNING: the reference ({entry['method']}) did not train at lr scale {entry['lr_scale']:g}: test "
+            f"accuracy {accuracy}, chance {100 * entry['chance']:.1f} %; the methods below are compared untrained. "
+            "Tune the reference first (pipetrain pb --methods sgd-batch with other --lr, --momentum, --epochs)")
+
+
 def plan_runs(config: StudyConfig) -> list[RunSpec]:
     """Every run of the study: non-pipelined methods once per lr scale and seed, PB methods per
     stage count too, compensated PB methods per delay scale too."""
@@ -404,7 +437,7 @@ def _train_in_worker(config: StudyConfig, chunk: list[RunSpec], queue: Any) -> l
     return trainer.train(chunk)
 
 
-def _train_parallel(config, chunks, progress) -> list[tuple[RunSpec, RunResult]]:
+def _train_parallel(config, chunks, progress, finished) -> list[tuple[RunSpec, RunResult]]:
     import multiprocessing
     import queue as queue_module
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -425,7 +458,9 @@ def _train_parallel(config, chunks, progress) -> list[tuple[RunSpec, RunResult]]
                     progress(count)
             for future in done:
                 chunk = pending.pop(future)
-                pairs += list(zip(chunk, future.result()))
+                results = future.result()
+                finished(results)
+                pairs += list(zip(chunk, results))
     return pairs
 
 
@@ -434,24 +469,39 @@ def run_study(
     *,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[int], None] | None = None,
+    journal: "StudyJournal | None" = None,
+    on_resume: Callable[[int, int], None] | None = None,
 ) -> StudyResult:
     """Train every run of ``config``. ``on_start(total_samples)`` is called once before training,
     ``progress(samples)`` as run-samples complete (for a progress bar). With ``config.workers``
-    > 1 the engines train in that many processes (one thread each)."""
+    > 1 the engines train in that many processes (one thread each). ``journal``
+    (:class:`~pipetrain.pb.journal.StudyJournal`): the runs it holds are not trained again, and
+    every engine's runs are recorded in it as they finish; ``on_resume(held, total)`` is told how
+    many runs it held."""
+    from pipetrain.pb.journal import spec_key
+
     start = time.perf_counter()
     trainer = _Trainer(config, progress)
     specs = plan_runs(config)
+    held = journal.done() if journal is not None else {}
+    results: dict[RunSpec, RunResult] = {s: held[spec_key(s)] for s in specs if spec_key(s) in held}
+    if on_resume is not None and journal is not None:
+        on_resume(len(results), len(specs))
+    todo = [s for s in specs if s not in results]
     if on_start is not None:
-        on_start(sum(trainer.updates(trainer.settings(s)[0]) * trainer.settings(s)[0] for s in specs))
-    chunks = _chunks(config, trainer, specs)
-    results: dict[RunSpec, RunResult] = {}
+        on_start(sum(trainer.updates(trainer.settings(s)[0]) * trainer.settings(s)[0] for s in todo))
+    chunks = _chunks(config, trainer, todo)
+    finished = journal.record if journal is not None else (lambda runs: None)
     if config.workers > 1 and len(chunks) > 1:
-        results.update(_train_parallel(config, chunks, progress))
+        results.update(_train_parallel(config, chunks, progress, finished))
     else:
         for chunk in chunks:
-            results.update(zip(chunk, trainer.train(chunk)))
+            trained = trainer.train(chunk)
+            finished(trained)
+            results.update(zip(chunk, trained))
     ordered = [results[s] for s in specs]
     _mark_divergence(ordered, trainer.info.num_classes)
+    untrained = reference_untrained(ordered, trainer.info.num_classes)
     t = trainer.translated
     hyper = {
         "reference": {"batch_size": config.reference_batch, "lr": config.lr, "momentum": config.momentum,
@@ -461,5 +511,6 @@ def run_study(
         "num_classes": trainer.info.num_classes,
         "epochs": config.epochs,
         "decay_fraction": config.decay_fraction,
+        "untrained_reference": untrained,
     }
     return StudyResult(config, ordered, hyper, time.perf_counter() - start, len(trainer.x), len(trainer.x_test))

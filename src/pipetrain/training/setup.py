@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
@@ -325,8 +325,15 @@ def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype:
     layout = UnitLayout(config.batch_size, max(_units_per_update(config, name), 1))
     _, start, stop = layout.bounds(0)
     with torch.random.fork_rng(devices=[]):
-        indices = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle).indices(0)
-        x, y = get_batch(train_set, indices[start:stop])
+        if isinstance(train_set, DataLoader):  # a microbatch's worth of its samples times the stages alike
+            if isinstance(train_set.dataset, IterableDataset):
+                x, y = next(iter(train_set))
+                x, y = x[start:stop], y[start:stop]
+            else:
+                x, y = get_batch(train_set.dataset, range(start, min(stop, len(train_set.dataset))))
+        else:
+            indices = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle).indices(0)
+            x, y = get_batch(train_set, indices[start:stop])
     if isinstance(x, Tensor) and x.is_floating_point():
         x = x.to(dtype)
     return x, y
@@ -475,7 +482,9 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
         stage_choice=choice,
-        data_note="; ".join(filter(None, [f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
+        data_note="; ".join(filter(None, [
+            "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
+            else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
     return run
