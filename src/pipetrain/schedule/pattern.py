@@ -61,7 +61,9 @@ class PeriodicProgram(Sequence[Action]):
         self.copies, self.units, self.versions = copies, units, dict(versions)
         self.pattern, self.rank = pattern, rank
         self._h, self._l = len(self.head), len(self.body)
-        self._length = self._h + copies * self._l + len(self.tail)
+        self._body_length = copies * self._l
+        self._length = self._h + self._body_length + len(self.tail)
+        self._copy, self._expanded = 0, list(self.body)  # the body copy last read, expanded
 
     def __len__(self) -> int:
         return self._length
@@ -77,16 +79,25 @@ class PeriodicProgram(Sequence[Action]):
             version += periods * self.versions.get(stage, 0)
         return _new(Action, (kind, stage, k, version, peer))
 
+    def _expand(self, copy: int) -> list[Action]:
+        """Body copy ``copy``, every action shifted."""
+        units = copy * self.units
+        versions = {stage: copy * count for stage, count in self.versions.items()}
+        return [_new(Action, (kind, stage, None if k is None else k + units,
+                              None if version is None else version + versions.get(stage, 0), peer))
+                for kind, stage, k, version, peer in self.body]
+
     def _at(self, index: int) -> Action:
-        h, length = self._h, self._l
-        if index < h:
-            return self.head[index]
-        rest = index - h
-        body = self.copies * length
-        if rest < body:
-            copy, offset = divmod(rest, length)
-            return self.shift(self.body[offset], copy)
-        return self.shift(self.tail[rest - body], self.copies)
+        rest = index - self._h
+        if rest < 0:
+            return self.head[rest]
+        if rest < self._body_length:
+            copy, offset = divmod(rest, self._l)
+            if copy != self._copy:  # a rank reads its program in order: expand one copy at a time
+                self._expanded = self._expand(copy)
+                self._copy = copy
+            return self._expanded[offset]
+        return self.shift(self.tail[rest - self._body_length], self.copies)
 
     @overload
     def __getitem__(self, index: int) -> Action: ...
@@ -95,6 +106,8 @@ class PeriodicProgram(Sequence[Action]):
     def __getitem__(self, index: slice) -> list[Action]: ...
 
     def __getitem__(self, index):
+        if index.__class__ is int and 0 <= index < self._length:
+            return self._at(index)
         if isinstance(index, slice):
             return [self._at(i) for i in range(*index.indices(self._length))]
         if index < 0:
@@ -216,11 +229,28 @@ class ShiftedReleases:
         assert program.pattern is not None
         self.program, self.pattern, self.sample = program, program.pattern, sample
         self.changed: dict[int, list[tuple[int, int]]] = {}
+        # the steady middle, by offset in the body: the sample's releases of its middle copy
+        h, length, mid = program._h, program._l, self.pattern.mid
+        self._middle = [sample.get(h + mid * length + offset) for offset in range(length)]
+        self._first, self._last = mid, mid + self.pattern.copies  # copies read off the middle one
 
     def get(self, position: int, default=None):
-        changed = self.changed.get(position)
-        if changed is not None:
-            return changed
+        if self.changed:
+            changed = self.changed.get(position)
+            if changed is not None:
+                return changed
+        program = self.program
+        if program._l:
+            copy, offset = divmod(position - program._h, program._l)
+            if self._first <= copy <= self._last:
+                found = self._middle[offset]
+                if found is None:
+                    return default
+                shift = copy - self._first
+                if not shift:
+                    return found
+                versions = program.versions
+                return [(stage, version + shift * versions.get(stage, 0)) for stage, version in found]
         sample_position, shift = self.pattern.to_sample(self.program.rank, position)
         found = self.sample.get(sample_position)
         if found is None:
