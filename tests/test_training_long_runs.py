@@ -197,3 +197,18 @@ def test_a_tied_parameter_sums_where_the_pattern_says(schedule, microbatches, mo
         assert model.head.weight is model.wte.weight
         trained[label] = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert all(torch.equal(trained["pattern"][n], p) for n, p in trained["whole"].items())
+
+
+@pytest.mark.parametrize("replicas", [None, [2, 1]])
+def test_a_long_run_reads_its_updates_as_a_range(replicas, monkeypatch):
+    from pipetrain.training.distributed import _updates_read
+
+    monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", PATTERN)
+    config = TrainConfig(**dict(BASE, **dict(CONFIGS["pipedream"], replicas=replicas, stages=None if replicas else 2)))
+    run = prepare(config)
+    assert pattern_of(run.schedule) is not None
+    monkeypatch.setenv("PIPETRAIN_PATTERN_MIN_COPIES", WHOLE)
+    whole = prepare(config)
+    for rank in run.schedule.stage_ranks[0]:
+        order = _updates_read(run.schedule, rank, run.layout)
+        assert isinstance(order, range) and list(order) == _updates_read(whole.schedule, rank, whole.layout)

@@ -342,11 +342,12 @@ def _updates_read(schedule, rank: int, layout) -> list[int]:
     from pipetrain.schedule.pattern import pattern_of
 
     pattern = pattern_of(schedule)
-    if pattern is not None:  # a long schedule: its updates in turn, if its sample reads them so
+    if pattern is not None:  # a long schedule: every update or every r-th, if its sample reads them so
         sample = _updates_read(pattern.sample, rank, layout)
         per = layout.units_per_update
-        if sample == list(range(-(-pattern.sample.total_microbatches // per))):
-            return range(-(-schedule.total_microbatches // per))  # type: ignore[return-value]
+        step = sample[1] - sample[0] if len(sample) > 1 else 1
+        if sample and step > 0 and sample == list(range(sample[0], -(-pattern.sample.total_microbatches // per), step)):
+            return range(sample[0], -(-schedule.total_microbatches // per), step)  # type: ignore[return-value]
     first_reads = {
         layout.bounds(action.microbatch)[0]: None
         for action in schedule.programs[rank]
