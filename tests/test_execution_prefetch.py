@@ -43,7 +43,8 @@ def test_prefetched_units_equal_units_read_when_needed() -> None:
         ahead.close()
 
 
-def test_reads_one_update_ahead_on_one_background_thread() -> None:
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], range(4)])  # a long run's order is a range: no table of it
+def test_reads_one_update_ahead_on_one_background_thread(order) -> None:
     reads: list[tuple[int, str]] = []
     release = threading.Event()
 
@@ -53,7 +54,7 @@ def test_reads_one_update_ahead_on_one_background_thread() -> None:
         reads.append((update, threading.current_thread().name))
         return update * 10
 
-    prefetcher = BatchPrefetcher(load, [0, 1, 2, 3])
+    prefetcher = BatchPrefetcher(load, order)
     try:
         assert prefetcher.get(0) == 0
         assert prefetcher.get(1) == 10  # read ahead when 0 was asked for

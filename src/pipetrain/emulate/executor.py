@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, MutableMapping, Sequence
 
 import torch
 
@@ -19,6 +19,8 @@ from pipetrain.errors import DeadlockError, NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData
 from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
+from pipetrain.execution.losses import UnitLosses
+from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
 from pipetrain.schedule.ir import Kind, Schedule, format_action
 
@@ -67,11 +69,15 @@ class Emulator:
         self._tied_summed: set[tuple[int, int]] = set()
         self.executors = list(executors)
         self.data = data
-        self.losses: dict[int, float] = {}
+        self.losses: MutableMapping[int, float] = UnitLosses()  # by unit, 9 bytes each
         self.paused = 0.0  # seconds spent in cut callbacks (evaluation), left out of timings
         #: measured start and end (seconds from the start of :meth:`run`) of every action, by rank
-        self.starts: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
-        self.ends: list[list[float]] = [[0.0] * len(p) for p in schedule.programs]
+        last = schedule.num_stages - 1
+        windows = window_lengths(schedule, data.layout.units_per_update)
+        self.times = [ActionTimes(p, last if schedule.stage_ranks[last][0] == rank else None, windows[rank])
+                      for rank, p in enumerate(schedule.programs)]
+        self.starts: list[list[float]] = [t.starts for t in self.times]  # the window (all of a short program)
+        self.ends: list[list[float]] = [t.ends for t in self.times]
         self._releases = [version_release_points(p) for p in schedule.programs]
 
     def run(
@@ -79,7 +85,7 @@ class Emulator:
         on_unit: Callable[[int, float], None] | None = None,
         *,
         cuts: Sequence[tuple[Sequence[int], Callable[[], None]]] = (),
-    ) -> dict[int, float]:
+    ) -> MutableMapping[int, float]:
         """Run every action; returns the mean loss of each unit (microbatch), by unit number.
 
         ``on_unit(k, loss)`` is called when the last stage finishes the forward of unit k. Each
@@ -161,6 +167,8 @@ class Emulator:
             pc = pcs[rank]
             limit = ends_at[rank]
             starts, ends = self.starts[rank], self.ends[rank]
+            times = self.times[rank]
+            window, windowed = times.window, times.windowed
             stop = cut_position(rank)  # changes only when a cut fires
             while True:
                 if stop is not None and pc == stop:
@@ -184,7 +192,9 @@ class Emulator:
                     break
                 action = program[pc]
                 kind, stage, k, version, _ = action
-                starts[pc] = clock() - origin
+                began = clock() - origin
+                if pc < window:
+                    starts[pc] = began
                 try:
                     if kind is F:
                         executor = stages[stage]
@@ -258,7 +268,11 @@ class Emulator:
                     raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
                 for release_stage, release_version in releases.get(pc, ()):
                     stages[release_stage].release(release_version)
-                ends[pc] = clock() - origin
+                finished = clock() - origin
+                if pc < window:
+                    ends[pc] = finished
+                if windowed:
+                    times.record(action, began, finished)
                 pc += 1
             pcs[rank] = pc
         self._origin = origin
@@ -267,7 +281,7 @@ class Emulator:
             detail = ", ".join(f"rank {r} at {format_action(programs[r][pcs[r]])}" for r in stuck[:8])
             raise DeadlockError(f"the emulator cannot proceed: {detail}; run `pipetrain schedule --load` to find why")
 
-    def end(self) -> dict[int, float]:
+    def end(self) -> MutableMapping[int, float]:
         """After :meth:`advance` reached the end of every program: the losses of every unit."""
         return self.losses
 

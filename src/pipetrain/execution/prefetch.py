@@ -53,17 +53,22 @@ class BatchPrefetcher:
 
     def __init__(self, load: Callable[[int], Any], order: Sequence[int], group: int = 1) -> None:
         self._load = load
-        order = list(order)
-        size = max(1, int(group))
-        self._groups = [order[i:i + size] for i in range(0, len(order), size)]
-        self._group_of = {update: g for g, updates in enumerate(self._groups) for update in updates}
+        if isinstance(order, range):  # a long run reads its updates in turn: no table of them
+            self._order: Sequence[int] = order
+            self._position: Any = _Positions(order)
+        else:
+            self._order = list(order)
+            self._position = {update: i for i, update in enumerate(self._order)}
+        self._size = max(1, int(group))
+        self._count = -(-len(self._order) // self._size)  # groups
         self._pending: dict[int, Future] = {}  # group -> its reads, under way
         self._ready: dict[int, Any] = {}  # update -> its batch (or _ReadFailure), read and not yet taken
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="pipetrain-prefetch")
 
     def _read_group(self, index: int) -> dict[int, Any]:
         batches: dict[int, Any] = {}
-        for update in self._groups[index]:
+        size = self._size
+        for update in self._order[index * size:(index + 1) * size]:
             try:
                 batches[update] = self._load(update)
             except Exception as error:  # noqa: BLE001 - raised by get() of this update
@@ -78,14 +83,15 @@ class BatchPrefetcher:
         if pool is None:
             raise RuntimeError("the prefetcher is closed")
         if update not in self._ready:
-            index = self._group_of.get(update)
-            if index is None:
+            position = self._position.get(update)
+            if position is None:
                 return pool.submit(self._load, update).result()
+            index = position // self._size
             future = self._pending.pop(index, None)
             if future is None:
                 future = pool.submit(self._read_group, index)
             following = index + 1
-            if following < len(self._groups) and following not in self._pending:
+            if following < self._count and following not in self._pending:
                 self._pending[following] = pool.submit(self._read_group, following)
             self._ready.update(future.result())
         batch = self._ready.pop(update, _MISSING)
@@ -114,6 +120,17 @@ class _ReadFailure:
 
 
 _MISSING = object()
+
+
+class _Positions:
+    """``get(update)``: where ``update`` stands in a range (None outside it), without a table."""
+
+    def __init__(self, order: range) -> None:
+        self._order = order
+
+    def get(self, update: int) -> int | None:
+        order = self._order
+        return (update - order.start) // order.step if update in order else None
 
 
 class _Packed:

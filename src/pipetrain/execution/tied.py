@@ -81,11 +81,16 @@ class TiedGradients:
                     f"the stages sharing parameter {t.describe()} scale their updates differently "
                     f"({sorted(scales)}); give them the same replicas"
                 )
-        self.schedule = schedule
+        from pipetrain.schedule.pattern import pattern_of
+
+        # a long schedule's pattern repeats where the holders sum: read off its sample
+        self._pattern = pattern_of(schedule) if self.tied else None
+        self.schedule = schedule if self._pattern is None else self._pattern.sample
         self._updates = [self._update_count(t) for t in self.tied]
         self.ranks = [sorted({r for s in t.stages for r in schedule.stage_ranks[s]}) for t in self.tied]
         self.sources = [[(s, n, schedule.stage_ranks[s][0]) for s, n in t.holders] for t in self.tied]
-        self._due = [self._points(rank) for rank in range(schedule.num_ranks)]
+        self._due = [self._points(rank) if self.tied else {} for rank in range(schedule.num_ranks)]
+        self.schedule = schedule
 
     def __bool__(self) -> bool:
         return bool(self.tied)
@@ -132,7 +137,16 @@ class TiedGradients:
 
     def due(self, rank: int, position: int) -> list[tuple[int, int]]:
         """``[(parameter, occurrence)]`` whose gradient ``rank`` sums before its action at ``position``."""
-        return self._due[rank].get(position, [])
+        pattern = self._pattern
+        if pattern is None:
+            return self._due[rank].get(position, [])
+        program = pattern.programs[rank]
+        shift = pattern.shift_of_position(rank, position)
+        found = self._due[rank].get(position - shift * len(program.body), [])
+        if not shift or not found:
+            return found
+        per_period = program.versions  # the updates of each stage in one period of the pattern
+        return [(t, n + shift * max(per_period.get(stage, 0) for stage in self.tied[t].stages)) for t, n in found]
 
     def total(self, t: int, part: Callable[[int, str], Tensor]) -> Tensor:
         """The summed gradient of parameter ``t``; ``part(stage, name)`` gives each holder's."""

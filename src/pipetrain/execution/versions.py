@@ -183,8 +183,15 @@ def version_release_points(program: Sequence[Action]) -> dict[int, list[tuple[in
     """For one rank's program: after which positions which (stage, version) pairs can be released.
 
     A version is released after its last read or at the STEP that supersedes it, whichever is
-    later.
+    later. For a long program expanded from a pattern, a table read off the sample's
+    (:class:`~pipetrain.schedule.pattern.ShiftedReleases`).
     """
+    from pipetrain.schedule.pattern import PeriodicProgram, ShiftedReleases
+
+    if isinstance(program, PeriodicProgram) and program.pattern is not None:
+        sample = program.pattern.sample.programs[program.rank]
+        table = program.pattern.cached(("releases", program.rank), lambda: version_release_points(sample))
+        return ShiftedReleases(program, table)  # type: ignore[return-value]
     last_read: dict[tuple[int, int], int] = {}
     superseded: dict[tuple[int, int], int] = {}  # (stage, v) -> position of the STEP making v + 1
     counts: dict[int, int] = {}

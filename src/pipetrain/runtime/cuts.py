@@ -19,7 +19,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.runtime.sends import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
-__all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "in_flight"]
+__all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "split_counts", "in_flight"]
 
 
 @dataclass
@@ -57,10 +57,38 @@ def shared_updates(schedule: Schedule) -> list[tuple[int, int, int]]:
     return [(stage, min(units), max(units)) for (stage, _), units in sorted(groups.items()) if units]
 
 
+class _SplitCounts:
+    """``count in split``: whether stopping after ``count`` units would split an update that the
+    replicas of a stage make together (of a long schedule: at the same place of its sample)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        from pipetrain.schedule.pattern import pattern_of
+
+        self.pattern = pattern_of(schedule)
+        self.split = {c for _, first, last in shared_updates(schedule if self.pattern is None else self.pattern.sample)
+                      for c in range(first + 1, last + 1)}
+
+    def __contains__(self, count: object) -> bool:
+        if self.pattern is not None and isinstance(count, int):
+            count -= self.pattern.shift_of_units(count) * self.pattern.units
+        return count in self.split
+
+
+def split_counts(schedule: Schedule) -> _SplitCounts:
+    """The unit counts after which no rank can stop (see :func:`shared_updates`), as a set-like
+    object that a long schedule answers from its pattern."""
+    return _SplitCounts(schedule)
+
+
 def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut:
     """The cut after ``units`` units, or a ConfigError if it is not consistent or leaves a split
     backward half done. ``messages``: the schedule's :class:`~pipetrain.runtime.sends.Messages`,
     if already built."""
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:
+        return cuts(schedule, [units], messages)[0]
     for stage, first, last in shared_updates(schedule):
         if first < units <= last:
             raise ConfigError(
@@ -105,6 +133,19 @@ def cuts(schedule: Schedule, counts: Sequence[int], messages: Messages | None = 
     """:func:`cut` for many unit counts at once, in one pass over the programs and messages
     (evaluating or checkpointing after every update would otherwise scan the programs once per
     update). Raises :func:`cut`'s error for the smallest count that has one."""
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:  # each cut is the sample's at the same place of its middle periods, shifted
+        shifts = [pattern.shift_of_units(units) for units in counts]
+        sample_messages = pattern.cached("messages", lambda: Messages(pattern.sample))
+        found = cuts(pattern.sample, [units - s * pattern.units for units, s in zip(counts, shifts)], sample_messages)
+        lengths = [program._l for program in pattern.programs]
+        return [
+            Cut(units, [p + s * lengths[r] for r, p in enumerate(c.positions)],
+                [[p + s * lengths[r] for p in sends] for r, sends in enumerate(c.crossing_sends)])
+            for units, s, c in zip(counts, shifts, found)
+        ]
     order = sorted(set(counts))
     if not order:
         return []
@@ -159,7 +200,16 @@ def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | No
     programs: a forward of stage 0 needs its batch fed, a receive its send, a SYNC every replica.
     Each piece is a consistent cut (everything received before it was sent before it), and the
     last one is the end of every program.
+
+    For a long schedule expanded from a pattern: a sequence that computes each update's piece from
+    its sample's (:class:`FeedCuts`), instead of a list of them all.
     """
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None and pattern.units % units_per_update == 0:
+        return FeedCuts(pattern, feed_cuts(pattern.sample, units_per_update), units_per_update,
+                        -(-schedule.total_microbatches // units_per_update))  # type: ignore[return-value]
     programs = schedule.programs
     messages = Messages(schedule) if messages is None else messages
     units = max((a.microbatch + 1 for p in programs for a in p if a.kind is Kind.F and a.stage == 0), default=0)
@@ -202,6 +252,36 @@ def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | No
     return out
 
 
+class FeedCuts(Sequence):
+    """:func:`feed_cuts` of a long schedule: piece ``t`` is the sample's piece at the same place of
+    its middle periods, shifted. Slices are views (``pieces[:-1]``), never lists of every piece."""
+
+    def __init__(self, pattern, sample: list[list[int]], units_per_update: int, updates: int,
+                 start: int = 0, stop: int | None = None) -> None:
+        self.pattern, self.sample, self.per, self.updates = pattern, sample, units_per_update, updates
+        self.start, self.stop = start, updates if stop is None else stop
+        self._lengths = [program._l for program in pattern.programs]
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return FeedCuts(self.pattern, self.sample, self.per, self.updates, self.start + start,
+                            self.start + max(start, stop))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("update out of range")
+        update = self.start + index
+        shift = self.pattern.shift_of_units((update + 1) * self.per)
+        piece = self.sample[update - shift * (self.pattern.units // self.per)]
+        return [p + shift * length for p, length in zip(piece, self._lengths)]
+
+
 def in_flight(program: Sequence, positions: Sequence[int]) -> list[list]:
     """For each of one rank's cut ``positions``: its forwards in flight there (F actions before the
     cut whose backward is at or after it), in program order.
@@ -211,6 +291,13 @@ def in_flight(program: Sequence, positions: Sequence[int]) -> list[list]:
     as the forward is done, since the backward reads the current weights; a rank that checkpoints
     keeps such versions up to the cut (:meth:`~pipetrain.runtime.executor.RankRunner.keep_for_cuts`).
     """
+    from pipetrain.schedule.pattern import PeriodicProgram
+
+    if isinstance(program, PeriodicProgram) and program.pattern is not None:  # the sample's, shifted
+        pattern, rank = program.pattern, program.rank
+        mapped = [pattern.to_sample(rank, position) for position in positions]
+        found = in_flight(pattern.sample.programs[rank], [q for q, _ in mapped])
+        return [[program.shift(action, shift) for action in actions] for (_, shift), actions in zip(mapped, found)]
     forwards: dict[tuple[int, int], tuple[int, object]] = {}  # (stage, microbatch) -> (position, F)
     ends: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> position of its last backward action
     for position, action in enumerate(program):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,8 @@ from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
+from pipetrain.execution.losses import UnitLosses
+from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError
@@ -122,11 +124,13 @@ class RankRunner:
         self.status = status
         self.program = schedule.programs[rank]
         self.last_stage = schedule.num_stages - 1
-        self.losses: dict[int, float] = {}
+        self.losses: MutableMapping[int, float] = UnitLosses()  # of the units whose last stage runs here
         self.evaluations: list[dict[str, float]] = []
         self.paused = 0.0  # seconds spent in hooks (evaluation, checkpoints), left out of timings
-        self.starts = [0.0] * len(self.program)
-        self.ends = [0.0] * len(self.program)
+        last_first = schedule.stage_ranks[self.last_stage][0] == rank
+        window = window_lengths(schedule, layout.units_per_update)[rank]
+        self.times = ActionTimes(self.program, self.last_stage if last_first else None, window)
+        self.starts, self.ends = self.times.starts, self.times.ends  # the window (all of a short program)
         self._releases = version_release_points(self.program)
         self._local: dict[tuple, Any] = {}
         self._labels: dict[int, torch.Tensor] = {}  # labels of microbatches passing through this rank
@@ -147,16 +151,52 @@ class RankRunner:
     # -- receives posted ahead of need ----------------------------------------------------------
 
     def _plan_receives(self, start: int) -> None:
-        """Queue every receive of the program from ``start`` on per channel, in program order, and
-        post the first of each channel."""
-        schedule = self.schedule
-        for action in self.program[start:]:
-            kind = action.kind
-            if kind is _RECV_F or kind is _RECV_B:
-                channel = (schedule.peer_of(action), ("act" if kind is _RECV_F else "grad") + str(action.stage))
-                self._queues.setdefault(channel, deque()).append(action)
-        for channel in self._queues:
+        """Queue the receives of the program from ``start`` on per channel, in program order, and
+        post the first of each channel. The program is read as far as the receives posted need
+        (a long program is never listed whole): each channel's queue holds the receives read but
+        not yet posted."""
+        self._scan = start
+        self._left = self._receive_counts(start)
+        while any(left and channel not in self._queues for channel, left in self._left.items()):
+            self._scan_one()
+        for channel in list(self._queues):
             self._post_next(channel)
+
+    def _channel(self, action: Action) -> tuple[int, str]:
+        return (self.schedule.peer_of(action), ("act" if action.kind is _RECV_F else "grad") + str(action.stage))
+
+    def _receive_counts(self, start: int) -> dict[tuple[int, str], int]:
+        """Per channel, the receives of the program at positions ``start`` on."""
+        from itertools import islice
+
+        from pipetrain.schedule.pattern import PeriodicProgram
+
+        program, counts = self.program, {}
+
+        def add(actions, times: int) -> None:
+            for action in actions:
+                kind = action.kind
+                if kind is _RECV_F or kind is _RECV_B:
+                    channel = self._channel(action)
+                    counts[channel] = counts.get(channel, 0) + times
+
+        if isinstance(program, PeriodicProgram):  # routing repeats with the period: count the pattern
+            add(program.head, 1)
+            add(program.body, program.copies)
+            add(program.tail, 1)
+            add(islice(program, start), -1)
+        else:
+            add(islice(program, start, None), 1)
+        return counts
+
+    def _scan_one(self) -> None:
+        action = self.program[self._scan]
+        self._scan += 1
+        kind = action.kind
+        if kind is _RECV_F or kind is _RECV_B:
+            channel = self._channel(action)
+            self._queues.setdefault(channel, deque()).append(action)
+            self._left[channel] -= 1
 
     def _choose_receives(self, hooks: dict, pauses: list[list[int]]) -> None:
         """On demand when asked, or under ``auto`` when the dry run proves it safe for this run:
@@ -166,7 +206,8 @@ class RankRunner:
         if self.receives == "on-demand":
             self.on_demand = True
         elif self.receives == "auto":
-            known = {pause[self.rank] for pause in pauses}
+            wanted = set(hooks)
+            known = {pause[self.rank] for pause in pauses if pause[self.rank] in wanted}
             self.on_demand = all(position in known for position in hooks) and on_demand_is_safe(
                 self.schedule, self._messages, pauses, start=self._resumed_cut
             )
@@ -175,6 +216,8 @@ class RankRunner:
 
     def _post_next(self, channel: tuple[int, str]) -> None:
         queue = self._queues[channel]
+        while not queue and self._left.get(channel, 0) > 0:
+            self._scan_one()
         if queue:
             action = queue.popleft()
             self._posted[channel] = self.messenger.irecv(
@@ -237,7 +280,7 @@ class RankRunner:
         self._on_loss = on_loss
         self._origin = time.perf_counter() if origin is None else origin
         self._hooks = at_positions or {}
-        self._pauses = list(pauses or ())
+        self._pauses = pauses if hasattr(pauses, "pattern") else list(pauses or ())  # a long run's: a view
         self._next_pause = 0
         self._choose_receives(self._hooks, self._pauses)
         self._pause_at = self._pauses[0][self.rank] if self._pauses else -1  # this rank's next pause
@@ -253,6 +296,8 @@ class RankRunner:
         local = self._local
         releases = self._releases
         starts, ends = self.starts, self.ends
+        times = self.times
+        window, windowed = times.window, times.windowed
         done = self.status.done if self.status is not None else None
         clock = time.perf_counter
         origin = self._origin
@@ -273,7 +318,9 @@ class RankRunner:
                 pause_at = self._pass_pauses(pc)
             action = program[pc]
             kind, stage, k, version, _ = action
-            starts[pc] = clock() - origin
+            began = clock() - origin
+            if pc < window:
+                starts[pc] = began
             try:
                 if kind is _F:
                     self._forward(action, executors[stage], on_loss)
@@ -324,7 +371,11 @@ class RankRunner:
                 executors[release_stage].release(release_version)
             if done is not None:
                 done(action)
-            ends[pc] = clock() - origin
+            finished = clock() - origin
+            if pc < window:
+                ends[pc] = finished
+            if windowed:
+                times.record(action, began, finished)
         self.position = max(self.position, stop)
         self._origin, self._pause_at = origin, pause_at
 
@@ -411,14 +462,33 @@ class RankRunner:
         (see :func:`~pipetrain.runtime.cuts.in_flight`); released right after the cut."""
         from pipetrain.runtime.cuts import in_flight
 
-        released = {key: position for position, keys in self._releases.items() for key in keys}
+        if not positions:
+            return
+        released = self._released()
         for cut, forwards in zip(positions, in_flight(self.program, positions)):
             for key in {(action.stage, action.version) for action in forwards}:
-                early = released.get(key)
+                early = released(key, cut)
                 if early is not None and early < cut:
                     self._releases[early] = [k for k in self._releases[early] if k != key]
                     self._releases.setdefault(cut, []).append(key)
-                    released[key] = cut
+                    table = getattr(released, "table", None)
+                    if table is not None:
+                        table[key] = cut
+
+    def _released(self):
+        """``released(key, position)``: where (stage, version) ``key`` is released, for the keys of
+        forwards in flight at ``position`` (None if never). A long program's table is searched
+        near the position (:meth:`~pipetrain.schedule.pattern.ShiftedReleases.released_before`)."""
+        releases = self._releases
+        if hasattr(releases, "released_before"):
+            return releases.released_before
+        table = {key: position for position, keys in releases.items() for key in keys}
+
+        def released(key, position: int, table: dict = table) -> int | None:
+            return table.get(key)
+
+        released.table = table  # type: ignore[attr-defined]
+        return released
 
     def restore(self, state: dict[str, Any], cut) -> int:
         """Load this rank's state at ``cut``, replay the forwards in flight and re-send what
@@ -430,12 +500,12 @@ class RankRunner:
         forwards = in_flight(program, [position])[0]
         _check_in_flight(state, forwards, rank, cut.units // self.layout.units_per_update)
         self._resumed_cut = cut
-        self.losses = dict(state["losses"])
+        self.losses = UnitLosses(state["losses"])
         self._labels = dict(state["labels"])
         self.evaluations = list(state.get("evaluations", []))
         restore_rng(state["rng"])
         crossing = {(program[p].stage, program[p].microbatch): (p, program[p]) for p in cut.crossing_sends[rank]}
-        later_forwards = {(a.stage, a.microbatch) for a in program[position:] if a.kind is _F}
+        later_forwards = {(a.stage, a.microbatch) for a in _after(program, position) if a.kind is _F}
         for stage in sorted(self.executors):
             replayed = self.executors[stage].restore(state["stages"][stage])
             for k, out in replayed:
@@ -449,9 +519,10 @@ class RankRunner:
                     self._send(out + (self._labels[k],), schedule.peer_of(action), "act" + str(stage + 1), k, action,
                                sent_at)
         # versions kept only for the checkpoint (keep_for_cuts): the program released them before the cut
-        released = {key: p for p, keys in self._releases.items() for key in keys}
+        released = self._released()
         for stage, version in {(action.stage, action.version) for action in forwards}:
-            if released.get((stage, version), position) < position:
+            at = released((stage, version), position)
+            if (position if at is None else at) < position:
                 self.executors[stage].release(version)
         return position
 
@@ -542,6 +613,16 @@ def _check_in_flight(state: dict[str, Any], forwards: list[Action], rank: int, s
                 "(--steps / --epochs), whose pipeline drains at a different point; resume with the length it was "
                 "written with"
             )
+
+
+def _after(program, position: int):
+    """The actions of ``program`` from ``position`` on; of a long one, those within a period's
+    reach (where the forwards of the microbatches in flight at ``position`` lie)."""
+    from pipetrain.schedule.pattern import PeriodicProgram
+
+    if isinstance(program, PeriodicProgram) and program.pattern is not None:
+        return program[position: position + program.pattern.lag(program.rank)]
+    return program[position:]
 
 
 def _unmask(payload, mask: int | None) -> tuple:

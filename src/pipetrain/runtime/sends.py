@@ -32,8 +32,16 @@ class Messages:
     """
 
     def __init__(self, schedule: Schedule) -> None:
+        from pipetrain.schedule.pattern import ShiftedEnds, pattern_of
+
         self.sent_at: dict[tuple, tuple[int, int]] = {}
         self.received_at: dict[tuple, tuple[int, int]] = {}
+        pattern = pattern_of(schedule)
+        if pattern is not None:  # a long schedule: its sample's table, shifted (no table of every message)
+            sample = pattern.cached("messages", lambda: Messages(pattern.sample))
+            self.sent_at = ShiftedEnds(pattern, sample.sent_at)  # type: ignore[assignment]
+            self.received_at = ShiftedEnds(pattern, sample.received_at)  # type: ignore[assignment]
+            return
         for rank, program in enumerate(schedule.programs):
             for position, action in enumerate(program):
                 message = self.of(action)
@@ -58,29 +66,19 @@ class SendLedger:
     """Send handles of one rank, waited for as soon as the schedule proves them received."""
 
     def __init__(self, schedule: Schedule, rank: int, messages: Messages | None = None) -> None:
-        messages = Messages(schedule) if messages is None else messages
-        #: our SEND position -> where its receive sits in the peer's program
-        self._receive_position: dict[int, int] = {}
-        #: our RECV position -> where the matching send sits in the peer's program
-        self._sent_at: dict[int, int] = {}
-        for position, action in enumerate(schedule.programs[rank]):
-            message = Messages.of(action)
-            if message is None:
-                continue
-            if message[0] is action.kind:
-                self._sent_at[position] = messages.sent_at[message][1]
-            else:
-                self._receive_position[position] = messages.received_at[message][1]
+        self._messages = Messages(schedule) if messages is None else messages
+        self._program = schedule.programs[rank]
         self._pending: dict[int, list[tuple[int, Any]]] = {}  # peer -> [(receive position, handle)]
 
     def sent(self, position: int, peer: int, handle: Any) -> None:
         """Our SEND at ``position`` is under way."""
-        self._pending.setdefault(peer, []).append((self._receive_position[position], handle))
+        receive_position = self._messages.received_at[Messages.of(self._program[position])][1]
+        self._pending.setdefault(peer, []).append((receive_position, handle))
 
     def received(self, position: int, peer: int) -> None:
         """Our RECV at ``position`` from ``peer`` completed: wait for the sends it proves received."""
         if self._pending.get(peer):
-            self._complete(peer, self._sent_at[position])
+            self._complete(peer, self._messages.sent_at[Messages.of(self._program[position])][1])
 
     def drain(self, before: Sequence[int] | None = None) -> None:
         """Wait for every send still under way (end of the program), or with ``before`` (each
@@ -124,7 +122,19 @@ def on_demand_is_safe(
 
     ``start``: a resumed run's :class:`~pipetrain.runtime.cuts.Cut`; every rank begins at its
     position, with the messages that crossed the cut sent again and still open.
+
+    A long schedule expanded from a pattern is dry-run as its sample, with the pauses and the
+    start moved to the same places of the sample (the pattern repeats, so the dry run does too).
     """
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:
+        moved = _to_sample(pattern, pauses, start)
+        if moved is None:
+            return False
+        sample_pauses, sample_start = moved
+        return on_demand_is_safe(pattern.sample, None, sample_pauses, sample_start)
     programs = schedule.programs
     messages = Messages(schedule) if messages is None else messages
     ranks = range(len(programs))
@@ -197,3 +207,36 @@ def on_demand_is_safe(
         pcs[r] == len(p) and passed[r] == len(pauses) and all(taken(q, position) for q, position in open_sends[r])
         for r, p in enumerate(programs)
     )
+
+
+def _to_sample(pattern: Any, pauses: Sequence[Sequence[int]], start: Any) -> tuple[list[list[int]], Any] | None:
+    """Pauses and a resumed cut of a long schedule at the same places of its pattern's sample
+    (None if one falls outside it)."""
+    from pipetrain.runtime.cuts import Cut
+
+    sample = pattern.sample.programs
+    lengths = [program._l for program in pattern.programs]
+
+    def move(positions: Sequence[int]) -> tuple[list[int], int] | None:
+        shift = pattern.shift_of_position(0, positions[0])
+        moved = [p - shift * lengths[r] for r, p in enumerate(positions)]
+        if any(not 0 <= p <= len(sample[r]) for r, p in enumerate(moved)):
+            return None
+        return moved, shift
+
+    seen: set[tuple[int, ...]] = set()
+    for pause in pauses:
+        found = move(pause)
+        if found is None:
+            return None
+        seen.add(tuple(found[0]))
+    moved_pauses = [list(pause) for pause in sorted(seen)]
+    moved_start = None
+    if start is not None:
+        found = move(start.positions)
+        if found is None:
+            return None
+        positions, shift = found
+        moved_start = Cut(start.units - shift * pattern.units, positions,
+                          [[p - shift * lengths[r] for p in sends] for r, sends in enumerate(start.crossing_sends)])
+    return moved_pauses, moved_start

@@ -21,7 +21,17 @@ _MAX_LISTED = 10
 
 
 def check(schedule: Schedule, *, deadlock: bool = True) -> None:
-    """Raise :class:`ScheduleError` listing the first problems, or return if the schedule is valid."""
+    """Raise :class:`ScheduleError` listing the first problems, or return if the schedule is valid.
+
+    A long schedule expanded from a pattern (:mod:`~pipetrain.schedule.pattern`) is checked as its
+    sample of the head, two more periods than the pattern was read from, and the tail: every rule on
+    the pattern and on each seam (head to body, body to body, body to tail).
+    """
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:
+        schedule = pattern.check_sample
     found = problems(schedule)
     if found:
         shown = "\n  ".join(found[:_MAX_LISTED])
@@ -36,7 +46,13 @@ class _TooMany(Exception):
 
 
 def problems(schedule: Schedule) -> list[str]:
-    """Every static rule violation, as one readable line each (empty when valid)."""
+    """Every static rule violation, as one readable line each (empty when valid); of a long
+    schedule's pattern, its sample's (see :func:`check`)."""
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:
+        schedule = pattern.check_sample
     with gc_paused():
         return _problems(schedule)
 

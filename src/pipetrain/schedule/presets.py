@@ -108,6 +108,33 @@ def _largest(fits: Callable[[int], bool], guess: int) -> int:
     return count
 
 
+def _as_pattern(name: str, stages: int, microbatches: int, steps: int, chunks: int,
+                replicas: Sequence[int] | None, policy: str | None, update_every: int) -> Schedule | None:
+    """The schedule as a pattern (see :func:`build`), or None if it is short or does not repeat."""
+    from pipetrain.schedule.pattern import period_units, periodic
+
+    name = resolve_name(name)
+    if name in ("pipedream", "pb"):
+        if steps != 1 or microbatches < 1 or update_every < 1:
+            return None
+        units = period_units(name, microbatches, stages, replicas, chunks, update_every)
+        copies, rest = divmod(microbatches, units)
+
+        def make(n: int) -> Schedule:
+            return build(name, stages, rest + n * units, replicas=replicas, policy=policy,
+                         update_every=update_every)
+
+        return periodic(make, copies, units, microbatches, 1)
+    if microbatches < 1 or steps < 1:
+        return None
+
+    def make_steps(n: int) -> Schedule:
+        return build(name, stages, microbatches, steps=n, chunks=chunks, replicas=replicas, policy=policy,
+                     update_every=update_every)
+
+    return periodic(make_steps, steps, microbatches, microbatches, steps)
+
+
 def order(
     name: str,
     stages: int,
@@ -153,10 +180,20 @@ def build(
     policy: str | None = None,
     update_every: int = 1,
     communication: bool = True,
+    pattern: bool = False,
 ) -> Schedule:
-    """A complete schedule: order, versions under ``policy`` (default: the preset's), communication."""
+    """A complete schedule: order, versions under ``policy`` (default: the preset's), communication.
+
+    With ``pattern``, a long schedule comes as its steady-state pattern: programs that compute each
+    action when it is asked for (:mod:`~pipetrain.schedule.pattern`), so that memory and build time
+    do not grow with ``steps`` (or, for pipedream and pb, with ``microbatches``).
+    """
     if policy is not None and policy not in POLICIES:
         raise ScheduleError(f"unknown version policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if pattern and communication:
+        found = _as_pattern(name, stages, microbatches, steps, chunks, replicas, policy, update_every)
+        if found is not None:
+            return found
     with gc_paused():
         schedule = order(
             name, stages, microbatches, steps=steps, chunks=chunks, replicas=replicas, update_every=update_every

@@ -34,6 +34,9 @@ class Timeline:
     ends: list[list[float]]
     costs: StageCosts | None = None
     busy_times: list[float] | None = None  # filled by the simulator; measured timelines sum spans
+    #: measured over a window of a long run (pipetrain.execution.timing): the end of every update
+    #: of the last stage's first replica, over the whole run
+    update_ends: list[float] | None = None
 
     @property
     def makespan(self) -> float:

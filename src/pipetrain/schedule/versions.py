@@ -93,7 +93,13 @@ def _stage0_tags(schedule: Schedule) -> dict[int, int]:
 def staleness(schedule: Schedule) -> list[int]:
     """Per stage, the largest delay D_s in updates between the version a forward reads and the
     version its gradient is applied to (0 for flushing schedules, W_s for PipeDream, 1 for 2BW,
-    2(S-1-s) for PB). Delay compensation (SC's D, LWP's T) defaults to it."""
+    2(S-1-s) for PB). Delay compensation (SC's D, LWP's T) defaults to it. A long schedule's
+    pattern repeats its delays: they are its sample's."""
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:
+        return staleness(pattern.check_sample)
     delays = [0] * schedule.num_stages
     for program in schedule.programs:
         counts: dict[int, int] = {}
@@ -117,8 +123,14 @@ def staleness(schedule: Schedule) -> list[int]:
 
 def units_per_update(schedule: Schedule) -> list[float]:
     """Per stage, the microbatches whose gradients one update applies (all replicas together)."""
+    from pipetrain.schedule.pattern import PeriodicProgram
+
     result = []
     for stage, ranks in enumerate(schedule.stage_ranks):
-        steps = sum(1 for a in schedule.programs[ranks[0]] if a.kind is Kind.STEP and a.stage == stage)
+        program = schedule.programs[ranks[0]]
+        if isinstance(program, PeriodicProgram):
+            steps = program.count_where(lambda a, stage=stage: a.kind is Kind.STEP and a.stage == stage)
+        else:
+            steps = sum(1 for a in program if a.kind is Kind.STEP and a.stage == stage)
         result.append(schedule.total_microbatches / steps if steps else 1.0)
     return result

@@ -47,10 +47,10 @@ def checkpoint_period(run) -> int:
         return config.checkpoint_every
     period = max(1, math.ceil(run.updates / DEFAULT_CHECKPOINTS))
     if any(len(ranks) > 1 for ranks in run.schedule.stage_ranks):
-        from pipetrain.runtime.cuts import shared_updates
+        from pipetrain.runtime.cuts import split_counts
 
         units = run.layout.units_per_update
-        split = {c for _, first, last in shared_updates(run.schedule) for c in range(first + 1, last + 1)}
+        split = split_counts(run.schedule)
         while period < run.updates and any(step * units in split for step in range(period, run.updates, period)):
             period += 1
     return period

@@ -168,8 +168,7 @@ class RankSetup:
         return {
             "rank": rank,
             "losses": runner.losses,
-            "starts": runner.starts,
-            "ends": runner.ends,
+            **runner.times.payload(),  # starts and ends of its (first) actions, aggregates of a long run
             "seconds": seconds,
             "states": {stage: {k: v.cpu() for k, v in executors[stage].module.state_dict().items()}
                        for stage in self.held if schedule.replica_of(rank, stage) == 0},
@@ -344,7 +343,15 @@ def _updates_read(schedule, rank: int, layout) -> list[int]:
     """The updates whose batches ``rank`` reads (its forwards of stage 0), each once, in the order
     of their first read."""
     from pipetrain.schedule.ir import Kind
+    from pipetrain.schedule.pattern import pattern_of
 
+    pattern = pattern_of(schedule)
+    if pattern is not None:  # a long schedule: every update or every r-th, if its sample reads them so
+        sample = _updates_read(pattern.sample, rank, layout)
+        per = layout.units_per_update
+        step = sample[1] - sample[0] if len(sample) > 1 else 1
+        if sample and step > 0 and sample == list(range(sample[0], -(-pattern.sample.total_microbatches // per), step)):
+            return range(sample[0], -(-schedule.total_microbatches // per), step)  # type: ignore[return-value]
     first_reads = {
         layout.bounds(action.microbatch)[0]: None
         for action in schedule.programs[rank]
@@ -380,7 +387,7 @@ def _check_replicas(run, gathered: list[dict]) -> None:
 
 def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     """Rank 0: the run's result from every rank's payload; writes the outputs."""
-    from pipetrain.schedule.timeline import Timeline
+    from pipetrain.execution.timing import measured_timeline
     from pipetrain.training.outputs import UpdateLosses
     from pipetrain.training.result import result_of
     from pipetrain.training.train import write_outputs
@@ -389,12 +396,14 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     from pipetrain.stages.tied import check_tied_copies
 
     check_tied_copies(run.staged.tied, {s: state for p in gathered for s, state in p["states"].items()})
-    losses: dict[int, float] = {}
+    from pipetrain.execution.losses import UnitLosses
+
+    losses = UnitLosses()
     for payload in gathered:
         losses.update(payload["losses"])
         for stage, state in payload["states"].items():  # the unsplit model gets every stage's weights
             run.staged.stages[stage].load_state_dict(state)
-    timeline = Timeline(run.schedule, [p["starts"] for p in gathered], [p["ends"] for p in gathered])
+    timeline = measured_timeline(run.schedule, gathered)
     seconds = max(p["seconds"] for p in gathered)
     evaluations = max((p["evaluations"] for p in gathered), key=len)
     result = result_of(run, "distributed", UpdateLosses.from_units(run, losses), seconds, timeline, evaluations,

@@ -7,7 +7,7 @@ from typing import Any
 
 from pipetrain.emulate.executor import Emulator
 from pipetrain.execution.stage import StageExecutor
-from pipetrain.schedule.timeline import Timeline
+from pipetrain.execution.timing import measured_timeline
 from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.evaluate import evaluate_chain
 from pipetrain.training.outputs import Progress, UpdateLosses, describe_run, eval_batches, evaluation_line, say
@@ -73,7 +73,7 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
         executor.write_back()
     if len(held_out) and not run.config.eval_every:
         evaluate_at(run.updates)()
-    timeline = Timeline(schedule, emulator.starts, emulator.ends)
+    timeline = measured_timeline(schedule, [t.payload() for t in emulator.times])
     result = result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
     result.extra["skipped_updates"] = [executor.skipped for executor in first_replicas]  # --on-nonfinite skip
     result.extra["memory"] = memory_report(run, [measured], per_rank=False)

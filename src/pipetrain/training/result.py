@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,7 @@ class TrainResult:
         }
         if self.evaluations:
             data["final_eval"] = self.evaluations[-1]
-        data.update(self.extra)
+        data.update({key: list(value) if isinstance(value, array) else value for key, value in self.extra.items()})
         return data
 
 
@@ -69,7 +70,9 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     schedule = run.schedule
     busy = [timeline.busy(rank) for rank in range(schedule.num_ranks)]
     extra: dict[str, Any] = {"units_per_update": run.layout.units_per_update}
-    ends = _last_stage_updates(timeline)[resumed:]
+    ends = _last_stage_updates(timeline)
+    if resumed:
+        ends = ends[resumed:]
     steady = _steady_rate(run, ends)
     if steady is not None:
         extra["steady_samples_per_s"] = steady
@@ -101,6 +104,8 @@ def _last_stage_updates(timeline: Any) -> list[float]:
     """End times of the last stage's updates (its first replica's STEP actions)."""
     from pipetrain.schedule.ir import Kind
 
+    if getattr(timeline, "update_ends", None) is not None:  # a window of a long run: the whole run's
+        return timeline.update_ends  # an array of floats (8 bytes an update), listed in the report
     schedule = timeline.schedule
     last = schedule.num_stages - 1
     rank = schedule.stage_ranks[last][0]

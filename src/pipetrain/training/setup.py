@@ -221,9 +221,9 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
     every = {"--eval-every": config.eval_every, "--checkpoint-every": config.checkpoint_every}
     if not any(every.values()) or all(len(ranks) < 2 for ranks in schedule.stage_ranks):
         return
-    from pipetrain.runtime.cuts import shared_updates
+    from pipetrain.runtime.cuts import split_counts
 
-    split = {c for _, first, last in shared_updates(schedule) for c in range(first + 1, last + 1)}
+    split = split_counts(schedule)
 
     def fits(period: int) -> bool:
         return all(step * units not in split for step in range(period, updates, period))
@@ -478,10 +478,12 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
                 f"among the replicas of every stage (a multiple of {group}); use --steps {fixed}"
             )
     if asynchronous:
-        schedule = build(name, stages, updates * units, replicas=config.replicas, policy=policy, update_every=units)
+        schedule = build(name, stages, updates * units, replicas=config.replicas, policy=policy, update_every=units,
+                         pattern=True)
     else:
         schedule = build(
-            name, stages, units, steps=updates, chunks=config.chunks, replicas=config.replicas, policy=policy
+            name, stages, units, steps=updates, chunks=config.chunks, replicas=config.replicas, policy=policy,
+            pattern=True,
         )
     check(schedule)
     _check_pauses(config, schedule, units, updates)

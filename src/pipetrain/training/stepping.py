@@ -149,7 +149,7 @@ class EmulatedSession(_Session):
         return metrics
 
     def finish(self) -> TrainResult:
-        from pipetrain.schedule.timeline import Timeline
+        from pipetrain.execution.timing import measured_timeline
         from pipetrain.training.result import result_of
 
         self._check_finished()
@@ -159,10 +159,25 @@ class EmulatedSession(_Session):
         from pipetrain.training.memory import memory_report
 
         measured = self.probe.read()
-        timeline = Timeline(self.run.schedule, self.emulator.starts, self.emulator.ends)
+        timeline = measured_timeline(self.run.schedule, [t.payload() for t in self.emulator.times])
         result = result_of(self.run, "emulate", self.losses.losses, self.seconds, timeline, self.evaluations)
         result.extra["memory"] = memory_report(self.run, [measured], per_rank=False)
         return result
+
+
+class _RankPieces:
+    """One rank's position of every feed piece (computed when asked, for a long run's pieces)."""
+
+    def __init__(self, pieces, rank: int) -> None:
+        self._pieces = pieces if hasattr(pieces, "pattern") else [piece[rank] for piece in pieces]
+        self._rank = rank
+        self._whole = not hasattr(pieces, "pattern")
+
+    def __getitem__(self, update: int) -> int:
+        return self._pieces[update] if self._whole else self._pieces[update][self._rank]
+
+    def __len__(self) -> int:
+        return len(self._pieces)
 
 
 class DistributedSession(_Session):
@@ -184,7 +199,7 @@ class DistributedSession(_Session):
         self.setup = RankSetup(run, env, data=data)
         self.rank = rank
         everyone = feed_cuts(schedule, run.layout.units_per_update, run.messages)
-        self.pieces = [piece[rank] for piece in everyone]
+        self.pieces = _RankPieces(everyone, rank)
         self.losses = None
         if rank in schedule.stage_ranks[run.num_stages - 1]:
             self.losses = UpdateLosses(run, rank=rank, on_update=self._done)
