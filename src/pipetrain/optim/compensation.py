@@ -46,8 +46,9 @@ __all__ = [
 #: Valid compensation names.
 COMPENSATIONS = ("sc", "lwp", "dlr")
 
-#: DLR's reference delay D* when ``dlr`` is named without one (see the module docstring).
-DEFAULT_DLR_DELAY = 16.0
+#: DLR's reference delay D* when ``dlr`` is named without one: the best of 8, 16 and 30 in the
+#: S = 32 and 64 study of benchmarks/RESULTS.md section 7 (the module docstring says why).
+DEFAULT_DLR_DELAY = 8.0
 
 _DLR = re.compile(r"^dlr(\d+(?:\.\d*)?|\.\d+)?$")
 _VALID = "none, sc, lwp, dlr or dlrN (N: the reference delay D*), joined by '+' (e.g. sc+lwp+dlr16)"
