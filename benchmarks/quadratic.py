@@ -15,6 +15,10 @@ by a geometric scan and bisection. A few cells are cross-checked by long runs of
 recurrence (written separately, with a ring buffer) and by pipetrain's SGD itself.
 
 Usage:  python benchmarks/quadratic.py [--out FILE.md]   (recorded in benchmarks/RESULTS.md, section 5)
+        python benchmarks/quadratic.py --strengths [--momenta M --delays D,...]
+            the best SC/LWP strengths per delay (SC delay A*D, LWP horizon B*D over a grid of A, B)
+            and their bound times D**2: compensation alone saturates near 1/D**2, the reason for the
+            delay-scaled learning rate (DLR, docs/optim.md)
 """
 
 from __future__ import annotations
@@ -45,15 +49,20 @@ __all__ = [
 METHODS = ("none", "sc", "lwp", "sc+lwp")
 
 
-def coefficients(method: str, momentum: float, delay: int) -> tuple[float, float, float]:
-    """(a, b, T) of the update for a compensation method at delay D (SC's D and LWP's T = D)."""
-    a, b = spike_coefficients(momentum, delay) if "sc" in method else (1.0, 0.0)
-    horizon = float(delay) if "lwp" in method else 0.0
+def coefficients(
+    method: str, momentum: float, delay: int, sc_scale: float = 1.0, lwp_scale: float = 1.0
+) -> tuple[float, float, float]:
+    """(a, b, T) of the update for a compensation method at delay D (SC's delay ``sc_scale*D``,
+    LWP's horizon ``lwp_scale*D``)."""
+    a, b = spike_coefficients(momentum, sc_scale * delay) if "sc" in method else (1.0, 0.0)
+    horizon = lwp_scale * delay if "lwp" in method else 0.0
     return a, b, horizon
 
 
-def companion_matrix(h: float, momentum: float, delay: int, method: str) -> np.ndarray:
-    a, b, horizon = coefficients(method, momentum, delay)
+def companion_matrix(
+    h: float, momentum: float, delay: int, method: str, sc_scale: float = 1.0, lwp_scale: float = 1.0
+) -> np.ndarray:
+    a, b, horizon = coefficients(method, momentum, delay, sc_scale, lwp_scale)
     size = 2 + delay
     matrix = np.zeros((size, size))
     # u_{n-D} as a row vector over the state
@@ -74,13 +83,19 @@ def companion_matrix(h: float, momentum: float, delay: int, method: str) -> np.n
     return matrix
 
 
-def spectral_radius(h: float, momentum: float, delay: int, method: str) -> float:
-    return float(np.max(np.abs(np.linalg.eigvals(companion_matrix(h, momentum, delay, method)))))
+def spectral_radius(
+    h: float, momentum: float, delay: int, method: str, sc_scale: float = 1.0, lwp_scale: float = 1.0
+) -> float:
+    matrix = companion_matrix(h, momentum, delay, method, sc_scale, lwp_scale)
+    return float(np.max(np.abs(np.linalg.eigvals(matrix))))
 
 
-def max_stable_h(momentum: float, delay: int, method: str, rel_tol: float = 1e-7) -> float:
+def max_stable_h(
+    momentum: float, delay: int, method: str, rel_tol: float = 1e-7, sc_scale: float = 1.0,
+    lwp_scale: float = 1.0,
+) -> float:
     """The first h > 0 at which the recurrence becomes unstable (spectral radius reaches 1)."""
-    stable = lambda h: spectral_radius(h, momentum, delay, method) < 1.0  # noqa: E731
+    stable = lambda h: spectral_radius(h, momentum, delay, method, sc_scale, lwp_scale) < 1.0  # noqa: E731
     low = 1e-7
     if not stable(low):
         return 0.0
@@ -167,6 +182,40 @@ def _summary(bounds: dict[tuple[float, int], dict[str, float]]) -> list[str]:
     return out
 
 
+#: SC and LWP strengths (multiples of D) searched by --strengths
+SC_SCALES = (0.0, 0.25, 0.5, 0.75, 1.0)
+LWP_SCALES = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+
+
+def best_strengths(momentum: float, delay: int, rel_tol: float = 1e-4) -> tuple[float, float, float]:
+    """(h*, A, B): the largest stable h over SC delay A*D and LWP horizon B*D on the grid."""
+    best = (0.0, 0.0, 0.0)
+    for sc in SC_SCALES:
+        for lwp in LWP_SCALES:
+            method = "+".join(name for name, on in (("sc", sc > 0), ("lwp", lwp > 0)) if on) or "none"
+            h = max_stable_h(momentum, delay, method, rel_tol, sc_scale=sc or 1.0, lwp_scale=lwp or 1.0)
+            if h > best[0]:
+                best = (h, sc, lwp)
+    return best
+
+
+def strengths_table(momenta: list[float], delays: list[int]) -> list[str]:
+    """Markdown: per delay, plain, full SC+LWP and the best strengths, and h* times D**2."""
+    lines = []
+    for momentum in momenta:
+        lines += [f"\nm = {momentum}\n",
+                  "| D | none | none·D² | sc+lwp | sc+lwp·D² | best (SC A·D, LWP B·D) | best h* | best·D² |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for delay in delays:
+            plain = max_stable_h(momentum, delay, "none", 1e-4)
+            full = max_stable_h(momentum, delay, "sc+lwp", 1e-4)
+            h, sc, lwp = best_strengths(momentum, delay)
+            square = delay * delay
+            lines.append(f"| {delay} | {plain:.3g} | {plain * square:.3f} | {full:.3g} | {full * square:.3f} | "
+                         f"A={sc:g}, B={lwp:g} | {h:.3g} | {h * square:.3f} |")
+    return lines
+
+
 def _machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -182,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--momenta", default="0.9,0.999177")
     parser.add_argument("--delays", default="1,4,16,64")
+    parser.add_argument("--strengths", action="store_true",
+                        help="only the table of the best SC/LWP strengths per delay and their bound times D**2")
     parser.add_argument("--out", default="-", help="markdown file to write (default '-': print only; the "
                         "recorded table is section 5 of benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
@@ -189,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     delays = [int(x) for x in args.delays.split(",")]
 
     start = time.perf_counter()
+    if args.strengths:
+        body = "\n".join(strengths_table(momenta, delays))
+        print(body)
+        print(f"\n{time.perf_counter() - start:.1f} s")
+        if args.out != "-":
+            with open(args.out, "w") as handle:
+                handle.write(body + "\n")
+        return 0
     lines = []
     bounds: dict[tuple[float, int], dict[str, float]] = {}
     for momentum in momenta:

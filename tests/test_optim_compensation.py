@@ -5,7 +5,9 @@ import torch
 
 from optim_helpers import compare_with_torch
 from pipetrain.errors import ConfigError
-from pipetrain.optim import SGD, CosineLR, parse_compensation, spike_coefficients
+from pipetrain.optim import (SGD, CosineLR, build_stage_optimizer, delay_lr_factor, parse_compensation,
+                             parse_dlr_delay, spike_coefficients)
+from pipetrain.optim.compensation import DEFAULT_DLR_DELAY
 
 
 def _impulse_response(optimizer, steps, impulse_step=0):
@@ -123,5 +125,75 @@ def test_parse_compensation():
     assert parse_compensation("sc+lwp") == {"sc", "lwp"}
     assert parse_compensation("LWP") == {"lwp"}
     assert parse_compensation({"sc"}) == {"sc"}
-    with pytest.raises(ConfigError, match="valid: none, sc, lwp, sc\\+lwp"):
+    assert parse_compensation("sc+lwp+dlr16") == {"sc", "lwp", "dlr"}
+    assert parse_compensation("DLR") == {"dlr"}
+    with pytest.raises(ConfigError, match="valid: none, sc, lwp, dlr or dlrN"):
         parse_compensation("sc+nag")
+    with pytest.raises(ConfigError, match="names dlr twice"):
+        parse_compensation("dlr+dlr8")
+
+
+# -- delay-scaled learning rate (DLR) --------------------------------------------------------------
+
+
+def test_dlr_factor_and_reference_delay():
+    assert delay_lr_factor(0, 16) == 1.0 and delay_lr_factor(16, 16) == 1.0
+    assert delay_lr_factor(32, 16) == 0.25 and delay_lr_factor(126, 16) == (16 / 126) ** 2
+    assert delay_lr_factor(40) == delay_lr_factor(40, DEFAULT_DLR_DELAY)
+    assert parse_dlr_delay("sc+lwp") is None
+    assert parse_dlr_delay("sc+dlr") == DEFAULT_DLR_DELAY
+    assert parse_dlr_delay("lwp+dlr4.5") == 4.5
+    with pytest.raises(ConfigError, match="D\\*=0 must be > 0"):
+        delay_lr_factor(3, 0)
+    with pytest.raises(ConfigError, match="must be > 0"):
+        parse_dlr_delay("dlr0")
+
+
+@pytest.mark.parametrize("delay", [0, 3, 8])
+@pytest.mark.parametrize("compensation", ["dlr", "sc+dlr16"])
+def test_dlr_at_or_below_the_reference_delay_is_torch_momentum_bitwise(delay, compensation):
+    # delay 0 (and any delay up to D*): the rate is not touched, so DLR is plain momentum SGD
+    # (with SC at delay 0, too); D = 3 with SC is SC's own business: compared with SC alone
+    settings = dict(lr=0.05, momentum=0.9, weight_decay=1e-2)
+    ours = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=delay,
+                                 compensation=compensation)
+    assert ours.lr == 0.05
+    if "sc" in compensation and delay:
+        want = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=delay,
+                                     compensation="sc")
+        assert ours.hyperparameters() == want.hyperparameters()
+    else:
+        compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, **settings), ours)
+
+
+def test_dlr_beyond_the_reference_delay_is_momentum_sgd_at_the_scaled_rate_bitwise():
+    ours = build_stage_optimizer("sgd:lr=0.05,momentum=0.9", stage_delay=48, compensation="dlr24")
+    assert ours.lr == 0.05 * 0.25
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, lr=0.05 * 0.25, momentum=0.9), ours)
+
+
+def test_dlr_impulse_response_is_the_compensated_one_scaled_by_the_factor():
+    # lr = 1, m = 0.9, D = 8, D* = 4: factor 1/4. With SC the response is the undelayed one shifted
+    # by D, times 1/4: it tends to 10/4 instead of 10
+    response = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=8,
+                                                       compensation="sc+dlr4"), 400)
+    sc = _impulse_response(SGD(lr=1.0, momentum=0.9, sc_delay=8), 400)
+    plain = _impulse_response(SGD(lr=1.0, momentum=0.9), 60)
+    assert response[0] == pytest.approx((1 - 0.9**9) / 0.1 / 4, rel=1e-14)
+    assert response == pytest.approx([r / 4 for r in sc], rel=1e-14)
+    assert response[:52] == pytest.approx([r / 4 for r in plain[8:]], rel=1e-13)
+    assert response[-1] == pytest.approx(2.5, abs=1e-12)
+    # DLR alone: the plain momentum response, scaled
+    alone = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=8,
+                                                    compensation="dlr4"), 60)
+    assert alone == pytest.approx([r / 4 for r in plain], rel=1e-14)
+
+
+def test_dlr_prediction_uses_the_stage_rate():
+    # LWP extrapolates along the step the stage really takes: lr * factor * T * v
+    optimizer = build_stage_optimizer("sgd:lr=0.2,momentum=0.9", stage_delay=12, compensation="lwp+dlr6")
+    w = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    w = optimizer.step(w, {"w": torch.tensor([1.0, -1.0], dtype=torch.float64)}, 0)
+    v = optimizer.velocity("w")
+    predicted = optimizer.predict(w, samples_seen=1)
+    torch.testing.assert_close(predicted["w"], w["w"] - 0.2 * 0.25 * 12 * v, rtol=0, atol=1e-15)

@@ -38,3 +38,16 @@ def test_heavy_momentum_shape():
     assert h["none"] == pytest.approx((1 - momentum) / delay, rel=0.05)
     assert h["sc"] > 5 * h["none"] and h["lwp"] > 5 * h["none"]
     assert h["sc+lwp"] > max(h["sc"], h["lwp"])
+
+
+def test_best_strengths_saturate_near_one_over_d_squared():
+    # the reason for the delay-scaled learning rate: the best SC/LWP strengths on the grid reach
+    # h* of order 1/D**2, far above plain delayed momentum's (1-m)/D but no higher
+    momentum, delay = 0.996713, 8
+    h, sc, lwp = quadratic.best_strengths(momentum, delay, rel_tol=1e-3)
+    full = quadratic.max_stable_h(momentum, delay, "sc+lwp", 1e-3)
+    assert h >= full * (1 - 1e-3) and sc in quadratic.SC_SCALES and lwp in quadratic.LWP_SCALES
+    assert 0.4 < h * delay**2 < 1.0
+    assert quadratic.max_stable_h(momentum, delay, "none", 1e-3) < (1 - momentum) / delay * 1.05
+    # scaled strengths enter the recurrence as SC delay A*D and LWP horizon B*D
+    assert quadratic.coefficients("sc+lwp", 0.9, 8, 0.5, 2.0) == (*quadratic.spike_coefficients(0.9, 4.0), 16.0)

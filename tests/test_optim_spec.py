@@ -89,6 +89,18 @@ def test_build_errors():
         build_stage_optimizer("sgd", lwp_horizon=3)
     with pytest.raises(ConfigError, match="replaces Nesterov"):
         build_stage_optimizer("sgd:momentum=0.9,nesterov=true", stage_delay=1, compensation="sc")
+    with pytest.raises(ConfigError, match="dlr_delay=4 is set but compensation 'dlr' is off"):
+        build_stage_optimizer("sgd", stage_delay=2, compensation="sc", dlr_delay=4)
+
+
+def test_build_dlr_per_stage():
+    delays = [8, 6, 4, 2, 0]
+    optimizers = build_stage_optimizers("sgd:lr=0.1,momentum=0.9", delays, compensation="sc+lwp+dlr4")
+    assert [o.lr for o in optimizers] == [0.1 * 0.25, 0.1 * (4 / 6) ** 2, 0.1, 0.1, 0.1]
+    assert [o.sc_delay for o in optimizers] == delays and [o.lwp_horizon for o in optimizers] == delays
+    # dlr_delay overrides the name's D*; Adam's rate is scaled the same way
+    assert build_stage_optimizers("sgd:lr=0.1", delays, compensation="dlr4", dlr_delay=2)[0].lr == 0.1 / 16
+    assert build_stage_optimizer("adam:lr=0.01", stage_delay=8, compensation="lwp+dlr4").lr == 0.01 / 4
 
 
 def test_build_one_per_stage_for_pb():

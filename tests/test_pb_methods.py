@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.errors import ConfigError
+from pipetrain.optim.compensation import DEFAULT_DLR_DELAY
 from pipetrain.pb.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
 
 
@@ -20,6 +21,9 @@ from pipetrain.pb.methods import DEFAULT_METHODS, Method, parse_method, parse_me
         ("pb+sc0.5+lwp0.5", True, False, 0.5, 0.5, "sc+lwp"),
         ("pb+lwp2", True, False, 0, 2, "lwp"),
         ("pb+lwp.25+sc", True, False, 1, 0.25, "sc+lwp"),
+        ("pb+sc0.5+lwp+dlr16", True, False, 0.5, 1, "sc+lwp+dlr16"),
+        ("pb+dlr", True, False, 0, 0, f"dlr{DEFAULT_DLR_DELAY:g}"),
+        ("pb+lwp+dlr4.5", True, False, 0, 1, "lwp+dlr4.5"),
     ],
 )
 def test_parse(text, pipelined, batch, sc, lwp, compensation):
@@ -37,6 +41,8 @@ def test_parse(text, pipelined, batch, sc, lwp, compensation):
         ("pb+foo", "is not sc, lwp"),
         ("pb+sc+sc0.5", "names sc twice"),
         ("pb+sc0", "must be > 0"),
+        ("pb+dlr0", "reference delay must be > 0"),
+        ("pb+dlr+dlr8", "names dlr twice"),
     ],
 )
 def test_errors(text, message):
@@ -49,3 +55,8 @@ def test_lists_and_defaults():
     assert all(isinstance(parse_method(m), Method) for m in DEFAULT_METHODS)
     with pytest.raises(ConfigError, match="empty"):
         parse_methods(" , ")
+
+
+def test_dlr_is_not_scaled_by_delay_scale():
+    # --delay-scale sweeps SC and LWP; DLR alone has nothing it scales
+    assert not parse_method("pb+dlr8").compensated and parse_method("pb+dlr8").dlr == 8

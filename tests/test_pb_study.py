@@ -71,6 +71,14 @@ def test_compensation_settings_per_stage():
     _, _, optimizers = _Trainer(swept, None)._build(spec)
     assert [o.sc_delay for o in optimizers] == [2.0 * d for d in pb_delays(4)]
     assert optimizers[0].lr_schedule.total == 400
+    # DLR: the rate per stage from its delay (D* = 2: delays 6, 4, 2, 0), not swept by --delay-scale
+    swept = _config(methods=tuple(parse_methods("pb+sc0.5+lwp+dlr2")), delay_scales=(2.0,))
+    spec = plan_runs(swept)[0]
+    _, _, optimizers = _Trainer(swept, None)._build(spec)
+    lr = trainer.settings(spec)[1]
+    assert [o.lr for o in optimizers] == [lr * (2 / 6) ** 2, lr * (2 / 4) ** 2, lr, lr]
+    assert [o.sc_delay for o in optimizers] == [d for d in pb_delays(4)]
+    assert [o.lwp_horizon for o in optimizers] == [2.0 * d for d in pb_delays(4)]
 
 
 def test_plan_runs_counts():

@@ -71,6 +71,7 @@ def test_a_misspelt_option_gets_the_closest_one(capsys):
     (["--optimizer", "sgd:lr=0.1,momentun=0.9"], "unknown option 'momentun' for optimizer 'sgd'"),
     (["--optimizer", "adam:lr=1e-3", "--compensation", "sc"], "spike compensation is defined for momentum SGD only"),
     (["--compensation", "sx"], "unknown delay compensation 'sx'"),
+    (["--compensation", "sc+dlr0"], "the reference delay D* must be > 0"),
     (["--lr-schedule", "cosin:total=10"], "unknown lr schedule 'cosin'"),
     (["--policy", "stashed"], "unknown --policy 'stashed'"),
     (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),

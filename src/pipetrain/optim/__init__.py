@@ -8,6 +8,7 @@ import importlib
 _WHERE = {
     "Adam": "adam", "AdamW": "adam", "StageOptimizer": "base",
     "parse_compensation": "compensation", "spike_coefficients": "compensation",
+    "delay_lr_factor": "compensation", "parse_dlr_delay": "compensation",
     "ConstantLR": "lr_schedule", "CosineLR": "lr_schedule", "EndDecayLR": "lr_schedule",
     "LRSchedule": "lr_schedule", "StepLR": "lr_schedule", "parse_lr_schedule": "lr_schedule",
     "SGD": "sgd",
@@ -30,6 +31,8 @@ __all__ = [
     "AdamW",
     "spike_coefficients",
     "parse_compensation",
+    "delay_lr_factor",
+    "parse_dlr_delay",
     "LRSchedule",
     "ConstantLR",
     "StepLR",

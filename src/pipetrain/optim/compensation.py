@@ -1,4 +1,4 @@
-"""Delay compensation for pipelined training: Spike Compensation and Linear Weight Prediction.
+"""Delay compensation for pipelined training: Spike Compensation, Linear Weight Prediction, DLR.
 
 Both follow Kosson et al., "Pipelined Backpropagation at Scale" (MLSys 2021), with PyTorch-style
 momentum ``v <- m*v + g``. At pipeline stage s the gradient applied at update n was computed on
@@ -14,18 +14,44 @@ weights D updates old (D = D_s = 2(S-1-s) for Pipelined Backpropagation).
 * **Linear Weight Prediction (LWP)**: the forward pass reads ``w_hat = w - lr*T*v`` (horizon T,
   default D): a guess of the weights at the time the gradient will be applied. See
   :meth:`~pipetrain.optim.base.StageOptimizer.predict`.
+* **Delay-scaled learning rate (DLR)**: stage s trains with ``lr_s = c_s * lr``,
+  ``c_s = min(1, (D*/D_s)**2)`` (``D*``: the reference delay, ``dlrN`` sets ``D* = N``; default
+  :data:`DEFAULT_DLR_DELAY`). Why: on the quadratic model of ``benchmarks/quadratic.py`` the
+  largest stable ``h = lr*lam`` of delayed heavy momentum *with the best SC/LWP strengths* falls
+  as about ``0.4-1.0/D**2`` (RESULTS.md section 5): compensation moves the bound from
+  ``(1-m)/D`` to ``~1/D**2`` but no further, so at a long enough delay no strength of SC or LWP
+  keeps a stage stable. Scaling the rate by ``(D*/D_s)**2`` keeps every stage with a delay above
+  ``D*`` at the stability margin of a stage with delay ``D*``; stages with ``D_s <= D*`` (the
+  last ones, and every stage of a short pipeline) are untouched. It composes with SC and LWP
+  (``sc+lwp+dlr``: the spike and the prediction use the stage's scaled rate, like its update).
+  The scaling is done by :func:`pipetrain.optim.build_stage_optimizer`.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["COMPENSATIONS", "spike_coefficients", "parse_compensation"]
+__all__ = [
+    "COMPENSATIONS",
+    "DEFAULT_DLR_DELAY",
+    "spike_coefficients",
+    "delay_lr_factor",
+    "parse_compensation",
+    "parse_dlr_delay",
+]
 
 #: Valid compensation names.
-COMPENSATIONS = ("sc", "lwp")
+COMPENSATIONS = ("sc", "lwp", "dlr")
+
+#: DLR's reference delay D* when ``dlr`` is named without one: the best of 8, 16 and 30 in the
+#: S = 32 and 64 study of benchmarks/RESULTS.md section 7 (the module docstring says why).
+DEFAULT_DLR_DELAY = 8.0
+
+_DLR = re.compile(r"^dlr(\d+(?:\.\d*)?|\.\d+)?$")
+_VALID = "none, sc, lwp, dlr or dlrN (N: the reference delay D*), joined by '+' (e.g. sc+lwp+dlr16)"
 
 
 def spike_coefficients(momentum: float, delay: float) -> tuple[float, float]:
@@ -44,19 +70,52 @@ def spike_coefficients(momentum: float, delay: float) -> tuple[float, float]:
     return a, (1.0 - a) / (1.0 - momentum)
 
 
-def parse_compensation(value: str | Iterable[str] | None) -> frozenset[str]:
-    """``"none"``, ``"sc"``, ``"lwp"``, ``"sc+lwp"`` (or an iterable of names) -> a set of names."""
+def delay_lr_factor(delay: float, reference_delay: float = DEFAULT_DLR_DELAY) -> float:
+    """DLR's learning-rate factor ``min(1, (D*/D)**2)`` of a stage with delay ``D``.
+
+    Exactly 1.0 for ``D <= D*`` (so such a stage computes what it would without DLR, bit for bit).
+    """
+    if not delay >= 0:
+        raise ConfigError(f"delay-scaled learning rate: delay D={delay} must be >= 0")
+    if not reference_delay > 0:
+        raise ConfigError(f"delay-scaled learning rate: reference delay D*={reference_delay} must be > 0")
+    if delay <= reference_delay:
+        return 1.0
+    return (reference_delay / delay) ** 2
+
+
+def _parts(value: str | Iterable[str] | None) -> list[str]:
     if value is None:
-        return frozenset()
+        return []
     if isinstance(value, str):
-        parts = [] if value.strip().lower() in ("", "none") else value.split("+")
-    else:
-        parts = list(value)
-    names = frozenset(part.strip().lower() for part in parts)
+        return [] if value.strip().lower() in ("", "none") else [p.strip().lower() for p in value.split("+")]
+    return [str(p).strip().lower() for p in value]
+
+
+def parse_compensation(value: str | Iterable[str] | None) -> frozenset[str]:
+    """``"none"``, ``"sc"``, ``"lwp"``, ``"sc+lwp"``, ``"sc+lwp+dlr16"`` (or an iterable of names)
+    -> a set of names (``dlrN`` counts as ``dlr``; :func:`parse_dlr_delay` reads its N)."""
+    names = set()
+    for part in _parts(value):
+        if _DLR.match(part):
+            part = "dlr"
+        if part in names:
+            raise ConfigError(f"delay compensation {value!r} names {part} twice; valid: {_VALID}")
+        names.add(part)
     unknown = sorted(names - set(COMPENSATIONS))
     if unknown:
-        raise ConfigError(
-            f"unknown delay compensation {', '.join(map(repr, unknown))}; valid: none, sc, lwp, "
-            "sc+lwp"
-        )
-    return names
+        raise ConfigError(f"unknown delay compensation {', '.join(map(repr, unknown))}; valid: {_VALID}")
+    return frozenset(names)
+
+
+def parse_dlr_delay(value: str | Iterable[str] | None) -> float | None:
+    """DLR's reference delay D* named in a compensation (``dlr16`` -> 16.0, ``dlr`` -> the
+    default), or None when DLR is off."""
+    for part in _parts(value):
+        match = _DLR.match(part)
+        if match:
+            delay = DEFAULT_DLR_DELAY if match.group(1) is None else float(match.group(1))
+            if not delay > 0:
+                raise ConfigError(f"delay compensation {part!r}: the reference delay D* must be > 0 (e.g. dlr16)")
+            return delay
+    return None

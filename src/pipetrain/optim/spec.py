@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from pipetrain.errors import ConfigError
-from pipetrain.optim.compensation import parse_compensation
+from pipetrain.optim.compensation import delay_lr_factor, parse_compensation, parse_dlr_delay
 from pipetrain.optim.keyvalue import as_bool, as_float, as_float_pair, parse_options, split_spec
 from pipetrain.optim.lr_schedule import LRSchedule, parse_lr_schedule
 
@@ -111,20 +111,25 @@ def build_stage_optimizer(
     sc_delay: float | None = None,
     lwp_horizon: float | None = None,
     lr_schedule: str | LRSchedule | None = None,
+    dlr_delay: float | None = None,
 ) -> StageOptimizer:
     """The optimizer of one pipeline stage whose gradients arrive ``stage_delay`` updates late.
 
-    ``compensation`` is ``"none"``, ``"sc"``, ``"lwp"``, ``"sc+lwp"`` or a set of those names.
-    Spike Compensation uses delay ``sc_delay`` and LWP horizon ``lwp_horizon``; each defaults to
-    ``stage_delay`` and may be given only when its compensation is on.
+    ``compensation`` is ``"none"``, ``"sc"``, ``"lwp"``, ``"dlr"`` (or ``"dlrN"``), joined by
+    ``+`` (``"sc+lwp+dlr16"``), or a set of those names. Spike Compensation uses delay
+    ``sc_delay`` and LWP horizon ``lwp_horizon``; each defaults to ``stage_delay`` and may be given
+    only when its compensation is on. The delay-scaled learning rate multiplies the spec's ``lr``
+    by ``delay_lr_factor(stage_delay, D*)`` with ``D* = dlr_delay`` (default: the N of ``dlrN``,
+    else ``DEFAULT_DLR_DELAY``).
     """
     parsed = parse_optimizer_spec(spec)
     methods = parse_compensation(compensation)
-    for name, value in (("sc", sc_delay), ("lwp", lwp_horizon)):
+    for name, value in (("sc", sc_delay), ("lwp", lwp_horizon), ("dlr", dlr_delay)):
         if value is not None and name not in methods:
+            label = {"sc": "sc_delay", "lwp": "lwp_horizon", "dlr": "dlr_delay"}[name]
             raise ConfigError(
-                f"{'sc_delay' if name == 'sc' else 'lwp_horizon'}={value} is set but compensation "
-                f"{name!r} is off; add {name} to the compensation (e.g. sc+lwp) or drop the setting"
+                f"{label}={value} is set but compensation {name!r} is off; add {name} to the "
+                f"compensation (e.g. sc+lwp+{name}) or drop the setting"
             )
     if not stage_delay >= 0:
         raise ConfigError(f"stage_delay={stage_delay} must be >= 0")
@@ -141,7 +146,13 @@ def build_stage_optimizer(
                 "the Adam step)"
             )
         kwargs["sc_delay"] = stage_delay if sc_delay is None else sc_delay
-    return optimizer_class(parsed.name)(**kwargs)
+    optimizer = optimizer_class(parsed.name)(**kwargs)
+    if "dlr" in methods:
+        reference = parse_dlr_delay(compensation) if dlr_delay is None else float(dlr_delay)
+        factor = delay_lr_factor(stage_delay, reference)  # type: ignore[arg-type]
+        if factor != 1.0:  # a stage at or below D* keeps its rate bit for bit
+            optimizer.lr = optimizer.lr * factor
+    return optimizer
 
 
 def build_stage_optimizers(
@@ -152,6 +163,7 @@ def build_stage_optimizers(
     sc_delays: Sequence[float] | None = None,
     lwp_horizons: Sequence[float] | None = None,
     lr_schedule: str | LRSchedule | None = None,
+    dlr_delay: float | None = None,
 ) -> list[StageOptimizer]:
     """One optimizer per stage; ``stage_delays[s]`` is D_s (e.g. ``2*(S-1-s)`` for PB)."""
     count = len(stage_delays)
@@ -167,6 +179,7 @@ def build_stage_optimizers(
             sc_delay=None if sc_delays is None else sc_delays[s],
             lwp_horizon=None if lwp_horizons is None else lwp_horizons[s],
             lr_schedule=schedule,
+            dlr_delay=dlr_delay,
         )
         for s in range(count)
     ]

@@ -10,10 +10,14 @@
 ``pb+scA+lwpB``    both with the SC delay ``A*D_s`` and the LWP horizon ``B*D_s`` (e.g.
                    ``pb+sc0.5+lwp0.5``: half of each, since the two together in full can
                    over-correct); ``pb+sc0.5`` or ``pb+lwp2`` alone work the same way
+``pb+...+dlr``     adds the delay-scaled learning rate: stage s trains at
+                   ``min(1, (D*/D_s)**2)`` times the rate (``dlrN``: ``D* = N``; ``dlr``: the
+                   default :data:`~pipetrain.optim.compensation.DEFAULT_DLR_DELAY`), e.g.
+                   ``pb+sc0.5+lwp+dlr16``; ``pb+dlr`` alone works too
 =================  ===========================================================================
 
-A study's ``--delay-scale`` multiplies both factors once more (a sweep of the compensation
-strength); it does not apply to methods without compensation.
+A study's ``--delay-scale`` multiplies the SC and LWP factors once more (a sweep of the
+compensation strength); it does not apply to methods without SC or LWP, nor to DLR's ``D*``.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import re
 from dataclasses import dataclass
 
 from pipetrain.errors import ConfigError
+from pipetrain.optim.compensation import DEFAULT_DLR_DELAY
 
 __all__ = ["Method", "parse_method", "parse_methods", "DEFAULT_METHODS"]
 
 #: what ``pipetrain pb`` trains when ``--methods`` is not given
 DEFAULT_METHODS = ("sgd-batch", "sgd", "pb", "pb+sc", "pb+lwp", "pb+sc+lwp")
 
-_PART = re.compile(r"^(sc|lwp)(\d+(?:\.\d*)?|\.\d+)?$")
+_PART = re.compile(r"^(sc|lwp|dlr)(\d+(?:\.\d*)?|\.\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -40,15 +45,20 @@ class Method:
     batch: bool = False
     sc: float = 0.0  # SC delay as a multiple of the stage delay D_s (0: off)
     lwp: float = 0.0  # LWP horizon as a multiple of D_s (0: off)
+    dlr: float = 0.0  # DLR's reference delay D* in samples (0: off)
 
     @property
     def compensated(self) -> bool:
+        """Whether SC or LWP is on (what ``--delay-scale`` scales)."""
         return self.sc > 0 or self.lwp > 0
 
     @property
     def compensation(self) -> str:
-        """``none``, ``sc``, ``lwp`` or ``sc+lwp`` (for :func:`pipetrain.optim.build_stage_optimizers`)."""
+        """``none``, ``sc``, ``lwp``, ``sc+lwp``, ``sc+lwp+dlr16``, ... (for
+        :func:`pipetrain.optim.build_stage_optimizers`)."""
         parts = [name for name, value in (("sc", self.sc), ("lwp", self.lwp)) if value > 0]
+        if self.dlr > 0:
+            parts.append(f"dlr{self.dlr:g}")
         return "+".join(parts) or "none"
 
     def __str__(self) -> str:
@@ -56,7 +66,8 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """``sgd``, ``sgd-batch``, ``pb``, ``pb+sc``, ``pb+lwp``, ``pb+sc+lwp``, ``pb+sc0.5+lwp0.5``."""
+    """``sgd``, ``sgd-batch``, ``pb``, ``pb+sc``, ``pb+lwp``, ``pb+sc+lwp``, ``pb+sc0.5+lwp0.5``,
+    ``pb+sc0.5+lwp+dlr16``."""
     name = text.strip().lower()
     if name == "sgd":
         return Method("sgd", pipelined=False)
@@ -65,25 +76,27 @@ def parse_method(text: str) -> Method:
     parts = name.split("+")
     if parts[0] != "pb":
         raise ConfigError(
-            f"unknown method {text!r}; valid: sgd-batch, sgd, pb, pb+sc, pb+lwp, pb+sc+lwp, or "
-            f"scaled compensation such as pb+sc0.5+lwp0.5"
+            f"unknown method {text!r}; valid: sgd-batch, sgd, pb, pb+sc, pb+lwp, pb+sc+lwp, "
+            f"scaled compensation such as pb+sc0.5+lwp0.5, with +dlr or +dlrN (delay-scaled lr)"
         )
-    scales = {"sc": 0.0, "lwp": 0.0}
+    scales = {"sc": 0.0, "lwp": 0.0, "dlr": 0.0}
     for part in parts[1:]:
         match = _PART.match(part)
         if match is None:
             raise ConfigError(
                 f"method {text!r}: {part!r} is not sc, lwp, scN or lwpN (N: a multiple of the stage "
-                f"delay, e.g. sc0.5)"
+                f"delay, e.g. sc0.5), dlr or dlrN (N: DLR's reference delay in samples, e.g. dlr16)"
             )
         kind, value = match.group(1), match.group(2)
         if scales[kind]:
             raise ConfigError(f"method {text!r} names {kind} twice")
-        scale = 1.0 if value is None else float(value)
+        default = DEFAULT_DLR_DELAY if kind == "dlr" else 1.0
+        scale = default if value is None else float(value)
         if scale <= 0:
-            raise ConfigError(f"method {text!r}: the {kind} scale must be > 0 (leave {kind} out instead)")
+            what = "reference delay" if kind == "dlr" else "scale"
+            raise ConfigError(f"method {text!r}: the {kind} {what} must be > 0 (leave {kind} out instead)")
         scales[kind] = scale
-    return Method(name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"])
+    return Method(name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"])
 
 
 def parse_methods(text: str) -> list[Method]:

@@ -131,7 +131,7 @@ def _check_counts(config: TrainConfig) -> None:
 
 
 def _check_specs(config: TrainConfig) -> None:
-    from pipetrain.optim.compensation import parse_compensation
+    from pipetrain.optim.compensation import parse_compensation, parse_dlr_delay
     from pipetrain.optim.lr_schedule import parse_lr_schedule
     from pipetrain.optim.spec import parse_optimizer_spec
     from pipetrain.spec import parse_spec
@@ -142,6 +142,7 @@ def _check_specs(config: TrainConfig) -> None:
         parse_spec(config.test_data, builtins=DATA_NAMES, kind="data set")
     optimizer = parse_optimizer_spec(config.optimizer)
     methods = parse_compensation(config.compensation)
+    parse_dlr_delay(config.compensation)  # dlr0: a reference delay that is not > 0
     if "sc" in methods and optimizer.name != "sgd":
         raise ConfigError(
             f"spike compensation is defined for momentum SGD only, not {optimizer.name!r}; use "
