@@ -17,28 +17,13 @@ import signal
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
+from api_script import Points  # the same plain data set as the API's test script
 from pipetrain import Pipeline
 from pipetrain.runtime.launch import detect
 
 RUNS = {"1f1b": dict(microbatches=2, batch_size=8, steps=12), "pipedream": dict(batch_size=8, steps=12),
         "pb": dict(batch_size=1, steps=40)}
-
-
-class Points(Dataset):
-    """A plain data set: 3 classes of noisy points."""
-
-    def __init__(self, n: int = 96) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 8, generator=generator)
-        self.y = torch.randint(0, 3, (n,), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int):
-        return self.x[index], int(self.y[index])
 
 
 def crash_after(step: int):

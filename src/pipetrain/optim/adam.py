@@ -67,20 +67,20 @@ class Adam(StageOptimizer):
     def state_slots(self) -> int:
         return 3 if self.amsgrad else 2
 
-    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float, out: Tensor | None = None) -> Tensor:
-        beta1, beta2 = self.betas
+    def _slots(self, name: str, param: Tensor) -> dict:
+        """The moments of ``name`` (zeros, step 0, at its first update), as torch.optim.Adam keeps them."""
         slots = self.state.get(name)
         if slots is None:
-            slots = {
-                "step": 0,
-                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-            }
+            zeros = lambda: torch.zeros_like(param, memory_format=torch.preserve_format)  # noqa: E731
+            slots = {"step": 0, "exp_avg": zeros(), "exp_avg_sq": zeros()}
             if self.amsgrad:
-                slots["max_exp_avg_sq"] = torch.zeros_like(
-                    param, memory_format=torch.preserve_format
-                )
+                slots["max_exp_avg_sq"] = zeros()
             self.state[name] = slots
+        return slots
+
+    def _update(self, name: str, param: Tensor, grad: Tensor, lr: float, out: Tensor | None = None) -> Tensor:
+        beta1, beta2 = self.betas
+        slots = self._slots(name, param)
         slots["step"] += 1
         step = float(slots["step"])
 
@@ -109,16 +109,7 @@ class Adam(StageOptimizer):
         beta1, beta2 = self.betas
         exp_avgs, exp_avg_sqs, maxima, step_sizes, corrections = [], [], [], [], []
         for name, param in zip(names, params):
-            slots = self.state.get(name)
-            if slots is None:
-                slots = {
-                    "step": 0,
-                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-                }
-                if self.amsgrad:
-                    slots["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                self.state[name] = slots
+            slots = self._slots(name, param)
             slots["step"] += 1
             step = float(slots["step"])
             exp_avgs.append(slots["exp_avg"])
