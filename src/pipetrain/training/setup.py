@@ -185,26 +185,13 @@ def _stage_count(config: TrainConfig, name: str) -> int:
 
 def apply_plan(config: TrainConfig) -> TrainConfig:
     """Fill stages, replicas, schedule and microbatches from a `pipetrain plan` JSON file."""
-    import json
     from dataclasses import replace
+
+    from pipetrain.training.validate import read_plan
 
     if not config.plan:
         return replace(config, schedule=config.schedule or "1f1b")
-    try:
-        with open(config.plan, encoding="utf-8") as handle:
-            plan = json.load(handle)
-        balance = [int(n) for n in plan["balance"]]
-        replicas = [int(r) for r in plan["replicas"]]
-    except OSError as error:
-        raise ConfigError(f"cannot read plan {config.plan!r}: {error.strerror}") from None
-    except (ValueError, KeyError, TypeError) as error:
-        raise ConfigError(
-            f"{config.plan!r} is not a plan written by `pipetrain plan --out` ({type(error).__name__}: {error})"
-        ) from None
-    given = [flag for flag, value in (("--stages", config.stages), ("--balance", config.balance),
-                                      ("--split-at", config.split_at), ("--replicas", config.replicas)) if value]
-    if given:
-        raise ConfigError(f"the plan decides the stages and replicas: drop {', '.join(given)} or drop --plan")
+    plan, balance, replicas = read_plan(config)
     return replace(
         config,
         balance=balance,

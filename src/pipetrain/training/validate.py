@@ -17,7 +17,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.paths import check_outputs
 from pipetrain.training.config import TrainConfig
 
-__all__ = ["check_config", "check_execution", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
+__all__ = ["check_config", "check_execution", "read_plan", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
            "PRECISIONS"]
 
 #: Built-in names of ``--model`` and ``--data`` (``pipetrain.models.MODELS`` and
@@ -152,13 +152,13 @@ def _check_specs(config: TrainConfig) -> None:
         parse_lr_schedule(config.lr_schedule)
 
 
-def _check_plan(config: TrainConfig) -> None:
-    if not config.plan:
-        return
+def read_plan(config: TrainConfig) -> tuple[dict, list[int], list[int]]:
+    """``(plan, balance, replicas)`` of ``config.plan`` (a `pipetrain plan --out` JSON file), or
+    one ConfigError saying what is wrong with it, or that other options also set the stages."""
     try:
         with open(config.plan, encoding="utf-8") as handle:
             plan = json.load(handle)
-        [int(n) for n in plan["balance"]], [int(r) for r in plan["replicas"]]
+        balance, replicas = [int(n) for n in plan["balance"]], [int(r) for r in plan["replicas"]]
     except OSError as error:
         raise ConfigError(f"cannot read plan {config.plan!r}: {error.strerror}") from None
     except (ValueError, KeyError, TypeError) as error:
@@ -169,6 +169,12 @@ def _check_plan(config: TrainConfig) -> None:
                                       ("--split-at", config.split_at), ("--replicas", config.replicas)) if value]
     if given:
         raise ConfigError(f"the plan decides the stages and replicas: drop {', '.join(given)} or drop --plan")
+    return plan, balance, replicas
+
+
+def _check_plan(config: TrainConfig) -> None:
+    if config.plan:
+        read_plan(config)
 
 
 def _check_checkpoints(config: TrainConfig) -> None:
