@@ -404,6 +404,14 @@ class _Solver:
         self.memory = memory
         self.levels: list[_Level] = []
 
+    def _without_limit(self, cuts, fewer: bool) -> float:
+        """The best time per minibatch on ``cuts`` without the memory limit: a memory-limited plan
+        is no faster, so machine windows start from it."""
+        relaxed = _Solver(cuts, self.topology, self.model, self.straight, fewer,
+                          dataclasses.replace(self.memory, limit=None))
+        relaxed.progress = self.progress
+        return relaxed.solve()
+
     def solve(self) -> float:
         """The best time per minibatch; topologies of several levels are solved in a band."""
         if self.topology.levels == 1:
@@ -411,10 +419,7 @@ class _Solver:
                 return self._solve_levels(None)
             # a memory limit: the plan without it is no slower, so its time is where machine
             # windows start (they never depend on the limit); widen until the plan is inside
-            relaxed = _Solver(self.cuts, self.topology, self.model, self.straight, self.fewer,
-                              dataclasses.replace(self.memory, limit=None))
-            relaxed.progress = self.progress
-            bound = relaxed.solve()
+            bound = self._without_limit(self.cuts, self.fewer)
             for _ in range(_BAND_PASSES):
                 if not (math.isfinite(bound) and bound > 0):
                     break
@@ -697,10 +702,7 @@ class _Mirror(_Solver):
 
         if mode == "memory" or self.topology.workers < _WINDOW_MACHINES:
             return solve(None)
-        relaxed = _Solver(self.original, self.topology, self.model, self.straight, True,
-                          dataclasses.replace(self.memory, limit=None))
-        relaxed.progress = self.progress
-        bound = relaxed.solve()
+        bound = self._without_limit(self.original, True)
         for _ in range(_BAND_PASSES):
             if not (math.isfinite(bound) and bound > 0):
                 break
