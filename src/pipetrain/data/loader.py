@@ -158,10 +158,10 @@ class LoaderBatches:
         for sampler in (getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
             if callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(self.epoch)
-        with seeded(data_seed(self.seed, self.epoch, stream=1)), warnings.catch_warnings():
-            if getattr(self.loader, "num_workers", 0) <= (os.cpu_count() or 1):
-                # DataLoader counts the cores this (pinned) rank may use; its workers may use them all
-                warnings.filterwarnings("ignore", message="This DataLoader will create")
+        from pipetrain.execution.prefetch import unpinned_workers
+
+        workers = getattr(self.loader, "num_workers", 0)
+        with seeded(data_seed(self.seed, self.epoch, stream=1)), unpinned_workers(workers):
             iterator = iter(self.loader)
         self._epoch_batches = 0
         if self._threaded:

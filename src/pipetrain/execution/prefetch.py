@@ -22,6 +22,7 @@ the rank will need the batches:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -32,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 __all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "Unpinned", "pack", "unpack", "pin", "pin_available",
-           "tensors_of", "unpin_worker", "PACK_LIMIT"]
+           "tensors_of", "unpin_worker", "unpinned_workers", "PACK_LIMIT"]
 
 #: batches of at most this many bytes of tensors are packed as bytes between processes (see above)
 PACK_LIMIT = 512 * 1024
@@ -274,6 +275,17 @@ class Receiver:
         self._thread.join(timeout)
 
 
+@contextlib.contextmanager
+def unpinned_workers(workers: int) -> Iterator[None]:
+    """Silence DataLoader's warning that ``workers`` exceed this rank's cores: it counts the cores
+    the launcher pinned the rank to, but the workers may use every core (:func:`unpin_worker`).
+    More workers than the machine's cores still warn."""
+    with warnings.catch_warnings():
+        if workers <= (os.cpu_count() or 1):
+            warnings.filterwarnings("ignore", message="This DataLoader will create")
+        yield
+
+
 def unpin_worker(_worker_id: int = 0) -> None:
     """In a data worker of a rank that pipetrain's launcher pinned to its own cores
     (``PIPETRAIN_CPUS``): let the worker run on any core. Pinned beside its rank it competes with
@@ -346,9 +358,7 @@ class WorkerPrefetcher:
         self._stop()
         rest = self._order[position:]
         groups = [tuple(rest[i : i + self._group]) for i in range(0, len(rest), self._group)]
-        with warnings.catch_warnings():
-            # DataLoader counts the cores of this (pinned) rank; its workers may use them all (unpin_worker)
-            warnings.filterwarnings("ignore", message="This DataLoader will create")
+        with unpinned_workers(self._workers):
             loader = self._loader(
                 self._groups, batch_size=None, sampler=groups, num_workers=self._workers,
                 collate_fn=pack, prefetch_factor=self._prefetch_factor,
