@@ -7,7 +7,9 @@ thread each), and is measured from the outside:
 
 * peak RSS per worker: the largest peak resident set size of the spawned workers
   (``getrusage(RUSAGE_CHILDREN)`` of the launching process once they ended); the launcher's own
-  peak (it prepares the run too, to check it before any worker starts) is printed beside it;
+  peak (it prepares the run too, to check it before any worker starts) is printed beside it, and
+  each worker's own (``getrusage(RUSAGE_SELF)`` as it ends, printed by the probe in
+  ``benchmarks/rss_probe``), to see which rank reaches the peak;
 * start-up and wind-down: the command's wall time less the training time the report gives
   (``seconds``: from the start barrier to the last action): importing, preparing the run (the
   schedule of every update), joining, then gathering and writing the results. The schedule-building
@@ -34,6 +36,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
+PROBE = os.path.join(HERE, "rss_probe")  # each process's own peak as it ends (its sitecustomize)
 OPTIONS = ["--schedule", "pipedream", "--stages", "2", "--model", "mlp:depth=2,width=16",
            "--data", "synthetic:features=8,classes=2,samples=256", "--batch-size", "4", "--no-progress",
            "--quiet", "--timeout", "120"]
@@ -66,8 +69,8 @@ print("PREPARE", time.perf_counter() - started)
 
 
 def _env(src: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=src + (os.pathsep + os.environ["PYTHONPATH"] if "PYTHONPATH" in os.environ
-                                             else ""))
+    path = os.pathsep.join([src, PROBE] + ([os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ else []))
+    return dict(os.environ, PYTHONPATH=path, PIPETRAIN_RSS_PROBE="1")
 
 
 def measure(src: str, steps: int) -> dict:
@@ -80,6 +83,8 @@ def measure(src: str, steps: int) -> dict:
         if line is None or not os.path.exists(report):
             raise SystemExit(f"the run of {steps} steps failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
         result = json.loads(line[len("LONGRUN "):])
+        probed = [json.loads(l[len("RSSPROBE "):]) for l in out.stderr.splitlines() if l.startswith("RSSPROBE ")]
+        result["rank_kb"] = {p["rank"]: p["peak_kb"] for p in probed if p["rank"] is not None}
         with open(report) as handle:
             result["train"] = json.load(handle)["seconds"]
     prepared = subprocess.run([sys.executable, "-c", _PREPARE, str(steps)], env=_env(src), capture_output=True,
@@ -105,8 +110,9 @@ def main() -> None:
                 started = time.perf_counter()
                 result = measure(src, steps)
                 found.setdefault((src, steps), []).append(result)
+                ranks = ", ".join(f"rank {r} {kb / 1024:.0f}" for r, kb in sorted(result["rank_kb"].items()))
                 print(f"round {round_ + 1} {src} --steps {steps}: peak RSS per worker {result['worker_kb'] / 1024:.0f} MB "
-                      f"(launcher {result['launcher_kb'] / 1024:.0f} MB), wall {result['wall']:.1f} s, training "
+                      f"({ranks}; launcher {result['launcher_kb'] / 1024:.0f} MB), wall {result['wall']:.1f} s, training "
                       f"{result['train']:.1f} s, start-up and wind-down {result['overhead']:.1f} s, prepare "
                       f"{result['prepare']:.2f} s ({time.perf_counter() - started:.0f} s in all)", flush=True)
     for src in sources:

@@ -23,6 +23,10 @@ def test_unit_losses_behave_as_a_dictionary():
     assert losses == reference and reference == losses and dict(losses) == reference
     again = pickle.loads(pickle.dumps(losses))
     assert isinstance(again, UnitLosses) and again == reference
+    assert len(pickle.dumps(losses)) < 9 * 1001 + 300  # 9 bytes a unit up to the last one held, no spare room
+    again[5000] = 3.0  # a rebuilt record grows as any
+    assert again[5000] == 3.0 and len(again) == 4 and again == {**reference, 5000: 3.0}
+    del again[5000]
     assert UnitLosses(reference) == reference
     merged = UnitLosses({1: 1.0})
     merged.update(again)

@@ -12,7 +12,7 @@ from pipetrain.errors import ConfigError
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.cuts import cuts, feed_cuts, in_flight
 from pipetrain.runtime.sends import Messages, on_demand_is_safe
-from pipetrain.schedule import build, check, staleness, units_per_update
+from pipetrain.schedule import build, check, memory_by_rank, staleness, units_per_update
 from pipetrain.schedule.pattern import PeriodicProgram, pattern_of
 
 CASES = {
@@ -50,6 +50,8 @@ def _same(whole, long, per_update: int) -> None:
         whole.microbatches, whole.steps, whole.stage_ranks, whole.policy, whole.name, whole.chunks)
     check(long)
     assert staleness(long) == staleness(whole)
+    assert memory_by_rank(long) == memory_by_rank(whole)
+    assert memory_by_rank(long, recompute=True) == memory_by_rank(whole, recompute=True)
     assert units_per_update(long) == units_per_update(whole)
     messages, shifted = Messages(whole), Messages(long)
     assert all(shifted.sent_at[m] == at for m, at in messages.sent_at.items())

@@ -332,7 +332,7 @@ class Pipeline:
         self.start(steps=len(batches), batch_size=int(torch.as_tensor(batches[0][1]).shape[0]))
         for inputs, targets in batches:
             self.step(inputs, targets)
-        return list(self.finish().update_losses)
+        return self.finish().update_losses
 
     def _active(self, what: str):
         if self._session is None:

@@ -115,7 +115,7 @@ class DatasetBatches:
             self.reading = "by index"
         elif self.workers and order is not None and len(order):
             self._read_here = self.reads.read
-            order = list(order)
+            order = order if isinstance(order, range) else list(order)  # a long run's range: no table
             started = time.perf_counter()
             self._first = (order[0], self.reads.read(order[0]))  # the first batch, read here, sizes the groups
             self.group = group_size(self._first[1], time.perf_counter() - started)
@@ -130,7 +130,7 @@ class DatasetBatches:
             read = self._read_here
             self._read_here = lambda update: pin(read(update))
         if self.reading == "by index" and order is not None and len(order):
-            order = list(order)
+            order = order if isinstance(order, range) else list(order)  # a long run's range: no table
             self._first = (order[0], self._read_here(order[0]))  # read here: it sizes the groups
             started = time.perf_counter()
             self._read_here(order[0])  # timed again, without the first call's warm-up

@@ -59,13 +59,14 @@ class UnitLosses(MutableMapping[int, float]):
     def __repr__(self) -> str:
         return f"UnitLosses({len(self)} units)"
 
-    def __reduce__(self):
-        return (_rebuilt, (self._values[: len(self._held)].tobytes(), bytes(self._held)))
+    def __reduce__(self):  # as arrays (which pipetrain.runtime.share sends as tensors), less the spare room
+        size = len(self._held.rstrip(b"\0"))
+        return (_rebuilt, (self._values[:size], array("B", self._held[:size])))
 
 
-def _rebuilt(values: bytes, held: bytes) -> UnitLosses:
+def _rebuilt(values: array, held: array) -> UnitLosses:
     losses = UnitLosses()
-    losses._values.frombytes(values)
+    losses._values = values
     losses._held = bytearray(held)
     losses._count = sum(losses._held)
     return losses

@@ -311,6 +311,22 @@ class Unpinned:
             self.then(worker_id)
 
 
+class _GroupsOf:
+    """The sampler of :class:`WorkerPrefetcher`'s loader: ``order`` in tuples of ``size``
+    consecutive updates, made as the loader asks for them (a long run's would be a list of
+    100,000 tuples)."""
+
+    def __init__(self, order: Sequence[int], size: int) -> None:
+        self.order, self.size = order, size
+
+    def __len__(self) -> int:
+        return -(-len(self.order) // self.size)
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        order, size = self.order, self.size
+        return (tuple(order[i : i + size]) for i in range(0, len(order), size))
+
+
 class _Groups:
     """Item ``(t1, t2, ...)``: the list ``[reads[t1], reads[t2], ...]``, read by one worker."""
 
@@ -341,8 +357,12 @@ class WorkerPrefetcher:
         if workers < 1 or group < 1:
             raise ValueError(f"WorkerPrefetcher needs at least one worker and a group of one, got {workers}, {group}")
         self._groups = _Groups(reads)
-        self._order = list(order)
-        self._position = {update: i for i, update in enumerate(self._order)}
+        if isinstance(order, range):  # a long run reads its updates in turn: no table of them
+            self._order: Sequence[int] = order
+            self._position: Any = _Positions(order)
+        else:
+            self._order = list(order)
+            self._position = {update: i for i, update in enumerate(self._order)}
         self._workers = workers
         self._prefetch_factor = prefetch_factor
         self._pin = pin_available(pin_memory)
@@ -356,8 +376,7 @@ class WorkerPrefetcher:
 
     def _start(self, position: int) -> None:
         self._stop()
-        rest = self._order[position:]
-        groups = [tuple(rest[i : i + self._group]) for i in range(0, len(rest), self._group)]
+        groups = _GroupsOf(self._order[position:], self._group)
         with unpinned_workers(self._workers):
             loader = self._loader(
                 self._groups, batch_size=None, sampler=groups, num_workers=self._workers,

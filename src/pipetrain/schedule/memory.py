@@ -39,7 +39,15 @@ class StageMemory:
 
 def memory_by_rank(schedule: Schedule, *, recompute: bool = False) -> list[StageMemory]:
     """Peak in-flight microbatches and live weight versions of every rank and stage it holds;
-    ``recompute``: with activation recomputation (see the module docstring)."""
+    ``recompute``: with activation recomputation (see the module docstring).
+
+    A long schedule's pattern repeats what is held: its peaks are its check sample's (the head,
+    the body met by bodies on both sides, the tail), computed without walking the whole run."""
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    if pattern is not None:
+        return memory_by_rank(pattern.check_sample, recompute=recompute)
     with gc_paused():
         return [_rank_memory(rank, program, recompute) for rank, program in enumerate(schedule.programs)]
 

@@ -182,16 +182,14 @@ class RankSetup:
         """Every rank's payload to rank 0, which assembles the run's result (and writes its
         outputs); every rank returns it (the others without the measured timeline). ``resumed``:
         the step the run resumed from (the updates before it were not timed here)."""
-        import torch.distributed as dist
+        from pipetrain.runtime.share import broadcast_from, gather_to
 
-        world = self.env.world_size
-        gathered: list[Any] = [None] * world if self.rank == 0 else None
-        _collective("gathering the results", lambda: dist.gather_object(payload, gathered, dst=0))
+        gathered = _collective("gathering the results", lambda: gather_to(payload, dst=0))
         result = _assemble(self.run, gathered, resumed) if self.rank == 0 else None
-        shared = [None if result is None else replace(result, timeline=None)]
-        _collective("sharing the result", lambda: dist.broadcast_object_list(shared, src=0))
+        shared = _collective("sharing the result",
+                             lambda: broadcast_from(None if result is None else replace(result, timeline=None), src=0))
         self._release()
-        return result if result is not None else replace(shared[0], is_main=False)
+        return result if result is not None else replace(shared, is_main=False)
 
     def _release(self) -> None:
         """Drop the transport and the runner, and collect what a run leaves in reference cycles

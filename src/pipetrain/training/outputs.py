@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from array import array
 from typing import Any
 
 import torch
@@ -81,7 +82,7 @@ class UpdateLosses:
         # on a replicated last stage a rank sees only its replica's units
         last = run.schedule.num_stages - 1
         self._mine = (lambda unit: True) if rank is None else (lambda unit: run.schedule.rank_of(last, unit) == rank)
-        self.losses: list[float] = []
+        self.losses = array("d")  # every update's, 8 bytes each
         self._pending: dict[int, float] = {}
         self._expected: dict[int, list[int]] = {}  # first unit of an update -> its units seen here
         self._started = time.perf_counter()
@@ -101,11 +102,11 @@ class UpdateLosses:
                 self.progress.update(1, self.losses[-1], self.layout.batch_size, time.perf_counter() - self._started)
 
     @staticmethod
-    def from_units(run: Run, losses: dict[int, float]) -> list[float]:
-        """Per-update losses from a complete ``{unit: loss}`` record."""
+    def from_units(run: Run, losses: dict[int, float]) -> array:
+        """Per-update losses (an ``array('d')``) from a complete ``{unit: loss}`` record."""
         units, layout = run.layout.units_per_update, run.layout
-        return [sum(losses[k] * layout.loss_scale(k) for k in range(t * units, (t + 1) * units))
-                for t in range(run.updates)]
+        return array("d", (sum(losses[k] * layout.loss_scale(k) for k in range(t * units, (t + 1) * units))
+                           for t in range(run.updates)))
 
 
 class Progress:

@@ -1,12 +1,20 @@
-"""What a training run reports: losses, throughput, evaluation, per-stage busy and idle time."""
+"""What a training run reports: losses, throughput, evaluation, per-stage busy and idle time.
+
+A run's per-update figures (its losses, the end time of each update) are held as arrays of floats,
+8 bytes an update, from the ranks that measure them to the report: a list of 100,000 float objects
+takes 3.2 MB per copy, and a distributed run has several (rank 0's, the pickled result every rank
+gets, the report's). They become lists only where a user asks for one (:attr:`TrainResult.update_losses`,
+:meth:`TrainResult.report`); the report file is written from the arrays (:func:`write_json_atomic`).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 __all__ = ["TrainResult", "result_of", "write_json_atomic"]
 
@@ -22,7 +30,8 @@ class TrainResult:
     updates: int
     samples: int
     seconds: float
-    update_losses: list[float]
+    #: every update's loss, an ``array('d')`` (:attr:`update_losses` lists them)
+    losses: array
     stage_busy: list[float]
     stage_idle: list[float]
     evaluations: list[dict[str, float]] = field(default_factory=list)
@@ -32,16 +41,33 @@ class TrainResult:
     #: the model there holds only that rank's stages' trained weights)
     is_main: bool = True
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.losses, array):
+            self.losses = array("d", self.losses)
+
+    @property
+    def update_losses(self) -> list[float]:
+        """Every update's loss, as a new list."""
+        return self.losses.tolist()
+
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def final_loss(self) -> float:
-        return self.update_losses[-1] if self.update_losses else float("nan")
+        return self.losses[-1] if self.losses else float("nan")
 
     def report(self) -> dict[str, Any]:
-        """The `--report-json` object."""
+        """The `--report-json` object, its per-update figures as lists."""
+        return {key: value.tolist() if isinstance(value, array) else value for key, value in self._report().items()}
+
+    def write_report(self, path: str) -> None:
+        """Write :meth:`report` to ``path`` as JSON (atomically), from the arrays."""
+        write_json_atomic(path, self._report())
+
+    def _report(self) -> dict[str, Any]:
+        """:meth:`report` with the per-update figures as the arrays they are."""
         data = {
             "schedule": self.schedule,
             "stages": self.stages,
@@ -52,21 +78,22 @@ class TrainResult:
             "seconds": self.seconds,
             "samples_per_s": self.samples_per_s,
             "final_loss": self.final_loss,
-            "losses": self.update_losses,
+            "losses": self.losses,
             "stage_busy_seconds": self.stage_busy,
             "stage_idle_seconds": self.stage_idle,
             "evaluations": self.evaluations,
         }
         if self.evaluations:
             data["final_eval"] = self.evaluations[-1]
-        data.update({key: list(value) if isinstance(value, array) else value for key, value in self.extra.items()})
+        data.update(self.extra)
         return data
 
 
-def result_of(run: Any, executor: str, update_losses: list[float], seconds: float, timeline: Any,
+def result_of(run: Any, executor: str, losses: Sequence[float], seconds: float, timeline: Any,
               evaluations: list[dict[str, float]], resumed: int = 0) -> TrainResult:
-    """The result of a finished run, with per-rank busy and idle seconds from its measured timeline.
-    A run resumed after ``resumed`` updates timed only the others: samples and rates count those."""
+    """The result of a finished run, with per-rank busy and idle seconds from its measured timeline;
+    ``losses``: every update's (an array is kept as it is). A run resumed after ``resumed`` updates
+    timed only the others: samples and rates count those."""
     schedule = run.schedule
     busy = [timeline.busy(rank) for rank in range(schedule.num_ranks)]
     extra: dict[str, Any] = {"units_per_update": run.layout.units_per_update}
@@ -76,7 +103,7 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     steady = _steady_rate(run, ends)
     if steady is not None:
         extra["steady_samples_per_s"] = steady
-    extra["update_seconds"] = ends  # loss curves against wall time (the updates timed here)
+    extra["update_seconds"] = ends if isinstance(ends, array) else array("d", ends)  # loss curves against wall time
     if resumed:
         extra["resumed_from"] = resumed
     if getattr(run, "stage_choice", None) is not None:
@@ -91,7 +118,7 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
         updates=run.updates,
         samples=(run.updates - resumed) * run.layout.batch_size,
         seconds=seconds,
-        update_losses=update_losses,
+        losses=losses if isinstance(losses, array) else array("d", losses),
         stage_busy=busy,
         stage_idle=[seconds - b for b in busy],
         evaluations=evaluations,
@@ -100,7 +127,7 @@ def result_of(run: Any, executor: str, update_losses: list[float], seconds: floa
     )
 
 
-def _last_stage_updates(timeline: Any) -> list[float]:
+def _last_stage_updates(timeline: Any) -> Sequence[float]:
     """End times of the last stage's updates (its first replica's STEP actions)."""
     from pipetrain.schedule.ir import Kind
 
@@ -112,7 +139,7 @@ def _last_stage_updates(timeline: Any) -> list[float]:
     return [end for action, _, end in timeline.spans(rank) if action.kind is Kind.STEP and action.stage == last]
 
 
-def _steady_rate(run: Any, ends: list[float], skip: float = 0.25) -> float | None:
+def _steady_rate(run: Any, ends: Sequence[float], skip: float = 0.25) -> float | None:
     """Samples/s after the first ``skip`` of the updates (start-up excluded): from ``ends``, the end
     times of the last stage's updates (:func:`_last_stage_updates`)."""
     schedule = run.schedule
@@ -126,11 +153,50 @@ def _steady_rate(run: Any, ends: list[float], skip: float = 0.25) -> float | Non
 
 
 def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON to ``path`` via a temporary file and a rename (never a half-written file)."""
+    """Write JSON to ``path`` via a temporary file and a rename (never a half-written file): the
+    text of ``json.dump(data, indent=1)``, an ``array`` value of a dictionary ``data`` written as
+    the list it holds a slice at a time, never as a list of float objects."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=1)
+        if isinstance(data, dict):
+            for chunk in _dict_chunks(data):
+                handle.write(chunk)
+        else:
+            json.dump(data, handle, indent=1)
         handle.write("\n")
     os.replace(tmp, path)
+
+
+#: array items written per chunk of :func:`_dict_chunks`
+_SLICE = 4096
+
+
+def _dict_chunks(data: dict) -> Iterator[str]:
+    """The text of ``json.dumps(data, indent=1)`` in pieces, its ``array`` values written from the
+    array (each entry is written as ``json`` writes a one-entry dictionary, less its braces)."""
+    if not data:
+        yield "{}"
+        return
+    separator = "{\n"
+    for key, value in data.items():
+        if not isinstance(value, array) or not value:
+            yield separator + json.dumps({key: value.tolist() if isinstance(value, array) else value}, indent=1)[2:-2]
+        else:
+            yield separator + json.dumps({key: []}, indent=1)[2:-4] + "[\n  "
+            text = _float_text if value.typecode in "fd" else int.__repr__
+            for start in range(0, len(value), _SLICE):
+                if start:
+                    yield ",\n  "
+                yield ",\n  ".join(map(text, value[start:start + _SLICE]))
+            yield "\n ]"
+        separator = ",\n"
+    yield "\n}"
+
+
+def _float_text(value: float) -> str:
+    """A float as ``json`` writes it (``NaN`` and ``Infinity`` included)."""
+    if math.isfinite(value):
+        return float.__repr__(value)
+    return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")

@@ -10,7 +10,7 @@ from typing import Any
 
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
-from pipetrain.training.result import TrainResult, write_json_atomic
+from pipetrain.training.result import TrainResult
 
 __all__ = ["train", "write_outputs"]
 
@@ -73,7 +73,7 @@ def write_outputs(config: TrainConfig, result: TrainResult, state_dict) -> None:
 
         save_state_dict(state_dict, config.save)
     if config.report_json:
-        write_json_atomic(config.report_json, result.report())
+        result.write_report(config.report_json)
     if config.trace and result.timeline is not None:
         from pipetrain.schedule.trace import write_trace
         from pipetrain.training.timelines import simulated_counterpart
