@@ -164,6 +164,65 @@ def test_runtime_with_recomputation_equals_the_emulator_without(tmp_path):
             assert torch.equal(a[key], b[key]), (config.schedule, key)
 
 
+#: every schedule the runtime test above leaves out, on 2 workers with a GPT that has dropout
+RUNTIME = {"gpipe": {}, "zb-h1": {}, "interleaved": dict(chunks=2, microbatches=4), "2bw": dict(microbatches=4),
+           "pb": dict(batch_size=1, steps=16), "pb-sc+lwp": dict(schedule="pb", batch_size=1, steps=16, compensation="sc+lwp")}
+
+
+def test_runtime_with_recomputation_equals_the_emulator_with_and_without_for_every_other_schedule(tmp_path):
+    """gpipe, zb-h1 (a split backward: I recomputes, W reuses its graph), interleaved (two model
+    chunks per worker), 2bw (two buffered versions) and pb with and without SC+LWP (``latest``
+    and ``predict``: the forward's version superseded before its backward)."""
+    from distributed_parity import run_all
+
+    from pipetrain.runtime.launch import launch
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.train import train
+
+    base = dict(model="gpt:n_layer=2,n_head=2,n_embd=16,dropout=0.1", data="text:block_size=8,min_length=4",
+                batch_size=8, steps=3, optimizer="sgd:lr=0.05,momentum=0.9", progress=False, quiet=True,
+                stages=2, timeout=60.0, eval_samples=8)
+    configs = []
+    for name, extra in RUNTIME.items():
+        options = {"schedule": name, **base, **extra}
+        configs.append(TrainConfig(executor="distributed", recompute="stage",
+                                   save=str(tmp_path / f"{name}-stage-distributed.pt"), **options))
+    result = launch(run_all, (configs,), nprocs=2, timeout=240, quiet=True)
+    assert result.returncode == 0, result.message
+    for name, config in zip(RUNTIME, configs):
+        distributed = torch.load(config.save)
+        for recompute in ("stage", "none"):
+            emulated = dataclasses.replace(config, executor="emulate", recompute=recompute,
+                                           save=str(tmp_path / f"{name}-{recompute}-emulated.pt"))
+            train(emulated)
+            reference = torch.load(emulated.save)
+            assert reference.keys() == distributed.keys()
+            for key in reference:
+                assert torch.equal(distributed[key], reference[key]), (name, recompute, key)
+
+
+def test_a_split_backward_recomputes_each_forward_once():
+    """ZB-H1 with recomputation: each microbatch's forward runs twice on a stage (F, and once more
+    for I); W differentiates the graph I built, it does not recompute again."""
+    calls = []
+
+    class Counted(nn.Module):
+        def __init__(self, stage: int, inner: nn.Module) -> None:
+            super().__init__()
+            self.stage, self.inner = stage, inner
+
+        def forward(self, x):
+            calls.append(self.stage)
+            return self.inner(x)
+
+    for recompute, per_forward in (("none", 1), ("stage", 2)):
+        calls.clear()
+        model = [Counted(s, m) for s, m in enumerate(stages())]
+        Pipeline(model, schedule="zb-h1", microbatches=4, optimizer="sgd:lr=0.1", executor="emulate",
+                 recompute=recompute).train(batches(2, 8))
+        assert [calls.count(s) for s in range(4)] == [2 * 4 * per_forward] * 4, recompute
+
+
 def test_a_recomputing_run_resumes_from_a_checkpoint_to_the_uninterrupted_parameters(tmp_path):
     """Microbatches in flight at the checkpoint are replayed and recomputed; PB's forward versions,
     kept for the checkpoint, stay unchanged until their backward. A checkpoint of a recomputing run
