@@ -70,9 +70,10 @@ class Pipeline:
         executor: ``distributed`` (worker processes over torch.distributed) or ``emulate`` (this
             process; bitwise the same parameters).
         threads_per_worker, receives, timeout: as ``pipetrain train``'s options.
-        recompute: ``none``, or ``stage`` (each stage keeps only its inputs and runs its forward
+        recompute: ``none``, ``stage`` (each stage keeps only its inputs and runs its forward
             again in the backward, on the same weight version: the same results with less
-            activation memory; see docs/gpu.md).
+            activation memory; see docs/gpu.md), or ``stage:0,2`` (those stages only); default:
+            the plan's choice, else ``none``.
         precision: ``fp32``, or ``bf16`` (each stage's forward under ``torch.autocast``, float32
             master weights and optimizer state; also on CPU).
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``: where the stages compute (each
@@ -105,7 +106,7 @@ class Pipeline:
         timeout: float = 60.0,
         seed: int = 0,
         on_nonfinite: str = "stop",
-        recompute: str = "none",
+        recompute: str | None = None,
         precision: str = "fp32",
         device: str = "auto",
     ) -> None:

@@ -98,10 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                        help="bf16: each stage's forward under torch.autocast (also on CPU), float32 master weights "
                             "and optimizer state; fp16 is not available yet (it needs a loss scale) (default fp32)")
-    train.add_argument("--recompute", default="none", choices=["none", "stage"],
+    train.add_argument("--recompute", metavar="none|stage|stage:LIST",
                        help="stage: keep only each stage's inputs between a forward and its backward and run the "
                             "forward again in the backward, on the same weight version and random numbers "
-                            "(less activation memory, about one more forward; same results) (default none)")
+                            "(less activation memory, about one more forward; same results); stage:0,2: on "
+                            "those stages only (default: the --plan's choice, else none)")
     train.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
                        help="a NaN or infinite loss or gradient: stop the run naming the step and stage (default "
                             "stop), or skip each update whose gradient is not finite (see docs/optim.md)")

@@ -60,7 +60,8 @@ class TrainConfig:
     extra: dict[str, str] = field(default_factory=dict)
     data_workers: int | None = None  # DataLoader worker processes for plain data sets (None: the default, 1)
     pin_memory: bool = False  # page-locked batches (with an accelerator)
-    recompute: str = "none"  # activation recomputation: none, or stage (keep stage inputs, recompute in the backward)
+    recompute: str | None = None  # none, stage (every stage keeps its inputs only, recomputes in the backward),
+    # stage:0,2 (those stages); None: the plan's choice, else none
     precision: str = "fp32"  # fp32, or bf16 (autocast in each stage's forward, fp32 master weights)
     device: str = "auto"  # auto (CUDA when available), cpu or cuda: where every stage computes
 

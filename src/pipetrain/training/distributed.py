@@ -221,7 +221,11 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
 
         say(describe_run(run))
     checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
-    resumed = checkpoints.resume_point(restart=env.restart)
+    if config.resume or config.checkpoint_dir:  # each rank reads its own file: one refused, all refuse
+        resumed = _together("reading the checkpoint", lambda: checkpoints.resume_point(restart=env.restart),
+                            env.world_size)
+    else:
+        resumed = checkpoints.resume_point(restart=env.restart)
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
     runner = setup.runner
     if resumed:  # a checkpoint that does not fit this run is refused by every rank, not by one
@@ -291,14 +295,15 @@ def _collective(what: str, call) -> Any:
         raise PeerLostError(f"rank {_rank()}: {what} failed because a peer is gone or stuck ({first})") from None
 
 
-def _together(what: str, call, world_size: int) -> None:
-    """Run ``call`` on every rank; when it raises a PipetrainError on any of them, every rank raises
-    the first (by rank) instead of leaving the others to wait for it until the timeout."""
+def _together(what: str, call, world_size: int) -> Any:
+    """Run ``call`` on every rank and return its value; when it raises a PipetrainError on any of
+    them, every rank raises the first (by rank) instead of leaving the others to wait for it until
+    the timeout."""
     import torch.distributed as dist
 
-    error = None
+    error = value = None
     try:
-        call()
+        value = call()
     except PipetrainError as failure:
         error = failure
     if world_size > 1:
@@ -307,6 +312,7 @@ def _together(what: str, call, world_size: int) -> None:
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise error
+    return value
 
 
 def _inject_fault(rank: int, hooks: dict, restart: int = 0) -> None:

@@ -31,7 +31,8 @@ _DTYPES = ("float32", "float64")
 _RECEIVES = ("auto", "on-demand", "ahead")
 #: ``pipetrain.training.setup.BALANCE_BY`` (a test keeps them equal)
 BALANCE_BY = ("auto", "time", "params")
-#: ``--recompute``: keep every activation (none), or only each stage's inputs (stage)
+#: ``--recompute``: keep every activation (none), or only each stage's inputs (stage; ``stage:0,2``
+#: for those stages): ``pipetrain.schedule.recompute.RECOMPUTE`` (a test keeps them equal)
 RECOMPUTE = ("none", "stage")
 #: ``pipetrain.execution.device.DEVICES`` (a test keeps them equal)
 DEVICES = ("auto", "cpu", "cuda")
@@ -85,7 +86,10 @@ def _check_choices(config: TrainConfig) -> None:
 
 def check_execution(config: TrainConfig) -> None:
     """``--recompute`` and ``--precision`` (also checked by the set-up, for the Python API)."""
-    _choice("--recompute", config.recompute, RECOMPUTE)
+    if config.recompute is not None:  # the stage numbers are checked once the schedule is known
+        from pipetrain.schedule.recompute import parse_recompute
+
+        parse_recompute(config.recompute)
     _choice("--device", config.device, DEVICES)
     _choice("--precision", config.precision, PRECISIONS)
     if config.precision == "fp16":
@@ -159,6 +163,9 @@ def read_plan(config: TrainConfig) -> tuple[dict, list[int], list[int]]:
         with open(config.plan, encoding="utf-8") as handle:
             plan = json.load(handle)
         balance, replicas = [int(n) for n in plan["balance"]], [int(r) for r in plan["replicas"]]
+        flags = [stage.get("recompute", False) for stage in plan.get("stages", [])]
+        if any(not isinstance(flag, bool) for flag in flags):
+            raise ValueError(f"a stage's recompute must be true or false, not {flags}")
     except OSError as error:
         raise ConfigError(f"cannot read plan {config.plan!r}: {error.strerror}") from None
     except (ValueError, KeyError, TypeError) as error:
