@@ -29,7 +29,7 @@ from typing import Any
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.training.config import TrainConfig
-from pipetrain.training.result import TrainResult
+from pipetrain.training.result import TrainResult, loss_scale_report, scale_payload
 
 __all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", "RankSetup", "WorkersFailed",
            "refuse_restarts_here"]
@@ -176,6 +176,7 @@ class RankSetup:
             "evaluations": evaluations,
             "receives": "on-demand" if runner.on_demand else "ahead",
             "skipped": {stage: executors[stage].skipped for stage in self.held},  # --on-nonfinite skip
+            "loss_scale": {stage: scale_payload(executors[stage]) for stage in self.held},  # --precision fp16
         }
 
     def gather(self, payload: dict[str, Any], resumed: int = 0) -> TrainResult:
@@ -417,6 +418,9 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
     skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
     result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]
+    if run.config.precision == "fp16":
+        scales = {stage: value for p in gathered for stage, value in p["loss_scale"].items()}  # replicas agree
+        result.extra["loss_scale"] = loss_scale_report([scales[stage] for stage in range(run.num_stages)])
     from pipetrain.training.memory import memory_report
 
     if all("memory" in p for p in gathered):

@@ -23,12 +23,13 @@ from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_nam
 from pipetrain.schedule.recompute import recompute_stages
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
+from pipetrain.training.validate import loss_scale_of
 
 __all__ = ["Run", "prepare", "plan_recompute", "EXECUTORS", "AUTOCAST"]
 
 EXECUTORS = ("distributed", "emulate")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-#: ``--precision``: the dtype each stage's forward autocasts to (fp16: refused by check_config)
+#: ``--precision``: the dtype each stage's forward autocasts to (fp16 with a loss scale)
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -148,6 +149,8 @@ class Run:
             recompute=stage in self.recompute,
             autocast=AUTOCAST[self.config.precision],
             device=self.device,
+            scaler=loss_scale_of(self.config),
+            units_per_update=self.layout.units_per_update,
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:

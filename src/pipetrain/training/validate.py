@@ -36,7 +36,7 @@ BALANCE_BY = ("auto", "time", "params")
 RECOMPUTE = ("none", "stage")
 #: ``pipetrain.execution.device.DEVICES`` (a test keeps them equal)
 DEVICES = ("auto", "cpu", "cuda")
-#: ``--precision``: fp16 is refused (see :func:`_check_precision`)
+#: ``--precision`` (fp16 with a loss scale, see :func:`loss_scale_of`)
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -93,12 +93,31 @@ def check_execution(config: TrainConfig) -> None:
     _choice("--device", config.device, DEVICES)
     _choice("--precision", config.precision, PRECISIONS)
     if config.precision == "fp16":
-        raise ConfigError(
-            "--precision fp16 needs CUDA and a loss scale that every stage agrees on, which pipetrain does not have "
-            "yet (docs/gpu.md says how it will work); use --precision bf16 (no loss scale needed, also on CPU) or fp32"
-        )
+        loss_scale_of(config)
     if config.precision != "fp32" and config.dtype == "float64":
         raise ConfigError(f"--precision {config.precision} keeps float32 master weights: drop --dtype float64")
+
+
+def loss_scale_of(config: TrainConfig):
+    """``--precision fp16``'s :class:`~pipetrain.execution.scaling.LossScale` (``None`` otherwise),
+    from ``--loss-scale``, ``--loss-scale-init`` and ``--loss-scale-growth``."""
+    if config.precision != "fp16":
+        return None
+    from pipetrain.execution.scaling import LossScale, check_power_of_two
+
+    text = str(config.loss_scale).strip()
+    if text == "dynamic":
+        check_power_of_two("--loss-scale-init", config.loss_scale_init)
+        growth = config.loss_scale_growth
+        if not isinstance(growth, int) or isinstance(growth, bool) or growth < 1:
+            raise ConfigError(f"--loss-scale-growth must be a whole number of updates >= 1, not {growth!r}")
+        return LossScale(float(config.loss_scale_init), growth, dynamic=True)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--loss-scale must be 'dynamic' or a power of two such as 1024, not {text!r}") from None
+    check_power_of_two("--loss-scale", value)
+    return LossScale(value, 1, dynamic=False)
 
 
 def _at_least(option: str, value: float | None, low: float, strict: bool = False) -> None:
