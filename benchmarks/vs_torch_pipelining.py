@@ -370,11 +370,12 @@ def on_demand_executors(cfg: Config, steps: int, warmup: int) -> float:
     return _run(_on_demand_worker, cfg, steps, warmup, "executors")
 
 
-def _run(worker: Callable[..., float], *args: object, nprocs: int = 2) -> float:
+def _run(worker: Callable[..., object], *args: object, nprocs: int = 2, convert: Callable = float):
+    """``worker(*args)`` in ``nprocs`` pinned one-thread processes; rank 0's result through ``convert``."""
     result = launch(worker, args, nprocs, threads_per_worker=1, timeout=900, grace=2.0)
     if result.returncode != 0:
         raise SystemExit(f"{worker.__name__} failed: {result.message}")
-    return float(result.results[0])
+    return convert(result.results[0])
 
 
 #: name -> (label, function). pipetrain's runtime adds e.g. "pipetrain-1f1b" here.

@@ -115,3 +115,17 @@ def test_deadlocking_csv_exits_2(tmp_path):
     assert result.returncode == 2
     assert "deadlocks" in result.stderr and "wait cycle" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_memory_with_some_stages_recomputing(capsys):
+    code, out, _ = run(capsys, "schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--recompute", "stage:0,2",
+                       "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["recompute"] == "stage:0,2"
+    assert [s["peak_activations"] for s in data["stages"]] == [1, 3, 1, 1]
+    assert [s.get("peak_inputs") for s in data["stages"]] == [4, None, 2, None]
+    code, out, _ = run(capsys, "schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--recompute", "stage")
+    assert "(+4 inputs kept)" in out and "with recomputation (stage)" in out
+    code, out, err = run(capsys, "schedule", "1f1b", "--stages", "4", "--recompute", "stage:4")
+    assert code == 2 and "--recompute stage:4 names stage 4, but the schedule has 4 stages" in err

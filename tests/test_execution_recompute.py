@@ -75,6 +75,64 @@ def test_recomputation_trains_bitwise_like_keeping_the_activations(name):
     assert not all(torch.equal(a, b) for a, b in zip(kept, [p for s in stages() for p in s.parameters()]))
 
 
+@pytest.mark.parametrize("name,stages", [("1f1b", "stage:0,2"), ("zb-h1", "stage:1,3"), ("pb", "stage:0,1"),
+                                         ("interleaved", "stage:1,2")])
+def test_recomputing_some_stages_trains_bitwise_like_keeping_the_activations(name, stages):
+    """``stage:LIST``: only those stages recompute (interleaved: stage 1 is rank 1's first chunk,
+    stage 2 rank 0's second, so each rank recomputes one of its two chunks)."""
+    kept, recomputed = trained(name, "none"), trained(name, stages)
+    assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.setup import prepare
+
+    options = {key: value for key, value in SCHEDULES[name].items() if key != "schedule"}
+    run = prepare(TrainConfig(model="mlp:depth=3,width=8", data="synthetic:features=4,classes=2,samples=16",
+                              batch_size=4 if name != "pb" else 1, steps=1, schedule=name, executor="emulate",
+                              progress=False, recompute=stages, **options))
+    assert sorted(run.recompute) == [int(s) for s in stages.split(":")[1].split(",")]
+    executors = run.make_executors()
+    assert {s: e.recompute for rank in executors for s, e in rank.items()} == {
+        s: s in run.recompute for s in range(run.num_stages)}
+
+
+def test_the_forms_of_recompute_and_their_errors(capsys, tmp_path):
+    from pipetrain.cli import main
+    from pipetrain.errors import ConfigError
+    from pipetrain.schedule.recompute import format_recompute, parse_recompute, recompute_stages
+    from pipetrain.training.validate import RECOMPUTE
+
+    from pipetrain.schedule.recompute import RECOMPUTE as WORDS
+
+    assert RECOMPUTE == WORDS
+    assert parse_recompute("none") is False and parse_recompute("stage") is True
+    assert parse_recompute("stage:2,0") == {0, 2}
+    assert recompute_stages("stage", 3) == {0, 1, 2} and recompute_stages(None, 3) == frozenset()
+    assert recompute_stages([1], 3) == {1} and recompute_stages(True, 2) == {0, 1}
+    assert [format_recompute(s, 3) for s in ((), (0, 1, 2), (2, 0))] == ["none", "stage", "stage:0,2"]
+    for bad in ("stages", "stage:", "stage:a", "stage:-1", "all"):
+        with pytest.raises(ConfigError, match="write none, stage \\(every stage\\) or stage:LIST"):
+            parse_recompute(bad)
+    with pytest.raises(ConfigError, match="--recompute stage:1,4 names stage 4, but the schedule has 4 stages"):
+        recompute_stages("stage:1,4", 4)
+    import json
+
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.validate import check_config
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"balance": [1, 1], "replicas": [1, 1], "stages": [{"recompute": "yes"}, {}]}))
+    with pytest.raises(ConfigError, match="is not a plan written by `pipetrain plan --out` .*recompute must be true"):
+        check_config(TrainConfig(plan=str(plan)))
+    capsys.readouterr()
+    assert main(["train", "--recompute", "stage:x", "--executor", "emulate"]) == 2  # before any work
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown --recompute 'stage:x'" in err
+    assert main(["train", "--recompute", "stage:2", "--executor", "emulate", "--stages", "2", "--steps", "1",
+                 "--model", "mlp:depth=1,width=4", "--data", "synthetic:features=4,classes=2,samples=8",
+                 "--batch-size", "4", "--no-progress", "--quiet"]) == 2
+    assert "names stage 2, but the schedule has 2 stages (0 to 1)" in capsys.readouterr().err
+
+
 def test_a_stage_keeps_only_its_inputs_until_the_backward():
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3))
@@ -140,6 +198,28 @@ def test_the_memory_model_counts_inputs_instead_of_activations():
         m.peak_versions for m in memory_by_rank(pipedream)]
 
 
+def test_the_memory_model_counts_recomputation_per_stage():
+    one_f_one_b = build("1f1b", 4, 8)
+    some = memory_by_rank(one_f_one_b, recompute={0, 2})
+    assert some == memory_by_rank(one_f_one_b, recompute="stage:0,2")
+    assert [m.peak_inputs for m in some] == [{0: 4}, {}, {2: 2}, {}]
+    assert [m.peak_activations for m in some] == [{0: 1}, {1: 3}, {2: 1}, {3: 1}]
+    # PB (latest): only a recomputing stage keeps its forward's version until the backward
+    assert [m.peak_versions for m in memory_by_rank(build("pb", 4, 40), recompute={0})] == [
+        {0: 7}, {1: 1}, {2: 1}, {3: 1}]
+    # interleaved, 2 ranks x 2 chunks: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3; with
+    # stages 1 and 2 recomputing each rank keeps one chunk's graphs and the other's inputs
+    interleaved = build("interleaved", 2, 4, chunks=2)
+    mixed, kept = memory_by_rank(interleaved, recompute={1, 2}), memory_by_rank(interleaved)
+    assert [set(m.peak_inputs) for m in mixed] == [{2}, {1}]
+    assert [m.peak_activations[s] for m, s in ((mixed[0], 0), (mixed[1], 3))] == [
+        kept[0].peak_activations[0], kept[1].peak_activations[3]]
+    # whole graphs held by the rank at once: rank 1's peak was stage 1's three microbatches, now
+    # one graph; rank 0's is still stage 0's four, plus the one graph stage 2 recomputes meanwhile
+    assert [m.rank_peak_activations for m in kept] == [5, 3]
+    assert [m.rank_peak_activations for m in mixed] == [5, 1]
+
+
 def test_runtime_with_recomputation_equals_the_emulator_without(tmp_path):
     from distributed_parity import run_all
 
@@ -162,6 +242,67 @@ def test_runtime_with_recomputation_equals_the_emulator_without(tmp_path):
         assert a.keys() == b.keys()
         for key in a:
             assert torch.equal(a[key], b[key]), (config.schedule, key)
+
+
+#: every schedule the runtime test above leaves out, on 2 workers with a GPT that has dropout
+RUNTIME = {"gpipe": {}, "zb-h1": {}, "interleaved": dict(chunks=2, microbatches=4), "2bw": dict(microbatches=4),
+           "pb": dict(batch_size=1, steps=16), "pb-sc+lwp": dict(schedule="pb", batch_size=1, steps=16, compensation="sc+lwp"),
+           "1f1b-stage:1": dict(schedule="1f1b", recompute="stage:1"),
+           "interleaved-stage:0,3": dict(schedule="interleaved", chunks=2, microbatches=4, recompute="stage:0,3")}
+
+
+def test_runtime_with_recomputation_equals_the_emulator_with_and_without_for_every_other_schedule(tmp_path):
+    """gpipe, zb-h1 (a split backward: I recomputes, W reuses its graph), interleaved (two model
+    chunks per worker), 2bw (two buffered versions) and pb with and without SC+LWP (``latest``
+    and ``predict``: the forward's version superseded before its backward)."""
+    from distributed_parity import run_all
+
+    from pipetrain.runtime.launch import launch
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.train import train
+
+    base = dict(model="gpt:n_layer=2,n_head=2,n_embd=16,dropout=0.1", data="text:block_size=8,min_length=4",
+                batch_size=8, steps=3, optimizer="sgd:lr=0.05,momentum=0.9", progress=False, quiet=True,
+                stages=2, timeout=60.0, eval_samples=8)
+    configs = []
+    for name, extra in RUNTIME.items():
+        options = {"schedule": name, "recompute": "stage", **base, **extra}
+        configs.append(TrainConfig(executor="distributed", save=str(tmp_path / f"{name}-stage-distributed.pt"),
+                                   **options))
+    result = launch(run_all, (configs,), nprocs=2, timeout=240, quiet=True)
+    assert result.returncode == 0, result.message
+    for name, config in zip(RUNTIME, configs):
+        distributed = torch.load(config.save)
+        for recompute in (config.recompute, "none"):
+            emulated = dataclasses.replace(config, executor="emulate", recompute=recompute,
+                                           save=str(tmp_path / f"{name}-{recompute}-emulated.pt"))
+            train(emulated)
+            reference = torch.load(emulated.save)
+            assert reference.keys() == distributed.keys()
+            for key in reference:
+                assert torch.equal(distributed[key], reference[key]), (name, recompute, key)
+
+
+def test_a_split_backward_recomputes_each_forward_once():
+    """ZB-H1 with recomputation: each microbatch's forward runs twice on a stage (F, and once more
+    for I); W differentiates the graph I built, it does not recompute again."""
+    calls = []
+
+    class Counted(nn.Module):
+        def __init__(self, stage: int, inner: nn.Module) -> None:
+            super().__init__()
+            self.stage, self.inner = stage, inner
+
+        def forward(self, x):
+            calls.append(self.stage)
+            return self.inner(x)
+
+    for recompute, per_forward in (("none", 1), ("stage", 2)):
+        calls.clear()
+        model = [Counted(s, m) for s, m in enumerate(stages())]
+        Pipeline(model, schedule="zb-h1", microbatches=4, optimizer="sgd:lr=0.1", executor="emulate",
+                 recompute=recompute).train(batches(2, 8))
+        assert [calls.count(s) for s in range(4)] == [2 * 4 * per_forward] * 4, recompute
 
 
 def test_a_recomputing_run_resumes_from_a_checkpoint_to_the_uninterrupted_parameters(tmp_path):

@@ -134,3 +134,39 @@ def test_malformed_profile_error(capsys, tmp_path):
     bad.write_text("node1 -- A -- forward_compute_time=1\n")
     code, _, err = run(capsys, str(bad), "--workers", "2")
     assert code == 2 and "line 1" in err
+
+
+def test_recompute_auto_chooses_stages_and_train_takes_them(capsys, tmp_path):
+    """`pipetrain plan --recompute auto --memory` names the stages that recompute (table and
+    JSON); `pipetrain train --plan` recomputes those, unless --recompute says otherwise."""
+    from pipetrain.plan.profile import save_profile
+    from test_plan_planner import blocks
+
+    profile = tmp_path / "blocks.json"
+    save_profile(blocks(), profile)
+    code, out, err = run(capsys, str(profile), "--workers", "4", "--schedule", "1f1b", "--microbatches", "4",
+                         "--memory", "600", "--no-baselines")
+    assert code == 2 and "--recompute auto" in err
+    code, out, err = run(capsys, str(profile), "--workers", "4", "--schedule", "1f1b", "--microbatches", "4",
+                         "--memory", "600", "--recompute", "auto", "--no-baselines", "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert out.count("recomputing (+2.000000 s)") == 3
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["recompute_stages"] == [0, 1, 2] and data["recompute"] == "auto"
+    code, out, err = run(capsys, str(profile), "--workers", "4", "--recompute", "auto")
+    assert code == 2 and "give --memory" in err
+    code, out, err = run(capsys, str(profile), "--workers", "4", "--topology", "2x2", "--memory", "600",
+                         "--recompute", "auto")
+    assert code == 2 and "one flat level" in err
+    code, out, err = run(capsys, str(profile), "--workers", "4", "--schedule", "zb-h1", "--memory", "600",
+                         "--recompute", "auto")
+    assert code == 2 and "not planned under zb-h1" in err
+
+    from pipetrain.training import TrainConfig
+    from pipetrain.training.setup import prepare
+
+    base = dict(model="mlp:depth=7,width=8", data="synthetic:features=4,classes=2,samples=32", batch_size=8,
+                steps=1, executor="emulate", progress=False, plan=str(tmp_path / "p.json"))
+    assert prepare(TrainConfig(**base)).recompute == {0, 1, 2}
+    assert prepare(TrainConfig(**base, recompute="none")).recompute == frozenset()
+    assert prepare(TrainConfig(**base, recompute="stage:3")).recompute == {3}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -133,11 +134,15 @@ def compositions(total: int, parts: int):
 
 
 def brute_force(compute, params, acts, workers, bandwidth, model, straight=False,
-                fewer=False, memory=None, optim=None, schedule="pipedream"):
-    """Every partition of the chain and every replica assignment, priced directly."""
+                fewer=False, memory=None, optim=None, schedule="pipedream", recompute=False,
+                microbatches=1):
+    """Every partition of the chain and every replica assignment, priced directly; with
+    ``recompute``, a stage that does not fit ``memory`` as it is may recompute (its input, the
+    previous layer's output, kept per unit; its forward, a third of :func:`chain`'s compute, again)."""
     n = len(compute)
     optim = optim or [0.0] * n
     c = [sum(compute[:i]) for i in range(n + 1)]
+    f = [sum(x / 3 for x in compute[:i]) for i in range(n + 1)]
     best = math.inf
     totals = range(1, workers + 1) if fewer else [workers]
     for ncuts in range(0, n):
@@ -157,6 +162,17 @@ def brute_force(compute, params, acts, workers, bandwidth, model, straight=False
                         lo, hi, r = bounds[s], bounds[s + 1], reps[s]
                         comp = c[hi] - c[lo]
                         par = sum(params[lo:hi])
+                        if memory is not None:
+                            def mem(again):
+                                return stage_memory(schedule, parameter_bytes=par,
+                                                    optimizer_bytes=sum(optim[lo:hi]),
+                                                    activation_bytes=sum(acts[lo:hi]),
+                                                    workers_from_here=total - before, replicas=r,
+                                                    microbatches=microbatches, recompute=again,
+                                                    input_bytes=acts[lo - 1] if lo else 0.0)
+
+                            if mem(False) > memory and recompute and mem(True) <= memory:
+                                comp = comp + (f[hi] - f[lo])
                         sync = 4 * (r - 1) * par / (bandwidth * r)
                         if model == "paper":
                             t = max(comp, sync) / r
@@ -169,11 +185,7 @@ def brute_force(compute, params, acts, workers, bandwidth, model, straight=False
                                 if s < stages - 1:
                                     t = max(t, 2 * acts[hi - 1] / (bandwidth * r))
                         if memory is not None:
-                            mem = stage_memory(schedule, parameter_bytes=par,
-                                               optimizer_bytes=sum(optim[lo:hi]),
-                                               activation_bytes=sum(acts[lo:hi]),
-                                               workers_from_here=total - before, replicas=r)
-                            ok = ok and mem <= memory
+                            ok = ok and (mem(False) <= memory or (recompute and mem(True) <= memory))
                         before += r
                         worst = max(worst, t)
                     if ok:
@@ -227,6 +239,57 @@ def test_memory_limited_optimizer_equals_brute_force(layers, workers, fraction, 
     plan = optimize(profile, workers, memory_limit=limit, schedule=schedule, fewer_machines=fewer)
     assert plan.predicted_time_per_minibatch == pytest.approx(expected, rel=1e-9, abs=1e-15)
     assert max(stage.memory_bytes for stage in plan.stages) <= limit
+
+
+def smallest_limit(profile, workers, **options) -> float:
+    """The smallest memory limit that fits, as the planner's refusal of one byte says (to the
+    nearest byte: the limit itself is within half a byte of it), or ``inf``."""
+    try:
+        optimize(profile, workers, memory_limit=1.0, **options)
+    except PipetrainError as error:
+        found = re.search(r"\((\d+) bytes\)", str(error))
+        return float(found.group(1)) if found else math.inf
+    return 1.0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layers=layer_values, workers=st.integers(2, 5), fraction=st.floats(0.0, 1.2),
+       schedule=st.sampled_from(["pipedream", "2bw", "1f1b", "gpipe"]), fewer=st.booleans())
+def test_memory_limited_optimizer_with_recomputation_equals_brute_force(layers, workers, fraction,
+                                                                        schedule, fewer):
+    """Stages that do not fit may recompute: the fastest plan over every partition, replica
+    assignment and such choice, never slower than without recomputation. The limits drawn lie
+    mostly between the smallest that fit with and without recomputation, where it matters."""
+    compute, params, acts = (list(x) for x in zip(*layers))
+    optim = [p / 2 for p in params]
+    profile = chain(compute, params, acts, optim)
+    m = 1 if schedule == "pipedream" else 4
+    options = dict(schedule=schedule, fewer_machines=fewer, microbatches=m)
+    low = smallest_limit(profile, workers, recompute=True, **options) + 0.5
+    high = smallest_limit(profile, workers, **options) + 0.5  # (both limits now fit)
+    assert low <= high
+    limit = low + fraction * (high - low) if math.isfinite(high) else low * (1 + fraction)
+    expected = brute_force(compute, params, acts, workers, 1e9, "pipedream-code", fewer=fewer,
+                           memory=limit, optim=optim, schedule=schedule, recompute=True,
+                           microbatches=m)
+    if not math.isfinite(expected):
+        with pytest.raises(PipetrainError, match="with recomputation; the smallest memory limit that fits"):
+            optimize(profile, workers, memory_limit=limit, recompute=True, **options)
+        return
+    plan = optimize(profile, workers, memory_limit=limit, recompute=True, **options)
+    assert plan.predicted_time_per_minibatch == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert max(stage.memory_bytes for stage in plan.stages) <= limit
+    assert max(stage.time_s for stage in plan.stages) <= plan.predicted_time_per_minibatch * (1 + 1e-9) + 1e-15
+    for stage in plan.stages:  # the forward again is in the stage's time, where it recomputes
+        forward = sum(layer.forward_s for layer in profile.layers if layer.name in stage.layers)
+        assert stage.recompute_s == (pytest.approx(forward, rel=1e-9, abs=1e-15) if stage.recompute else 0.0)
+    if limit < high - 1.0:  # below the smallest that fits without: some stage recomputes
+        with pytest.raises(PipetrainError, match="smallest memory limit that fits"):
+            optimize(profile, workers, memory_limit=limit, **options)
+        assert any(stage.recompute for stage in plan.stages)
+    elif limit >= high:
+        kept = optimize(profile, workers, memory_limit=limit, **options)
+        assert plan.predicted_time_per_minibatch <= kept.predicted_time_per_minibatch * (1 + 1e-12)
 
 
 def test_memory_error_names_smallest_limit_that_fits():
@@ -360,7 +423,7 @@ def test_three_levels_on_a_longer_chain_match_naive_recurrence():
 
 def plan_signature(plan):
     return (plan.predicted_time_per_minibatch, plan.replicas,
-            [(s.layers, s.replicas_per_level, s.time_s) for s in plan.stages])
+            [(s.layers, s.replicas_per_level, s.time_s, s.recompute) for s in plan.stages])
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -471,16 +534,17 @@ def random_profile(seed: int, dag: bool) -> Profile:
        model=st.sampled_from(["pipedream-code", "paper"]), fewer=st.booleans(),
        straight=st.booleans(), memory=st.sampled_from([None, 0.3, 1.0, 3.0]),
        schedule=st.sampled_from(["pipedream", "2bw", "1f1b"]),
-       bandwidth=st.sampled_from([1e8, 1e9, 1e10]))
+       bandwidth=st.sampled_from([1e8, 1e9, 1e10]), recompute=st.booleans())
 def test_windowed_solve_equals_the_whole_table(seed, dag, workers, model, fewer, straight,
-                                               memory, schedule, bandwidth):
+                                               memory, schedule, bandwidth, recompute):
     """Many workers: the last level is solved in machine-count windows from a bound (with a
-    memory limit, widened from the plan without it): same plan as the whole table."""
+    memory limit, widened from the plan without it): same plan as the whole table, also where
+    stages may recompute."""
     profile = random_profile(seed, dag)
     limit = None if memory is None else memory * state_bytes(profile)
     options = dict(cost_model=model, fewer_machines=fewer, straight=straight,
                    memory_limit=limit, schedule=schedule,
-                   microbatches=1 if schedule == "pipedream" else 4)
+                   microbatches=1 if schedule == "pipedream" else 4, recompute=recompute)
     results = []
     for threshold in (10**9, 1):
         with pytest.MonkeyPatch.context() as patch:
@@ -497,17 +561,18 @@ def test_windowed_solve_equals_the_whole_table(seed, dag, workers, model, fewer,
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), dag=st.booleans(), workers=st.integers(1, 12),
        model=st.sampled_from(["pipedream-code", "paper"]), straight=st.booleans(),
-       memory=st.sampled_from([0.3, 1.0, 3.0]),
-       schedule=st.sampled_from(["pipedream", "2bw", "1f1b", "gpipe"]))
+       memory=st.sampled_from([0.05, 0.3, 1.0, 3.0]),
+       schedule=st.sampled_from(["pipedream", "2bw", "1f1b", "gpipe"]), recompute=st.booleans())
 def test_idle_workers_with_a_memory_limit_equal_one_solve_per_count(seed, dag, workers,
                                                                      model, straight, memory,
-                                                                     schedule):
+                                                                     schedule, recompute):
     """The DP built from the end gives every worker count's time at once: the plan is the
-    fastest count's own plan (the first of equally fast counts), as solving each would."""
+    fastest count's own plan (the first of equally fast counts), as solving each would; also
+    where stages may recompute (the reversed model keeps each stage's input)."""
     profile = random_profile(seed, dag)
     limit = memory * state_bytes(profile) + 1.0
     options = dict(cost_model=model, straight=straight, memory_limit=limit, schedule=schedule,
-                   microbatches=1 if schedule == "pipedream" else 4)
+                   microbatches=1 if schedule == "pipedream" else 4, recompute=recompute)
     each = []
     for n in range(1, workers + 1):
         try:

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checkpoint_files import claim_device, reseal
+
 from pipetrain.runtime.checkpoint import (
     MANIFEST,
     capture_rng,
@@ -233,3 +235,30 @@ def test_checkpoints_load_tensors_and_plain_data_only(tmp_path):
     source = Path(__file__).resolve().parents[1] / "src"
     found = [str(p) for p in source.rglob("*.py") if "weights_only=False" in p.read_text()]
     assert not found, found
+
+
+def test_a_checkpoint_written_on_a_gpu_loads_onto_the_cpu(tmp_path):
+    path = save(tmp_path, 4)
+    for name in (stage_file(0), stage_file(1)):
+        claim_device(path / name, "cuda:0")
+    reseal(path)
+    if not torch.cuda.is_available():  # the file really says CUDA: torch's own default refuses it here
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(path / stage_file(0), weights_only=True)
+        with pytest.raises(CheckpointError, match=r"cannot be read with map_location=None here .*map_location='cpu'"):
+            open_checkpoint(path).load(stage_file(0), map_location=None)
+    for stage in range(2):
+        state = open_checkpoint(path).load(stage_file(stage))
+        assert state["weights"]["0.weight"].device == torch.device("cpu")
+        assert_same(state, stage_state(stage) | {"rng": state["rng"]})
+
+
+def test_tensors_saved_without_data_are_refused_saying_where_they_are(tmp_path):
+    state = stage_state(0)
+    state["weights"] = {name: t.to("meta") for name, t in state["weights"].items()}
+    path = save_checkpoint(tmp_path, 1, {stage_file(0): state}, META)
+    with pytest.raises(CheckpointError) as caught:
+        open_checkpoint(path).load(stage_file(0))
+    text = str(caught.value)
+    assert "stage-0.pt holds tensors without data, on PyTorch's 'meta' device (weights/0.weight, weights/0.bias)" in text
+    assert "Resume from another checkpoint, or start afresh with another --checkpoint-dir" in text

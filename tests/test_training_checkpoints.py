@@ -121,3 +121,49 @@ def test_checkpoint_options_are_checked_before_any_work(tmp_path):
         check_config(TrainConfig(checkpoint_dir=str(tmp_path / "file")))
     assert json.loads(json.dumps(TrainConfig().fingerprint()))  # keep and max_restarts do not enter it
     assert "keep" not in TrainConfig().fingerprint() and "max_restarts" not in TrainConfig().fingerprint()
+
+
+def test_a_checkpoint_resumes_on_the_device_of_the_resuming_run(tmp_path, capsys):
+    """A checkpoint of a run under ``--device auto`` resumes under ``--device cpu``; so does one
+    whose tensors were saved on a GPU (its files say ``cuda:0``); one holding tensors without data
+    (PyTorch's 'meta' device), which no device can take, is refused by every worker alike: one
+    line, exit status 2."""
+    import shutil
+
+    from checkpoint_files import claim_device, reseal
+
+    from pipetrain.cli import main
+    from pipetrain.execution.device import to_device
+    from pipetrain.runtime.checkpoint import open_checkpoint, save_checkpoint
+
+    options = dict(BASE, schedule="pipedream", stages=2, steps=6, checkpoint_every=3)
+    full = TrainConfig(**options, device="auto", checkpoint_dir=str(tmp_path / "full"), save=str(tmp_path / "full.pt"))
+    train(full)
+    step = tmp_path / "full" / "step-000003"
+    gpu = tmp_path / "gpu" / step.name
+    shutil.copytree(step, gpu)
+    for name in open_checkpoint(gpu).files:
+        claim_device(gpu / name, "cuda:0")
+    reseal(gpu)
+    runs = [(dataclasses.replace(full, device="cpu", resume=str(source), checkpoint_dir=str(tmp_path / f"{tag}-resumed"),
+                                 save=str(tmp_path / f"{tag}-resumed.pt")), None)
+            for tag, source in (("auto", step), ("gpu", gpu))]
+    result = launch(_each, (runs,), nprocs=2, timeout=300, quiet=True)
+    assert result.returncode == 0, result.message
+    for config, _ in runs:
+        assert _equal(config.save, full.save), config.resume
+
+    checkpoint = open_checkpoint(step)
+    states = {name: checkpoint.load(name) for name in checkpoint.files}
+    states["rank-1.pt"]["stages"][1]["versions"] = to_device(states["rank-1.pt"]["stages"][1]["versions"],
+                                                            torch.device("meta"))
+    empty = save_checkpoint(tmp_path / "meta", 3, states, checkpoint.meta)
+    capsys.readouterr()
+    code = main(["train", "--model", options["model"], "--data", options["data"], "--batch-size", "12", "--steps", "6",
+                 "--schedule", "pipedream", "--stages", "2", "--device", "cpu", "--resume", str(empty),
+                 "--checkpoint-dir", str(tmp_path / "meta-resumed"), "--no-progress", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"pipetrain train: error: checkpoint {empty}: rank-1.pt holds tensors without data, on "
+                          "PyTorch's 'meta' device (stages/1/versions/"), err

@@ -23,7 +23,7 @@ def test_the_cpu_probe_reads_the_peak_resident_size():
     assert figures["peak_bytes"] >= figures["start_bytes"] + block.numel() // 2
 
 
-@pytest.mark.parametrize("recompute", ["none", "stage"])
+@pytest.mark.parametrize("recompute", ["none", "stage", "stage:1"])
 def test_the_report_holds_measured_and_predicted_memory_per_stage(capsys, tmp_path, recompute):
     report_path = tmp_path / "report.json"
     assert main(["train", *SMALL, "--schedule", "gpipe", "--stages", "3", "--microbatches", "4",
@@ -36,9 +36,12 @@ def test_the_report_holds_measured_and_predicted_memory_per_stage(capsys, tmp_pa
     if recompute == "none":  # GPipe holds every microbatch's activations
         assert [s["predicted_peak_activations"] for s in stages] == [4, 4, 4]
         assert all("predicted_peak_inputs" not in s for s in stages)
-    else:  # only the inputs, and one graph at a time
+    elif recompute == "stage":  # only the inputs, and one graph at a time
         assert [s["predicted_peak_activations"] for s in stages] == [1, 1, 1]
         assert [s["predicted_peak_inputs"] for s in stages] == [4, 4, 4]
+    else:  # stage 1 alone
+        assert [s["predicted_peak_activations"] for s in stages] == [4, 1, 4]
+        assert [s.get("predicted_peak_inputs") for s in stages] == [None, 4, None]
     assert [s["predicted_peak_versions"] for s in stages] == [1, 1, 1]
 
 

@@ -78,6 +78,7 @@ def test_a_misspelt_option_gets_the_closest_one(capsys):
     (["--steps", "2", "--epochs", "1"], "give either --steps or --epochs, not both"),
     (["--epochs", "0"], "--epochs must be greater than 0"),
     (["--plan", "no-such-plan.json"], "cannot read plan 'no-such-plan.json'"),
+    (["--recompute", "stage:x"], "unknown --recompute 'stage:x'; write none, stage (every stage) or stage:LIST"),
     (["--executor", "emulate", "--checkpoint-dir", "ck"], "checkpoints are written by the distributed runtime"),
     (["--resume"], "--resume needs --checkpoint-dir"),
 ])

@@ -70,11 +70,16 @@ class Pipeline:
         executor: ``distributed`` (worker processes over torch.distributed) or ``emulate`` (this
             process; bitwise the same parameters).
         threads_per_worker, receives, timeout: as ``pipetrain train``'s options.
-        recompute: ``none``, or ``stage`` (each stage keeps only its inputs and runs its forward
+        recompute: ``none``, ``stage`` (each stage keeps only its inputs and runs its forward
             again in the backward, on the same weight version: the same results with less
-            activation memory; see docs/gpu.md).
-        precision: ``fp32``, or ``bf16`` (each stage's forward under ``torch.autocast``, float32
-            master weights and optimizer state; also on CPU).
+            activation memory; see docs/gpu.md), or ``stage:0,2`` (those stages only); default:
+            the plan's choice, else ``none``.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (each stage's forward under ``torch.autocast``,
+            float32 master weights and optimizer state; also on CPU); fp16 with a loss scale that
+            every stage agrees on (docs/gpu.md).
+        loss_scale, loss_scale_init, loss_scale_growth: fp16's scale, as ``pipetrain train``'s
+            ``--loss-scale`` (``"dynamic"`` or a power of two), ``--loss-scale-init`` and
+            ``--loss-scale-growth``.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``: where the stages compute (each
             worker on its GPU ``LOCAL_RANK``); ``model`` ends on that device.
     """
@@ -105,9 +110,12 @@ class Pipeline:
         timeout: float = 60.0,
         seed: int = 0,
         on_nonfinite: str = "stop",
-        recompute: str = "none",
+        recompute: str | None = None,
         precision: str = "fp32",
         device: str = "auto",
+        loss_scale: str | float = "dynamic",
+        loss_scale_init: float = 65536.0,
+        loss_scale_growth: int = 2000,
     ) -> None:
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
@@ -125,6 +133,7 @@ class Pipeline:
             optimizer=spec, lr_schedule=lr_schedule, compensation=compensation, executor=executor,
             threads_per_worker=threads_per_worker, receives=receives, timeout=timeout, seed=seed, dtype=None,
             on_nonfinite=on_nonfinite, recompute=recompute, precision=precision, device=device,
+            loss_scale=str(loss_scale), loss_scale_init=loss_scale_init, loss_scale_growth=loss_scale_growth,
             progress=sys.stderr.isatty(),
         ))
         from pipetrain.training.validate import check_execution

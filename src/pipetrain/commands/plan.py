@@ -5,6 +5,7 @@ Examples::
     pipetrain plan vgg16.txt --workers 16
     pipetrain plan vgg16.txt --workers 16 --topology 4x4 --bandwidth 10e9,1.25e9 --json
     pipetrain plan profile.json --workers 8 --memory 16GB --schedule auto --plot plan.png
+    pipetrain plan profile.json --workers 4 --memory 2GB --schedule 1f1b --recompute auto --out plan.json
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", default="pipedream", metavar="NAME|auto",
                         help="pipedream, 2bw, 1f1b, zb-h1, gpipe, or auto: the fastest "
                              "that fits --memory (default pipedream)")
+    parser.add_argument("--recompute", default="none", choices=["none", "auto"],
+                        help="auto: under --memory, a stage that would not fit otherwise keeps only its inputs "
+                             "and runs its forward again in its backward, its time including that forward "
+                             "(one flat level; not under zb-h1); the plan names the stages, and pipetrain train "
+                             "--plan recomputes them (default none: every activation kept)")
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches per minibatch for 2bw/1f1b/zb-h1/gpipe "
                              "(default: the worker count)")
@@ -74,12 +80,22 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--microbatches must be >= 1, got {args.microbatches}")
     topology = Topology.parse(args.workers, args.topology, args.bandwidth)
     memory = parse_bytes(args.memory) if args.memory is not None else None
+    if args.recompute == "auto" and memory is None:
+        raise ConfigError("--recompute auto lets stages that would not fit --memory recompute their activations: "
+                          "give --memory BYTES too")
+    if args.recompute == "auto" and topology.levels > 1:
+        raise ConfigError("--recompute auto is planned on one flat level of workers, where --memory is exact: drop "
+                          "--topology (one --bandwidth) or --recompute")
+    if args.recompute == "auto" and args.schedule == "zb-h1":
+        raise ConfigError("--recompute auto is not planned under zb-h1 (its split backward keeps each recomputed "
+                          "graph until the weight gradient; docs/planner.md): use another --schedule, or auto")
     profile = load_profile(args.profile)
     started = time.perf_counter()
     cuts = build_cuts(profile)
     plan = make_plan(cuts, topology, schedule=args.schedule, cost_model=args.cost_model,
                      straight=args.straight, fewer_machines=args.fewer_machines,
-                     memory_limit=memory, microbatches=args.microbatches, progress=True)
+                     memory_limit=memory, microbatches=args.microbatches, progress=True,
+                     recompute=args.recompute == "auto")
     plan.solve_seconds = time.perf_counter() - started
     baselines = [] if args.no_baselines else compare_baselines(
         cuts, topology, cost_model=args.cost_model, schedule=plan.schedule,
@@ -129,7 +145,8 @@ def format_table(plan, baselines, source: str) -> str:
         rows.append((str(s), _span(stage.layers), str(stage.replicas),
                      f"{stage.compute_s:.6f}", f"{stage.time_s:.6f}",
                      f"{stage.input_transfer_s:.6f}",
-                     format_bytes(stage.memory_bytes or 0.0)))
+                     format_bytes(stage.memory_bytes or 0.0)
+                     + (f", recomputing (+{stage.recompute_s:.6f} s)" if stage.recompute else "")))
     lines.extend(aligned(rows))
     t = plan.predicted_time_per_minibatch
     ratio = (lambda a: f"{a / t:.3f}x") if t > 0 else (lambda a: "-")

@@ -32,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs-file", help='JSON with per-stage lists, e.g. {"F": [1, 1, 2, 1], "B": [2, 2, 4, 2]} (default: --costs)')
     parser.add_argument("--load", metavar="FILE", help="read the schedule from a CSV/text file instead of generating it (default: generate NAME)")
     parser.add_argument("--compare", help="comma-separated schedules to simulate and draw one under another (default: NAME only)")
-    parser.add_argument("--recompute", default="none", choices=["none", "stage"],
-                        help="memory with activation recomputation: stages keep only their inputs (default none)")
+    parser.add_argument("--recompute", default="none",
+                        help="memory with activation recomputation: none, stage (every stage keeps only its inputs) "
+                             "or stage:LIST (those stages, e.g. stage:0,2) (default none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", metavar="FILE.png", help="write a Gantt chart, the comparison with --compare (default: none)")
     parser.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace (default: none)")
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         check(schedule, deadlock=False)
         timeline = simulate(schedule, costs)  # also the dry run: raises DeadlockError if stuck
         timelines.append(timeline)
-        summaries.append(summarize(timeline, include_versions=args.json, recompute=args.recompute == "stage"))
+        summaries.append(summarize(timeline, include_versions=args.json, recompute=args.recompute))
 
     if args.csv or args.programs:
         if len(schedules) != 1:

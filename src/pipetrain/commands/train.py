@@ -96,12 +96,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="where the stages compute: cuda (each worker on GPU LOCAL_RANK, the emulator on one GPU), "
                             "cpu, or auto: CUDA when available (default auto)")
     train.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                       help="bf16: each stage's forward under torch.autocast (also on CPU), float32 master weights "
-                            "and optimizer state; fp16 is not available yet (it needs a loss scale) (default fp32)")
-    train.add_argument("--recompute", default="none", choices=["none", "stage"],
+                       help="bf16 or fp16: each stage's forward under torch.autocast (also on CPU), float32 master "
+                            "weights and optimizer state; fp16 with a loss scale every stage agrees on "
+                            "(docs/gpu.md) (default fp32)")
+    train.add_argument("--loss-scale", default="dynamic", metavar="dynamic|FLOAT",
+                       help="--precision fp16: dynamic (halve on overflow, double after --loss-scale-growth clean "
+                            "updates) or a fixed power of two (default dynamic)")
+    train.add_argument("--loss-scale-init", type=float, default=65536.0, metavar="FLOAT",
+                       help="--precision fp16, dynamic scale: the first scale, a power of two (default 65536)")
+    train.add_argument("--loss-scale-growth", type=int, default=2000, metavar="N",
+                       help="--precision fp16, dynamic scale: clean updates after which the scale doubles "
+                            "(default 2000)")
+    train.add_argument("--recompute", metavar="none|stage|stage:LIST",
                        help="stage: keep only each stage's inputs between a forward and its backward and run the "
                             "forward again in the backward, on the same weight version and random numbers "
-                            "(less activation memory, about one more forward; same results) (default none)")
+                            "(less activation memory, about one more forward; same results); stage:0,2: on "
+                            "those stages only (default: the --plan's choice, else none)")
     train.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip"],
                        help="a NaN or infinite loss or gradient: stop the run naming the step and stage (default "
                             "stop), or skip each update whose gradient is not finite (see docs/optim.md)")
@@ -165,6 +175,7 @@ def config_from_args(args: argparse.Namespace):
         executor=args.executor, workers=args.workers, threads_per_worker=args.threads_per_worker,
         receives=args.receives, timeout=args.timeout, seed=args.seed, shuffle=not args.no_shuffle, dtype=args.dtype,
         on_nonfinite=args.on_nonfinite, precision=args.precision, recompute=args.recompute,
+        loss_scale=args.loss_scale, loss_scale_init=args.loss_scale_init, loss_scale_growth=args.loss_scale_growth,
         device=args.device,
         eval_every=args.eval_every, eval_samples=args.eval_samples, save=args.save, report_json=args.report_json,
         trace=args.trace, plot=args.plot,
@@ -212,6 +223,13 @@ def run(args: argparse.Namespace) -> int:
         final = result.evaluations[-1]
         line += f", test loss {final['loss']:.4f}, test accuracy {100 * final['accuracy']:.2f} %"
     print(line)
+    scale = result.extra.get("loss_scale")
+    if scale is not None:
+        skips = scale["per_stage"][0]["skipped"] if scale["per_stage"] else []
+        print(f"fp16 loss scale: {scale['final']:g} at the end; updates skipped on overflow: "
+              + (_ranges(skips) if skips else "none")
+              + ("" if scale["stages_agree"] else " on stage 0 (" + "; ".join(
+                  f"stage {s}: {_ranges(p['skipped']) if p['skipped'] else 'none'}" for s, p in enumerate(scale["per_stage"])) + ")"))
     skipped = result.extra.get("skipped_updates") or []
     if any(skipped):
         print(f"skipped updates whose gradient was not finite (--on-nonfinite skip): "

@@ -42,6 +42,17 @@ Mixed precision (``autocast=torch.bfloat16``): every forward (and the loss) runs
 ``torch.autocast`` on the stage's device; weights, versions, gradients and optimizer state stay in
 the module's own (master) dtype, and activations and their gradients travel in the dtype autocast
 gives them.
+
+float16 (``scaler=LossScale(...)``, with ``autocast=torch.float16``): stage 0 stamps each
+microbatch with the scale of its update (the same for all microbatches of one update) and the
+stamp travels with the forward message (one more tensor after the outputs, taken off by the next
+stage); the last stage multiplies the loss by it, every stage divides its gradient by it at the
+update (exact: a power of two). Each backward tests the input gradients it sends and the weight
+gradients it accumulated, and the backward message carries one more tensor, an overflow flag (the
+flag that arrived, or this stage's own finding), so every earlier stage learns of an overflow
+before its own update of that microbatch. An update whose gradient overflowed, or that holds a
+flagged microbatch, is skipped (as under ``nonfinite="skip"``), and stage 0's scale halves; after
+``growth_interval`` clean updates it doubles. docs/gpu.md says which stages agree on a skip.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from torch import Tensor, nn
 
 from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.device import to_device
+from pipetrain.execution.scaling import LossScale
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
 
@@ -204,6 +216,7 @@ class _InFlight:
     version: int = 0
     target: Any = None
     loss_scale: float = 1.0
+    scale: float = 1.0  # float16: the loss scale stamped on this microbatch by stage 0
     grad_outputs: tuple | None = None
     storage: dict[int, str] = field(default_factory=dict)
     leaf_set: Any = None  # all leaves of the version the forward read (the same object per version)
@@ -232,6 +245,9 @@ class StageExecutor:
             the module's dtype; ``None``: no autocast.
         device: where the stage computes (default: where its parameters or buffers are, else the
             CPU; give it for a stage without either, such as an activation function alone).
+        scaler: float16's loss scale (see the module docstring; ``None``: no loss scale, no
+            stamp and no flag in the messages). Every stage of a run gets one or none.
+        units_per_update: microbatches per update (stage 0 stamps one scale per update).
     """
 
     def __init__(
@@ -248,6 +264,8 @@ class StageExecutor:
         recompute: bool = False,
         autocast: torch.dtype | None = None,
         device: torch.device | None = None,
+        scaler: LossScale | None = None,
+        units_per_update: int = 1,
     ) -> None:
         if nonfinite not in NONFINITE:
             raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {nonfinite!r}")
@@ -263,6 +281,14 @@ class StageExecutor:
         self.seed = seed
         self.recompute = recompute
         self.autocast = autocast
+        self.scaler = scaler
+        self.units_per_update = units_per_update
+        self._stamps: dict[int, float] = {}  # stage 0: update -> the scale its microbatches carry
+        self._overflow = False  # float16: the update being accumulated overflowed (here or later)
+        self._pending_scale: float | None = None  # float16: the scale of the update being accumulated
+        #: float16: the updates (from 1) skipped because their gradient overflowed, and per update the scale used
+        self.overflow_skipped: list[int] = []
+        self.scales: list[float] = []
         named = dict(module.named_parameters())
         self.trainable = frozenset(n for n, p in named.items() if p.requires_grad)
         # recomputing microbatches may still read a released version (PB's latest): its buffers are not reused
@@ -339,6 +365,7 @@ class StageExecutor:
         loss_scale: float = 1.0,
         samples: int = 0,
         params: Mapping[str, Tensor] | None = None,
+        stamp: float | None = None,
     ) -> tuple:
         """Run the forward of ``microbatch`` on ``version``; returns the outputs to pass on (detached),
         or on the last stage ``(loss,)`` with the unscaled mean loss.
@@ -364,6 +391,15 @@ class StageExecutor:
                     predicted = {n: t for n, t in params.items() if t is not true[n]}
             leaves = self._make_leaves(params)
         device = self.device  # a batch read on the CPU, or a message, comes to the stage's device
+        scale = 1.0
+        if self.scaler is not None:
+            if stamp is not None:  # a replayed forward (checkpoint)
+                scale = stamp
+            elif self.stage == 0:
+                scale = self._stamp(microbatch)
+            else:  # the stamp stage 0 put after the outputs
+                *rest, carried = as_tuple(inputs)
+                scale, inputs = float(carried), tuple(rest)
         inputs = tuple(
             x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
             for x in to_device(as_tuple(inputs), device, non_blocking=True)
@@ -373,7 +409,7 @@ class StageExecutor:
         if self.stochastic:
             torch.manual_seed(self._microbatch_seed(microbatch))
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
-                           leaf_set=leaves, microbatch=microbatch, predicted=predicted)
+                           scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted)
         if self.recompute and not self.stochastic:  # whatever random numbers the forward draws, replayed
             record.rng = _rng_state(self.device)
         try:
@@ -390,14 +426,35 @@ class StageExecutor:
                     stage=self.stage, microbatch=microbatch,
                 )
             if not self.recompute:
-                record.roots = (loss * loss_scale if loss_scale != 1.0 else loss,)
+                record.roots = (self._scaled(loss, record),)
             self.in_flight[microbatch] = record
             return (self.last_loss,)
         outputs = as_tuple(output)
         if not self.recompute:
             record.roots = outputs
         self.in_flight[microbatch] = record
-        return tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+        sent = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+        if self.scaler is not None:
+            sent += (torch.tensor([scale], dtype=torch.float32, device=device),)
+        return sent
+
+    @staticmethod
+    def _scaled(loss: Tensor, record: _InFlight) -> Tensor:
+        """What the last stage differentiates: the loss times its share of the update's batch, and
+        under float16 times the loss scale (a power of two: the product is exact)."""
+        factor = record.loss_scale * record.scale
+        return loss * factor if factor != 1.0 else loss
+
+    def _stamp(self, microbatch: int) -> float:
+        """Stage 0: the scale of ``microbatch``'s update, fixed at the first forward of that update
+        (so every microbatch of an update carries the same scale, wherever it is accumulated)."""
+        update = microbatch // self.units_per_update
+        scale = self._stamps.get(update)
+        if scale is None:
+            scale = self._stamps[update] = self.scaler.scale
+            for old in [u for u in self._stamps if u < update - 64]:
+                del self._stamps[old]
+        return scale
 
     def _microbatch_seed(self, microbatch: int) -> int:
         return (self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch
@@ -450,7 +507,7 @@ class StageExecutor:
             for table, attr, buffer in originals:
                 table[attr] = buffer
         if self.is_last:
-            record.roots = (loss * record.loss_scale if record.loss_scale != 1.0 else loss,)
+            record.roots = (self._scaled(loss, record),)
         else:
             record.roots = as_tuple(output)
 
@@ -530,30 +587,82 @@ class StageExecutor:
         """Full backward: returns gradients for the stage inputs (None where an input has none) and
         accumulates the weight gradients."""
         record = self._pop(microbatch)
-        if grad_outputs is not None:
-            grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
+        grad_outputs, flagged = self._arrived(record, grad_outputs)
         positions = self._input_targets(record)
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
         self._done(record)
-        return self._input_grads(record, positions, results)
+        grads = self._input_grads(record, positions, results)
+        if self.scaler is not None:
+            self._test_overflow(record, flagged, grads, weights=True)
+            grads = self._flagged(grads)
+        return grads
+
+    def _arrived(self, record: _InFlight, grad_outputs: Sequence | None) -> tuple[Any, bool]:
+        """The gradients that arrived for ``record`` on this device and, under float16, the
+        overflow flag after them (taken off); the update's scale must be the record's."""
+        if grad_outputs is not None:
+            grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
+        if self.scaler is None:
+            return grad_outputs, False
+        if self._pending_scale is None:
+            self._pending_scale = record.scale
+        elif self._pending_scale != record.scale:
+            raise PipetrainError(f"stage {self.stage}: microbatch {record.microbatch} carries loss scale {record.scale:g} "
+                                 f"but the update it joins has {self._pending_scale:g}")
+        if grad_outputs is None:  # the last stage
+            return None, False
+        *grads, flag = grad_outputs
+        return tuple(grads), bool(flag.item())
+
+    def _test_overflow(self, record: _InFlight, flagged: bool, grads: Sequence, weights: bool) -> None:
+        """float16: whether the update being accumulated overflowed, from the flag that arrived, the
+        input gradients about to be sent and (``weights``) the weight gradients accumulated on the
+        leaves of ``record``'s version. An overflow also puts an infinity in an accumulated weight
+        gradient, so that a replica's SYNC (or a tied parameter's sum) carries it to the others."""
+        if self._overflow:
+            return
+        bad = flagged or not all_finite([g for g in grads if isinstance(g, Tensor)])
+        if not bad and weights:
+            bad = not all_finite([leaf.grad for leaf in record.leaves.values() if leaf.grad is not None])
+        if bad:
+            self._overflow = True
+            for leaf in record.leaves.values():
+                if leaf.grad is not None:
+                    leaf.grad.view(-1)[:1] = math.inf
+                    break
+
+    def _flagged(self, grads: Gradients) -> Gradients:
+        """The gradients to send back, with the overflow flag after them (not from stage 0)."""
+        if self.stage == 0:
+            return grads
+        return grads + (torch.tensor([1.0 if self._overflow else 0.0], dtype=torch.float32, device=self.device),)
 
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Input-gradient half of a split backward (I); the weight half (W) runs later."""
         record = self._get(microbatch)
-        if grad_outputs is not None:
-            grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
+        grad_outputs, flagged = self._arrived(record, grad_outputs)
         record.grad_outputs = grad_outputs
         positions = self._input_targets(record)
         if not positions:
-            return self._input_grads(record, positions, [])
-        results = self._input_gradients(record, version, [record.inputs[i] for i in positions], grad_outputs)
-        return self._input_grads(record, positions, results)
+            grads = self._input_grads(record, positions, [])
+        else:
+            results = self._input_gradients(record, version, [record.inputs[i] for i in positions], grad_outputs)
+            grads = self._input_grads(record, positions, results)
+        if self.scaler is not None:
+            if flagged:
+                self._overflow = True  # recorded in the weight gradient by W
+            self._test_overflow(record, False, grads, weights=False)
+            grads = self._flagged(grads)
+        return grads
 
     def backward_weight(self, microbatch: int, version: int) -> None:
         """Weight-gradient half of a split backward (W)."""
         record = self._pop(microbatch)
         self._backward_into(record, version, [], record.grad_outputs, weights_only=True)
         self._done(record)
+        if self.scaler is not None:  # an overflow found only here reaches no earlier stage (docs/gpu.md)
+            overflow, self._overflow = self._overflow, False
+            self._test_overflow(record, overflow, (), weights=True)
 
     def _done(self, record: _InFlight) -> None:
         """After a microbatch's backward: the tensors of its prediction are free for the next."""
@@ -629,16 +738,26 @@ class StageExecutor:
         for version in release:
             if version != number:
                 self.release(version)
-        if self.nonfinite == "skip" and not all_finite(list(grads.values())):
-            step = number + 1
-            self.skipped.append(step)
-            if len(self.skipped) >= SKIP_LIMIT and self.skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
-                raise NonFiniteError(
-                    f"stage {self.stage}: the gradients of updates {step - SKIP_LIMIT + 1} to {step} were all not "
-                    f"finite (the last in {_nonfinite_names(grads)}) and all were skipped: the weights or the data "
-                    f"keep producing NaN or infinite values; training stopped there. {_advice(skip=False)}",
-                    stage=self.stage, step=step,
-                )
+        unscale = 1.0
+        if self.scaler is not None:
+            overflow = self._overflow or not all_finite(list(grads.values()))
+            scale = self._pending_scale if self._pending_scale is not None else self._current_scale()
+            self._overflow, self._pending_scale = False, None
+            self.scales.append(scale)
+            if overflow:
+                self.overflow_skipped.append(number + 1)
+                if not self.scaler.dynamic:
+                    self._check_skip_limit(self.overflow_skipped, number + 1, grads)
+            if self.stage == 0:
+                self.scaler.update(overflow, number + 1)
+            unscale = 1.0 / scale
+            skip = overflow
+        else:
+            skip = self.nonfinite == "skip" and not all_finite(list(grads.values()))
+            if skip:
+                self.skipped.append(number + 1)
+                self._check_skip_limit(self.skipped, number + 1, grads)
+        if skip:
             if in_place:
                 new = current
             else:  # a copy where the last stays held, so that both stay immutable (into spares, if any)
@@ -648,10 +767,11 @@ class StageExecutor:
         elif self.optimizer is None:
             new = dict(current)
         else:
-            if self.grad_scale != 1.0:  # the sums are this executor's own (dropped after the update)
+            factor = self.grad_scale * unscale  # exact: the loss scale is a power of two
+            if factor != 1.0:  # the sums are this executor's own (dropped after the update)
                 for grad in grads.values():
                     if grad is not None:
-                        grad.mul_(self.grad_scale)
+                        grad.mul_(factor)
             out: dict[str, Tensor] = {}
             if in_place:  # nothing reads the replaced version any more: its tensors, unless shared
                 out = {n: current[n] for n in grads if versions.exclusive(number, n)}
@@ -667,6 +787,20 @@ class StageExecutor:
         if number in self._leaves and not versions.holds(number):  # the push dropped it (released before)
             del self._leaves[number]
         return made
+
+    def _current_scale(self) -> float:
+        """The scale of an update with no backward here (nothing to unscale): stage 0's, else 1."""
+        return self.scaler.scale if self.stage == 0 else 1.0
+
+    def _check_skip_limit(self, skipped: list[int], step: int, grads: Mapping[str, Tensor]) -> None:
+        """Stop after :data:`SKIP_LIMIT` skipped updates in a row (see its docstring)."""
+        if len(skipped) >= SKIP_LIMIT and skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
+            raise NonFiniteError(
+                f"stage {self.stage}: the gradients of updates {step - SKIP_LIMIT + 1} to {step} were all not "
+                f"finite (the last in {_nonfinite_names(grads)}) and all were skipped: the weights or the data "
+                f"keep producing NaN or infinite values; training stopped there. {_advice(skip=False)}",
+                stage=self.stage, step=step,
+            )
 
     def _awaits_recomputation(self, version: int) -> bool:
         """Whether a microbatch in flight will recompute its forward on ``version``'s tensors
@@ -718,10 +852,16 @@ class StageExecutor:
                     "inputs": tuple(x.detach() if isinstance(x, Tensor) else x for x in r.inputs),
                     "target": r.target,
                     "loss_scale": r.loss_scale,
+                    "scale": r.scale,
                     "params": {n: t.detach() for n, t in r.leaves.items()} if predicted else None,
                 }
                 for k, r in self.in_flight.items()
             ],
+            "fp16": None if self.scaler is None else {
+                "scaler": self.scaler.state_dict(), "stamps": dict(self._stamps), "overflow": self._overflow,
+                "pending_scale": self._pending_scale, "overflow_skipped": list(self.overflow_skipped),
+                "scales": list(self.scales),
+            },
         }
 
     def restore(self, state: dict[str, Any]) -> list[tuple[int, tuple]]:
@@ -737,6 +877,12 @@ class StageExecutor:
         self.pending_samples = state["pending_samples"]
         self.grads = state["grads"]
         self.in_flight.clear()
+        fp16 = state.get("fp16")
+        if self.scaler is not None and fp16 is not None:
+            self.scaler.load_state_dict(fp16["scaler"])
+            self._stamps = dict(fp16["stamps"])
+            self._overflow, self._pending_scale = fp16["overflow"], fp16["pending_scale"]
+            self.overflow_skipped, self.scales = list(fp16["overflow_skipped"]), list(fp16["scales"])
         replayed = []
         for record in state["in_flight"]:
             params = None
@@ -745,7 +891,7 @@ class StageExecutor:
             out = self.forward(
                 record["microbatch"], record["version"], record["inputs"], target=record["target"],
                 samples=record["samples"], params=params,
-                loss_scale=record["loss_scale"],
+                loss_scale=record["loss_scale"], stamp=record.get("scale") if self.scaler is not None else None,
             )
             replayed.append((record["microbatch"], out))
         with torch.no_grad():

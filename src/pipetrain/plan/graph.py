@@ -34,7 +34,8 @@ class Cuts:
 
     State 0 is the empty ideal (before the first layer), the last state is the whole model. Arrays
     have one entry per state: ``compute[j]`` is the forward plus backward time of all layers in
-    ideal ``j``; likewise ``params``, ``optimizer``, ``activations`` (bytes); ``output[j]`` the
+    ideal ``j``, ``forward[j]`` their forward time alone (what activation recomputation runs
+    again); likewise ``params``, ``optimizer``, ``activations`` (bytes); ``output[j]`` the
     bytes sent across cut ``j``. ``ancestors[k, j]`` is true when ideal ``k`` is a proper subset of
     ideal ``j`` (so ``k -> j`` is a valid stage). For a chain, state ``j`` is the first ``j``
     layers along the chain.
@@ -55,6 +56,7 @@ class Cuts:
     layer_activations: np.ndarray | None = None  # per planned layer
     successors: np.ndarray | None = None  # (layer, layer) adjacency, DAGs only
     augment: np.ndarray | None = None     # (layer, layer): p joins a's augmented antichain
+    forward: np.ndarray | None = None     # per state, like compute: the forward time alone
 
     @property
     def num_states(self) -> int:
@@ -137,6 +139,7 @@ def build_cuts(profile: Profile) -> Cuts:
     pred_idx = [[index[p] for p in preds[name] if p in kept] for name in keep]
     succ_idx = [[index[s] for s in succs[name] if s in kept] for name in keep]
     compute = np.array([layers[name].compute_s for name in keep], dtype=np.float64)
+    forward = np.array([layers[name].forward_s for name in keep], dtype=np.float64)
     params = np.array([layers[name].parameter_bytes for name in keep], dtype=np.float64)
     optim = np.array([layers[name].optimizer_bytes for name in keep], dtype=np.float64)
     acts = np.array([layers[name].activation_bytes for name in keep], dtype=np.float64)
@@ -160,7 +163,7 @@ def build_cuts(profile: Profile) -> Cuts:
     return Cuts(profile=profile, nodes=keep, members=members, compute=sums(compute),
                 params=sums(params), optimizer=sums(optim), activations=sums(acts),
                 output=output, ancestors=ancestors, chain=chain, inputs=inputs, tails=tails,
-                layer_activations=acts, successors=succ, augment=extra)
+                layer_activations=acts, successors=succ, augment=extra, forward=sums(forward))
 
 
 def _pack(masks: list[int], bits: int) -> np.ndarray:

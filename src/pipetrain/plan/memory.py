@@ -17,6 +17,17 @@ gpipe         1                all m microbatches: ``a``
 
 plus one copy of the optimizer state. Activations are taken to scale linearly with the
 microbatch size.
+
+With activation recomputation (``recompute``) a stage keeps only its *input* (``i``, the bytes
+crossing the cut into it, per minibatch) for each unit in flight and runs the unit's forward
+again in its backward, so it holds the whole activations of one unit at a time: ``d_s * i + a``
+(pipedream) or ``min(d_s, m) * i / m + a / m`` (``m * i / m + a / m`` for gpipe); weight versions
+are unchanged (the recomputation reads the version its forward read, which these schedules keep
+anyway). zb-h1 keeps the graph recomputed for a microbatch's input gradient until its deferred
+weight gradient, so a stage holds more graphs the later it is in the pipeline
+(:func:`pipetrain.schedule.memory_by_rank` counts them): that is not a function of the stage's
+depth alone, and the planner does not recompute under zb-h1 (:data:`RECOMPUTES`). Data entering
+stage 0 is counted neither with nor without recomputation.
 """
 
 from __future__ import annotations
@@ -28,10 +39,12 @@ import numpy as np
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["SCHEDULES", "check_schedule", "is_flush", "in_flight", "weight_versions",
+__all__ = ["SCHEDULES", "RECOMPUTES", "check_schedule", "is_flush", "in_flight", "weight_versions",
            "stage_memory", "parse_bytes", "format_bytes"]
 
 SCHEDULES = ("pipedream", "2bw", "1f1b", "zb-h1", "gpipe")
+#: the schedules under which the planner may choose activation recomputation for a stage
+RECOMPUTES = ("pipedream", "2bw", "1f1b", "gpipe")
 _FLUSH = {"1f1b", "zb-h1", "gpipe"}
 
 
@@ -63,15 +76,21 @@ def weight_versions(schedule: str, workers_from_here, replicas):
 
 
 def stage_memory(schedule: str, *, parameter_bytes, optimizer_bytes, activation_bytes,
-                 workers_from_here, replicas, microbatches: int = 1):
-    """Peak bytes on one worker of a stage (broadcasts over array arguments)."""
+                 workers_from_here, replicas, microbatches: int = 1, recompute=False, input_bytes=0.0):
+    """Peak bytes on one worker of a stage (broadcasts over array arguments); ``recompute``
+    (a bool, or an array of them): with activation recomputation, the stage's ``input_bytes``
+    per unit in flight and one unit's activations (see the module docstring)."""
     versions = weight_versions(schedule, workers_from_here, replicas)
     held = in_flight(schedule, workers_from_here, replicas, microbatches)
     per_unit = np.asarray(activation_bytes, dtype=np.float64)
+    per_input = np.asarray(input_bytes, dtype=np.float64)
     if schedule != "pipedream":
         per_unit = per_unit / microbatches
+        per_input = per_input / microbatches
+    kept = np.where(recompute, held * per_input + per_unit, held * per_unit) if np.any(recompute) else \
+        held * per_unit
     return versions * np.asarray(parameter_bytes, dtype=np.float64) + \
-        np.asarray(optimizer_bytes, dtype=np.float64) + held * per_unit
+        np.asarray(optimizer_bytes, dtype=np.float64) + kept
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,

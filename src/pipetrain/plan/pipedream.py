@@ -22,9 +22,16 @@ solves all ranges; the last solves only the whole model. Two cost models:
 Options: ``straight`` (no replication), ``fewer_machines`` (a plan may leave workers idle: with it,
 more workers never give a worse plan), and a memory limit per worker for a single-level topology
 (see :mod:`pipetrain.plan.memory`; stage ``s`` of PipeDream holds ``ceil(workers from s / r_s)``
-weight versions and minibatches of activations). Deviation from the public code, on purpose: with
-``fewer_machines`` a one-layer range may also use fewer replicas, and for DAG models the ranges of
-inner levels are only ever between nested cuts (the public code also subtracts unrelated ones).
+weight versions and minibatches of activations). Under a memory limit, ``recompute`` lets a stage
+that does not fit keep only its inputs and run its forward again in its backward: priced ``T`` of
+``compute + forward`` instead of ``compute`` (the forward once more per minibatch), and chosen
+only where the stage would not fit otherwise, so a stage's cost is the cheaper of the options
+that fit. Each option's cost falls with more replicas and fewer workers after the stage, so their
+minimum does too, which is all the sweep below needs.
+
+Deviation from the public code, on purpose: with ``fewer_machines`` a one-layer range may also use
+fewer replicas, and for DAG models the ranges of inner levels are only ever between nested cuts
+(the public code also subtracts unrelated ones).
 
 The tables are the recurrence's, filled so that thousands of workers take seconds (docs/planner.md,
 "How it stays fast"): one machine count at a time with a crossing pointer per (row, k, j) instead
@@ -48,7 +55,7 @@ import numpy as np
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.plan.graph import Cuts, build_cuts
-from pipetrain.plan.memory import check_schedule, format_bytes, stage_memory
+from pipetrain.plan.memory import RECOMPUTES, check_schedule, format_bytes, stage_memory
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.effort import Effort
@@ -111,6 +118,7 @@ class _Memory:
     schedule: str
     microbatches: int
     workers: int
+    recompute: bool = False  # a stage that does not fit may recompute its activations
 
 
 class _Level:
@@ -167,16 +175,47 @@ class _Level:
         return Effort(self.n, elements, len(self.rows) * self.s.cuts.num_states, what)
 
     # costs ----------------------------------------------------------------------------------
-    def _mem(self, k, j, m, workers_from_here):
+    def _mem(self, k, j, m, workers_from_here, recompute: bool = False):
         c = self.s.cuts
         return stage_memory(self.memory.schedule, parameter_bytes=c.params[j] - c.params[k],
                             optimizer_bytes=c.optimizer[j] - c.optimizer[k],
                             activation_bytes=c.activations[j] - c.activations[k],
                             workers_from_here=workers_from_here, replicas=m,
-                            microbatches=self.memory.microbatches)
+                            microbatches=self.memory.microbatches, recompute=recompute,
+                            input_bytes=self._input_bytes(k, j) if recompute else 0.0)
+
+    def _least_mem(self, k, j, m, workers_from_here):
+        """The memory of stage ``k -> j``: the smaller with and without recomputation, where
+        the planner may recompute."""
+        plain = self._mem(k, j, m, workers_from_here)
+        if not self._recomputing():
+            return plain
+        return np.minimum(plain, self._mem(k, j, m, workers_from_here, recompute=True))
+
+    def _input_bytes(self, k, j):
+        """What crosses the cut into stage ``k -> j``: the input it keeps when it recomputes."""
+        return self.s.cuts.output[k]
+
+    def _forward(self, k, j):
+        """The forward time of stage ``k -> j``: what recomputation runs once more."""
+        forward = self.s.cuts.forward
+        return 0.0 if forward is None else forward[j] - forward[k]
 
     def _limited(self) -> bool:
         return self.memory is not None and self.memory.limit is not None
+
+    def _recomputing(self) -> bool:
+        """Whether a stage that does not fit the memory limit may recompute its activations."""
+        return self._limited() and self.memory.recompute
+
+    def _within_limit(self, k, j, m, workers_from_here, plain, again):
+        """``plain`` where stage ``k -> j`` fits the limit, else ``again`` (its time with
+        recomputation) where that fits, else ``inf``."""
+        fits = self._mem(k, j, m, workers_from_here) <= self.memory.limit
+        if not self._recomputing():
+            return np.where(fits, plain, np.inf)
+        fits_again = self._mem(k, j, m, workers_from_here, recompute=True) <= self.memory.limit
+        return np.where(fits, plain, np.where(fits_again, again(), np.inf))
 
     def single(self, r, j, m, mode: str = "time", limit: bool = True):
         """One stage ``r -> j`` on ``m`` replicas; ``inf`` where that is no stage (or, with
@@ -184,12 +223,16 @@ class _Level:
         cuts = self.s.cuts
         valid = cuts.ancestors[r, j]
         if mode == "memory":
-            return np.where(valid, self._mem(r, j, m, self.memory.workers), np.inf)
-        value = _stage_time(self.s.model, self.seg(r, j), cuts.params[j] - cuts.params[r], m,
-                            self.bandwidth, self.within, single=True)
+            return np.where(valid, self._least_mem(r, j, m, self.memory.workers), np.inf)
+
+        def time(extra=0.0):
+            return _stage_time(self.s.model, self.seg(r, j) + extra, cuts.params[j] - cuts.params[r], m,
+                               self.bandwidth, self.within, single=True)
+
+        value = time()
         if limit and self._limited():
-            value = np.where(self._mem(r, j, m, self.memory.workers) > self.memory.limit,
-                             np.inf, value)
+            value = self._within_limit(r, j, m, self.memory.workers, value,
+                                       lambda: time(self._forward(r, j)))
         return np.where(valid, value, np.inf)
 
     def last(self, p, m, machines: int, mode: str = "time"):
@@ -198,32 +241,53 @@ class _Level:
         (``inf`` where it does not fit the memory limit)."""
         if mode == "memory":
             k, j = self.ranges.pair_k[p], self.ranges.pair_j[p]
-            return self._mem(k, j, m, self.memory.workers - machines + m)
+            return self._least_mem(k, j, m, self.memory.workers - machines + m)
         value = self.last_time(p, m)
-        if self._limited():
+        if self._recomputing():
+            value = np.where(self.fits(p, m, machines, "plain"), value,
+                             np.where(self.fits(p, m, machines, "again"), self.last_time(p, m, again=True),
+                                      np.inf))
+        elif self._limited():
             value = np.where(self.fits(p, m, machines), value, np.inf)
         return value
 
-    def last_time(self, p, m):
-        """:meth:`last` without the memory limit (it does not depend on the machine count)."""
-        value = _stage_time(self.s.model, self.pair_seg[p], self.pair_params[p], m,
+    def last_time(self, p, m, again: bool = False):
+        """:meth:`last` without the memory limit (it does not depend on the machine count);
+        ``again``: with the stage's forward once more (recomputation)."""
+        seg = self.pair_seg[p]
+        if again:
+            if not hasattr(self, "_pair_forward"):
+                self._pair_forward = np.asarray(self._forward(self.ranges.pair_k, self.ranges.pair_j),
+                                                dtype=np.float64) * np.ones(self.ranges.pair_k.size)
+            seg = seg + self._pair_forward[p]
+        value = _stage_time(self.s.model, seg, self.pair_params[p], m,
                             self.bandwidth)
         transfer = self.pair_transfer[p]
         if self.s.model == "paper":
             return np.maximum(value, transfer / self.bandwidth)
         return np.maximum(value, transfer / (self.bandwidth * m))
 
-    def fits(self, p, m, machines: int):
-        """The last stage (pair ``p``, ``m`` replicas) of ``machines`` fits the memory limit.
+    def fits(self, p, m, machines: int, which: str = "any"):
+        """The last stage (pair ``p``, ``m`` replicas) of ``machines`` fits the memory limit:
+        as it is (``which="plain"``), recomputing (``"again"``), or either (``"any"``).
 
         A worker's memory grows only with its stage's depth ``ceil(workers from here / m)``
         (:mod:`pipetrain.plan.memory`), so each pair has a deepest depth that fits, found once.
         """
-        if not hasattr(self, "_deepest"):
-            self._deepest = self._deepest_fitting()
         m = np.asarray(m)
         depth = (self.memory.workers - machines + 2 * m - 1) // m
-        return depth <= self._deepest[p]
+        return depth <= self.deepest(which)[p]
+
+    def deepest(self, which: str = "any") -> np.ndarray:
+        """Per pair, the deepest depth that fits (:meth:`fits`), computed once per kind."""
+        cache = self.__dict__.setdefault("_deepest", {})
+        if which not in cache:
+            if which == "any":
+                cache[which] = self.deepest("plain") if not self._recomputing() else \
+                    np.maximum(self.deepest("plain"), self.deepest("again"))
+            else:
+                cache[which] = self._deepest_fitting(recompute=which == "again")
+        return cache[which]
 
     def _deep_enough(self, deepest: np.ndarray, lo: np.ndarray) -> np.ndarray:
         """The fewest machines at which a last stage whose prefix needs ``lo`` fits: on
@@ -234,7 +298,7 @@ class _Level:
             need = np.ceil((self.memory.workers + (d - 1) * lo) / d)
         return np.where((d > 0) & np.isfinite(lo), need, np.inf)
 
-    def _deepest_fitting(self) -> np.ndarray:
+    def _deepest_fitting(self, recompute: bool = False) -> np.ndarray:
         """Per pair: the largest depth ``d <= workers`` whose memory fits (0: none)."""
         k, j = self.ranges.pair_k, self.ranges.pair_j
         workers, limit = self.memory.workers, self.memory.limit
@@ -245,7 +309,7 @@ class _Level:
             if not open_.size:
                 return lo
             mid = (lo[open_] + hi[open_] + 1) >> 1
-            ok = self._mem(k[open_], j[open_], 1, mid) <= limit
+            ok = self._mem(k[open_], j[open_], 1, mid, recompute) <= limit
             lo[open_] = np.where(ok, mid, lo[open_])
             hi[open_] = np.where(ok, hi[open_], mid - 1)
 
@@ -281,10 +345,10 @@ class _Level:
                 def keep(machines: int, row: np.ndarray) -> None:
                     row[(fewest_machines > machines) | (most_machines < machines)] = np.inf
 
-        limited = mode == "time" and self._limited()
+        limited = mode == "time" and self._limited() and not self._recomputing()
         if limited:
             last, fits = (lambda p, m, machines: self.last_time(p, m)), self.fits
-        else:
+        else:  # (with recomputation the cost depends on the machine count: whether a stage fits as it is)
             last, fits = (lambda p, m, machines: self.last(p, m, machines, mode)), None
         effort = self.effort(windows)
         effort.check()
@@ -350,9 +414,7 @@ class _Level:
         pair = self.ranges.pair
         start = lo[k[pair]] + replicas[pair]
         if self._limited():
-            if not hasattr(self, "_deepest"):
-                self._deepest = self._deepest_fitting()
-            start = np.maximum(start, self._deep_enough(self._deepest[pair], lo[k[pair]]))
+            start = np.maximum(start, self._deep_enough(self.deepest()[pair], lo[k[pair]]))
         stop = self.n - g[j[pair]]
         as_int = (lambda x: np.clip(x, -1, self.n + 1).astype(np.int64))   # inf: never
         return (as_int(lo[k[pair]]), as_int(start), as_int(stop)), as_int(lo), \
@@ -629,31 +691,37 @@ class _MirrorLevel(_Level):
             self.pair_transfer = np.where(first, 0.0,
                                           2.0 * np.maximum(cuts.output[k], cuts.output[j]))
 
+    def _input_bytes(self, k, j):
+        """The original stage's input: the cut at its start, reversed cut ``j``."""
+        return self.s.cuts.output[j]
+
     def single(self, r, j, m, mode: str = "time", limit: bool = True):
         """The original last stage: one stage to the end, with its input transfer."""
         cuts = self.s.cuts
         valid = cuts.ancestors[r, j]
         if mode == "memory":
-            return np.where(valid, self._mem(r, j, m, m), np.inf)
-        value = _stage_time(self.s.model, self.seg(r, j), cuts.params[j] - cuts.params[r], m,
-                            self.bandwidth)
+            return np.where(valid, self._least_mem(r, j, m, m), np.inf)
         out = np.where(np.asarray(j) == cuts.num_states - 1, 0.0, cuts.output[j])
-        value = np.maximum(value, _transfer_in(self.s.model, out, m, self.bandwidth))
+
+        def time(extra=0.0):
+            value = _stage_time(self.s.model, self.seg(r, j) + extra, cuts.params[j] - cuts.params[r], m,
+                                self.bandwidth)
+            return np.maximum(value, _transfer_in(self.s.model, out, m, self.bandwidth))
+
+        value = time()
         if limit and self._limited():
-            value = np.where(self._mem(r, j, m, m) > self.memory.limit, np.inf, value)
+            value = self._within_limit(r, j, m, m, value, lambda: time(self._forward(r, j)))
         return np.where(valid, value, np.inf)
 
     def last(self, p, m, machines: int, mode: str = "time"):
         if mode == "memory":
             k, j = self.ranges.pair_k[p], self.ranges.pair_j[p]
-            return self._mem(k, j, m, machines)
+            return self._least_mem(k, j, m, machines)
         return super().last(p, m, machines, mode)
 
-    def fits(self, p, m, machines: int):
-        if not hasattr(self, "_deepest"):
-            self._deepest = self._deepest_fitting()
+    def fits(self, p, m, machines: int, which: str = "any"):
         m = np.asarray(m)
-        return (machines + m - 1) // m <= self._deepest[p]
+        return (machines + m - 1) // m <= self.deepest(which)[p]
 
     def _deep_enough(self, deepest: np.ndarray, lo: np.ndarray) -> np.ndarray:
         """Depth ``ceil(M / m)`` with ``m <= M - lo``: ``M >= deepest lo / (deepest - 1)``."""
@@ -679,6 +747,7 @@ class _Mirror(_Solver):
         flip = (lambda values: -values[::-1])
         mirrored = dataclasses.replace(
             cuts, compute=flip(cuts.compute), params=flip(cuts.params),
+            forward=None if cuts.forward is None else flip(cuts.forward),
             optimizer=flip(cuts.optimizer), activations=flip(cuts.activations),
             output=cuts.output[::-1].copy(),
             ancestors=np.ascontiguousarray(cuts.ancestors[::-1, ::-1].T))
@@ -717,11 +786,14 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
              cost_model: str = "pipedream-code", straight: bool = False,
              fewer_machines: bool = False, memory_limit: float | None = None,
              schedule: str = "pipedream", microbatches: int = 1,
-             progress: bool = False) -> Plan:
+             progress: bool = False, recompute: bool = False) -> Plan:
     """Partition ``profile`` over ``topology`` with PipeDream's optimizer.
 
     ``topology`` is a :class:`Topology` or a worker count (one level at 1e9 B/s). Returns a
     :class:`Plan` whose ``predicted_time_per_minibatch`` is the slowest stage's time.
+    ``recompute``: under ``memory_limit`` on a one-level topology, a stage that would not fit
+    may recompute its activations (:data:`~pipetrain.plan.memory.RECOMPUTES` schedules), paying
+    its forward once more per minibatch; the plan's stages say which do.
     ``progress``: show the progress of tables that take more than a few seconds (a bar on a
     terminal, one line on stderr otherwise). A size that would not finish here is refused with
     the largest that would (:mod:`pipetrain.plan.effort`).
@@ -733,33 +805,35 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
         raise ConfigError(f"microbatches must be an integer >= 1, got {microbatches}")
     if not isinstance(topology, Topology):
         topology = Topology.flat(int(topology))
+    recompute = (bool(recompute) and memory_limit is not None and schedule in RECOMPUTES
+                 and topology.levels == 1)
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
     if memory_limit is not None and fewer_machines and topology.levels == 1:
         # idle workers change every stage's in-flight count: the best plan on exactly n workers
         # for every n at once (built from the end), then the fastest n solved as usual
-        memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
+        memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers, recompute)
         mirror = _Mirror(cuts, topology, cost_model, straight, memory)
         mirror.progress = progress
         times = mirror.best()
         pick = int(np.argmin(times))
         flat = Topology.flat(pick + 1, topology.bandwidths[0])
         solver = _Solver(cuts, flat, cost_model, straight, False,
-                         _Memory(memory_limit, schedule, int(microbatches), pick + 1))
+                         _Memory(memory_limit, schedule, int(microbatches), pick + 1, recompute))
         solver.progress = progress
         best = solver.solve() if math.isfinite(times[pick]) else math.inf
         if not math.isfinite(best):
             smallest = float(np.min(mirror.best(mode="memory")))
             _explain_infeasible(solver, cuts, topology, straight, True, memory_limit, schedule,
-                                smallest)
+                                smallest, recompute)
     else:
-        memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers)
+        memory = _Memory(memory_limit, schedule, int(microbatches), topology.workers, recompute)
         solver = _Solver(cuts, topology, cost_model, straight, fewer_machines, memory)
         solver.progress = progress
         best = solver.solve()
         if not math.isfinite(best):
             _explain_infeasible(solver, cuts, topology, straight, fewer_machines, memory_limit,
-                                schedule)
+                                schedule, recompute=recompute)
     flat = solver.stages()
     solve_seconds = time.perf_counter() - started
     stages = _describe(solver, flat)
@@ -779,22 +853,26 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
                 data_parallel_time=data_parallel_time(float(cuts.compute[-1]), total_params,
                                                       topology, cost_model),
                 solve_seconds=solve_seconds, memory_limit=memory_limit,
-                extra={"straight": straight, "fewer_machines": fewer_machines})
+                extra={"straight": straight, "fewer_machines": fewer_machines,
+                       **({"recompute": "auto"} if recompute else {})})
 
 
 def _explain_infeasible(solver: _Solver, cuts: Cuts, topology: Topology, straight: bool,
                         fewer: bool, memory_limit: float | None, schedule: str,
-                        smallest: float | None = None) -> None:
+                        smallest: float | None = None, recompute: bool = False) -> None:
     layers = cuts.num_states - 1
     if memory_limit is not None and topology.levels == 1:
         if smallest is None:
             smallest = solver.smallest_memory()
         if math.isfinite(smallest):
+            also = ", or let stages recompute their activations (--recompute auto)" if (
+                not recompute and schedule in RECOMPUTES) else ""
             raise PipetrainError(
                 f"no plan over {topology.workers} workers fits in {format_bytes(memory_limit)} "
-                f"per worker with schedule {schedule}; the smallest memory limit that fits is "
+                f"per worker with schedule {schedule}"
+                + (" with recomputation" if recompute else "") + "; the smallest memory limit that fits is "
                 f"{format_bytes(smallest)} ({smallest:.0f} bytes): raise --memory to at least "
-                "that, add workers, or pick a schedule that stashes less (2bw, 1f1b)")
+                f"that, add workers, or pick a schedule that stashes less (2bw, 1f1b){also}")
     if straight and not fewer and topology.workers > layers:
         raise PipetrainError(
             f"a straight pipeline over {topology.workers} workers needs at least "
@@ -808,10 +886,22 @@ def _describe(solver: _Solver, flat: list) -> list[Stage]:
     cuts = solver.cuts
     topology = solver.topology
     model = solver.model
+    memory = solver.memory
     stages: list[Stage] = []
-    for a, b, path in flat:
-        t = float(cuts.compute[b] - cuts.compute[a])
-        compute = t
+    replicas_of = [math.prod(m for m, *_ in path) for _, _, path in flat]
+    used, before = sum(replicas_of), 0
+    for (a, b, path), count in zip(flat, replicas_of):
+        compute = float(cuts.compute[b] - cuts.compute[a])
+        # recomputes where the stage does not fit as it is (the choice the DP made: its memory
+        # depends on the workers from it to the end only)
+        again = memory.recompute and memory.limit is not None and float(stage_memory(
+            memory.schedule, parameter_bytes=cuts.params[b] - cuts.params[a],
+            optimizer_bytes=cuts.optimizer[b] - cuts.optimizer[a],
+            activation_bytes=cuts.activations[b] - cuts.activations[a], workers_from_here=used - before,
+            replicas=count, microbatches=memory.microbatches)) > memory.limit
+        before += count
+        extra = float(cuts.forward[b] - cuts.forward[a]) if again and cuts.forward is not None else 0.0
+        t = compute + extra
         replicas = 1
         for index, (m, kind, start, end) in enumerate(path):
             bandwidth = topology.bandwidths[index]
@@ -833,14 +923,16 @@ def _describe(solver: _Solver, flat: list) -> list[Stage]:
                             activation_bytes=float(cuts.activations[b] - cuts.activations[a]),
                             input_transfer_s=tin, input_bytes=float(cuts.output[a]),
                             input_bandwidth=bandwidth_in,
-                            replicas_per_level=tuple(m for m, *_ in path)))
+                            replicas_per_level=tuple(m for m, *_ in path), recompute=bool(again),
+                            recompute_s=extra))
     attach_inputs_and_memory(cuts, stages, solver.memory.schedule, solver.memory.microbatches)
     return stages
 
 
 def attach_inputs_and_memory(cuts: Cuts, stages: list[Stage], schedule: str,
                              microbatches: int) -> None:
-    """Put input layers in stage 0 and dropped output sinks with their producer; fill memory."""
+    """Put input layers in stage 0 and dropped output sinks with their producer; fill memory
+    (with recomputation on the stages that recompute)."""
     stages[0].layers = list(cuts.inputs) + stages[0].layers
     where = {name: s for s, stage in enumerate(stages) for name in stage.layers}
     for tail, producers in cuts.tails.items():
@@ -853,5 +945,5 @@ def attach_inputs_and_memory(cuts: Cuts, stages: list[Stage], schedule: str,
             schedule, parameter_bytes=stage.parameter_bytes,
             optimizer_bytes=stage.optimizer_bytes, activation_bytes=stage.activation_bytes,
             workers_from_here=used - before, replicas=stage.replicas,
-            microbatches=microbatches))
+            microbatches=microbatches, recompute=stage.recompute, input_bytes=stage.input_bytes))
         before += stage.replicas

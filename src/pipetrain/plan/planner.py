@@ -19,14 +19,17 @@ __all__ = ["make_plan", "compare_baselines", "training_hints", "smallest_fitting
 def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "pipedream",
               cost_model: str = "pipedream-code", straight: bool = False,
               fewer_machines: bool = False, memory_limit: float | None = None,
-              microbatches: int | None = None, progress: bool = False) -> Plan:
+              microbatches: int | None = None, progress: bool = False,
+              recompute: bool = False) -> Plan:
     """PipeDream's optimizer for one schedule, or a simulated search with ``schedule="auto"``.
 
     ``auto`` (:func:`pipetrain.plan.search.search`) tries every schedule and microbatch count
     (only ``microbatches`` if given), scores each plan with the timeline simulator and keeps the
     fastest that fits ``memory_limit``. Otherwise ``microbatches`` defaults to the worker count
     for the schedules that use microbatches. ``progress``: see
-    :func:`~pipetrain.plan.pipedream.optimize`.
+    :func:`~pipetrain.plan.pipedream.optimize`. ``recompute``: under ``memory_limit``, a stage
+    that would not fit may keep only its inputs and recompute its forward in the backward, its
+    time including that forward (one-level topologies; not under zb-h1).
     """
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
@@ -36,12 +39,12 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
         return search(cuts.profile, topology, memory_limit=memory_limit,
                       microbatches=[microbatches] if microbatches else None,
                       cost_model=cost_model, straight=straight, fewer_machines=fewer_machines,
-                      cuts=cuts)
+                      cuts=cuts, recompute=recompute)
     name = check_schedule(schedule)
     m = 1 if name == "pipedream" else (microbatches or topology.workers)
     plan = optimize(cuts, topology, cost_model=cost_model, straight=straight,
                     fewer_machines=fewer_machines, memory_limit=memory_limit, schedule=name,
-                    microbatches=m, progress=progress)
+                    microbatches=m, progress=progress, recompute=recompute)
     plan.solve_seconds = time.perf_counter() - started
     return plan
 

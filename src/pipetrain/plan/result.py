@@ -25,6 +25,8 @@ class Stage:
     replicas_per_level: tuple[int, ...] = ()
     input_bytes: float = 0.0      # activation bytes crossing the cut into this stage, per minibatch
     input_bandwidth: float = 0.0  # bandwidth of the topology level that cut crosses
+    recompute: bool = False       # keeps only its input, runs its forward again in the backward
+    recompute_s: float = 0.0      # that forward again, per minibatch on one worker (in time_s)
 
     def to_json(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "replicas": self.replicas,
@@ -32,7 +34,8 @@ class Stage:
                 "compute_s": self.compute_s, "time_s": self.time_s,
                 "input_transfer_s": self.input_transfer_s, "input_bytes": self.input_bytes,
                 "parameter_bytes": self.parameter_bytes, "optimizer_bytes": self.optimizer_bytes,
-                "activation_bytes": self.activation_bytes, "memory_bytes": self.memory_bytes}
+                "activation_bytes": self.activation_bytes, "memory_bytes": self.memory_bytes,
+                "recompute": self.recompute, "recompute_s": self.recompute_s}
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Plan:
             "memory_limit": self.memory_limit,
             "peak_memory_bytes": max((s.memory_bytes or 0.0) for s in self.stages),
             "layer_to_stage": self.layer_to_stage(),
+            "recompute_stages": [s for s, stage in enumerate(self.stages) if stage.recompute],
         }
         out.update(self.extra)
         return out

@@ -12,7 +12,10 @@ held. Candidates that do not fit are dropped; the fastest that fits wins.
 
 Modelling choices: a microbatch costs ``1/m`` of the minibatch's forward, backward and activation
 bytes; zb-h1 splits each backward into equal input- and weight-gradient halves and runs without
-replication (the generator has none); the optimizer step costs nothing.
+replication (the generator has none); the optimizer step costs nothing. With ``recompute`` the
+optimizer may let a stage that does not fit recompute its activations (see
+:func:`~pipetrain.plan.pipedream.optimize`): the simulation then runs that stage's forward once
+more before each backward, and its memory counts the inputs it keeps and the graphs it holds.
 """
 
 from __future__ import annotations
@@ -70,7 +73,10 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology) -> Simulated
     transfer = [stages[s + 1].input_bytes / stages[s + 1].input_bandwidth / m
                 if stages[s + 1].input_bandwidth > 0 else 0.0 for s in range(count - 1)] + [0.0]
     split = plan.schedule == "zb-h1"
-    costs = Costs(F=[f / m for f in fwd], B=[b / m / (2 if split else 1) for b in bwd],
+    again = [s for s, stage in enumerate(stages) if stage.recompute]
+    # a recomputing stage runs its forward once more before its backward (before I when split)
+    bwd_first = [(b / (2 if split else 1)) + (f if s in again else 0.0) for s, (f, b) in enumerate(zip(fwd, bwd))]
+    costs = Costs(F=[f / m for f in fwd], B=[b / m for b in bwd_first],
                   W=[b / m / 2 for b in bwd] if split else 0.0, sync=sync, bytes=transfer,
                   bandwidth=1.0)
     replicas = plan.replicas
@@ -91,12 +97,13 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology) -> Simulated
     busy = sum(f + b for f, b in zip(fwd, bwd)) / max(1, plan.workers_used)
     bubble = max(0.0, 1.0 - busy / slope) if slope > 0 else 0.0
     peaks = [0.0] * count
-    for rank_memory in memory_by_rank(schedule):
+    for rank_memory in memory_by_rank(schedule, recompute=again):
         for s, held in rank_memory.peak_activations.items():
             versions = rank_memory.peak_versions.get(s, 1)
             stage = stages[s]
             value = versions * stage.parameter_bytes + stage.optimizer_bytes + \
-                held * stage.activation_bytes / m
+                held * stage.activation_bytes / m + \
+                rank_memory.peak_inputs.get(s, 0) * stage.input_bytes / m
             peaks[s] = max(peaks[s], value)
     return Simulated(time_per_minibatch=slope, memory_bytes=peaks, microbatches=m,
                      bubble_fraction=bubble)
@@ -106,8 +113,9 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
            schedules: Sequence[str] = SCHEDULES,
            microbatches: Sequence[int] | None = None, cost_model: str = "pipedream-code",
            straight: bool = False, fewer_machines: bool = False,
-           cuts: Cuts | None = None) -> Plan:
-    """The schedule and microbatch count with the least simulated time that fit the memory."""
+           cuts: Cuts | None = None, recompute: bool = False) -> Plan:
+    """The schedule and microbatch count with the least simulated time that fit the memory;
+    ``recompute``: stages that would not fit may recompute their activations."""
     started = time.perf_counter()
     cuts = cuts or build_cuts(profile)
     names = [check_schedule(name) for name in schedules]
@@ -120,7 +128,8 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
             if (name, m) in planned:
                 continue
             outcome = _candidate(cuts, profile, topology, name, m, memory_limit, cost_model,
-                                 straight or name == "zb-h1", fewer_machines or name == "zb-h1", planned)
+                                 straight or name == "zb-h1", fewer_machines or name == "zb-h1", planned,
+                                 recompute)
             if outcome is None:
                 continue                # m was rounded up to a count already tried
             if isinstance(outcome, str):
@@ -134,7 +143,8 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
                           "predicted_time_per_minibatch": plan.predicted_time_per_minibatch,
                           "simulated_time_per_minibatch": sim.time_per_minibatch,
                           "bubble_fraction": sim.bubble_fraction,
-                          "peak_memory_bytes": max(sim.memory_bytes), "fits": fits})
+                          "peak_memory_bytes": max(sim.memory_bytes), "fits": fits,
+                          "recompute_stages": [s for s, st in enumerate(plan.stages) if st.recompute]})
             if fits and (best is None or sim.time_per_minibatch < best[0]):
                 best = (sim.time_per_minibatch, plan, sim)
     if best is None:
@@ -161,7 +171,8 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
     return plan
 
 
-def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, straight, fewer, planned):
+def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, straight, fewer, planned,
+               recompute=False):
     """A plan and its simulation, the reason there is none, or None when ``m`` had to be rounded
     up to a count already in ``planned``."""
     plan = None
@@ -169,7 +180,7 @@ def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, strai
         try:
             plan = optimize(cuts, topology, cost_model=cost_model, straight=straight,
                             fewer_machines=fewer, memory_limit=memory_limit, schedule=name,
-                            microbatches=m)
+                            microbatches=m, recompute=recompute)
             return plan, simulate_plan(plan, profile, topology)
         except ScheduleError as error:
             # replicas must share the microbatches evenly: round m up once

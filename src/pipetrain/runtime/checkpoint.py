@@ -283,6 +283,11 @@ class Checkpoint:
     def load(self, name: str, map_location: Any = "cpu") -> Any:
         """The state saved as ``name``, after checking its size and SHA-256 once more.
 
+        Read onto the CPU by default, wherever its tensors were when it was written (a file from a
+        GPU loads on a machine without one); the stages move their state to their own device when
+        they restore. Tensors that cannot be mapped anywhere (PyTorch's 'meta' device: saved
+        without values) are refused with a :class:`CheckpointError` that says where they are.
+
         Always in torch.load's safe mode (``weights_only=True``), which unpickles nothing but
         tensors and plain containers of numbers and strings: a checkpoint directory is input, and
         a pickle could run code. Save RNG states with :func:`capture_rng`, not as numpy objects.
@@ -294,13 +299,53 @@ class Checkpoint:
             )
         data = _read_verified(self.path, record)
         try:
-            return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+            state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise CheckpointError(
                 f"checkpoint {self.path}: {name} holds objects other than tensors and plain data, which pipetrain "
-                f"does not load ({first}); it was not written by pipetrain"
+                f"does not load ({_first_line(error)}); it was not written by pipetrain"
             ) from None
+        except RuntimeError as error:
+            text = _first_line(error)
+            advice = ("read it with map_location='cpu' (the default) and move its tensors to the device that uses "
+                      "them" if "device" in text.lower() or "map_location" in text else
+                      "it was not written by pipetrain, or it is damaged")
+            raise CheckpointError(
+                f"checkpoint {self.path}: {name} cannot be read with map_location={map_location!r} here ({text}); "
+                + advice
+            ) from None
+        empty = _without_data(state)
+        if empty:
+            shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+            raise CheckpointError(
+                f"checkpoint {self.path}: {name} holds tensors without data, on PyTorch's 'meta' device ({shown}), "
+                "which cannot be mapped onto this run's device or any other: it was written from weights that were "
+                "never materialised (a model built under torch.device('meta')). Resume from another checkpoint, or "
+                "start afresh with another --checkpoint-dir"
+            )
+        return state
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _without_data(value: Any, where: str = "") -> list[str]:
+    """Where in ``value`` (nested dicts, lists, tuples) a tensor lies on the 'meta' device: saved
+    without its values, so no ``map_location`` gives them back."""
+    if isinstance(value, torch.Tensor):
+        return [where or "the state itself"] if value.is_meta else []
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return []
+    found = []
+    for key, item in items:
+        found += _without_data(item, f"{where}/{key}" if where else str(key))
+    return found
 
 
 def _read_verified(d: Path, record: Mapping[str, Any]) -> bytes:
@@ -494,8 +539,8 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and torch.cuda.is_available():  # GPUs this machine lacks: their states are dropped
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
     if "numpy" in state:
         import numpy as np
 

@@ -4,20 +4,24 @@ A microbatch's activations are held on a stage from its forward until its backwa
 the backward is split: W needs only the stage input and output gradient). A weight version is
 held from the STEP that creates it until it is no longer current and its last reader has run.
 
-With activation recomputation (``recompute=True``, ``--recompute stage``) a stage holds only the
-*inputs* of a microbatch from its forward until its backward, which runs the forward again: the
-whole activations of a microbatch then live only during its B (or from its I to its W). The
-recomputation reads the version the forward read, so under the ``latest`` policy (PB) that
-version lives until the backward too. DESIGN 3.3: ``d`` microbatches in flight hold
-``d * A_in + A_tot/d`` instead of ``d * A_tot/d``.
+With activation recomputation (``recompute=True`` for every stage, or the stages that recompute:
+``--recompute stage`` or ``stage:0,2``) such a stage holds only the *inputs* of a microbatch from
+its forward until its backward, which runs the forward again: the whole activations of a
+microbatch then live only during its B (or from its I to its W). The recomputation reads the
+version the forward read, so under the ``latest`` policy (PB) that version lives until the
+backward too. DESIGN 3.3: ``d`` microbatches in flight hold ``d * A_in + A_tot/d`` instead of
+``d * A_tot/d``. Stages that do not recompute are counted as without it, on the same rank too
+(an interleaved rank may recompute one of its chunks and not the other).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection
 
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.ir import Kind, Schedule
+from pipetrain.schedule.recompute import recompute_stages
 
 __all__ = ["StageMemory", "memory_by_rank"]
 
@@ -27,8 +31,8 @@ class StageMemory:
     """Peaks on one rank: per stage held, and for the rank as a whole.
 
     ``peak_activations`` counts microbatches whose whole activations (the autograd graph) are held;
-    ``peak_inputs`` those of which only the stage inputs are kept for recomputation (empty without
-    recomputation)."""
+    ``peak_inputs`` those of which only the stage inputs are kept for recomputation (for the
+    stages that recompute only)."""
 
     rank: int
     peak_activations: dict[int, int]
@@ -37,9 +41,10 @@ class StageMemory:
     peak_inputs: dict[int, int] = field(default_factory=dict)
 
 
-def memory_by_rank(schedule: Schedule, *, recompute: bool = False) -> list[StageMemory]:
+def memory_by_rank(schedule: Schedule, *, recompute: bool | str | Collection[int] = False) -> list[StageMemory]:
     """Peak in-flight microbatches and live weight versions of every rank and stage it holds;
-    ``recompute``: with activation recomputation (see the module docstring).
+    ``recompute``: the stages with activation recomputation (``True``: every stage; a
+    ``--recompute`` text such as ``stage:0,2``; or stage numbers), see the module docstring.
 
     A long schedule's pattern repeats what is held: its peaks are its check sample's (the head,
     the body met by bodies on both sides, the tail), computed without walking the whole run."""
@@ -48,13 +53,14 @@ def memory_by_rank(schedule: Schedule, *, recompute: bool = False) -> list[Stage
     pattern = pattern_of(schedule)
     if pattern is not None:
         return memory_by_rank(pattern.check_sample, recompute=recompute)
+    again = recompute_stages(recompute, schedule.num_stages)
     with gc_paused():
-        return [_rank_memory(rank, program, recompute) for rank, program in enumerate(schedule.programs)]
+        return [_rank_memory(rank, program, again) for rank, program in enumerate(schedule.programs)]
 
 
-def _rank_memory(rank: int, program, recompute: bool = False) -> StageMemory:
+def _rank_memory(rank: int, program, recompute: frozenset[int] = frozenset()) -> StageMemory:
     if recompute:
-        return _recomputed_memory(rank, program)
+        return _recomputed_memory(rank, program, recompute)
     F, B, I = Kind.F, Kind.B, Kind.I
     in_flight: dict[int, int] = {}
     peak: dict[int, int] = {}
@@ -74,9 +80,10 @@ def _rank_memory(rank: int, program, recompute: bool = False) -> StageMemory:
     return StageMemory(rank, peak, _peak_versions(program), total_peak)
 
 
-def _recomputed_memory(rank: int, program) -> StageMemory:
-    """:func:`_rank_memory` with recomputation: inputs from F to B (or I), whole activations during
-    B and from I to W."""
+def _recomputed_memory(rank: int, program, recompute: frozenset[int]) -> StageMemory:
+    """:func:`_rank_memory` with recomputation on the stages ``recompute``: there inputs from F to
+    B (or I), whole activations during B and from I to W; elsewhere whole activations from F to B
+    (or I)."""
     F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
     inputs: dict[int, int] = {}
     input_peak: dict[int, int] = {}
@@ -89,9 +96,19 @@ def _recomputed_memory(rank: int, program) -> StageMemory:
         peaks[stage] = max(peaks.get(stage, 0), counts[stage])
 
     for kind, stage, _, _, _ in program:
+        again = stage in recompute
         if kind is F:
-            rise(inputs, input_peak, stage)
+            if again:
+                rise(inputs, input_peak, stage)
+                continue
+            rise(graphs, peak, stage)
+            total += 1
+            total_peak = max(total_peak, total)
         elif kind is B or kind is I:
+            if not again:
+                graphs[stage] -= 1
+                total -= 1
+                continue
             inputs[stage] -= 1
             rise(graphs, peak, stage)  # the forward again, then the backward (I: the graph stays for W)
             total += 1
@@ -99,18 +116,18 @@ def _recomputed_memory(rank: int, program) -> StageMemory:
             if kind is B:
                 graphs[stage] -= 1
                 total -= 1
-        elif kind is W:
+        elif kind is W and again:
             graphs[stage] -= 1
             total -= 1
-    return StageMemory(rank, peak, _peak_versions(program, recompute=True), total_peak, input_peak)
+    return StageMemory(rank, peak, _peak_versions(program, recompute), total_peak, input_peak)
 
 
-def _peak_versions(program, recompute: bool = False) -> dict[int, int]:
+def _peak_versions(program, recompute: frozenset[int] = frozenset()) -> dict[int, int]:
     """Per stage, the most versions alive at once.
 
     Version v of a stage is born at the STEP that makes it (version 0 before the program) and dies
-    at the later of the next version's birth and its last read; with ``recompute`` the backward of
-    a microbatch (B or I) also reads the version its forward read.
+    at the later of the next version's birth and its last read; on a stage of ``recompute`` the
+    backward of a microbatch (B or I) also reads the version its forward read.
     """
     births: dict[int, list[int]] = {}
     last_read: dict[int, dict[int, int]] = {}
@@ -125,7 +142,7 @@ def _peak_versions(program, recompute: bool = False) -> dict[int, int]:
                 births.setdefault(stage, [-1])
                 reads = last_read[stage] = {}
             reads[version] = position
-            if recompute:
+            if stage in recompute:
                 if kind is F:
                     forward_version[(stage, k)] = version
                 elif kind is B or kind is I:

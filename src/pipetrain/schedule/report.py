@@ -8,10 +8,11 @@ time (makespan times ranks; GPipe's and this project's convention, (S-1)/(m+S-1)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 from pipetrain.schedule.ir import Kind, Schedule
 from pipetrain.schedule.memory import memory_by_rank
+from pipetrain.schedule.recompute import format_recompute, recompute_stages
 from pipetrain.schedule.timeline import Timeline, positions
 
 __all__ = ["summarize", "versions_read", "format_summary"]
@@ -34,13 +35,17 @@ def versions_read(schedule: Schedule) -> list[list[tuple[int | None, int | None]
     return [list(zip(f, b)) for f, b in zip(forward, backward)]
 
 
-def summarize(timeline: Timeline, *, include_versions: bool = True, recompute: bool = False) -> dict[str, Any]:
+def summarize(timeline: Timeline, *, include_versions: bool = True,
+              recompute: bool | str | Collection[int] = False) -> dict[str, Any]:
     """The JSON summary of a simulated (or measured) timeline; ``recompute``: memory with activation
-    recomputation (``peak_activations`` then counts whole graphs, ``peak_inputs`` kept inputs)."""
+    recomputation on those stages (``True``: all; see :func:`memory_by_rank`): their
+    ``peak_activations`` then count whole graphs, ``peak_inputs`` kept inputs."""
     schedule = timeline.schedule
     makespan = timeline.makespan
     busy = [timeline.busy(rank) for rank in range(schedule.num_ranks)]
-    memory = memory_by_rank(schedule, recompute=recompute)
+    again = recompute_stages(recompute, schedule.num_stages)
+    memory = memory_by_rank(schedule, recompute=again)
+    held = schedule.rank_stages()
     stages = []
     for position, ranks in enumerate(positions(schedule)):
         position_busy = sum(busy[r] for r in ranks) / len(ranks)
@@ -59,7 +64,7 @@ def summarize(timeline: Timeline, *, include_versions: bool = True, recompute: b
                 "peak_versions": versions,
             }
         )
-        if recompute:
+        if any(again.intersection(held[r]) for r in ranks):
             stages[-1]["peak_inputs"] = max(max(memory[r].peak_inputs.values(), default=0) for r in ranks)
     total_busy = sum(busy)
     total_time = makespan * schedule.num_ranks
@@ -81,8 +86,8 @@ def summarize(timeline: Timeline, *, include_versions: bool = True, recompute: b
         "stages": stages,
         "ranks": [{"rank": r, "busy": busy[r], "idle": makespan - busy[r]} for r in range(schedule.num_ranks)],
     }
-    if recompute:
-        summary["recompute"] = "stage"
+    if again:
+        summary["recompute"] = format_recompute(again, schedule.num_stages)
     if include_versions:
         summary["versions"] = versions_read(schedule)
     return summary
@@ -111,6 +116,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{stage['peak_activations']:>17} {stage['peak_versions']:>14}"
             + (f"  (+{stage['peak_inputs']} inputs kept)" if "peak_inputs" in stage else "")
         )
-    if summary.get("recompute") == "stage":
-        lines.append("  with recomputation: peak activations count whole graphs, inputs kept are stage inputs only")
+    if summary.get("recompute", "none") != "none":
+        lines.append(f"  with recomputation ({summary['recompute']}): peak activations count whole graphs, inputs "
+                     "kept are stage inputs only")
     return "\n".join(lines)

@@ -60,8 +60,12 @@ class TrainConfig:
     extra: dict[str, str] = field(default_factory=dict)
     data_workers: int | None = None  # DataLoader worker processes for plain data sets (None: the default, 1)
     pin_memory: bool = False  # page-locked batches (with an accelerator)
-    recompute: str = "none"  # activation recomputation: none, or stage (keep stage inputs, recompute in the backward)
-    precision: str = "fp32"  # fp32, or bf16 (autocast in each stage's forward, fp32 master weights)
+    recompute: str | None = None  # none, stage (every stage keeps its inputs only, recomputes in the backward),
+    # stage:0,2 (those stages); None: the plan's choice, else none
+    precision: str = "fp32"  # fp32, bf16 or fp16 (autocast in each stage's forward, fp32 master weights)
+    loss_scale: str = "dynamic"  # fp16: dynamic (start at loss_scale_init, halve on overflow) or a fixed power of two
+    loss_scale_init: float = 65536.0  # fp16, dynamic: the first scale (execution.scaling.DEFAULT_INIT)
+    loss_scale_growth: int = 2000  # fp16, dynamic: clean updates after which the scale doubles
     device: str = "auto"  # auto (CUDA when available), cpu or cuda: where every stage computes
 
     def fingerprint(self) -> dict[str, object]:
@@ -75,4 +79,6 @@ class TrainConfig:
             **{key: value for key, value in (("leaf_modules", self.leaf_modules), ("concrete_args", self.concrete_args),
                                              ("stage_costs", self.stage_costs)) if value},
         } | ({"holdout": self.holdout} if self.holdout is not None else {}) | (  # which samples train
-            {"precision": self.precision} if self.precision != "fp32" else {})  # recompute: the same numbers
+            {"precision": self.precision} if self.precision != "fp32" else {}) | (  # recompute: the same numbers
+            {"loss_scale": self.loss_scale, "loss_scale_init": self.loss_scale_init,
+             "loss_scale_growth": self.loss_scale_growth} if self.precision == "fp16" else {})

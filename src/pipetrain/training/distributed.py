@@ -29,7 +29,7 @@ from typing import Any
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.training.config import TrainConfig
-from pipetrain.training.result import TrainResult
+from pipetrain.training.result import TrainResult, loss_scale_report, scale_payload
 
 __all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", "RankSetup", "WorkersFailed",
            "refuse_restarts_here"]
@@ -176,6 +176,7 @@ class RankSetup:
             "evaluations": evaluations,
             "receives": "on-demand" if runner.on_demand else "ahead",
             "skipped": {stage: executors[stage].skipped for stage in self.held},  # --on-nonfinite skip
+            "loss_scale": {stage: scale_payload(executors[stage]) for stage in self.held},  # --precision fp16
         }
 
     def gather(self, payload: dict[str, Any], resumed: int = 0) -> TrainResult:
@@ -219,7 +220,11 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
 
         say(describe_run(run))
     checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
-    resumed = checkpoints.resume_point(restart=env.restart)
+    if config.resume or config.checkpoint_dir:  # each rank reads its own file: one refused, all refuse
+        resumed = _together("reading the checkpoint", lambda: checkpoints.resume_point(restart=env.restart),
+                            env.world_size)
+    else:
+        resumed = checkpoints.resume_point(restart=env.restart)
     setup = RankSetup(run, env, start=resumed.cut.positions[rank] if resumed else 0)
     runner = setup.runner
     if resumed:  # a checkpoint that does not fit this run is refused by every rank, not by one
@@ -289,14 +294,15 @@ def _collective(what: str, call) -> Any:
         raise PeerLostError(f"rank {_rank()}: {what} failed because a peer is gone or stuck ({first})") from None
 
 
-def _together(what: str, call, world_size: int) -> None:
-    """Run ``call`` on every rank; when it raises a PipetrainError on any of them, every rank raises
-    the first (by rank) instead of leaving the others to wait for it until the timeout."""
+def _together(what: str, call, world_size: int) -> Any:
+    """Run ``call`` on every rank and return its value; when it raises a PipetrainError on any of
+    them, every rank raises the first (by rank) instead of leaving the others to wait for it until
+    the timeout."""
     import torch.distributed as dist
 
-    error = None
+    error = value = None
     try:
-        call()
+        value = call()
     except PipetrainError as failure:
         error = failure
     if world_size > 1:
@@ -305,6 +311,7 @@ def _together(what: str, call, world_size: int) -> None:
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise error
+    return value
 
 
 def _inject_fault(rank: int, hooks: dict, restart: int = 0) -> None:
@@ -409,6 +416,9 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     result.extra["receives"] = [p["receives"] for p in gathered]  # per rank: when receives were posted
     skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
     result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]
+    if run.config.precision == "fp16":
+        scales = {stage: value for p in gathered for stage, value in p["loss_scale"].items()}  # replicas agree
+        result.extra["loss_scale"] = loss_scale_report([scales[stage] for stage in range(run.num_stages)])
     from pipetrain.training.memory import memory_report
 
     if all("memory" in p for p in gathered):

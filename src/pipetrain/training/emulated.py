@@ -12,6 +12,7 @@ from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.evaluate import evaluate_chain
 from pipetrain.training.outputs import Progress, UpdateLosses, describe_run, eval_batches, evaluation_line, say
 from pipetrain.training.result import TrainResult, result_of
+from pipetrain.training.result import loss_scale_report, scale_payload
 from pipetrain.training.setup import Run
 
 __all__ = ["train_emulated", "chain_forward"]
@@ -76,5 +77,7 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
     timeline = measured_timeline(schedule, [t.payload() for t in emulator.times])
     result = result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
     result.extra["skipped_updates"] = [executor.skipped for executor in first_replicas]  # --on-nonfinite skip
+    if run.config.precision == "fp16":
+        result.extra["loss_scale"] = loss_scale_report([scale_payload(e) for e in first_replicas])
     result.extra["memory"] = memory_report(run, [measured], per_rank=False)
     return result

@@ -73,9 +73,12 @@ def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: boo
     from pipetrain.schedule.memory import memory_by_rank
     from pipetrain.schedule.timeline import positions
 
+    from pipetrain.schedule.recompute import format_recompute
+
     schedule = run.schedule
-    recompute = getattr(run.config, "recompute", "none") == "stage"
+    recompute = frozenset(getattr(run, "recompute", ()))
     model = memory_by_rank(schedule, recompute=recompute)
+    held_stages = schedule.rank_stages()
     stages = []
     for position, ranks in enumerate(positions(schedule)):
         figures = [measured[r] if per_rank else measured[0] for r in ranks]
@@ -98,13 +101,13 @@ def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: boo
             "predicted_peak_activations": activations,
             "predicted_peak_versions": versions,
         }
-        if recompute:
+        if any(recompute.intersection(held_stages[r]) for r in ranks):
             entry["predicted_peak_inputs"] = inputs
         stages.append(entry)
     first = measured[0] if measured else {}
     return {
         "measure": first.get("measure"),
         "per": "process of each rank" if per_rank else "the one process of every stage (emulator)",
-        "recompute": "stage" if recompute else "none",
+        "recompute": format_recompute(recompute, schedule.num_stages),
         "stages": stages,
     }

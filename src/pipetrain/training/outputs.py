@@ -163,6 +163,9 @@ def describe_run(run: Run) -> str:
     if run.staged.boundaries is not None:  # a traced cut: what each stage receives
         lines = [line + (f"  inputs: {', '.join(run.staged.boundaries[s - 1])}" if s else "")
                  for s, line in enumerate(lines)]
+    recompute = getattr(run, "recompute", ())
+    if recompute and len(lines) == run.num_stages:  # the plan's choice, or --recompute's, in plain view
+        lines = [line + ("  (recomputes its activations)" if s in recompute else "") for s, line in enumerate(lines)]
     return f"{head}; {choice.heading()}{data}\n" + "\n".join(lines)
 
 

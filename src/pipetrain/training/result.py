@@ -16,7 +16,26 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-__all__ = ["TrainResult", "result_of", "write_json_atomic"]
+__all__ = ["TrainResult", "result_of", "write_json_atomic", "scale_payload", "loss_scale_report"]
+
+
+def scale_payload(executor: Any) -> dict[str, Any] | None:
+    """``--precision fp16``: what a stage executor reports of the loss scale (``None`` without one)."""
+    if executor.scaler is None:
+        return None
+    return {"scales": list(executor.scales), "skipped": list(executor.overflow_skipped)}
+
+
+def loss_scale_report(payloads: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """``extra["loss_scale"]``: per stage the scale each update used (``scales``, update 1 first) and
+    the updates skipped because their gradient overflowed (``skipped``, counted from 1), plus the
+    last scale stage 0 used (``final``) and whether every stage skipped the same updates."""
+    stages = [p or {"scales": [], "skipped": []} for p in payloads]
+    return {
+        "per_stage": stages,
+        "final": stages[0]["scales"][-1] if stages and stages[0]["scales"] else None,
+        "stages_agree": all(s["skipped"] == stages[0]["skipped"] for s in stages),
+    }
 
 
 @dataclass

@@ -20,14 +20,16 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
+from pipetrain.schedule.recompute import recompute_stages
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
+from pipetrain.training.validate import loss_scale_of
 
-__all__ = ["Run", "prepare", "EXECUTORS", "AUTOCAST"]
+__all__ = ["Run", "prepare", "plan_recompute", "EXECUTORS", "AUTOCAST"]
 
 EXECUTORS = ("distributed", "emulate")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-#: ``--precision``: the dtype each stage's forward autocasts to (fp16: refused by check_config)
+#: ``--precision``: the dtype each stage's forward autocasts to (fp16 with a loss scale)
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -55,6 +57,7 @@ class Run:
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
     data_note: str = ""  # one line: the training samples, how they are read, where the held-out data comes from
+    recompute: frozenset[int] = frozenset()  # the stages that recompute their activations (--recompute, the plan)
 
     @property
     def num_stages(self) -> int:
@@ -143,9 +146,11 @@ class Run:
             grad_scale=self.grad_scales[stage],
             seed=self.config.seed,
             nonfinite=self.config.on_nonfinite,
-            recompute=self.config.recompute == "stage",
+            recompute=stage in self.recompute,
             autocast=AUTOCAST[self.config.precision],
             device=self.device,
+            scaler=loss_scale_of(self.config),
+            units_per_update=self.layout.units_per_update,
         )
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
@@ -190,7 +195,7 @@ def apply_plan(config: TrainConfig) -> TrainConfig:
     from pipetrain.training.validate import read_plan
 
     if not config.plan:
-        return replace(config, schedule=config.schedule or "1f1b")
+        return replace(config, schedule=config.schedule or "1f1b", recompute=config.recompute or "none")
     plan, balance, replicas = read_plan(config)
     return replace(
         config,
@@ -199,7 +204,16 @@ def apply_plan(config: TrainConfig) -> TrainConfig:
         stages=len(balance),
         schedule=config.schedule or plan.get("schedule") or "1f1b",
         microbatches=config.microbatches if config.microbatches is not None else plan.get("microbatches"),
+        recompute=config.recompute if config.recompute is not None else plan_recompute(plan),
     )
+
+
+def plan_recompute(plan: dict) -> str:
+    """The ``--recompute`` text of a plan: the stages it says recompute (``"recompute": true``)."""
+    from pipetrain.schedule.recompute import format_recompute
+
+    stages = plan.get("stages", [])
+    return format_recompute([s for s, stage in enumerate(stages) if stage.get("recompute")], len(stages))
 
 
 def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: int) -> None:
@@ -473,6 +487,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
             pattern=True,
         )
     check(schedule)
+    recompute = recompute_stages(config.recompute, schedule.num_stages)
     _check_pauses(config, schedule, units, updates)
     if schedule.policy in ("latest", "predict") or name == "pb":
         refuse_batchnorm(model, context=f"the {name} schedule with the {schedule.policy} version policy")
@@ -485,7 +500,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
-        stage_choice=choice, device=device,
+        stage_choice=choice, device=device, recompute=recompute,
         data_note="; ".join(filter(None, [
             "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
             else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),

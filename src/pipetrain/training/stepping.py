@@ -162,6 +162,11 @@ class EmulatedSession(_Session):
         timeline = measured_timeline(self.run.schedule, [t.payload() for t in self.emulator.times])
         result = result_of(self.run, "emulate", self.losses.losses, self.seconds, timeline, self.evaluations)
         result.extra["memory"] = memory_report(self.run, [measured], per_rank=False)
+        result.extra["skipped_updates"] = [executor.skipped for executor in self.first_replicas]
+        if self.run.config.precision == "fp16":
+            from pipetrain.training.result import loss_scale_report, scale_payload
+
+            result.extra["loss_scale"] = loss_scale_report([scale_payload(e) for e in self.first_replicas])
         return result
 
 

@@ -31,11 +31,12 @@ _DTYPES = ("float32", "float64")
 _RECEIVES = ("auto", "on-demand", "ahead")
 #: ``pipetrain.training.setup.BALANCE_BY`` (a test keeps them equal)
 BALANCE_BY = ("auto", "time", "params")
-#: ``--recompute``: keep every activation (none), or only each stage's inputs (stage)
+#: ``--recompute``: keep every activation (none), or only each stage's inputs (stage; ``stage:0,2``
+#: for those stages): ``pipetrain.schedule.recompute.RECOMPUTE`` (a test keeps them equal)
 RECOMPUTE = ("none", "stage")
 #: ``pipetrain.execution.device.DEVICES`` (a test keeps them equal)
 DEVICES = ("auto", "cpu", "cuda")
-#: ``--precision``: fp16 is refused (see :func:`_check_precision`)
+#: ``--precision`` (fp16 with a loss scale, see :func:`loss_scale_of`)
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -85,16 +86,38 @@ def _check_choices(config: TrainConfig) -> None:
 
 def check_execution(config: TrainConfig) -> None:
     """``--recompute`` and ``--precision`` (also checked by the set-up, for the Python API)."""
-    _choice("--recompute", config.recompute, RECOMPUTE)
+    if config.recompute is not None:  # the stage numbers are checked once the schedule is known
+        from pipetrain.schedule.recompute import parse_recompute
+
+        parse_recompute(config.recompute)
     _choice("--device", config.device, DEVICES)
     _choice("--precision", config.precision, PRECISIONS)
     if config.precision == "fp16":
-        raise ConfigError(
-            "--precision fp16 needs CUDA and a loss scale that every stage agrees on, which pipetrain does not have "
-            "yet (docs/gpu.md says how it will work); use --precision bf16 (no loss scale needed, also on CPU) or fp32"
-        )
+        loss_scale_of(config)
     if config.precision != "fp32" and config.dtype == "float64":
         raise ConfigError(f"--precision {config.precision} keeps float32 master weights: drop --dtype float64")
+
+
+def loss_scale_of(config: TrainConfig):
+    """``--precision fp16``'s :class:`~pipetrain.execution.scaling.LossScale` (``None`` otherwise),
+    from ``--loss-scale``, ``--loss-scale-init`` and ``--loss-scale-growth``."""
+    if config.precision != "fp16":
+        return None
+    from pipetrain.execution.scaling import LossScale, check_power_of_two
+
+    text = str(config.loss_scale).strip()
+    if text == "dynamic":
+        check_power_of_two("--loss-scale-init", config.loss_scale_init)
+        growth = config.loss_scale_growth
+        if not isinstance(growth, int) or isinstance(growth, bool) or growth < 1:
+            raise ConfigError(f"--loss-scale-growth must be a whole number of updates >= 1, not {growth!r}")
+        return LossScale(float(config.loss_scale_init), growth, dynamic=True)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--loss-scale must be 'dynamic' or a power of two such as 1024, not {text!r}") from None
+    check_power_of_two("--loss-scale", value)
+    return LossScale(value, 1, dynamic=False)
 
 
 def _at_least(option: str, value: float | None, low: float, strict: bool = False) -> None:
@@ -159,6 +182,9 @@ def read_plan(config: TrainConfig) -> tuple[dict, list[int], list[int]]:
         with open(config.plan, encoding="utf-8") as handle:
             plan = json.load(handle)
         balance, replicas = [int(n) for n in plan["balance"]], [int(r) for r in plan["replicas"]]
+        flags = [stage.get("recompute", False) for stage in plan.get("stages", [])]
+        if any(not isinstance(flag, bool) for flag in flags):
+            raise ValueError(f"a stage's recompute must be true or false, not {flags}")
     except OSError as error:
         raise ConfigError(f"cannot read plan {config.plan!r}: {error.strerror}") from None
     except (ValueError, KeyError, TypeError) as error:
