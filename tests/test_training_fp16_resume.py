@@ -1,0 +1,88 @@
+"""float16 (``--precision fp16``) with checkpoints and replicated stages: a run checkpointed with
+its loss scale mid-way (after overflow skips and a growth) resumes to the uninterrupted run
+bitwise, scale sequence and skips included; a resume with another loss scale is refused; replicas
+of a stage skip an overflowed update together; the runtime equals the emulator."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from pipetrain.cli import main
+from pipetrain.runtime.launch import launch
+from pipetrain.training import TrainConfig
+from pipetrain.training.train import train
+
+#: a first scale of 2**20 overflows the first updates; growth after 2 clean updates overflows again
+BASE = dict(model="mlp:depth=6,width=16", data="synthetic:features=8,classes=3,samples=96", batch_size=12,
+            optimizer="sgd:lr=0.05,momentum=0.9", progress=False, quiet=True, timeout=60, precision="fp16",
+            loss_scale_init=2.0 ** 20, loss_scale_growth=2)
+
+
+def _run_all(configs):
+    from pipetrain.training.distributed import worker
+
+    for config in configs:
+        worker(config)
+
+
+def _params(path: str) -> dict[str, torch.Tensor]:
+    return torch.load(path)
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _scale(path: str) -> dict:
+    return json.loads(open(path).read())["loss_scale"]
+
+
+def _grew_and_skipped(report: dict, before: int) -> bool:
+    """Whether updates up to ``before`` hold an overflow skip and a scale that doubled."""
+    scales, skipped = report["per_stage"][0]["scales"][:before], report["per_stage"][0]["skipped"]
+    return any(step <= before for step in skipped) and any(b == 2 * a for a, b in zip(scales, scales[1:]))
+
+
+def test_a_fp16_run_resumes_to_the_uninterrupted_run_scale_and_skips_included(tmp_path, capsys):
+    cases = {"1f1b": dict(schedule="1f1b", microbatches=3), "pipedream": dict(schedule="pipedream")}
+    runs, resumed = [], {}
+    for name, options in cases.items():
+        config = TrainConfig(**BASE, **options, stages=3, steps=14, executor="distributed", checkpoint_every=10,
+                             checkpoint_dir=str(tmp_path / name), save=str(tmp_path / f"{name}.pt"),
+                             report_json=str(tmp_path / f"{name}.json"))
+        again = dataclasses.replace(config, checkpoint_dir=str(tmp_path / f"{name}-resumed"),
+                                    resume=str(tmp_path / name / "step-000010"), save=str(tmp_path / f"{name}-resumed.pt"),
+                                    report_json=str(tmp_path / f"{name}-resumed.json"))
+        runs += [config, again]
+        resumed[name] = config
+    result = launch(_run_all, (runs,), nprocs=3, timeout=300, quiet=True)
+    assert result.returncode == 0, result.message
+    for name, config in resumed.items():
+        emulated = dataclasses.replace(config, executor="emulate", checkpoint_dir=None, checkpoint_every=0,
+                                       save=str(tmp_path / f"{name}-emulated.pt"),
+                                       report_json=str(tmp_path / f"{name}-emulated.json"))
+        train(emulated)
+        full, again, reference = (_scale(str(tmp_path / f"{name}{s}.json")) for s in ("", "-resumed", "-emulated"))
+        assert _grew_and_skipped(reference, before=10), (name, reference)  # both happened before the checkpoint
+        assert reference["stages_agree"] and len(reference["per_stage"][0]["scales"]) == 14
+        assert full == again == reference, name
+        assert json.loads((tmp_path / f"{name}-resumed.json").read_text())["resumed_from"] == 10
+        assert _equal(_params(config.save), _params(emulated.save)), name
+        assert _equal(_params(str(tmp_path / f"{name}-resumed.pt")), _params(emulated.save)), name
+    # another loss scale than the checkpoint's: refused before any worker starts, on one line
+    capsys.readouterr()
+    options = {"loss_scale: 'dynamic' in": ["--loss-scale", "1024"], "loss_scale_init: 1048576.0 in": [
+        "--loss-scale-init", "1024"], "loss_scale_growth: 2 in": ["--loss-scale-growth", "3"]}
+    for named, option in options.items():
+        args = ["train", "--model", BASE["model"], "--data", BASE["data"], "--batch-size", "12", "--steps", "14",
+                "--stages", "3", "--schedule", "1f1b", "--microbatches", "3", "--optimizer", BASE["optimizer"],
+                "--precision", "fp16", "--loss-scale-init", str(2 ** 20), "--loss-scale-growth", "2",
+                "--executor", "distributed", "--resume", str(tmp_path / "1f1b" / "step-000010"),
+                "--quiet", "--no-progress", *option]
+        assert main(args) == 2, option
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "Traceback" not in err, err
+        assert err.count(" in this run") == 1 and "cannot resume" in err and named in err, err
