@@ -8,8 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from pipetrain import Pipeline
 from pipetrain.cli import main
 from pipetrain.runtime.launch import launch
 from pipetrain.training import TrainConfig
@@ -86,3 +90,70 @@ def test_a_fp16_run_resumes_to_the_uninterrupted_run_scale_and_skips_included(tm
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "Traceback" not in err, err
         assert err.count(" in this run") == 1 and "cannot resume" in err and named in err, err
+
+
+def _model(weightless_first: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)]
+    return nn.Sequential(nn.Flatten(), *layers) if weightless_first else nn.Sequential(*layers)
+
+
+def _weighted(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy with a weight per sample (the target's second column)."""
+    return (F.cross_entropy(out, target[:, 0].long(), reduction="none") * target[:, 1]).mean()
+
+
+def _batches(steps: int, outlier: int, size: int = 12) -> list:
+    """Batches whose update ``outlier`` gives its last sample a weight of 1000: its gradient, times
+    the scale 2**14, overflows float16 in that sample's microbatch alone."""
+    g = torch.Generator().manual_seed(1)
+    centers = torch.randn(3, 8, generator=g) * 2
+    out = []
+    for step in range(1, steps + 1):
+        y = torch.randint(0, 3, (size,), generator=g)
+        weight = torch.ones(size)
+        if step == outlier:
+            weight[-1] = 1000.0
+        out.append((centers[y] + torch.randn(size, 8, generator=g), torch.stack([y.float(), weight], 1)))
+    return out
+
+
+@pytest.mark.parametrize("weightless", [False, True], ids=["weights", "no-weights"])
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_the_replicas_of_a_stage_skip_an_overflow_only_one_of_them_saw(schedule, weightless):
+    """Stage 0 on 3 replicas; one microbatch overflows. 1f1b: the last microbatch of update 4, on
+    replica 2 (replicas 0 and 1 got clean flags back before it); pipedream: minibatch 4, on replica
+    0, whose update 2 (minibatches 4 to 6) every replica skips. The SYNC tells the others, also
+    when stage 0 holds no weights (a Flatten) and so no gradient to carry an infinity: without it,
+    stage 0's replicas moved their scales apart and 1f1b stopped on mismatched stamps."""
+    pipe = Pipeline(_model(weightless), balance=[1, 4, 1] if weightless else [2, 2, 1], replicas=[3, 1, 1],
+                    schedule=schedule, microbatches=3 if schedule == "1f1b" else None, executor="emulate",
+                    optimizer="sgd:lr=0.05", precision="fp16", loss_scale_init=2.0 ** 14, loss_scale_growth=1000,
+                    loss_fn=_weighted)
+    pipe.train(_batches(9, outlier=4))
+    report = pipe.last_result.extra["loss_scale"]
+    assert report["replicas_agree"], report
+    skipped = [s["skipped"] for s in report["per_stage"]]
+    scales = report["per_stage"][0]["scales"]
+    if schedule == "1f1b":
+        assert skipped == [[4], [4], [4]] and report["stages_agree"]
+        assert scales == [2.0 ** 14] * 4 + [2.0 ** 13] * 5
+    else:  # stage 0's 3 replicas update once per 3 minibatches: its update 2 holds minibatch 4
+        assert skipped == [[2], [4], [4]] and scales == [2.0 ** 14] * 3
+    assert all(torch.isfinite(p).all() for p in pipe.model.parameters())
+
+
+def test_replicated_stages_under_fp16_equal_the_emulator_on_the_runtime(tmp_path):
+    configs = [TrainConfig(**BASE, schedule=name, microbatches=3 if name == "1f1b" else None, stages=3, steps=9,
+                           replicas=[3, 1, 1], executor="distributed", save=str(tmp_path / f"{name}.pt"),
+                           report_json=str(tmp_path / f"{name}.json")) for name in ("1f1b", "pipedream")]
+    result = launch(_run_all, (configs,), nprocs=5, timeout=300, quiet=True)
+    assert result.returncode == 0, result.message
+    for config in configs:
+        emulated = dataclasses.replace(config, executor="emulate", save=str(tmp_path / f"{config.schedule}-emulated.pt"),
+                                       report_json=str(tmp_path / f"{config.schedule}-emulated.json"))
+        train(emulated)
+        assert _equal(_params(config.save), _params(emulated.save)), config.schedule
+        distributed = _scale(config.report_json)
+        assert distributed == _scale(emulated.report_json), config.schedule
+        assert distributed["replicas_agree"] and distributed["per_stage"][1]["skipped"], (config.schedule, distributed)
