@@ -144,10 +144,12 @@ def test_the_replicas_of_a_stage_skip_an_overflow_only_one_of_them_saw(schedule,
 
 
 def test_replicated_stages_under_fp16_equal_the_emulator_on_the_runtime(tmp_path):
-    configs = [TrainConfig(**BASE, schedule=name, microbatches=3 if name == "1f1b" else None, stages=3, steps=9,
-                           replicas=[3, 1, 1], executor="distributed", save=str(tmp_path / f"{name}.pt"),
+    """Two replicas of stage 0: their sum is commutative, so gloo's all-reduce is exact (three may
+    round differently inside gloo, see test_runtime_parity); skips and scales are the emulator's."""
+    configs = [TrainConfig(**BASE, schedule=name, microbatches=2 if name == "1f1b" else None, stages=3, steps=10,
+                           replicas=[2, 1, 1], executor="distributed", save=str(tmp_path / f"{name}.pt"),
                            report_json=str(tmp_path / f"{name}.json")) for name in ("1f1b", "pipedream")]
-    result = launch(_run_all, (configs,), nprocs=5, timeout=300, quiet=True)
+    result = launch(_run_all, (configs,), nprocs=4, timeout=300, quiet=True)
     assert result.returncode == 0, result.message
     for config in configs:
         emulated = dataclasses.replace(config, executor="emulate", save=str(tmp_path / f"{config.schedule}-emulated.pt"),
