@@ -79,15 +79,17 @@ def _batches(steps, size=16):
     return out
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "pipedream", "pb"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "pipedream", "pb", "gpipe", "interleaved", "2bw"])
 def test_an_overflow_is_skipped_by_every_stage_and_the_scale_halves_alike(schedule):
     """A first scale of 2**36 overflows float16's gradients (largest 65504): the first updates are
-    skipped on every stage, the scale halves by update until the gradients fit, then training goes on."""
+    skipped on every stage, the scale halves by update until the gradients fit, then training goes on.
+    interleaved: 2 workers with 2 virtual stages each (the stamp and the flag pass through both)."""
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     pb = schedule == "pb"
     data = _batches(40) if not pb else [(x[i:i + 1], y[i:i + 1]) for x, y in _batches(3) for i in range(16)]
-    pipe = Pipeline(model, balance=[2, 2, 1], schedule=schedule, microbatches=1 if pb else 2, executor="emulate",
+    shape = dict(balance=[2, 1, 1, 1], chunks=2) if schedule == "interleaved" else dict(balance=[2, 2, 1])
+    pipe = Pipeline(model, **shape, schedule=schedule, microbatches=1 if pb else 4 if schedule == "2bw" else 2, executor="emulate",
                     optimizer="sgd:lr=0.05", precision="fp16", loss_scale_init=2.0 ** 36, loss_scale_growth=1000)
     losses = pipe.train(data)
     report = pipe.last_result.extra["loss_scale"]
@@ -106,7 +108,8 @@ def test_an_overflow_is_skipped_by_every_stage_and_the_scale_halves_alike(schedu
     scales = stages[0]["scales"]
     assert scales[0] == 2.0 ** 36 and all(math.log2(s).is_integer() for s in scales)
     assert all(b <= a for a, b in zip(scales, scales[1:]))  # only halvings (growth after 1000)
-    if schedule == "1f1b":  # synchronous: update n + 1 runs with the scale halved after n's skip
+    assert len(stages) == (4 if schedule == "interleaved" else 3) and report["replicas_agree"]
+    if schedule in ("1f1b", "gpipe", "interleaved"):  # synchronous: update n + 1 runs with the scale halved after n's skip
         assert all(scales[n] == scales[n - 1] / (2 if n in skipped else 1) for n in range(1, len(scales)))
     assert scales[-1] <= 2.0 ** 26
     assert all(math.isfinite(v) for v in losses)

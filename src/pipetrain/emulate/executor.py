@@ -29,7 +29,8 @@ __all__ = ["Emulator", "all_reduce_sum"]
 
 def all_reduce_sum(replicas: Sequence[StageExecutor]) -> None:
     """SYNC: every replica gets the sum (in replica order) of all replicas' accumulated gradients
-    and sample counts. The update then divides as the loss scaling prescribes."""
+    and sample counts (and under float16 whether any overflowed). The update then divides as the
+    loss scaling prescribes."""
     names = set()
     for replica in replicas:
         names.update((replica.grads or {}).keys())
@@ -41,9 +42,11 @@ def all_reduce_sum(replicas: Sequence[StageExecutor]) -> None:
             acc.add_(part)
         total[name] = acc
     samples = sum(r.pending_samples for r in replicas)
+    overflow = any(r.overflowed for r in replicas)  # float16: every replica skips an overflowed update
     for replica in replicas:
         replica.grads = {n: t.clone() for n, t in total.items()} if replica is not replicas[0] else total
         replica.pending_samples = samples
+        replica.share_overflow(overflow)
 
 
 class Emulator:

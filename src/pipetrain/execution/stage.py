@@ -637,6 +637,20 @@ class StageExecutor:
             return grads
         return grads + (torch.tensor([1.0 if self._overflow else 0.0], dtype=torch.float32, device=self.device),)
 
+    @property
+    def overflowed(self) -> bool:
+        """float16: whether the update being accumulated has overflowed so far (found here, or
+        flagged by a later stage)."""
+        return self._overflow
+
+    def share_overflow(self, overflow: bool) -> None:
+        """SYNC under float16: ``overflow`` says whether any replica's part of the update overflowed,
+        so that every replica skips it. The infinity written into the gradient carries it too, but a
+        stage without trainable weights has no gradient to carry it (and stage 0's replicas must
+        agree: each moves its own copy of the scale)."""
+        if self.scaler is not None and overflow:
+            self._overflow = True
+
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Input-gradient half of a split backward (I); the weight half (W) runs later."""
         record = self._get(microbatch)

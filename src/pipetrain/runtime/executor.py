@@ -553,7 +553,8 @@ class RankRunner:
             local[("F", stage + 1, k)] = out
 
     def _all_reduce(self, stage: int) -> None:
-        """SYNC: sum the accumulated gradients and sample counts of the stage's replicas."""
+        """SYNC: sum the accumulated gradients and sample counts of the stage's replicas (and under
+        float16 tell each whether any overflowed)."""
         executor = self.executors[stage]
         group = self.groups.get(stage)
         if group is None:
@@ -563,9 +564,11 @@ class RankRunner:
         grads = executor.grads or {}
         parts = [grads[n] if n in grads else torch.zeros_like(params[n]) for n in names]
         flat = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0, device=executor.device)
-        counts = torch.tensor([executor.pending_samples], dtype=torch.int64)
+        # the samples, and under float16 how many replicas' parts of the update overflowed
+        counts = torch.tensor([executor.pending_samples, int(executor.overflowed)], dtype=torch.int64)
         dist.all_reduce(flat, group=group)
         dist.all_reduce(counts, group=group)
+        executor.share_overflow(bool(counts[1]))
         total, offset = {}, 0
         for name, part in zip(names, parts):
             size = part.numel()

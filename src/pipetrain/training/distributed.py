@@ -417,8 +417,12 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     skipped = {stage: steps for p in gathered for stage, steps in p["skipped"].items()}  # replicas agree
     result.extra["skipped_updates"] = [skipped[stage] for stage in range(run.num_stages)]
     if run.config.precision == "fp16":
-        scales = {stage: value for p in gathered for stage, value in p["loss_scale"].items()}  # replicas agree
-        result.extra["loss_scale"] = loss_scale_report([scales[stage] for stage in range(run.num_stages)])
+        scales: dict[int, dict[int, Any]] = {}  # stage -> replica -> its payload
+        for p in gathered:
+            for stage, value in p["loss_scale"].items():
+                scales.setdefault(stage, {})[run.schedule.replica_of(p["rank"], stage)] = value
+        result.extra["loss_scale"] = loss_scale_report(
+            [[scales[stage][r] for r in sorted(scales[stage])] for stage in range(run.num_stages)])
     from pipetrain.training.memory import memory_report
 
     if all("memory" in p for p in gathered):

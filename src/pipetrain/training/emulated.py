@@ -78,6 +78,7 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
     result = result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
     result.extra["skipped_updates"] = [executor.skipped for executor in first_replicas]  # --on-nonfinite skip
     if run.config.precision == "fp16":
-        result.extra["loss_scale"] = loss_scale_report([scale_payload(e) for e in first_replicas])
+        result.extra["loss_scale"] = loss_scale_report(
+            [[scale_payload(executors[r][stage]) for r in ranks] for stage, ranks in enumerate(schedule.stage_ranks)])
     result.extra["memory"] = memory_report(run, [measured], per_rank=False)
     return result

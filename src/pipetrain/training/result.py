@@ -26,15 +26,20 @@ def scale_payload(executor: Any) -> dict[str, Any] | None:
     return {"scales": list(executor.scales), "skipped": list(executor.overflow_skipped)}
 
 
-def loss_scale_report(payloads: list[dict[str, Any] | None]) -> dict[str, Any]:
+def loss_scale_report(payloads: list[Any]) -> dict[str, Any]:
     """``extra["loss_scale"]``: per stage the scale each update used (``scales``, update 1 first) and
     the updates skipped because their gradient overflowed (``skipped``, counted from 1), plus the
-    last scale stage 0 used (``final``) and whether every stage skipped the same updates."""
-    stages = [p or {"scales": [], "skipped": []} for p in payloads]
+    last scale stage 0 used (``final``), whether every stage skipped the same updates
+    (``stages_agree``) and whether the replicas of each stage did (``replicas_agree``). A stage's
+    entry of ``payloads`` is its payload or the list of its replicas' payloads (first replica first)."""
+    replicas = [p if isinstance(p, list) else [p] for p in payloads]
+    empty = {"scales": [], "skipped": []}
+    stages = [(r[0] if r else None) or empty for r in replicas]
     return {
         "per_stage": stages,
         "final": stages[0]["scales"][-1] if stages and stages[0]["scales"] else None,
         "stages_agree": all(s["skipped"] == stages[0]["skipped"] for s in stages),
+        "replicas_agree": all(((p or empty) == first) for r, first in zip(replicas, stages) for p in r),
     }
 
 

@@ -166,7 +166,8 @@ class EmulatedSession(_Session):
         if self.run.config.precision == "fp16":
             from pipetrain.training.result import loss_scale_report, scale_payload
 
-            result.extra["loss_scale"] = loss_scale_report([scale_payload(e) for e in self.first_replicas])
+            result.extra["loss_scale"] = loss_scale_report([[scale_payload(self.executors[r][stage]) for r in ranks]
+                                                           for stage, ranks in enumerate(self.run.schedule.stage_ranks)])
         return result
 
 
