@@ -54,12 +54,7 @@ class BatchPrefetcher:
 
     def __init__(self, load: Callable[[int], Any], order: Sequence[int], group: int = 1) -> None:
         self._load = load
-        if isinstance(order, range):  # a long run reads its updates in turn: no table of them
-            self._order: Sequence[int] = order
-            self._position: Any = _Positions(order)
-        else:
-            self._order = list(order)
-            self._position = {update: i for i, update in enumerate(self._order)}
+        self._order, self._position = _indexed(order)
         self._size = max(1, int(group))
         self._count = -(-len(self._order) // self._size)  # groups
         self._pending: dict[int, Future] = {}  # group -> its reads, under way
@@ -132,6 +127,15 @@ class _Positions:
     def get(self, update: int) -> int | None:
         order = self._order
         return (update - order.start) // order.step if update in order else None
+
+
+def _indexed(order: Sequence[int]) -> tuple[Sequence[int], Any]:
+    """The updates to read, in order, and each one's position: a range stays a range (a long
+    run reads its updates in turn: no table of them), anything else becomes a list and a dict."""
+    if isinstance(order, range):
+        return order, _Positions(order)
+    listed = list(order)
+    return listed, {update: i for i, update in enumerate(listed)}
 
 
 class _Packed:
@@ -357,12 +361,7 @@ class WorkerPrefetcher:
         if workers < 1 or group < 1:
             raise ValueError(f"WorkerPrefetcher needs at least one worker and a group of one, got {workers}, {group}")
         self._groups = _Groups(reads)
-        if isinstance(order, range):  # a long run reads its updates in turn: no table of them
-            self._order: Sequence[int] = order
-            self._position: Any = _Positions(order)
-        else:
-            self._order = list(order)
-            self._position = {update: i for i, update in enumerate(self._order)}
+        self._order, self._position = _indexed(order)
         self._workers = workers
         self._prefetch_factor = prefetch_factor
         self._pin = pin_available(pin_memory)
