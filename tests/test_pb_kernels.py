@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pipetrain.models import BasicBlock, ResidualBlock
+from pipetrain.models import BasicBlock, BlockHead, BlockTail, ResidualBlock, Shortcut
 from pipetrain.pb import kernels as K
 from pipetrain.pb.latest import LatestWeights
 from pipetrain.pb.lowering import LOWERINGS, lower, register_lowering
@@ -81,6 +81,12 @@ def _check(module: nn.Module, in_shape: tuple[int, ...], *, count: int = 3, batc
         (ResidualBlock(nn.GroupNorm(2, 4), 4, 8, nn.GELU), (4,)),
         (ResidualBlock(nn.LayerNorm(4), 4, 4, nn.ReLU), (4,)),
         (BasicBlock(4, 2), (4, 5, 5)),
+        (BasicBlock(4, 2, out_channels=6, stride=2), (4, 5, 5)),
+        (BlockHead(4, 2), (4, 4, 4)),
+        (BlockHead(2, 2, out_channels=4, stride=2), (2, 5, 5)),
+        (BlockTail(4, 2), (8, 3, 3)),
+        (nn.Sequential(BlockHead(2, 1, out_channels=4, stride=2), BlockTail(4, 2)), (2, 4, 4)),
+        (Shortcut(2, 5, 2), (2, 5, 4)),
     ],
 )
 def test_kernel_matches_autograd_with_latest_weights(module, in_shape, batch):

@@ -44,6 +44,9 @@ __all__ = [
     "GlobalAvgPool",
     "Chain",
     "Residual",
+    "Shortcut",
+    "Fork",
+    "Join",
 ]
 
 Shape = tuple[int, ...]
@@ -540,20 +543,24 @@ class Chain(Kernel):
 
 
 class Residual(Kernel):
-    """``y = x + inner(x)``."""
+    """``y = shortcut(x) + inner(x)``; the shortcut (a parameter-free kernel) is the identity
+    unless given."""
 
-    def __init__(self, inner: Kernel) -> None:
+    def __init__(self, inner: Kernel, shortcut: "Shortcut | None" = None) -> None:
         self.inner = inner
+        self.shortcut = shortcut
         self.params = inner.params
         self.num_saved = inner.num_saved
 
     def signature(self) -> str:
-        return f"Residual[{self.inner.signature()}]"
+        short = "" if self.shortcut is None else f"{self.shortcut.signature()},"
+        return f"Residual[{short}{self.inner.signature()}]"
 
     def _bind(self, in_shape: Shape) -> Shape:
         out = self.inner.bind(in_shape)
-        if out != tuple(in_shape):
-            raise PipetrainError(f"residual branch changes the shape {in_shape} -> {out}")
+        short = tuple(in_shape) if self.shortcut is None else self.shortcut.bind(in_shape)
+        if out != short:
+            raise PipetrainError(f"residual branch gives shape {out}, its shortcut {short} (input {in_shape})")
         return out
 
     def prepare(self, p):
@@ -561,8 +568,123 @@ class Residual(Kernel):
 
     def forward(self, p, x):
         y, saved = self.inner.forward(p, x)
-        return x + y, saved
+        return (x if self.shortcut is None else self.shortcut.forward(None, x)[0]) + y, saved
 
     def backward(self, p, saved, gy, need_gx):
         gx, grads = self.inner.backward(p, saved, gy, need_gx)
-        return (gy + gx if need_gx else None), grads
+        if not need_gx:
+            return None, grads
+        return gx + (gy if self.shortcut is None else self.shortcut.backward(None, (), gy, True)[0]), grads
+
+
+class Shortcut(Kernel):
+    """A residual block's parameter-free shortcut (:class:`pipetrain.models.Shortcut`): every
+    ``stride``-th pixel of ``(C, H, W)`` input, zero channels appended up to ``out_channels``."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.stride = stride
+
+    def _config(self) -> tuple:
+        return (self.in_channels, self.out_channels, self.stride)
+
+    def _bind(self, in_shape: Shape) -> Shape:
+        if len(in_shape) != 3 or in_shape[0] != self.in_channels:
+            raise PipetrainError(f"Shortcut({self.in_channels}, ...) needs (C, H, W) input, got {in_shape}")
+        s = self.stride
+        return (self.out_channels, -(-in_shape[1] // s), -(-in_shape[2] // s))
+
+    def prepare(self, p):
+        return None
+
+    def forward(self, p, x):
+        s = self.stride
+        if s != 1:
+            x = x[..., ::s, ::s]
+        if self.out_channels != self.in_channels:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, self.out_channels - self.in_channels))
+        return x, []
+
+    def backward(self, p, saved, gy, need_gx):
+        if not need_gx:
+            return None, []
+        if self.out_channels != self.in_channels:
+            gy = gy[:, :, : self.in_channels]
+        s = self.stride
+        if s == 1:
+            return gy, []
+        gx = gy.new_zeros(gy.shape[:2] + self.in_shape)
+        gx[..., ::s, ::s] = gy
+        return gx, []
+
+
+class Fork(Kernel):
+    """``cat(shortcut(x), branch(x))`` on the channels: the first half of a residual block cut
+    into two units, which hands its shortcut on with the branch's activations."""
+
+    def __init__(self, shortcut: Shortcut, branch: Kernel) -> None:
+        self.shortcut = shortcut
+        self.branch = branch
+        self.params = branch.params
+        self.num_saved = branch.num_saved
+
+    def signature(self) -> str:
+        return f"Fork[{self.shortcut.signature()},{self.branch.signature()}]"
+
+    def _bind(self, in_shape: Shape) -> Shape:
+        short = self.shortcut.bind(in_shape)
+        out = self.branch.bind(in_shape)
+        if len(out) < 1 or out[1:] != short[1:]:
+            raise PipetrainError(f"fork: branch gives {out}, shortcut {short}; they must differ in channels only")
+        self._split = short[0]
+        return (short[0] + out[0],) + tuple(out[1:])
+
+    def prepare(self, p):
+        return self.branch.prepare(p)
+
+    def forward(self, p, x):
+        y, saved = self.branch.forward(p, x)
+        return torch.cat([self.shortcut.forward(None, x)[0], y], 2), saved
+
+    def backward(self, p, saved, gy, need_gx):
+        gs, gb = gy[:, :, : self._split], gy[:, :, self._split :]
+        gx, grads = self.branch.backward(p, saved, gb, need_gx)
+        if not need_gx:
+            return None, grads
+        return gx + self.shortcut.backward(None, (), gs, True)[0], grads
+
+
+class Join(Kernel):
+    """``x[:channels] + inner(x[channels:])`` on the channels: the second half of a residual
+    block cut into two units (its input is a :class:`Fork`'s output)."""
+
+    def __init__(self, inner: Kernel, channels: int) -> None:
+        self.inner = inner
+        self.channels = channels
+        self.params = inner.params
+        self.num_saved = inner.num_saved
+
+    def signature(self) -> str:
+        return f"Join[{self.channels},{self.inner.signature()}]"
+
+    def _bind(self, in_shape: Shape) -> Shape:
+        c = self.channels
+        if len(in_shape) < 1 or in_shape[0] <= c:
+            raise PipetrainError(f"join of {c} shortcut channels got input {in_shape}")
+        out = self.inner.bind((in_shape[0] - c,) + tuple(in_shape[1:]))
+        if out != (c,) + tuple(in_shape[1:]):
+            raise PipetrainError(f"join: the branch gives {out}, the shortcut {(c,) + tuple(in_shape[1:])}")
+        return out
+
+    def prepare(self, p):
+        return self.inner.prepare(p)
+
+    def forward(self, p, x):
+        c = self.channels
+        y, saved = self.inner.forward(p, x[:, :, c:].contiguous())
+        return x[:, :, :c] + y, saved
+
+    def backward(self, p, saved, gy, need_gx):
+        gx, grads = self.inner.backward(p, saved, gy, need_gx)
+        return (torch.cat([gy, gx], 2) if need_gx else None), grads
