@@ -4,7 +4,8 @@ Reads a study's ``results.json`` (``pipetrain pb --out DIR`` writes it) and prin
 method, stage count and lr scale, the accuracy gap to the batch-1 SGD run of the same seed and lr
 scale (mean ± std over the seeds: the pairing removes what the seed's initial weights and data
 order do to both), the median of the paired final-training-loss ratios, and how many seeds are
-within 0.5 points and 1.5x. Diverged runs count with an infinite loss (and 0 % where
+within 0.5 points and 1.5x; a mean gap within about two standard errors (std / sqrt(seeds)) of
+0 is noise. Diverged runs count with an infinite loss (and 0 % where
 their weights are not finite). Then the noise: the
 standard deviation over seeds of SGD's and SGD-batch's accuracy, and the spread a mean gap of k
 seeds has if methods did not differ (``sqrt(2) * std / sqrt(k)``).
@@ -32,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     if not sgd:
         print("the study has no sgd runs to pair with", file=sys.stderr)
         return 2
-    print("| method | S | lr | seeds | accuracy gap, points (paired by seed, mean ± std) | loss ratio "
-          "(median of the paired ratios) | seeds within 0.5 pt / within 1.5x |")
-    print("|---|---|---|---|---|---|---|")
+    print("| method | S | lr | seeds | accuracy gap, points (paired by seed, mean ± std) | its standard error | "
+          "loss ratio (median of the paired ratios) | seeds within 0.5 pt / within 1.5x |")
+    print("|---|---|---|---|---|---|---|---|")
     keys = sorted({(r.method, r.stages, r.lr_scale) for r in runs if r.method not in ("sgd", "sgd-batch")},
                   key=lambda k: ([m.name for m in result.config.methods].index(k[0]), k[1] or 0, k[2]))
     for method, stages, lr in keys:
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         spread = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
         within = sum(g >= -0.5 for g in gaps), sum(q <= 1.5 for q in ratios)
         print(f"| {method} | {stages} | x{lr:g} | {len(gaps)} | {statistics.fmean(gaps):+.1f} ± {spread:.1f} | "
-              f"{statistics.median(ratios):.2f}x | {within[0]}/{len(gaps)}, {within[1]}/{len(gaps)} |")
+              f"{spread / math.sqrt(len(gaps)):.1f} | {statistics.median(ratios):.2f}x | {within[0]}/{len(gaps)}, {within[1]}/{len(gaps)} |")
     print()
     for name in ("sgd", "sgd-batch"):
         for lr in sorted({r.lr_scale for r in runs if r.method == name}):
