@@ -130,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
           f"float32, 1 thread; torch {torch.__version__}, Python {platform.python_version()}, "
           f"{platform.machine()}, load average {load:.2f}")
     base = statistics.median(v[0] for v in results["sgd-torch"])
-    print(f"{'measure':<14} {'samples/s':>10} {'x sgd-torch':>12} {'wall samples/s':>15}   (median of {args.repeats}; "
-          "per CPU second, then per wall second)")
+    print(f"{'measure':<14} {'samples/s':>10} {'x sgd-torch':>12} {'paired x':>9} {'wall samples/s':>15}   (median of "
+          f"{args.repeats}; per CPU second; paired: median of each round's ratio to that round's sgd-torch)")
     for name, values in results.items():
         cpu = statistics.median(v[0] for v in values)
         wall = statistics.median(v[1] for v in values)
-        print(f"{name:<14} {cpu:>10.0f} {cpu / base:>12.2f} {wall:>15.0f}   " + ", ".join(f"{v[0]:.0f}" for v in values))
+        paired = statistics.median(v[0] / b[0] for v, b in zip(values, results["sgd-torch"]))
+        print(f"{name:<14} {cpu:>10.0f} {cpu / base:>12.2f} {paired:>9.2f} {wall:>15.0f}   "
+              + ", ".join(f"{v[0]:.0f}" for v in values))
     return 0
 
 

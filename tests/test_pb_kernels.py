@@ -93,6 +93,15 @@ def test_kernel_matches_autograd_with_latest_weights(module, in_shape, batch):
     _check(module, in_shape, batch=batch)
 
 
+@pytest.mark.parametrize("count, batch", [(8, 1), (2, 4)])
+def test_convolution_on_many_members_runs_grouped(count, batch):
+    # from 64 output pixels and 8 members x samples the kernel switches to the grouped convolution
+    kernel = _check(nn.Conv2d(3, 4, 3, padding=1), (3, 8, 8), count=count, batch=batch)
+    assert kernel._grouped(count, batch) and not kernel._grouped(1, 1)
+    small = _check(nn.Conv2d(3, 4, 3, padding=1), (3, 4, 4), count=count, batch=batch)
+    assert not small._grouped(count, batch)  # 16 output pixels: patches times weights
+
+
 def test_outer_gradient_is_the_weight_gradient():
     kernel = K.Linear(3, 2, bias=True)
     kernel.bind((3,))
