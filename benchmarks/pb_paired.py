@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         spread = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
         within = sum(g >= -0.5 for g in gaps), sum(q <= 1.5 for q in ratios)
         print(f"| {method} | {stages} | x{lr:g} | {len(gaps)} | {statistics.fmean(gaps):+.1f} ± {spread:.1f} | "
-              f"{spread / math.sqrt(len(gaps)):.1f} | {statistics.median(ratios):.2f}x | {within[0]}/{len(gaps)}, {within[1]}/{len(gaps)} |")
+              f"{spread / math.sqrt(len(gaps)):.1f} | {statistics.median(ratios):.2f}x | "
+              f"{within[0]}/{len(gaps)}, {within[1]}/{len(gaps)} |")
     print()
     for name in ("sgd", "sgd-batch"):
         for lr in sorted({r.lr_scale for r in runs if r.method == name}):

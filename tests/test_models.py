@@ -70,8 +70,9 @@ def test_resnet_takes_images_and_rejects_non_square():
 
 def test_resnet_cut_by_convolution_is_the_same_network():
     # units=conv splits every block into two units (one convolution each), same weights per seed
-    blocks = build_model("resnet-gn:widths=4/8,depth=2,groups=2", input_shape=(64,), num_classes=10, seed=3)
-    convs = build_model("resnet-gn:widths=4/8,depth=2,groups=2,units=conv", input_shape=(64,), num_classes=10, seed=3)
+    spec = "resnet-gn:widths=4/8,depth=2,groups=2"
+    blocks = build_model(spec, input_shape=(64,), num_classes=10, seed=3)
+    convs = build_model(spec + ",units=conv", input_shape=(64,), num_classes=10, seed=3)
     assert [type(u).__name__ for u in convs[1:5]] == ["BlockHead", "BlockTail", "BlockHead", "BlockTail"]
     assert list(blocks.state_dict().keys()) != list(convs.state_dict().keys())
     for a, b in zip(blocks.state_dict().values(), convs.state_dict().values()):
@@ -83,7 +84,8 @@ def test_resnet_cut_by_convolution_is_the_same_network():
 
 
 def test_resnet_zero_init_starts_blocks_as_their_shortcut():
-    model = build_model("resnet-gn:widths=4/8,depth=1,groups=2,zero_init=true", input_shape=(64,), num_classes=10, seed=0)
+    spec = "resnet-gn:widths=4/8,depth=1,groups=2,zero_init=true"
+    model = build_model(spec, input_shape=(64,), num_classes=10, seed=0)
     assert all(not b.norm2.weight.detach().any() for b in model[1:3])
     x = torch.rand(2, 1, 8, 8)
     stem = model[0][1:](x)
@@ -109,8 +111,8 @@ def test_seeded_init_is_deterministic_and_leaves_global_rng():
 
 
 @pytest.mark.parametrize(
-    "spec", ["mlp", "resmlp:depth=3", "resmlp:depth=3,norm=layer", "resnet-gn:depth=2", "resnet-gn:widths=4/8,depth=1,units=conv",
-             "resnet-gn-skip:blocks=1/1"]
+    "spec", ["mlp", "resmlp:depth=3", "resmlp:depth=3,norm=layer", "resnet-gn:depth=2",
+             "resnet-gn:widths=4/8,depth=1,units=conv", "resnet-gn-skip:blocks=1/1"]
 )
 def test_per_sample_arithmetic(spec):
     """No statistics across samples: a batch gives the rows its samples give alone."""

@@ -113,7 +113,9 @@ def _widths(widths: Sequence[int] | int | None, channels: int) -> list[int]:
         return [channels]
     values = [widths] if isinstance(widths, int) else list(widths)
     if not values or any(not isinstance(w, int) or isinstance(w, bool) or w < 1 for w in values):
-        raise ConfigError(f"model resnet-gn: widths must be positive channel counts, e.g. widths=16/32/64, got {widths!r}")
+        raise ConfigError(
+            f"model resnet-gn: widths must be positive channel counts, e.g. widths=16/32/64, got {widths!r}"
+        )
     if any(b < a for a, b in zip(values, values[1:])):
         raise ConfigError(f"model resnet-gn: widths must not shrink (the shortcut pads channels), got {widths!r}")
     return values

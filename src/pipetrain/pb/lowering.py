@@ -88,7 +88,8 @@ def _basic_block(m: BasicBlock) -> K.Kernel | None:
              ("conv2", lower(m.conv2)), ("norm2", lower(m.norm2))]
     if any(k is None for _, k in inner) or type(m.shortcut) is not Shortcut:
         return None
-    shortcut = None if (m.shortcut.stride, m.shortcut.in_channels) == (1, m.shortcut.out_channels) else _shortcut(m.shortcut)
+    short = m.shortcut
+    shortcut = None if (short.stride, short.in_channels) == (1, short.out_channels) else _shortcut(short)
     residual = K.Residual(K.Chain(inner), shortcut)  # type: ignore[arg-type]
     return K.Chain([("", residual), ("out", K.Activation("relu"))])
 
@@ -104,7 +105,8 @@ def _block_tail(m: BlockTail) -> K.Kernel | None:
     inner = [("conv2", lower(m.conv2)), ("norm2", lower(m.norm2))]
     if any(k is None for _, k in inner):
         return None
-    return K.Chain([("", K.Join(K.Chain(inner), m.channels)), ("out", K.Activation("relu"))])  # type: ignore[arg-type]
+    join = K.Join(K.Chain(inner), m.channels)  # type: ignore[arg-type]
+    return K.Chain([("", join), ("out", K.Activation("relu"))])
 
 
 #: exact module type -> function returning its kernel (or None when the instance is not covered)
