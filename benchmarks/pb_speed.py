@@ -1,7 +1,9 @@
 """Speed of per-sample Pipelined Backpropagation against plain batch-size-1 SGD, same process.
 
-Model: resmlp (width 64, GroupNorm, GELU) with depth+2 units, one thread, float32, digits
-samples. Measured, each as samples per second (median of --repeats interleaved runs):
+Model: resmlp (width 64, GroupNorm, GELU) with depth+2 units, or any ``--model`` spec (e.g. the
+convolutional study's ResNet-20, ``resnet-gn:widths=16/32/64,depth=3,units=conv,zero_init=true``),
+one thread, float32, digits samples. Measured, each as samples per second (median of --repeats
+interleaved runs):
 
 * ``sgd-torch``   plain batch-1 momentum SGD: ``model(x)``, autograd, ``torch.optim.SGD``
 * ``pb-ref``      the reference PB (``pipetrain.pb.pb_sequential``, autograd per stage)
@@ -14,6 +16,7 @@ Rates are per second of this process's CPU time (``time.process_time``), which s
 when other processes share the cores; wall-clock rates are printed beside them.
 
     PYTHONPATH=src python benchmarks/pb_speed.py [--depth 30] [--stages 32] [--samples 3000]
+    PYTHONPATH=src python benchmarks/pb_speed.py --model resnet-gn:widths=16/32/64,depth=3,units=conv
 """
 
 from __future__ import annotations
@@ -93,8 +96,9 @@ def engine(spec: str, stages: int, runs: int, compensation: str, x, y, order) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depth", type=int, default=30, help="residual blocks (units = depth + 2)")
-    parser.add_argument("--stages", type=int, default=32)
+    parser.add_argument("--depth", type=int, default=30, help="resmlp's residual blocks (units = depth + 2)")
+    parser.add_argument("--model", default="", help="another model spec instead of resmlp:depth=DEPTH,width=64")
+    parser.add_argument("--stages", type=int, default=0, help="pipeline stages (default: one per unit)")
     parser.add_argument("--samples", type=int, default=3000, help="samples per measurement")
     parser.add_argument("--runs", type=int, default=16, help="runs for the stacked measurement")
     parser.add_argument("--repeats", type=int, default=3)
@@ -103,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     data = load_dataset("digits")
     x, y = data.features, data.labels
-    spec = f"resmlp:depth={args.depth},width=64"
+    spec = args.model or f"resmlp:depth={args.depth},width=64"
+    units = len(build_model(spec, input_shape=(64,), num_classes=10, seed=0))
+    args.stages = args.stages or units
     order = torch.randint(0, len(x), (args.samples,), generator=torch.Generator().manual_seed(0))
     short = order[: max(200, args.samples // 10)]
     measures = {
@@ -120,16 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, measure in measures.items():
             results[name].append(measure())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"model {spec} ({args.depth + 2} units), S = {args.stages}, {args.samples} samples, "
+    print(f"model {spec} ({units} units), S = {args.stages}, {args.samples} samples, "
           f"float32, 1 thread; torch {torch.__version__}, Python {platform.python_version()}, "
           f"{platform.machine()}, load average {load:.2f}")
     base = statistics.median(v[0] for v in results["sgd-torch"])
-    print(f"{'measure':<14} {'samples/s':>10} {'x sgd-torch':>12} {'wall samples/s':>15}   (median of {args.repeats}; "
-          "per CPU second, then per wall second)")
+    print(f"{'measure':<14} {'samples/s':>10} {'x sgd-torch':>12} {'paired x':>9} {'wall samples/s':>15}   (median of "
+          f"{args.repeats}; per CPU second; paired: median of each round's ratio to that round's sgd-torch)")
     for name, values in results.items():
         cpu = statistics.median(v[0] for v in values)
         wall = statistics.median(v[1] for v in values)
-        print(f"{name:<14} {cpu:>10.0f} {cpu / base:>12.2f} {wall:>15.0f}   " + ", ".join(f"{v[0]:.0f}" for v in values))
+        paired = statistics.median(v[0] / b[0] for v, b in zip(values, results["sgd-torch"]))
+        print(f"{name:<14} {cpu:>10.0f} {cpu / base:>12.2f} {paired:>9.2f} {wall:>15.0f}   "
+              + ", ".join(f"{v[0]:.0f}" for v in values))
     return 0
 
 

@@ -35,6 +35,8 @@ def write_module(tmp_path, monkeypatch, source: str) -> str:
         ("resmlp:depth=2,norm=none,expansion=2", 4),
         ("resnet-gn", 6),
         ("resnet-gn:depth=2,channels=8,groups=2", 4),
+        ("resnet-gn:widths=16/32/64,depth=3", 11),
+        ("resnet-gn:widths=16/32/64,depth=3,units=conv", 20),
     ],
 )
 def test_builtins_shapes_and_units(spec, units):
@@ -66,6 +68,30 @@ def test_resnet_takes_images_and_rejects_non_square():
         build_model("resnet-gn", input_shape=(63,), num_classes=2)
 
 
+def test_resnet_cut_by_convolution_is_the_same_network():
+    # units=conv splits every block into two units (one convolution each), same weights per seed
+    spec = "resnet-gn:widths=4/8,depth=2,groups=2"
+    blocks = build_model(spec, input_shape=(64,), num_classes=10, seed=3)
+    convs = build_model(spec + ",units=conv", input_shape=(64,), num_classes=10, seed=3)
+    assert [type(u).__name__ for u in convs[1:5]] == ["BlockHead", "BlockTail", "BlockHead", "BlockTail"]
+    assert list(blocks.state_dict().keys()) != list(convs.state_dict().keys())
+    for a, b in zip(blocks.state_dict().values(), convs.state_dict().values()):
+        assert torch.equal(a, b)
+    x = torch.rand(3, 64)
+    torch.testing.assert_close(blocks(x), convs(x), rtol=0, atol=0)
+    assert blocks[3].conv1.stride == (2, 2) and blocks(x).shape == (3, 10)
+    assert sum(isinstance(m, nn.Conv2d) for m in convs.modules()) == 9  # stem + 2 per block
+
+
+def test_resnet_zero_init_starts_blocks_as_their_shortcut():
+    spec = "resnet-gn:widths=4/8,depth=1,groups=2,zero_init=true"
+    model = build_model(spec, input_shape=(64,), num_classes=10, seed=0)
+    assert all(not b.norm2.weight.detach().any() for b in model[1:3])
+    x = torch.rand(2, 1, 8, 8)
+    stem = model[0][1:](x)
+    torch.testing.assert_close(model[1](stem), stem)  # relu(stem + 0) with stem >= 0
+
+
 def test_seeded_init_is_deterministic_and_leaves_global_rng():
     torch.manual_seed(123)
     expected = torch.rand(2)
@@ -85,7 +111,8 @@ def test_seeded_init_is_deterministic_and_leaves_global_rng():
 
 
 @pytest.mark.parametrize(
-    "spec", ["mlp", "resmlp:depth=3", "resmlp:depth=3,norm=layer", "resnet-gn:depth=2", "resnet-gn-skip:blocks=1/1"]
+    "spec", ["mlp", "resmlp:depth=3", "resmlp:depth=3,norm=layer", "resnet-gn:depth=2",
+             "resnet-gn:widths=4/8,depth=1,units=conv", "resnet-gn-skip:blocks=1/1"]
 )
 def test_per_sample_arithmetic(spec):
     """No statistics across samples: a batch gives the rows its samples give alone."""
@@ -107,6 +134,10 @@ def test_per_sample_arithmetic(spec):
         ("resmlp:width=12,groups=8", "groups=8 must divide"),
         ("resmlp:act=tanh", "act"),
         ("resnet-gn:channels=6", "groups=4 must divide"),
+        ("resnet-gn:widths=16/32,channels=16", "not both"),
+        ("resnet-gn:widths=32/16", "must not shrink"),
+        ("resnet-gn:widths=4/8/16/32/64", "at most 4 widths"),
+        ("resnet-gn:units=layer", "units must be one of block, conv"),
         ("mpl", "Did you mean 'mlp'"),
     ],
 )

@@ -66,6 +66,16 @@ def test_residual_cnn():
     _compare("resnet-gn:depth=2,channels=4,groups=2", 4, "sc", features=16)
 
 
+@pytest.mark.parametrize("compensation, opt_spec", [("none", None), ("sc+lwp+dlr2", None),
+                                                    ("sc", "sgd:lr=0.03,momentum=0.9")])
+def test_residual_cnn_cut_by_convolution(compensation, opt_spec):
+    # every convolution a stage: the shortcut travels as channels, widening blocks stride and pad;
+    # without weight decay SC adds the convolutions' unmultiplied weight gradients to the weights
+    engine = _compare("resnet-gn:widths=2/4,depth=1,groups=2,units=conv,zero_init=true", 6, compensation,
+                      features=16, opt_spec=opt_spec)
+    assert "generic" not in [g["kind"] for g in engine.describe()]
+
+
 def test_nesterov_and_plain_sgd_without_momentum():
     _compare("mlp:depth=3,width=8", 4, "none", opt_spec="sgd:lr=0.05,momentum=0.9,nesterov=true")
     _compare("mlp:depth=3,width=8", 4, "lwp", opt_spec="sgd:lr=0.05")

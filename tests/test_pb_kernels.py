@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pipetrain.models import BasicBlock, ResidualBlock
+from pipetrain.models import BasicBlock, BlockHead, BlockTail, ResidualBlock, Shortcut
 from pipetrain.pb import kernels as K
 from pipetrain.pb.latest import LatestWeights
 from pipetrain.pb.lowering import LOWERINGS, lower, register_lowering
@@ -81,10 +81,25 @@ def _check(module: nn.Module, in_shape: tuple[int, ...], *, count: int = 3, batc
         (ResidualBlock(nn.GroupNorm(2, 4), 4, 8, nn.GELU), (4,)),
         (ResidualBlock(nn.LayerNorm(4), 4, 4, nn.ReLU), (4,)),
         (BasicBlock(4, 2), (4, 5, 5)),
+        (BasicBlock(4, 2, out_channels=6, stride=2), (4, 5, 5)),
+        (BlockHead(4, 2), (4, 4, 4)),
+        (BlockHead(2, 2, out_channels=4, stride=2), (2, 5, 5)),
+        (BlockTail(4, 2), (8, 3, 3)),
+        (nn.Sequential(BlockHead(2, 1, out_channels=4, stride=2), BlockTail(4, 2)), (2, 4, 4)),
+        (Shortcut(2, 5, 2), (2, 5, 4)),
     ],
 )
 def test_kernel_matches_autograd_with_latest_weights(module, in_shape, batch):
     _check(module, in_shape, batch=batch)
+
+
+@pytest.mark.parametrize("count, batch", [(8, 1), (2, 4)])
+def test_convolution_on_many_members_runs_grouped(count, batch):
+    # from 64 output pixels and 8 members x samples the kernel switches to the grouped convolution
+    kernel = _check(nn.Conv2d(3, 4, 3, padding=1), (3, 8, 8), count=count, batch=batch)
+    assert kernel._grouped(count, batch) and not kernel._grouped(1, 1)
+    small = _check(nn.Conv2d(3, 4, 3, padding=1), (3, 4, 4), count=count, batch=batch)
+    assert not small._grouped(count, batch)  # 16 output pixels: patches times weights
 
 
 def test_outer_gradient_is_the_weight_gradient():

@@ -8,12 +8,14 @@ from pipetrain.models.metrics import evaluate
 from pipetrain.models.mlp import mlp
 from pipetrain.models.registry import MODELS, build_model
 from pipetrain.models.resmlp import ResidualBlock, resmlp
-from pipetrain.models.resnet import BasicBlock, resnet_gn
+from pipetrain.models.resnet import BasicBlock, BlockHead, BlockTail, Shortcut, resnet_gn
 from pipetrain.models.resnet_skip import ResNetGNSkip, SkipBlock, resnet_gn_skip
 
 __all__ = [
     "BasicBlock",
     "Block",
+    "BlockHead",
+    "BlockTail",
     "CausalSelfAttention",
     "CrossEntropy",
     "GPT",
@@ -22,6 +24,7 @@ __all__ = [
     "MODELS",
     "ResNetGNSkip",
     "ResidualBlock",
+    "Shortcut",
     "SkipBlock",
     "accuracy_counts",
     "build_model",

@@ -533,6 +533,8 @@ class BatchedPB:
         for grad, (w, v, w2, v2) in zip(pairs, group.update_views):
             if isinstance(grad, Outer) and not (spike and decay is not None):
                 # v <- m*v + a @ b without materialising the gradient
+                if v.dim() != 3:  # a convolution's [G, out, C, k, k] as [G, out, C*k*k]
+                    w, v = w2.view(g, grad.a.shape[1], -1), v2.view(g, grad.a.shape[1], -1)
                 if scalar:
                     v.baddbmm_(grad.a, grad.b, beta=momentum)
                 else:

@@ -10,7 +10,9 @@ Covered: ``nn.Linear``, ``nn.Conv2d`` (zero padding, numeric padding), ``nn.Grou
 ``nn.LayerNorm``, ``nn.ReLU``, ``nn.GELU``, ``nn.Tanh``, ``nn.Sigmoid``, ``nn.Identity``,
 ``nn.Flatten``, ``nn.Unflatten``, ``nn.AdaptiveAvgPool2d(1)``, ``nn.Dropout`` with p = 0 or in
 eval mode, ``nn.Sequential`` of covered modules, and the built-in residual units
-(:class:`pipetrain.models.ResidualBlock`, :class:`pipetrain.models.BasicBlock`).
+(:class:`pipetrain.models.ResidualBlock`, :class:`pipetrain.models.BasicBlock` and its halves
+:class:`~pipetrain.models.BlockHead`, :class:`~pipetrain.models.BlockTail`, the parameter-free
+:class:`~pipetrain.models.Shortcut`).
 :func:`register_lowering` adds your own.
 """
 
@@ -20,7 +22,7 @@ from typing import Callable
 
 from torch import nn
 
-from pipetrain.models import BasicBlock, ResidualBlock
+from pipetrain.models import BasicBlock, BlockHead, BlockTail, ResidualBlock, Shortcut
 from pipetrain.pb import kernels as K
 
 __all__ = ["LOWERINGS", "lower", "register_lowering"]
@@ -77,12 +79,34 @@ def _residual_block(m: ResidualBlock) -> K.Kernel | None:
     return K.Residual(K.Chain(inner))  # type: ignore[arg-type]
 
 
+def _shortcut(m: Shortcut) -> K.Shortcut:
+    return K.Shortcut(m.in_channels, m.out_channels, m.stride)
+
+
 def _basic_block(m: BasicBlock) -> K.Kernel | None:
     inner = [("conv1", lower(m.conv1)), ("norm1", lower(m.norm1)), ("relu", K.Activation("relu")),
              ("conv2", lower(m.conv2)), ("norm2", lower(m.norm2))]
+    if any(k is None for _, k in inner) or type(m.shortcut) is not Shortcut:
+        return None
+    short = m.shortcut
+    shortcut = None if (short.stride, short.in_channels) == (1, short.out_channels) else _shortcut(short)
+    residual = K.Residual(K.Chain(inner), shortcut)  # type: ignore[arg-type]
+    return K.Chain([("", residual), ("out", K.Activation("relu"))])
+
+
+def _block_head(m: BlockHead) -> K.Kernel | None:
+    inner = [("conv1", lower(m.conv1)), ("norm1", lower(m.norm1)), ("relu", K.Activation("relu"))]
+    if any(k is None for _, k in inner) or type(m.shortcut) is not Shortcut:
+        return None
+    return K.Fork(_shortcut(m.shortcut), K.Chain(inner))  # type: ignore[arg-type]
+
+
+def _block_tail(m: BlockTail) -> K.Kernel | None:
+    inner = [("conv2", lower(m.conv2)), ("norm2", lower(m.norm2))]
     if any(k is None for _, k in inner):
         return None
-    return K.Chain([("", K.Residual(K.Chain(inner))), ("out", K.Activation("relu"))])  # type: ignore[arg-type]
+    join = K.Join(K.Chain(inner), m.channels)  # type: ignore[arg-type]
+    return K.Chain([("", join), ("out", K.Activation("relu"))])
 
 
 #: exact module type -> function returning its kernel (or None when the instance is not covered)
@@ -103,6 +127,9 @@ LOWERINGS: dict[type, Lowering] = {
     nn.Sequential: _sequential,
     ResidualBlock: _residual_block,
     BasicBlock: _basic_block,
+    BlockHead: _block_head,
+    BlockTail: _block_tail,
+    Shortcut: _shortcut,
 }
 
 
