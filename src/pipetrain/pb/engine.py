@@ -121,6 +121,12 @@ class _Group:
         return len(self.members)
 
 
+def _as_matrices(t: Tensor, g: int) -> Tensor:
+    """``t`` of ``[G, out, ...]`` as ``[G, out, rest]`` (a convolution's weight as the matrices
+    its Outer gradient updates); 2-d and 3-d storage as it is."""
+    return t if t.dim() <= 3 else t.view(g, t.shape[1], -1)
+
+
 def _parameter_views(group: _Group, storage: Sequence[Tensor]) -> list[Tensor]:
     """Per-parameter ``[G, *shape]`` views of storage laid out as ``group.storage_w`` is: the
     large parameters' own tensors, then one slab holding the small ones in order."""
@@ -369,7 +375,9 @@ class BatchedPB:
                     stacked[row].copy_(named[name].detach())
         group.weights = weights
         group.forward_views = weights
-        group.update_views = [(w, v, w.view(g, -1), v.view(g, -1)) for w, v in zip(group.storage_w, storage_v)]
+        # (w, v) as the update's matrices (a convolution's [G, out, C, k, k] as [G, out, C*k*k]), and flat
+        group.update_views = [(_as_matrices(w, g), _as_matrices(v, g), w.view(g, -1), v.view(g, -1))
+                              for w, v in zip(group.storage_w, storage_v)]
 
     def _build_optimizer(self, optimizers: Sequence[Sequence[StageOptimizer]]) -> None:
         schedules: list[Any] = []
@@ -533,8 +541,6 @@ class BatchedPB:
         for grad, (w, v, w2, v2) in zip(pairs, group.update_views):
             if isinstance(grad, Outer) and not (spike and decay is not None):
                 # v <- m*v + a @ b without materialising the gradient
-                if v.dim() != 3:  # a convolution's [G, out, C, k, k] as [G, out, C*k*k]
-                    w, v = w2.view(g, grad.a.shape[1], -1), v2.view(g, grad.a.shape[1], -1)
                 if scalar:
                     v.baddbmm_(grad.a, grad.b, beta=momentum)
                 else:
