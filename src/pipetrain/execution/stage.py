@@ -294,6 +294,9 @@ class StageExecutor:
         # recomputing microbatches may still read a released version (PB's latest): its buffers are not reused
         self.versions = VersionStore({n: p.detach().clone() for n, p in named.items()}, recycle=not recompute)
         self.buffers = dict(module.named_buffers())
+        # where each buffer lives (its module's table and name), for the forward run again
+        self._buffer_tables = [(module.get_submodule(owner)._buffers, attr)
+                               for owner, _, attr in (name.rpartition(".") for name in self.buffers)]
         self.call = _Parameters(module)
         self.stochastic = any(isinstance(m, _STOCHASTIC) and m.p > 0 for m in module.modules())
         #: where the stage computes, and what arrives is moved to (see the ``device`` argument)
@@ -490,9 +493,7 @@ class StageExecutor:
         if record.roots or not self.recompute:
             return
         # the forward again updates copies of the buffers, dropped afterwards (the graph may save them)
-        tables = [(self.module.get_submodule(owner)._buffers, attr)
-                  for owner, _, attr in (name.rpartition(".") for name in self.buffers)]
-        originals = [(table, attr, table[attr]) for table, attr in tables]
+        originals = [(table, attr, table[attr]) for table, attr in self._buffer_tables]
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             for table, attr, buffer in originals:
@@ -621,10 +622,10 @@ class StageExecutor:
         gradient, so that a replica's SYNC (or a tied parameter's sum) carries it to the others."""
         if self._overflow:
             return
-        bad = flagged or not all_finite([g for g in grads if isinstance(g, Tensor)])
-        if not bad and weights:
-            bad = not all_finite([leaf.grad for leaf in record.leaves.values() if leaf.grad is not None])
-        if bad:
+        tested = [g for g in grads if isinstance(g, Tensor)]
+        if weights:
+            tested += [leaf.grad for leaf in record.leaves.values() if leaf.grad is not None]
+        if flagged or not all_finite(tested):  # one test, one host read
             self._overflow = True
             for leaf in record.leaves.values():
                 if leaf.grad is not None:
