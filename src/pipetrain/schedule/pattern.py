@@ -119,12 +119,7 @@ class PeriodicProgram(Sequence[Action]):
     def __iter__(self) -> Iterator[Action]:
         yield from self.head
         for copy in range(self.copies):
-            if copy == 0:
-                yield from self.body
-            else:
-                shift = self.shift
-                for action in self.body:
-                    yield shift(action, copy)
+            yield from self.body if copy == 0 else self._expand(copy)
         shift, copies = self.shift, self.copies
         for action in self.tail:
             yield shift(action, copies)
