@@ -15,7 +15,7 @@ from pipetrain.training.result import TrainResult, result_of
 from pipetrain.training.result import loss_scale_report, scale_payload
 from pipetrain.training.setup import Run
 
-__all__ = ["train_emulated", "chain_forward"]
+__all__ = ["train_emulated", "emulated_result", "chain_forward"]
 
 
 def chain_forward(executors: list[StageExecutor]):
@@ -58,7 +58,7 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
 
     steps = run.evaluation_steps() if len(held_out) else []
     cuts = [(c.positions, evaluate_at(s)) for s, c in zip(steps, run.cuts_after(steps))]
-    from pipetrain.training.memory import MemoryProbe, memory_report
+    from pipetrain.training.memory import MemoryProbe
 
     probe = MemoryProbe(first_replicas[0].device)
     with setup_heap_frozen():
@@ -74,8 +74,19 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
         executor.write_back()
     if len(held_out) and not run.config.eval_every:
         evaluate_at(run.updates)()
+    return emulated_result(run, emulator, executors, losses.losses, seconds, evaluations, measured)
+
+
+def emulated_result(run: Run, emulator: Emulator, executors: list[list[StageExecutor]], losses: Any,
+                    seconds: float, evaluations: list[dict[str, float]], measured: Any) -> TrainResult:
+    """The result of an emulated run (by ``fit`` or by the per-step entry): timeline, skipped
+    updates, fp16's loss scales and memory beside the losses."""
+    from pipetrain.training.memory import memory_report
+
+    schedule = run.schedule
     timeline = measured_timeline(schedule, [t.payload() for t in emulator.times])
-    result = result_of(run, "emulate", losses.losses, seconds, timeline, evaluations)
+    result = result_of(run, "emulate", losses, seconds, timeline, evaluations)
+    first_replicas = [executors[ranks[0]][stage] for stage, ranks in enumerate(schedule.stage_ranks)]
     result.extra["skipped_updates"] = [executor.skipped for executor in first_replicas]  # --on-nonfinite skip
     if run.config.precision == "fp16":
         result.extra["loss_scale"] = loss_scale_report(

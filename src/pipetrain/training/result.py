@@ -31,8 +31,8 @@ def loss_scale_report(payloads: list[Any]) -> dict[str, Any]:
     the updates skipped because their gradient overflowed (``skipped``, counted from 1), plus the
     last scale stage 0 used (``final``), whether every stage skipped the same updates
     (``stages_agree``) and whether the replicas of each stage did (``replicas_agree``). A stage's
-    entry of ``payloads`` is its payload or the list of its replicas' payloads (first replica first)."""
-    replicas = [p if isinstance(p, list) else [p] for p in payloads]
+    entry of ``payloads`` is the list of its replicas' payloads (first replica first)."""
+    replicas = payloads
     empty = {"scales": [], "skipped": []}
     stages = [(r[0] if r else None) or empty for r in replicas]
     return {

@@ -149,26 +149,15 @@ class EmulatedSession(_Session):
         return metrics
 
     def finish(self) -> TrainResult:
-        from pipetrain.execution.timing import measured_timeline
-        from pipetrain.training.result import result_of
+        from pipetrain.training.emulated import emulated_result
 
         self._check_finished()
         self.emulator.end()
         for executor in self.first_replicas:
             executor.write_back()
-        from pipetrain.training.memory import memory_report
-
         measured = self.probe.read()
-        timeline = measured_timeline(self.run.schedule, [t.payload() for t in self.emulator.times])
-        result = result_of(self.run, "emulate", self.losses.losses, self.seconds, timeline, self.evaluations)
-        result.extra["memory"] = memory_report(self.run, [measured], per_rank=False)
-        result.extra["skipped_updates"] = [executor.skipped for executor in self.first_replicas]
-        if self.run.config.precision == "fp16":
-            from pipetrain.training.result import loss_scale_report, scale_payload
-
-            result.extra["loss_scale"] = loss_scale_report([[scale_payload(self.executors[r][stage]) for r in ranks]
-                                                           for stage, ranks in enumerate(self.run.schedule.stage_ranks)])
-        return result
+        return emulated_result(self.run, self.emulator, self.executors, self.losses.losses, self.seconds,
+                               self.evaluations, measured)
 
 
 class _RankPieces:
