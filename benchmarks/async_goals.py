@@ -185,6 +185,7 @@ def main() -> None:
         (out / "rounds.json").write_text(json.dumps(rounds, indent=1))
         print(f"  round {round_ + 1}/{args.rounds} done, load average {os.getloadavg()[0]:.2f}", flush=True)
 
+    per_round_ratios: dict[str, list[dict[str, float]]] = {}
     for name in names:
         cfg = ALL_CONFIGS[name]
         print(f"\n{name}: width {cfg.width}, batch {cfg.batch} = {cfg.microbatches} x {cfg.microbatch}, "
@@ -194,7 +195,7 @@ def main() -> None:
             values = [r[key] for r in rounds[name]]
             print(f"  {key:22s} {statistics.median(values):9.0f} samples/s   rounds "
                   + ", ".join(f"{v:.0f}" for v in values))
-        per_round = [ratios(r) for r in rounds[name]]
+        per_round = per_round_ratios[name] = [ratios(r) for r in rounds[name]]
         for key in per_round[0]:
             values = [r[key] for r in per_round]
             print(f"  {key:22s} {statistics.median(values):9.3f}   rounds " + ", ".join(f"{v:.2f}" for v in values))
@@ -204,7 +205,7 @@ def main() -> None:
         for name in configs:
             if name not in rounds:
                 continue
-            values = [ratios(r)[key] for r in rounds[name]]
+            values = [r[key] for r in per_round_ratios[name]]
             median = statistics.median(values)
             met = sum(v >= least for v in values)
             print(f"{label + f' >= {least}':52s} {name:18s} {median:8.3f}  {met:3d}/{len(values):<3d}    "

@@ -109,13 +109,14 @@ class DatasetBatches:
         self._first: tuple[int, Any] | None = None
         self.group = 1  # updates a worker reads and sends together
         pinning = pin_available(pin_memory)
+        if order is not None and not isinstance(order, range):  # a long run's range stays one: no table
+            order = list(order)
         if reads_by_index(dataset):
             self.workers = 0
             self._read_here: Callable[[int], Any] = self.reads.read_unseeded
             self.reading = "by index"
         elif self.workers and order is not None and len(order):
             self._read_here = self.reads.read
-            order = order if isinstance(order, range) else list(order)  # a long run's range: no table
             started = time.perf_counter()
             self._first = (order[0], self.reads.read(order[0]))  # the first batch, read here, sizes the groups
             self.group = group_size(self._first[1], time.perf_counter() - started)
@@ -130,7 +131,6 @@ class DatasetBatches:
             read = self._read_here
             self._read_here = lambda update: pin(read(update))
         if self.reading == "by index" and order is not None and len(order):
-            order = order if isinstance(order, range) else list(order)  # a long run's range: no table
             self._first = (order[0], self._read_here(order[0]))  # read here: it sizes the groups
             started = time.perf_counter()
             self._read_here(order[0])  # timed again, without the first call's warm-up

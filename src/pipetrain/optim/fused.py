@@ -125,6 +125,3 @@ class Scratch:
                 tensor = tensors[(slot, name)] = torch.empty_like(model, memory_format=torch.preserve_format)
             out.append(tensor)
         return out
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
