@@ -59,31 +59,9 @@ def memory_by_rank(schedule: Schedule, *, recompute: bool | str | Collection[int
 
 
 def _rank_memory(rank: int, program, recompute: frozenset[int] = frozenset()) -> StageMemory:
-    if recompute:
-        return _recomputed_memory(rank, program, recompute)
-    F, B, I = Kind.F, Kind.B, Kind.I
-    in_flight: dict[int, int] = {}
-    peak: dict[int, int] = {}
-    total = total_peak = 0
-    for kind, stage, _, _, _ in program:
-        if kind is F:
-            count = in_flight.get(stage, 0) + 1
-            in_flight[stage] = count
-            if count > peak.get(stage, 0):
-                peak[stage] = count
-            total += 1
-            if total > total_peak:
-                total_peak = total
-        elif kind is B or kind is I:
-            in_flight[stage] = in_flight.get(stage, 0) - 1
-            total -= 1
-    return StageMemory(rank, peak, _peak_versions(program), total_peak)
-
-
-def _recomputed_memory(rank: int, program, recompute: frozenset[int]) -> StageMemory:
-    """:func:`_rank_memory` with recomputation on the stages ``recompute``: there inputs from F to
-    B (or I), whole activations during B and from I to W; elsewhere whole activations from F to B
-    (or I)."""
+    """The peaks of one rank's program. A microbatch holds its whole activations from F to B (or
+    I); on the stages ``recompute``, only its inputs from F to B (or I), and its whole activations
+    during B and from I to W."""
     F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
     inputs: dict[int, int] = {}
     input_peak: dict[int, int] = {}
