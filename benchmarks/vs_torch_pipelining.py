@@ -24,7 +24,9 @@ pinned one core and one thread each by pipetrain's launcher):
 * ``loop-1f1b-on-demand``   torch.distributed.pipelining's 1F1B order and waits, hand-written over
                             the ``Messenger``; ``loop-1f1b-executors`` the same loop computing
                             through pipetrain's ``StageExecutor``: with ``pipetrain-1f1b`` they
-                            split the runtime's time into transport, stage arithmetic and the rest.
+                            split the runtime's time into transport, stage arithmetic and the rest;
+                            ``loop-1f1b-updating`` also updates the weights as the runtime does
+                            (``StageExecutor.step`` after each batch).
 
 Each is printed as samples/s and as a ratio to R, to 2R (two stages without bubbles) and to
 2R*m/(m+1) (the bound of a flushing 2-stage schedule with m microbatches). pipetrain's runtime
@@ -305,21 +307,26 @@ def _on_demand_worker(cfg: Config, steps: int, warmup: int, stage_code: str) -> 
     env, module, opt, xs, ys, acts, grads = _loop_stage(cfg)
     m = cfg.microbatches
     executor = None
-    if stage_code == "executors":
-        executor = StageExecutor(env.rank, module, None, loss_fn=cross_entropy if env.rank == 1 else None)
+    if stage_code in ("executors", "executors-updating"):
+        optimizer = None
+        if stage_code == "executors-updating":  # SGD as the runtime builds it, one update per batch
+            from pipetrain.optim import build_stage_optimizer
+
+            optimizer = build_stage_optimizer(f"sgd:lr={cfg.lr}")
+        executor = StageExecutor(env.rank, module, optimizer, loss_fn=cross_entropy if env.rank == 1 else None)
     unit = [0]  # the executor's microbatch numbers run on across steps
 
     def forward0(k: int, outs: dict) -> torch.Tensor:
         if executor is None:
             outs[k] = module(xs[k])
             return outs[k].detach()
-        return executor.forward(unit[0] + k, 0, xs[k], samples=cfg.microbatch)[0]
+        return executor.forward(unit[0] + k, executor.versions.current, xs[k], samples=cfg.microbatch)[0]
 
     def backward0(k: int, grad: torch.Tensor, outs: dict) -> None:
         if executor is None:
             outs.pop(k).backward(grad)
         else:
-            executor.backward(unit[0] + k, 0, (grad,))
+            executor.backward(unit[0] + k, executor.versions.current, (grad,))
 
     def step0() -> None:
         outs: dict[int, torch.Tensor] = {}
@@ -343,8 +350,9 @@ def _on_demand_worker(cfg: Config, steps: int, warmup: int, stage_code: str) -> 
                 (F.cross_entropy(module(inputs), ys[k]) / m).backward()
                 grad = inputs.grad
             else:
-                executor.forward(unit[0] + k, 0, inputs, target=ys[k], loss_scale=1 / m, samples=cfg.microbatch)
-                (grad,) = executor.backward(unit[0] + k, 0, None)
+                version = executor.versions.current
+                executor.forward(unit[0] + k, version, inputs, target=ys[k], loss_scale=1 / m, samples=cfg.microbatch)
+                (grad,) = executor.backward(unit[0] + k, version, None)
             send = grads.isend(grad, tag=k)
             if k + 1 < m:
                 inputs = acts.irecv().wait()
@@ -355,7 +363,10 @@ def _on_demand_worker(cfg: Config, steps: int, warmup: int, stage_code: str) -> 
         if executor is None:
             opt.step()
             opt.zero_grad()
-        else:  # the executors have no optimizer here: drop the sums (the update is not what is timed)
+        elif executor.optimizer is not None:  # the runtime's update: a new version, in place
+            executor.step([executor.versions.current])
+            unit[0] += m
+        else:  # no optimizer: drop the sums (the update is not what is timed)
             executor.grads = None
             unit[0] += m
 
@@ -368,6 +379,10 @@ def on_demand_modules(cfg: Config, steps: int, warmup: int) -> float:
 
 def on_demand_executors(cfg: Config, steps: int, warmup: int) -> float:
     return _run(_on_demand_worker, cfg, steps, warmup, "executors")
+
+
+def on_demand_executors_updating(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_on_demand_worker, cfg, steps, warmup, "executors-updating")
 
 
 def _run(worker: Callable[..., object], *args: object, nprocs: int = 2, convert: Callable = float):
@@ -466,6 +481,7 @@ CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "loop-1f1b": ("hand loop on Messenger, 1f1b", messenger_1f1b),
     "loop-1f1b-on-demand": ("torch's 1F1B loop on Messenger", on_demand_modules),
     "loop-1f1b-executors": ("  same, StageExecutor stages", on_demand_executors),
+    "loop-1f1b-updating": ("  same, with the runtime's update", on_demand_executors_updating),
     "pipetrain-gpipe": ("pipetrain gpipe", pipetrain_gpipe),
     "pipetrain-1f1b": ("pipetrain 1f1b", pipetrain_1f1b),
     "pipetrain-1f1b-ahead": ("pipetrain 1f1b, receives ahead", pipetrain_1f1b_ahead),
