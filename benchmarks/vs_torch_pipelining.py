@@ -26,7 +26,8 @@ pinned one core and one thread each by pipetrain's launcher):
                             through pipetrain's ``StageExecutor``: with ``pipetrain-1f1b`` they
                             split the runtime's time into transport, stage arithmetic and the rest;
                             ``loop-1f1b-updating`` also updates the weights as the runtime does
-                            (``StageExecutor.step`` after each batch).
+                            (``StageExecutor.step`` after each batch), ``loop-1f1b-labels`` sends
+                            the labels in the activations' message, as the runtime does.
 
 Each is printed as samples/s and as a ratio to R, to 2R (two stages without bubbles) and to
 2R*m/(m+1) (the bound of a flushing 2-stage schedule with m microbatches). pipetrain's runtime
@@ -307,7 +308,8 @@ def _on_demand_worker(cfg: Config, steps: int, warmup: int, stage_code: str) -> 
     env, module, opt, xs, ys, acts, grads = _loop_stage(cfg)
     m = cfg.microbatches
     executor = None
-    if stage_code in ("executors", "executors-updating"):
+    labelled = stage_code == "executors-labels"  # the labels travel with the activations, as in the runtime
+    if stage_code in ("executors", "executors-updating", "executors-labels"):
         optimizer = None
         if stage_code == "executors-updating":  # SGD as the runtime builds it, one update per batch
             from pipetrain.optim import build_stage_optimizer
@@ -320,7 +322,8 @@ def _on_demand_worker(cfg: Config, steps: int, warmup: int, stage_code: str) -> 
         if executor is None:
             outs[k] = module(xs[k])
             return outs[k].detach()
-        return executor.forward(unit[0] + k, executor.versions.current, xs[k], samples=cfg.microbatch)[0]
+        out = executor.forward(unit[0] + k, executor.versions.current, xs[k], samples=cfg.microbatch)[0]
+        return (out, ys[k]) if labelled else out
 
     def backward0(k: int, grad: torch.Tensor, outs: dict) -> None:
         if executor is None:
@@ -345,13 +348,16 @@ def _on_demand_worker(cfg: Config, steps: int, warmup: int, stage_code: str) -> 
     def step1() -> None:
         inputs = acts.irecv().wait()
         for k in range(m):
+            target = ys[k]
+            if labelled:
+                inputs, target = inputs
             if executor is None:
                 inputs.requires_grad_(True)
                 (F.cross_entropy(module(inputs), ys[k]) / m).backward()
                 grad = inputs.grad
             else:
                 version = executor.versions.current
-                executor.forward(unit[0] + k, version, inputs, target=ys[k], loss_scale=1 / m, samples=cfg.microbatch)
+                executor.forward(unit[0] + k, version, inputs, target=target, loss_scale=1 / m, samples=cfg.microbatch)
                 (grad,) = executor.backward(unit[0] + k, version, None)
             send = grads.isend(grad, tag=k)
             if k + 1 < m:
@@ -383,6 +389,10 @@ def on_demand_executors(cfg: Config, steps: int, warmup: int) -> float:
 
 def on_demand_executors_updating(cfg: Config, steps: int, warmup: int) -> float:
     return _run(_on_demand_worker, cfg, steps, warmup, "executors-updating")
+
+
+def on_demand_executors_labels(cfg: Config, steps: int, warmup: int) -> float:
+    return _run(_on_demand_worker, cfg, steps, warmup, "executors-labels")
 
 
 def _run(worker: Callable[..., object], *args: object, nprocs: int = 2, convert: Callable = float):
@@ -482,6 +492,7 @@ CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "loop-1f1b-on-demand": ("torch's 1F1B loop on Messenger", on_demand_modules),
     "loop-1f1b-executors": ("  same, StageExecutor stages", on_demand_executors),
     "loop-1f1b-updating": ("  same, with the runtime's update", on_demand_executors_updating),
+    "loop-1f1b-labels": ("  same, labels sent with the activations", on_demand_executors_labels),
     "pipetrain-gpipe": ("pipetrain gpipe", pipetrain_gpipe),
     "pipetrain-1f1b": ("pipetrain 1f1b", pipetrain_1f1b),
     "pipetrain-1f1b-ahead": ("pipetrain 1f1b, receives ahead", pipetrain_1f1b_ahead),

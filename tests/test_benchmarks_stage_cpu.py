@@ -75,7 +75,7 @@ def test_the_hand_loops_run_with_the_probe_in_both_workers(tmp_path):
     from benchmarks.vs_torch_pipelining import Config
 
     tiny = Config(width=8, batch=8, microbatches=2, steps=1, warmup=0, hidden=4)
-    for name in ("loop-1f1b-executors", "loop-1f1b-updating"):
+    for name in ("loop-1f1b-executors", "loop-1f1b-updating", "loop-1f1b-labels"):
         directory = tmp_path / name
         directory.mkdir()
         assert probed(name, tiny, 3, 1, directory) > 0  # 3 timed steps after 1
