@@ -162,7 +162,11 @@ def test_prune_keeps_the_last_complete_ones(tmp_path):
 
 
 def test_distributed_protocol_with_threads_and_a_real_store(tmp_path):
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    from pipetrain.runtime.rendezvous import loopback_listener
+
+    listener = loopback_listener()  # on 127.0.0.1 only, as the launcher's store
+    server = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                           master_listen_fd=listener.detach(), use_libuv=True)
     clients = [
         dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
                       timeout=datetime.timedelta(seconds=10))

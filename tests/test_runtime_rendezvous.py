@@ -17,7 +17,9 @@ from pipetrain.runtime.rendezvous import agree, interface_towards, loopback_inte
 
 
 def _store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    listener = loopback_listener()  # on 127.0.0.1 only, as the launcher's store (left to itself: every interface)
+    server = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                           master_listen_fd=listener.detach(), use_libuv=True)
     return server, lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
                                          timeout=datetime.timedelta(seconds=10))
 
