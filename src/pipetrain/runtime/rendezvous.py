@@ -6,11 +6,11 @@ the same keys in it at every start: a restarted worker read a peer's address lef
 previous start and failed with "Gloo connectFullMesh failed ... Connection refused" (3 of 4
 restarts). So under torchrun the workers first agree on a fresh generation: rank 0 names one (a
 random id), every other rank registers under the name it reads, and rank 0 announces the
-generation once all have, having deleted the name, so that the next start finds no stale one::
+generation once all have, having cleared the name, so that the next start finds no stale one::
 
     rank 0:  set  join/leader = G        (G fresh)      rank r:  read join/leader -> G
              wait until ranks 1..W-1 registered under G          set  join/G/rank/r
-             delete join/leader; set join/G/go                   wait for join/G/go (re-reading the
+             clear join/leader; set join/G/go                    wait for join/G/go (re-reading the
                                                                  leader, which may still be stale)
 
 Every key of the run (the process group's, the status board's, the checkpoints') then lives
@@ -73,14 +73,16 @@ def agree(store: Any, rank: int, world_size: int, timeout: float) -> str:
                     "started, or raise --timeout if they start this late"
                 )
             time.sleep(_POLL)
-        store.delete_key(leader)
+        # cleared, not deleted: a rank that found the key a moment ago reads it next, and a get of a
+        # key deleted in between would wait out the store's timeout
+        store.set(leader, "")
         store.set(f"pipetrain/join/{name}/go", "1")
         return name
     registered = None
     while True:
         if store.check([leader]):
             name = store.get(leader).decode()
-            if name != registered:  # the first name read, or a newer one (the first was a dead start's)
+            if name and name != registered:  # the first name read, or a newer one (the first was a dead start's)
                 store.set(f"pipetrain/join/{name}/rank/{rank}", "1")
                 registered = name
         if registered is not None and store.check([f"pipetrain/join/{registered}/go"]):
