@@ -226,20 +226,22 @@ def _convergence_time(h: float, momentum: float, delay: int, method: str) -> flo
     return -1.0 / math.log(spectral_radius(h, momentum, delay, method))
 
 
-def time_scaled_table(momenta: list[float], delays: list[int], reference: float, flat: float = 1e-3) -> list[str]:
+def time_scaled_table(momenta: list[float], delays: list[int], reference: float, flat: float = 0.1) -> list[str]:
     """Markdown: per delay D > D*, DLR's and DTS's settings with full SC+LWP, each stage's stability
     margin (its largest stable h over the h it trains at, in units of the D* stage's margin: 1.00
     means exactly the margin of the stage at D*, below 1 less), and the convergence time along a
-    flat direction whose h at the unscaled rate is ``flat`` times the D* stage's largest stable h
-    (slower by the factor printed, against the undelayed momentum SGD at the unscaled rate)."""
+    flat direction, ``h = flat*(1-m)**2`` at the unscaled rate: one that undelayed momentum SGD
+    moves along at its effective rate ``lr/(1-m)`` (overdamped), in about ``(1-m)/h`` samples (the
+    factor printed: against undelayed momentum SGD at the unscaled rate)."""
     from pipetrain.optim.compensation import delay_lr_factor, time_scaled_settings
 
     lines = []
     for momentum in momenta:
         h_ref = max_stable_h(momentum, int(reference), "sc+lwp", 1e-5)
-        base = _convergence_time(flat * h_ref, momentum, 0, "none")
+        h_flat = flat * (1 - momentum) ** 2
+        base = _convergence_time(h_flat, momentum, 0, "none")
         lines += [f"\nm = {momentum}, D* = {reference:g} (its largest stable h with SC+LWP: {h_ref:.4g}); flat "
-                  f"direction h = {flat:g} x that, undelayed momentum SGD: {base:.0f} samples\n",
+                  f"direction h = {flat:g}*(1-m)^2 = {h_flat:.3g}, undelayed momentum SGD: {base:.0f} samples\n",
                   "| D | DLR: lr factor | DLR: margin | DLR: flat-direction time | DTS: lr factor, 1-m_s | "
                   "DTS: margin | DTS: flat-direction time |",
                   "|---|---|---|---|---|---|---|"]
@@ -248,8 +250,8 @@ def time_scaled_table(momenta: list[float], delays: list[int], reference: float,
             dts, m_s = time_scaled_settings(momentum, delay, reference)
             margin_dlr = max_stable_h(momentum, delay, "sc+lwp", 1e-5) / (dlr * h_ref)
             margin_dts = max_stable_h(m_s, delay, "sc+lwp", 1e-5) / (dts * h_ref)
-            t_dlr = _convergence_time(flat * h_ref * dlr, momentum, delay, "sc+lwp")
-            t_dts = _convergence_time(flat * h_ref * dts, m_s, delay, "sc+lwp")
+            t_dlr = _convergence_time(h_flat * dlr, momentum, delay, "sc+lwp")
+            t_dts = _convergence_time(h_flat * dts, m_s, delay, "sc+lwp")
             lines.append(f"| {delay} | {dlr:.4g} | {margin_dlr:.2f} | {t_dlr:.0f} ({t_dlr / base:.1f}x) | "
                          f"{dts:.4g}, {1 - m_s:.3g} | {margin_dts:.2f} | {t_dts:.0f} ({t_dts / base:.1f}x) |")
     return lines

@@ -232,7 +232,7 @@ def test_dts_build_errors():
 
 
 @pytest.mark.parametrize("delay", [0, 3, 8])
-@pytest.mark.parametrize("compensation", ["dts", "sc+dts16"])
+@pytest.mark.parametrize("compensation", ["dts8", "sc+dts16"])
 def test_dts_at_or_below_the_reference_delay_is_torch_momentum_bitwise(delay, compensation):
     # delay 0 (and any delay up to D*): rate and momentum untouched, so DTS is plain momentum SGD
     settings = dict(lr=0.05, momentum=0.9, weight_decay=1e-2)

@@ -34,7 +34,7 @@ weights D updates old (D = D_s = 2(S-1-s) for Pipelined Backpropagation).
   with delay ``D*`` slowed ``k`` times (SC's ``a = m**D`` stays ``m**D*``, LWP's step ``lr*T*v``
   stays the same fraction of the way). So it keeps DLR's stability margin, but its effective rate
   ``lr_s/(1 - m_s)`` (what moves a weight along a flat direction) is cut by ``k`` instead of DLR's
-  ``k**2``: at S = 64, D* = 8, stage 0 learns at 1/16 of the rate instead of 1/248.
+  ``k**2``: at S = 64, D* = 4, stage 0 (D = 126) learns at 1/31.5 of the rate instead of 1/992.
   :func:`time_scaled_settings` gives ``(lr factor, m_s)``; done by
   :func:`pipetrain.optim.build_stage_optimizer` (momentum SGD only).
 """
@@ -65,9 +65,9 @@ COMPENSATIONS = ("sc", "lwp", "dlr", "dts")
 #: S = 32 and 64 study of benchmarks/RESULTS.md section 7 (the module docstring says why).
 DEFAULT_DLR_DELAY = 8.0
 
-#: DTS's reference delay D* when ``dts`` is named without one (the best of 4, 8 and 16 in the
-#: S = 32 and 64 study of benchmarks/RESULTS.md section 7)
-DEFAULT_DTS_DELAY = 8.0
+#: DTS's reference delay D* when ``dts`` is named without one: the better of 4 and 8 in the
+#: S = 32 and 64 study of benchmarks/RESULTS.md section 7 (8 is unstable at S = 64, lr x2)
+DEFAULT_DTS_DELAY = 4.0
 
 _DLR = re.compile(r"^dlr(\d+(?:\.\d*)?|\.\d+)?$")
 _DTS = re.compile(r"^dts(\d+(?:\.\d*)?|\.\d+)?$")

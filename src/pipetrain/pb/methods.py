@@ -18,7 +18,7 @@
                    with a momentum memory ``k`` times longer, ``k = max(1, D_s/D*)``
                    (``dtsN``: ``D* = N``; ``dts``: the default
                    :data:`~pipetrain.optim.compensation.DEFAULT_DTS_DELAY`), e.g.
-                   ``pb+sc+lwp+dts8``; not with ``dlr``
+                   ``pb+sc+lwp+dts4``; not with ``dlr``
 =================  ===========================================================================
 
 A study's ``--delay-scale`` multiplies the SC and LWP factors once more (a sweep of the
@@ -76,7 +76,7 @@ class Method:
 
 def parse_method(text: str) -> Method:
     """``sgd``, ``sgd-batch``, ``pb``, ``pb+sc``, ``pb+lwp``, ``pb+sc+lwp``, ``pb+sc0.5+lwp0.5``,
-    ``pb+sc0.5+lwp+dlr16``, ``pb+sc+lwp+dts8``."""
+    ``pb+sc0.5+lwp+dlr16``, ``pb+sc+lwp+dts4``."""
     name = text.strip().lower()
     if name == "sgd":
         return Method("sgd", pipelined=False)
