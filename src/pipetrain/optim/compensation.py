@@ -31,8 +31,9 @@ weights D updates old (D = D_s = 2(S-1-s) for Pipelined Backpropagation).
   untouched. Why: the heavy-ball recurrence with delay D is, up to the discretisation, a delay
   differential equation in which ``h*D**2`` (``h = lr*lam``) and ``(1 - m)*D`` are the only
   numbers; scaling both as above makes the stage with delay ``k*D*`` run the dynamics of the stage
-  with delay ``D*`` slowed ``k`` times (SC's ``a = m**D`` stays ``m**D*``, LWP's step ``lr*T*v``
-  stays the same fraction of the way). So it keeps DLR's stability margin, but its effective rate
+  with delay ``D*`` slowed ``k`` times (SC's ``a = m_s**D`` stays about ``m**D*``, LWP's step
+  ``lr*T*v`` the same fraction of the way). So it keeps the margin of the stage at ``D*``, as
+  DLR means to, but its effective rate
   ``lr_s/(1 - m_s)`` (what moves a weight along a flat direction) is cut by ``k`` instead of DLR's
   ``k**2``: at S = 64, D* = 4, stage 0 (D = 126) learns at 1/31.5 of the rate instead of 1/992.
   :func:`time_scaled_settings` gives ``(lr factor, m_s)``; done by
@@ -72,7 +73,7 @@ DEFAULT_DTS_DELAY = 4.0
 _DLR = re.compile(r"^dlr(\d+(?:\.\d*)?|\.\d+)?$")
 _DTS = re.compile(r"^dts(\d+(?:\.\d*)?|\.\d+)?$")
 _VALID = ("none, sc, lwp, dlr or dlrN, dts or dtsN (N: the reference delay D*), joined by '+' "
-          "(e.g. sc+lwp+dlr16, sc+lwp+dts8)")
+          "(e.g. sc+lwp+dlr16, sc+lwp+dts4)")
 
 
 def spike_coefficients(momentum: float, delay: float) -> tuple[float, float]:
@@ -163,7 +164,9 @@ def _reference_delay(value: str | Iterable[str] | None, pattern: re.Pattern, def
         if match:
             delay = default if match.group(1) is None else float(match.group(1))
             if not delay > 0:
-                raise ConfigError(f"delay compensation {part!r}: the reference delay D* must be > 0 (e.g. {example})")
+                raise ConfigError(
+                    f"delay compensation {part!r}: the reference delay D* must be > 0 (e.g. {example})"
+                )
             return delay
     return None
 
@@ -177,4 +180,4 @@ def parse_dlr_delay(value: str | Iterable[str] | None) -> float | None:
 def parse_dts_delay(value: str | Iterable[str] | None) -> float | None:
     """DTS's reference delay D* named in a compensation (``dts4`` -> 4.0, ``dts`` -> the
     default), or None when DTS is off."""
-    return _reference_delay(value, _DTS, DEFAULT_DTS_DELAY, "dts8")
+    return _reference_delay(value, _DTS, DEFAULT_DTS_DELAY, "dts4")

@@ -159,7 +159,8 @@ def build_stage_optimizer(
                 "--optimizer sgd:momentum=... with dts, or dlr (the delay-scaled learning rate) with Adam"
             )
         reference = parse_dts_delay(compensation) if dts_delay is None else float(dts_delay)
-        dts_factor, momentum = time_scaled_settings(kwargs.get("momentum", 0.0), stage_delay, reference)  # type: ignore[arg-type]
+        momentum = float(kwargs.get("momentum", 0.0))
+        dts_factor, momentum = time_scaled_settings(momentum, stage_delay, reference)  # type: ignore[arg-type]
         if dts_factor != 1.0:  # a stage at or below D* keeps its rate and momentum bit for bit
             kwargs["momentum"] = momentum  # before the optimizer is built: SC's coefficients use it
     optimizer = optimizer_class(parsed.name)(**kwargs)

@@ -95,7 +95,7 @@ def parse_method(text: str) -> Method:
         if match is None:
             raise ConfigError(
                 f"method {text!r}: {part!r} is not sc, lwp, scN or lwpN (N: a multiple of the stage "
-                f"delay, e.g. sc0.5), dlr or dlrN, dts or dtsN (N: the reference delay in samples, e.g. dlr16, dts8)"
+                f"delay, e.g. sc0.5), dlr or dlrN, dts or dtsN (N: the reference delay in samples, e.g. dlr16, dts4)"
             )
         kind, value = match.group(1), match.group(2)
         if scales[kind]:
@@ -107,8 +107,12 @@ def parse_method(text: str) -> Method:
             raise ConfigError(f"method {text!r}: the {kind} {what} must be > 0 (leave {kind} out instead)")
         scales[kind] = scale
     if scales["dlr"] and scales["dts"]:
-        raise ConfigError(f"method {text!r} names both dlr and dts; both scale each stage's rate by its delay: name one")
-    return Method(name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"], dts=scales["dts"])
+        raise ConfigError(
+            f"method {text!r} names both dlr and dts; both scale each stage's rate by its delay: name one"
+        )
+    return Method(
+        name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"], dts=scales["dts"]
+    )
 
 
 def parse_methods(text: str) -> list[Method]:
