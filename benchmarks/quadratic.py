@@ -19,6 +19,10 @@ Usage:  python benchmarks/quadratic.py [--out FILE.md]   (recorded in benchmarks
             the best SC/LWP strengths per delay (SC delay A*D, LWP horizon B*D over a grid of A, B)
             and their bound times D**2: compensation alone saturates near 1/D**2, the reason for the
             delay-scaled learning rate (DLR, docs/optim.md)
+        python benchmarks/quadratic.py --time-scaled [--momenta M --delays D,... --reference 8]
+            DLR against delay time scaling (DTS, docs/optim.md) with full SC+LWP: each stage's
+            stability margin relative to the stage at the reference delay D*, and how fast each
+            moves along a flat direction (the effective rate lr/(1-m) and the convergence time)
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ __all__ = [
     "simulate",
     "simulate_optimizer",
     "grows",
+    "time_scaled_table",
 ]
 
 METHODS = ("none", "sc", "lwp", "sc+lwp")
@@ -216,6 +221,42 @@ def strengths_table(momenta: list[float], delays: list[int]) -> list[str]:
     return lines
 
 
+def _convergence_time(h: float, momentum: float, delay: int, method: str) -> float:
+    """Samples for the error along a direction with ``h = lr*lam`` to fall by e: -1/ln(rho)."""
+    return -1.0 / math.log(spectral_radius(h, momentum, delay, method))
+
+
+def time_scaled_table(momenta: list[float], delays: list[int], reference: float, flat: float = 0.1) -> list[str]:
+    """Markdown: per delay D > D*, DLR's and DTS's settings with full SC+LWP, each stage's stability
+    margin (its largest stable h over the h it trains at, in units of the D* stage's margin: 1.00
+    means exactly the margin of the stage at D*, below 1 less), and the convergence time along a
+    flat direction, ``h = flat*(1-m)**2`` at the unscaled rate: one that undelayed momentum SGD
+    moves along at its effective rate ``lr/(1-m)`` (overdamped), in about ``(1-m)/h`` samples (the
+    factor printed: against undelayed momentum SGD at the unscaled rate)."""
+    from pipetrain.optim.compensation import delay_lr_factor, time_scaled_settings
+
+    lines = []
+    for momentum in momenta:
+        h_ref = max_stable_h(momentum, int(reference), "sc+lwp", 1e-5)
+        h_flat = flat * (1 - momentum) ** 2
+        base = _convergence_time(h_flat, momentum, 0, "none")
+        lines += [f"\nm = {momentum}, D* = {reference:g} (its largest stable h with SC+LWP: {h_ref:.4g}); flat "
+                  f"direction h = {flat:g}*(1-m)^2 = {h_flat:.3g}, undelayed momentum SGD: {base:.0f} samples\n",
+                  "| D | DLR: lr factor | DLR: margin | DLR: flat-direction time | DTS: lr factor, 1-m_s | "
+                  "DTS: margin | DTS: flat-direction time |",
+                  "|---|---|---|---|---|---|---|"]
+        for delay in delays:
+            dlr = delay_lr_factor(delay, reference)
+            dts, m_s = time_scaled_settings(momentum, delay, reference)
+            margin_dlr = max_stable_h(momentum, delay, "sc+lwp", 1e-5) / (dlr * h_ref)
+            margin_dts = max_stable_h(m_s, delay, "sc+lwp", 1e-5) / (dts * h_ref)
+            t_dlr = _convergence_time(h_flat * dlr, momentum, delay, "sc+lwp")
+            t_dts = _convergence_time(h_flat * dts, m_s, delay, "sc+lwp")
+            lines.append(f"| {delay} | {dlr:.4g} | {margin_dlr:.2f} | {t_dlr:.0f} ({t_dlr / base:.1f}x) | "
+                         f"{dts:.4g}, {1 - m_s:.3g} | {margin_dts:.2f} | {t_dts:.0f} ({t_dts / base:.1f}x) |")
+    return lines
+
+
 def _machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -233,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delays", default="1,4,16,64")
     parser.add_argument("--strengths", action="store_true",
                         help="only the table of the best SC/LWP strengths per delay and their bound times D**2")
+    parser.add_argument("--time-scaled", action="store_true",
+                        help="only the table of DLR against delay time scaling (DTS), per delay, with SC+LWP")
+    parser.add_argument("--reference", type=float, default=8.0, help="D* of --time-scaled (default 8)")
     parser.add_argument("--out", default="-", help="markdown file to write (default '-': print only; the "
                         "recorded table is section 5 of benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
@@ -240,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     delays = [int(x) for x in args.delays.split(",")]
 
     start = time.perf_counter()
-    if args.strengths:
-        body = "\n".join(strengths_table(momenta, delays))
+    if args.strengths or args.time_scaled:
+        rows = (strengths_table(momenta, delays) if args.strengths
+                else time_scaled_table(momenta, delays, args.reference))
+        body = "\n".join(rows)
         print(body)
         print(f"\n{time.perf_counter() - start:.1f} s")
         if args.out != "-":

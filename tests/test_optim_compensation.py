@@ -5,9 +5,10 @@ import torch
 
 from optim_helpers import compare_with_torch
 from pipetrain.errors import ConfigError
-from pipetrain.optim import (SGD, CosineLR, build_stage_optimizer, delay_lr_factor, parse_compensation,
-                             parse_dlr_delay, spike_coefficients)
-from pipetrain.optim.compensation import DEFAULT_DLR_DELAY
+from pipetrain.optim import (SGD, CosineLR, build_stage_optimizer, build_stage_optimizers, delay_lr_factor,
+                             parse_compensation, parse_dlr_delay, parse_dts_delay, spike_coefficients,
+                             time_scaled_settings)
+from pipetrain.optim.compensation import DEFAULT_DLR_DELAY, DEFAULT_DTS_DELAY
 
 
 def _impulse_response(optimizer, steps, impulse_step=0):
@@ -131,6 +132,9 @@ def test_parse_compensation():
         parse_compensation("sc+nag")
     with pytest.raises(ConfigError, match="names dlr twice"):
         parse_compensation("dlr+dlr8")
+    assert parse_compensation("sc+lwp+dts8") == {"sc", "lwp", "dts"}
+    with pytest.raises(ConfigError, match="names both dlr and dts"):
+        parse_compensation("sc+dlr8+dts8")
 
 
 # -- delay-scaled learning rate (DLR) --------------------------------------------------------------
@@ -196,4 +200,103 @@ def test_dlr_prediction_uses_the_stage_rate():
     w = optimizer.step(w, {"w": torch.tensor([1.0, -1.0], dtype=torch.float64)}, 0)
     v = optimizer.velocity("w")
     predicted = optimizer.predict(w, samples_seen=1)
+    torch.testing.assert_close(predicted["w"], w["w"] - 0.2 * 0.25 * 12 * v, rtol=0, atol=1e-15)
+
+
+# -- delay time scaling (DTS) ----------------------------------------------------------------------
+
+
+def test_dts_settings_and_reference_delay():
+    assert time_scaled_settings(0.9, 0, 8) == (1.0, 0.9) and time_scaled_settings(0.9, 8, 8) == (1.0, 0.9)
+    assert time_scaled_settings(0.9, 16, 8) == (0.25, 1.0 - (1.0 - 0.9) / 2)
+    factor, momentum = time_scaled_settings(0.996713, 126, 8)
+    assert factor == delay_lr_factor(126, 8) and momentum == 1.0 - (1.0 - 0.996713) / (126 / 8)
+    assert time_scaled_settings(0.5, 40) == time_scaled_settings(0.5, 40, DEFAULT_DTS_DELAY)
+    assert parse_dts_delay("sc+lwp+dlr4") is None
+    assert parse_dts_delay("sc+dts") == DEFAULT_DTS_DELAY and parse_dts_delay("lwp+dts4.5") == 4.5
+    with pytest.raises(ConfigError, match="D\\*=0 must be > 0"):
+        time_scaled_settings(0.9, 3, 0)
+    with pytest.raises(ConfigError, match="needs 0 < momentum < 1, got 0.0; use dlr"):
+        time_scaled_settings(0.0, 3, 8)
+    with pytest.raises(ConfigError, match="must be > 0"):
+        parse_dts_delay("dts0")
+
+
+def test_dts_build_errors():
+    with pytest.raises(ConfigError, match="scales the momentum of momentum SGD, not of 'adam'"):
+        build_stage_optimizer("adam:lr=0.01", stage_delay=8, compensation="lwp+dts4")
+    with pytest.raises(ConfigError, match="needs 0 < momentum < 1"):
+        build_stage_optimizer("sgd:lr=0.1", stage_delay=8, compensation="dts4")
+    with pytest.raises(ConfigError, match="dts_delay=4 is set but compensation 'dts' is off"):
+        build_stage_optimizer("sgd:momentum=0.9", stage_delay=8, compensation="sc+dlr", dts_delay=4)
+
+
+@pytest.mark.parametrize("delay", [0, 3, 8])
+@pytest.mark.parametrize("compensation", ["dts8", "sc+dts16"])
+def test_dts_at_or_below_the_reference_delay_is_torch_momentum_bitwise(delay, compensation):
+    # delay 0 (and any delay up to D*): rate and momentum untouched, so DTS is plain momentum SGD
+    settings = dict(lr=0.05, momentum=0.9, weight_decay=1e-2)
+    ours = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=delay,
+                                 compensation=compensation)
+    assert (ours.lr, ours.momentum) == (0.05, 0.9)
+    if "sc" in compensation and delay:
+        want = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=delay,
+                                     compensation="sc")
+        assert ours.hyperparameters() == want.hyperparameters()
+    else:
+        compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, **settings), ours)
+
+
+def test_dts_beyond_the_reference_delay_is_momentum_sgd_at_the_scaled_rate_and_momentum_bitwise():
+    # D = 48, D* = 24: k = 2, so a quarter of the rate and 1 - m halved (memory 10 -> 20 updates)
+    ours = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=48, compensation="dts24")
+    assert ours.lr == 0.05 * 0.25 and ours.momentum == 1.0 - (1.0 - 0.9) / 2
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, lr=0.05 * 0.25, momentum=1.0 - (1.0 - 0.9) / 2,
+                                                 weight_decay=1e-2), ours)
+    # per stage, and dts_delay overrides the name's D*
+    optimizers = build_stage_optimizers("sgd:lr=0.1,momentum=0.9", [8, 6, 4, 0], compensation="sc+lwp+dts4")
+    assert [o.lr for o in optimizers] == [0.1 * 0.25, 0.1 * (4 / 6) ** 2, 0.1, 0.1]
+    assert [o.momentum for o in optimizers] == [1 - (1 - 0.9) / 2, 1 - (1 - 0.9) / (6 / 4), 0.9, 0.9]
+    assert [o.sc_delay for o in optimizers] == [8, 6, 4, 0]
+    assert build_stage_optimizers("sgd:lr=0.1,momentum=0.9", [8], compensation="dts4", dts_delay=2)[0].lr == 0.1 / 16
+
+
+def test_dts_impulse_response_is_the_reference_response_slowed_k_times():
+    # lr = 1, m = 0.9, D = 16, D* = 4: k = 4, lr_s = 1/16, m_s = 0.975. Plain momentum at (lr_s, m_s)
+    # moves a unit impulse by lr_s*(1 - m_s**(n+1))/(1 - m_s) -> lr/(k*(1-m)) = 2.5: a k-th of the
+    # undelayed 10 (DLR at the same D*: a k**2-th, 0.625). With SC: that response shifted by D.
+    lr_s, m_s = 1.0 / 16, 1.0 - (1.0 - 0.9) / 4
+    alone = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=16,
+                                                    compensation="dts4"), 2000)
+    exact = [lr_s * (1 - m_s ** (n + 1)) / (1 - m_s) for n in range(2000)]
+    assert alone == pytest.approx(exact, rel=1e-12)
+    assert alone[-1] == pytest.approx(2.5, abs=1e-12)
+    spiked = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=16,
+                                                     compensation="sc+dts4"), 400)
+    assert spiked[0] == pytest.approx(exact[16], rel=1e-13)
+    assert spiked[:380] == pytest.approx(exact[16:396], rel=1e-12)
+    # the time scaling: the k-times slower response's n-th value after k*n updates, per unit of the
+    # rate (1/k of it): the reference's momentum response sum_{j<=n} m**j, to first order in 1 - m
+    reference = _impulse_response(SGD(lr=1.0, momentum=0.9), 60)
+    for n in (10, 20, 40):
+        assert k_slowed(alone, n, 4) == pytest.approx(reference[n], rel=0.03)
+
+
+def k_slowed(response, n, k):
+    """The value of a k-times slower response at the time of the reference's update n, rescaled to
+    the reference's rate (the slow stage covers lr/k per update where the reference covers lr)."""
+    return k * response[k * n + k - 1]
+
+
+def test_dts_prediction_uses_the_stage_rate_and_momentum():
+    # LWP extrapolates along the step the stage really takes: lr/k**2 * T * v, v the k-times
+    # longer momentum buffer
+    optimizer = build_stage_optimizer("sgd:lr=0.2,momentum=0.9", stage_delay=12, compensation="lwp+dts6")
+    w = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    for step, g in enumerate(([1.0, -1.0], [0.5, 0.25])):
+        w = optimizer.step(w, {"w": torch.tensor(g, dtype=torch.float64)}, step)
+    v = optimizer.velocity("w")
+    torch.testing.assert_close(v, (1 - (1 - 0.9) / 2) * torch.tensor([1.0, -1.0], dtype=torch.float64)
+                               + torch.tensor([0.5, 0.25], dtype=torch.float64), rtol=0, atol=1e-15)
+    predicted = optimizer.predict(w, samples_seen=2)
     torch.testing.assert_close(predicted["w"], w["w"] - 0.2 * 0.25 * 12 * v, rtol=0, atol=1e-15)

@@ -51,3 +51,25 @@ def test_best_strengths_saturate_near_one_over_d_squared():
     assert quadratic.max_stable_h(momentum, delay, "none", 1e-3) < (1 - momentum) / delay * 1.05
     # scaled strengths enter the recurrence as SC delay A*D and LWP horizon B*D
     assert quadratic.coefficients("sc+lwp", 0.9, 8, 0.5, 2.0) == (*quadratic.spike_coefficients(0.9, 4.0), 16.0)
+
+
+@pytest.mark.parametrize("delay", [16, 32])
+def test_delay_time_scaling_keeps_the_reference_margin_and_is_k_times_slower(delay):
+    # DTS at D = k*D*: lr/k**2 and 1 - m over k. On the quadratic with SC+LWP the stage stays at
+    # least as far from its bound as the stage at D* (a little further: the time scaling is exact
+    # only in the continuum limit), and a flat direction (overdamped for undelayed SGD) converges
+    # k times slower than without delay, where DLR's same rate with the memory untouched takes k**2
+    from pipetrain.optim import time_scaled_settings
+
+    momentum, reference = 0.99, 4
+    k = delay / reference
+    factor, slow_momentum = time_scaled_settings(momentum, delay, reference)
+    bound = quadratic.max_stable_h(momentum, reference, "sc+lwp", 1e-6)
+    margin = quadratic.max_stable_h(slow_momentum, delay, "sc+lwp", 1e-6) / (factor * bound)
+    assert 1.0 <= margin < 1.25
+    flat = 0.1 * (1 - momentum) ** 2
+    base = quadratic._convergence_time(flat, momentum, 0, "none")
+    dts = quadratic._convergence_time(flat * factor, slow_momentum, delay, "sc+lwp") / base
+    dlr = quadratic._convergence_time(flat * factor, momentum, delay, "sc+lwp") / base
+    assert dts == pytest.approx(k, rel=0.02)
+    assert dlr > 0.9 * k**2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.optim.compensation import DEFAULT_DLR_DELAY
+from pipetrain.optim.compensation import DEFAULT_DLR_DELAY, DEFAULT_DTS_DELAY
 from pipetrain.pb.methods import DEFAULT_METHODS, Method, parse_method, parse_methods
 
 
@@ -24,6 +24,8 @@ from pipetrain.pb.methods import DEFAULT_METHODS, Method, parse_method, parse_me
         ("pb+sc0.5+lwp+dlr16", True, False, 0.5, 1, "sc+lwp+dlr16"),
         ("pb+dlr", True, False, 0, 0, f"dlr{DEFAULT_DLR_DELAY:g}"),
         ("pb+lwp+dlr4.5", True, False, 0, 1, "lwp+dlr4.5"),
+        ("pb+sc+lwp+dts8", True, False, 1, 1, "sc+lwp+dts8"),
+        ("pb+dts", True, False, 0, 0, f"dts{DEFAULT_DTS_DELAY:g}"),
     ],
 )
 def test_parse(text, pipelined, batch, sc, lwp, compensation):
@@ -43,6 +45,8 @@ def test_parse(text, pipelined, batch, sc, lwp, compensation):
         ("pb+sc0", "must be > 0"),
         ("pb+dlr0", "reference delay must be > 0"),
         ("pb+dlr+dlr8", "names dlr twice"),
+        ("pb+dts0", "reference delay must be > 0"),
+        ("pb+sc+dlr8+dts8", "names both dlr and dts"),
     ],
 )
 def test_errors(text, message):
@@ -60,3 +64,8 @@ def test_lists_and_defaults():
 def test_dlr_is_not_scaled_by_delay_scale():
     # --delay-scale sweeps SC and LWP; DLR alone has nothing it scales
     assert not parse_method("pb+dlr8").compensated and parse_method("pb+dlr8").dlr == 8
+
+
+def test_dts_is_not_scaled_by_delay_scale():
+    method = parse_method("pb+dts4")
+    assert not method.compensated and (method.dts, method.dlr) == (4, 0)

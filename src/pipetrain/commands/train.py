@@ -82,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--lr-schedule", help="constant, step:milestones=a/b,gamma=.., cosine:total=.., "
                        "end:total=..,fraction=.., counted in samples (default: constant)")
     train.add_argument("--compensation", default="none",
-                       help="none, sc, lwp, dlr (delay-scaled lr; dlrN: reference delay N) or a combination such as "
-                            "sc+lwp+dlr16, delays from the schedule (default none)")
+                       help="none, sc, lwp, dlr (delay-scaled lr; dlrN: reference delay N), dts (delay time scaling: "
+                            "lr and momentum; dtsN) or a combination such as sc+lwp+dlr16 or sc+lwp+dts4, delays "
+                            "from the schedule (default none)")
     train.add_argument("--translate-from-batch", type=int, metavar="B",
                        help="treat --optimizer's lr and momentum as tuned for batch B and translate them to --batch-size "
                             "(default: no translation)")

@@ -1,4 +1,4 @@
-"""Delay compensation for pipelined training: Spike Compensation, Linear Weight Prediction, DLR.
+"""Delay compensation for pipelined training: Spike Compensation, Linear Weight Prediction, DLR, DTS.
 
 Both follow Kosson et al., "Pipelined Backpropagation at Scale" (MLSys 2021), with PyTorch-style
 momentum ``v <- m*v + g``. At pipeline stage s the gradient applied at update n was computed on
@@ -25,6 +25,19 @@ weights D updates old (D = D_s = 2(S-1-s) for Pipelined Backpropagation).
   last ones, and every stage of a short pipeline) are untouched. It composes with SC and LWP
   (``sc+lwp+dlr``: the spike and the prediction use the stage's scaled rate, like its update).
   The scaling is done by :func:`pipetrain.optim.build_stage_optimizer`.
+* **Delay time scaling (DTS)**: a stage whose delay is ``k = D_s/D*`` times the reference delay
+  (``dtsN``: ``D* = N``; default :data:`DEFAULT_DTS_DELAY`) trains with ``lr_s = lr/k**2`` *and*
+  a momentum memory ``k`` times longer, ``1 - m_s = (1 - m)/k``; stages with ``k <= 1`` are
+  untouched. Why: the heavy-ball recurrence with delay D is, up to the discretisation, a delay
+  differential equation in which ``h*D**2`` (``h = lr*lam``) and ``(1 - m)*D`` are the only
+  numbers; scaling both as above makes the stage with delay ``k*D*`` run the dynamics of the stage
+  with delay ``D*`` slowed ``k`` times (SC's ``a = m_s**D`` stays about ``m**D*``, LWP's step
+  ``lr*T*v`` the same fraction of the way). So it keeps the margin of the stage at ``D*``, as
+  DLR means to, but its effective rate
+  ``lr_s/(1 - m_s)`` (what moves a weight along a flat direction) is cut by ``k`` instead of DLR's
+  ``k**2``: at S = 64, D* = 4, stage 0 (D = 126) learns at 1/31.5 of the rate instead of 1/992.
+  :func:`time_scaled_settings` gives ``(lr factor, m_s)``; done by
+  :func:`pipetrain.optim.build_stage_optimizer` (momentum SGD only).
 """
 
 from __future__ import annotations
@@ -41,17 +54,26 @@ __all__ = [
     "delay_lr_factor",
     "parse_compensation",
     "parse_dlr_delay",
+    "DEFAULT_DTS_DELAY",
+    "time_scaled_settings",
+    "parse_dts_delay",
 ]
 
 #: Valid compensation names.
-COMPENSATIONS = ("sc", "lwp", "dlr")
+COMPENSATIONS = ("sc", "lwp", "dlr", "dts")
 
 #: DLR's reference delay D* when ``dlr`` is named without one: the best of 8, 16 and 30 in the
 #: S = 32 and 64 study of benchmarks/RESULTS.md section 7 (the module docstring says why).
 DEFAULT_DLR_DELAY = 8.0
 
+#: DTS's reference delay D* when ``dts`` is named without one: the better of 4 and 8 in the
+#: S = 32 and 64 study of benchmarks/RESULTS.md section 7 (8 is unstable at S = 64, lr x2)
+DEFAULT_DTS_DELAY = 4.0
+
 _DLR = re.compile(r"^dlr(\d+(?:\.\d*)?|\.\d+)?$")
-_VALID = "none, sc, lwp, dlr or dlrN (N: the reference delay D*), joined by '+' (e.g. sc+lwp+dlr16)"
+_DTS = re.compile(r"^dts(\d+(?:\.\d*)?|\.\d+)?$")
+_VALID = ("none, sc, lwp, dlr or dlrN, dts or dtsN (N: the reference delay D*), joined by '+' "
+          "(e.g. sc+lwp+dlr16, sc+lwp+dts4)")
 
 
 def spike_coefficients(momentum: float, delay: float) -> tuple[float, float]:
@@ -84,6 +106,26 @@ def delay_lr_factor(delay: float, reference_delay: float = DEFAULT_DLR_DELAY) ->
     return (reference_delay / delay) ** 2
 
 
+def time_scaled_settings(momentum: float, delay: float,
+                         reference_delay: float = DEFAULT_DTS_DELAY) -> tuple[float, float]:
+    """DTS's ``(lr factor, momentum)`` of a stage with delay ``D``: ``(1/k**2, 1 - (1 - m)/k)``
+    with ``k = D/D*`` (the factor is :func:`delay_lr_factor`'s), and exactly ``(1.0, momentum)``
+    for ``D <= D*`` (such a stage computes what it would without DTS, bit for bit)."""
+    if not delay >= 0:
+        raise ConfigError(f"delay time scaling: delay D={delay} must be >= 0")
+    if not reference_delay > 0:
+        raise ConfigError(f"delay time scaling: reference delay D*={reference_delay} must be > 0")
+    if not 0.0 < momentum < 1.0:
+        raise ConfigError(
+            f"delay time scaling (dts) lengthens the momentum memory 1/(1-m), so it needs 0 < momentum < 1, "
+            f"got {momentum}; use dlr (the delay-scaled learning rate) without momentum"
+        )
+    if delay <= reference_delay:
+        return 1.0, momentum
+    # the rate factor is DLR's, bit for bit: DTS is DLR with the momentum memory lengthened
+    return (reference_delay / delay) ** 2, 1.0 - (1.0 - momentum) / (delay / reference_delay)
+
+
 def _parts(value: str | Iterable[str] | None) -> list[str]:
     if value is None:
         return []
@@ -99,23 +141,43 @@ def parse_compensation(value: str | Iterable[str] | None) -> frozenset[str]:
     for part in _parts(value):
         if _DLR.match(part):
             part = "dlr"
+        elif _DTS.match(part):
+            part = "dts"
         if part in names:
             raise ConfigError(f"delay compensation {value!r} names {part} twice; valid: {_VALID}")
         names.add(part)
     unknown = sorted(names - set(COMPENSATIONS))
     if unknown:
         raise ConfigError(f"unknown delay compensation {', '.join(map(repr, unknown))}; valid: {_VALID}")
+    if {"dlr", "dts"} <= names:
+        raise ConfigError(
+            f"delay compensation {value!r} names both dlr and dts; both scale each stage's rate by its delay "
+            "(dts also its momentum): name one of them"
+        )
     return frozenset(names)
+
+
+def _reference_delay(value: str | Iterable[str] | None, pattern: re.Pattern, default: float,
+                     example: str) -> float | None:
+    for part in _parts(value):
+        match = pattern.match(part)
+        if match:
+            delay = default if match.group(1) is None else float(match.group(1))
+            if not delay > 0:
+                raise ConfigError(
+                    f"delay compensation {part!r}: the reference delay D* must be > 0 (e.g. {example})"
+                )
+            return delay
+    return None
 
 
 def parse_dlr_delay(value: str | Iterable[str] | None) -> float | None:
     """DLR's reference delay D* named in a compensation (``dlr16`` -> 16.0, ``dlr`` -> the
     default), or None when DLR is off."""
-    for part in _parts(value):
-        match = _DLR.match(part)
-        if match:
-            delay = DEFAULT_DLR_DELAY if match.group(1) is None else float(match.group(1))
-            if not delay > 0:
-                raise ConfigError(f"delay compensation {part!r}: the reference delay D* must be > 0 (e.g. dlr16)")
-            return delay
-    return None
+    return _reference_delay(value, _DLR, DEFAULT_DLR_DELAY, "dlr16")
+
+
+def parse_dts_delay(value: str | Iterable[str] | None) -> float | None:
+    """DTS's reference delay D* named in a compensation (``dts4`` -> 4.0, ``dts`` -> the
+    default), or None when DTS is off."""
+    return _reference_delay(value, _DTS, DEFAULT_DTS_DELAY, "dts4")

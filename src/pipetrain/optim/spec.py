@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from pipetrain.errors import ConfigError
-from pipetrain.optim.compensation import delay_lr_factor, parse_compensation, parse_dlr_delay
+from pipetrain.optim.compensation import (delay_lr_factor, parse_compensation, parse_dlr_delay, parse_dts_delay,
+                                          time_scaled_settings)
 from pipetrain.optim.keyvalue import as_bool, as_float, as_float_pair, parse_options, split_spec
 from pipetrain.optim.lr_schedule import LRSchedule, parse_lr_schedule
 
@@ -112,6 +113,7 @@ def build_stage_optimizer(
     lwp_horizon: float | None = None,
     lr_schedule: str | LRSchedule | None = None,
     dlr_delay: float | None = None,
+    dts_delay: float | None = None,
 ) -> StageOptimizer:
     """The optimizer of one pipeline stage whose gradients arrive ``stage_delay`` updates late.
 
@@ -120,13 +122,16 @@ def build_stage_optimizer(
     ``sc_delay`` and LWP horizon ``lwp_horizon``; each defaults to ``stage_delay`` and may be given
     only when its compensation is on. The delay-scaled learning rate multiplies the spec's ``lr``
     by ``delay_lr_factor(stage_delay, D*)`` with ``D* = dlr_delay`` (default: the N of ``dlrN``,
-    else ``DEFAULT_DLR_DELAY``).
+    else ``DEFAULT_DLR_DELAY``). Delay time scaling (``"dts"``/``"dtsN"``, momentum SGD only)
+    multiplies ``lr`` by ``1/k**2`` and sets the momentum to ``1 - (1 - m)/k``, ``k = stage_delay/D*``
+    where above 1 (:func:`~pipetrain.optim.compensation.time_scaled_settings`), ``D* = dts_delay``
+    (default: the N of ``dtsN``, else ``DEFAULT_DTS_DELAY``).
     """
     parsed = parse_optimizer_spec(spec)
     methods = parse_compensation(compensation)
-    for name, value in (("sc", sc_delay), ("lwp", lwp_horizon), ("dlr", dlr_delay)):
+    for name, value in (("sc", sc_delay), ("lwp", lwp_horizon), ("dlr", dlr_delay), ("dts", dts_delay)):
         if value is not None and name not in methods:
-            label = {"sc": "sc_delay", "lwp": "lwp_horizon", "dlr": "dlr_delay"}[name]
+            label = {"sc": "sc_delay", "lwp": "lwp_horizon", "dlr": "dlr_delay", "dts": "dts_delay"}[name]
             raise ConfigError(
                 f"{label}={value} is set but compensation {name!r} is off; add {name} to the "
                 f"compensation (e.g. sc+lwp+{name}) or drop the setting"
@@ -146,7 +151,21 @@ def build_stage_optimizer(
                 "the Adam step)"
             )
         kwargs["sc_delay"] = stage_delay if sc_delay is None else sc_delay
+    dts_factor = 1.0
+    if "dts" in methods:
+        if parsed.name != "sgd":
+            raise ConfigError(
+                f"delay time scaling (dts) scales the momentum of momentum SGD, not of {parsed.name!r}; use "
+                "--optimizer sgd:momentum=... with dts, or dlr (the delay-scaled learning rate) with Adam"
+            )
+        reference = parse_dts_delay(compensation) if dts_delay is None else float(dts_delay)
+        momentum = float(kwargs.get("momentum", 0.0))
+        dts_factor, momentum = time_scaled_settings(momentum, stage_delay, reference)  # type: ignore[arg-type]
+        if dts_factor != 1.0:  # a stage at or below D* keeps its rate and momentum bit for bit
+            kwargs["momentum"] = momentum  # before the optimizer is built: SC's coefficients use it
     optimizer = optimizer_class(parsed.name)(**kwargs)
+    if dts_factor != 1.0:
+        optimizer.lr = optimizer.lr * dts_factor
     if "dlr" in methods:
         reference = parse_dlr_delay(compensation) if dlr_delay is None else float(dlr_delay)
         factor = delay_lr_factor(stage_delay, reference)  # type: ignore[arg-type]
@@ -164,6 +183,7 @@ def build_stage_optimizers(
     lwp_horizons: Sequence[float] | None = None,
     lr_schedule: str | LRSchedule | None = None,
     dlr_delay: float | None = None,
+    dts_delay: float | None = None,
 ) -> list[StageOptimizer]:
     """One optimizer per stage; ``stage_delays[s]`` is D_s (e.g. ``2*(S-1-s)`` for PB)."""
     count = len(stage_delays)
@@ -180,6 +200,7 @@ def build_stage_optimizers(
             lwp_horizon=None if lwp_horizons is None else lwp_horizons[s],
             lr_schedule=schedule,
             dlr_delay=dlr_delay,
+            dts_delay=dts_delay,
         )
         for s in range(count)
     ]

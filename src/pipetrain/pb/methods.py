@@ -14,10 +14,16 @@
                    ``min(1, (D*/D_s)**2)`` times the rate (``dlrN``: ``D* = N``; ``dlr``: the
                    default :data:`~pipetrain.optim.compensation.DEFAULT_DLR_DELAY`), e.g.
                    ``pb+sc0.5+lwp+dlr16``; ``pb+dlr`` alone works too
+``pb+...+dts``     adds delay time scaling instead: stage s trains at ``1/k**2`` times the rate
+                   with a momentum memory ``k`` times longer, ``k = max(1, D_s/D*)``
+                   (``dtsN``: ``D* = N``; ``dts``: the default
+                   :data:`~pipetrain.optim.compensation.DEFAULT_DTS_DELAY`), e.g.
+                   ``pb+sc+lwp+dts4``; not with ``dlr``
 =================  ===========================================================================
 
 A study's ``--delay-scale`` multiplies the SC and LWP factors once more (a sweep of the
-compensation strength); it does not apply to methods without SC or LWP, nor to DLR's ``D*``.
+compensation strength); it does not apply to methods without SC or LWP, nor to DLR's or DTS's
+``D*``.
 """
 
 from __future__ import annotations
@@ -26,14 +32,14 @@ import re
 from dataclasses import dataclass
 
 from pipetrain.errors import ConfigError
-from pipetrain.optim.compensation import DEFAULT_DLR_DELAY
+from pipetrain.optim.compensation import DEFAULT_DLR_DELAY, DEFAULT_DTS_DELAY
 
 __all__ = ["Method", "parse_method", "parse_methods", "DEFAULT_METHODS"]
 
 #: what ``pipetrain pb`` trains when ``--methods`` is not given
 DEFAULT_METHODS = ("sgd-batch", "sgd", "pb", "pb+sc", "pb+lwp", "pb+sc+lwp")
 
-_PART = re.compile(r"^(sc|lwp|dlr)(\d+(?:\.\d*)?|\.\d+)?$")
+_PART = re.compile(r"^(sc|lwp|dlr|dts)(\d+(?:\.\d*)?|\.\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Method:
     sc: float = 0.0  # SC delay as a multiple of the stage delay D_s (0: off)
     lwp: float = 0.0  # LWP horizon as a multiple of D_s (0: off)
     dlr: float = 0.0  # DLR's reference delay D* in samples (0: off)
+    dts: float = 0.0  # DTS's reference delay D* in samples (0: off)
 
     @property
     def compensated(self) -> bool:
@@ -59,6 +66,8 @@ class Method:
         parts = [name for name, value in (("sc", self.sc), ("lwp", self.lwp)) if value > 0]
         if self.dlr > 0:
             parts.append(f"dlr{self.dlr:g}")
+        if self.dts > 0:
+            parts.append(f"dts{self.dts:g}")
         return "+".join(parts) or "none"
 
     def __str__(self) -> str:
@@ -67,7 +76,7 @@ class Method:
 
 def parse_method(text: str) -> Method:
     """``sgd``, ``sgd-batch``, ``pb``, ``pb+sc``, ``pb+lwp``, ``pb+sc+lwp``, ``pb+sc0.5+lwp0.5``,
-    ``pb+sc0.5+lwp+dlr16``."""
+    ``pb+sc0.5+lwp+dlr16``, ``pb+sc+lwp+dts4``."""
     name = text.strip().lower()
     if name == "sgd":
         return Method("sgd", pipelined=False)
@@ -77,26 +86,33 @@ def parse_method(text: str) -> Method:
     if parts[0] != "pb":
         raise ConfigError(
             f"unknown method {text!r}; valid: sgd-batch, sgd, pb, pb+sc, pb+lwp, pb+sc+lwp, "
-            f"scaled compensation such as pb+sc0.5+lwp0.5, with +dlr or +dlrN (delay-scaled lr)"
+            f"scaled compensation such as pb+sc0.5+lwp0.5, with +dlr or +dlrN (delay-scaled lr) or +dts or "
+            f"+dtsN (delay time scaling)"
         )
-    scales = {"sc": 0.0, "lwp": 0.0, "dlr": 0.0}
+    scales = {"sc": 0.0, "lwp": 0.0, "dlr": 0.0, "dts": 0.0}
     for part in parts[1:]:
         match = _PART.match(part)
         if match is None:
             raise ConfigError(
                 f"method {text!r}: {part!r} is not sc, lwp, scN or lwpN (N: a multiple of the stage "
-                f"delay, e.g. sc0.5), dlr or dlrN (N: DLR's reference delay in samples, e.g. dlr16)"
+                f"delay, e.g. sc0.5), dlr or dlrN, dts or dtsN (N: the reference delay in samples, e.g. dlr16, dts4)"
             )
         kind, value = match.group(1), match.group(2)
         if scales[kind]:
             raise ConfigError(f"method {text!r} names {kind} twice")
-        default = DEFAULT_DLR_DELAY if kind == "dlr" else 1.0
+        default = {"dlr": DEFAULT_DLR_DELAY, "dts": DEFAULT_DTS_DELAY}.get(kind, 1.0)
         scale = default if value is None else float(value)
         if scale <= 0:
-            what = "reference delay" if kind == "dlr" else "scale"
+            what = "reference delay" if kind in ("dlr", "dts") else "scale"
             raise ConfigError(f"method {text!r}: the {kind} {what} must be > 0 (leave {kind} out instead)")
         scales[kind] = scale
-    return Method(name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"])
+    if scales["dlr"] and scales["dts"]:
+        raise ConfigError(
+            f"method {text!r} names both dlr and dts; both scale each stage's rate by its delay: name one"
+        )
+    return Method(
+        name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"], dts=scales["dts"]
+    )
 
 
 def parse_methods(text: str) -> list[Method]:
