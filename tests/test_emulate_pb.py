@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -159,20 +160,26 @@ def test_emulator_agrees_with_the_pb_reference_implementation():
                 assert torch.equal(p.detach(), result.params[s][name]), f"{compensation} stage {s} {name}"
 
 
-def test_dlr_from_a_spec_string_on_the_emulator_equals_the_reference_and_the_study_engine():
-    """``compensation="sc+lwp+dlr2"`` built from the spec string per stage (as ``pipetrain train
+@pytest.mark.parametrize("compensation, momenta, contrast", [
+    ("sc+lwp+dlr2", [0.9, 0.9, 0.9, 0.9], "sc+lwp"),  # DLR: the rates only
+    ("sc+lwp+dts2", [1 - (1 - 0.9) / 3, 1 - (1 - 0.9) / 2, 0.9, 0.9], "sc+lwp+dlr2"),  # DTS: DLR's rates, longer memory
+])
+def test_delay_scaling_from_a_spec_string_on_the_emulator_equals_the_reference_and_the_study_engine(
+        compensation, momenta, contrast):
+    """A delay-scaled compensation built from the spec string per stage (as ``pipetrain train
     --compensation`` does) trains what the PB reference and the study's batched engine train with
     the same optimizers: bitwise against the reference, to rounding against the engine."""
     from pipetrain.optim import build_stage_optimizers
     from pipetrain.pb.engine import BatchedPB
     from pipetrain.pb.reference import pb_sequential
 
-    spec, compensation, data = "sgd:lr=0.05,momentum=0.9", "sc+lwp+dlr2", samples(30)
+    spec, data = "sgd:lr=0.05,momentum=0.9", samples(30)
     a, b, c = mlp_stages(), mlp_stages(), mlp_stages()
     pipe = Pipeline(a, executor="emulate", schedule="pb", optimizer=spec, compensation=compensation)
     pipe.train(data)
     optimizers = build_stage_optimizers(spec, pb_delays(4), compensation=compensation)
     assert [o.lr for o in optimizers] == [0.05 * (2 / 6) ** 2, 0.05 * 0.25, 0.05, 0.05]
+    assert [o.momentum for o in optimizers] == momenta
     result = pb_sequential(b, optimizers, data)
     engine = BatchedPB([c], [build_stage_optimizers(spec, pb_delays(4), compensation=compensation)],
                        sample_shape=(4,), dtype=torch.float64)
@@ -184,39 +191,7 @@ def test_dlr_from_a_spec_string_on_the_emulator_equals_the_reference_and_the_stu
         for (name, p), q in zip(stage.named_parameters(), fast.parameters()):
             assert torch.equal(p.detach(), result.params[s][name]), f"stage {s} {name}"
             torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-10, atol=1e-12)
-    # and DLR did something: plain SC+LWP ends elsewhere
+    # and the scaling did something: the compensation without it ends elsewhere
     d = mlp_stages()
-    Pipeline(d, executor="emulate", schedule="pb", optimizer=spec, compensation="sc+lwp").train(data)
-    assert not torch.equal(d[0][0].weight, a[0][0].weight)
-
-
-def test_dts_from_a_spec_string_on_the_emulator_equals_the_reference_and_the_study_engine():
-    """``compensation="sc+lwp+dts2"`` (delay time scaling: DLR's rates, longer momentum memory)
-    built from the spec string per stage, as for DLR: bitwise against the reference, to rounding
-    against the study's engine."""
-    from pipetrain.optim import build_stage_optimizers
-    from pipetrain.pb.engine import BatchedPB
-    from pipetrain.pb.reference import pb_sequential
-
-    spec, compensation, data = "sgd:lr=0.05,momentum=0.9", "sc+lwp+dts2", samples(30)
-    a, b, c = mlp_stages(), mlp_stages(), mlp_stages()
-    pipe = Pipeline(a, executor="emulate", schedule="pb", optimizer=spec, compensation=compensation)
-    pipe.train(data)
-    optimizers = build_stage_optimizers(spec, pb_delays(4), compensation=compensation)
-    assert [o.lr for o in optimizers] == [0.05 * (2 / 6) ** 2, 0.05 * 0.25, 0.05, 0.05]
-    assert [o.momentum for o in optimizers] == [1 - (1 - 0.9) / 3, 1 - (1 - 0.9) / 2, 0.9, 0.9]
-    result = pb_sequential(b, optimizers, data)
-    engine = BatchedPB([c], [build_stage_optimizers(spec, pb_delays(4), compensation=compensation)],
-                       sample_shape=(4,), dtype=torch.float64)
-    x = torch.cat([x for x, _ in data])
-    y = torch.cat([y for _, y in data])
-    engine.train(x, y, torch.arange(len(data)).view(-1, 1))
-    engine.write_back()
-    for s, (stage, fast) in enumerate(zip(a, c)):
-        for (name, p), q in zip(stage.named_parameters(), fast.parameters()):
-            assert torch.equal(p.detach(), result.params[s][name]), f"stage {s} {name}"
-            torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-10, atol=1e-12)
-    # and DTS did something: DLR alone (the same rates, the momentum untouched) ends elsewhere
-    d = mlp_stages()
-    Pipeline(d, executor="emulate", schedule="pb", optimizer=spec, compensation="sc+lwp+dlr2").train(data)
+    Pipeline(d, executor="emulate", schedule="pb", optimizer=spec, compensation=contrast).train(data)
     assert not torch.equal(d[0][0].weight, a[0][0].weight)
