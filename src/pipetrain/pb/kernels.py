@@ -626,15 +626,25 @@ class Chain(Kernel):
         return gy, [t for g in reversed(grads) for t in g]
 
 
-class Residual(Kernel):
+class _Around(Kernel):
+    """A kernel around one ``inner`` kernel whose parameters and saved tensors are the inner's."""
+
+    def __init__(self, inner: Kernel) -> None:
+        self.inner = inner
+        self.params = inner.params
+        self.num_saved = inner.num_saved
+
+    def prepare(self, p):
+        return self.inner.prepare(p)
+
+
+class Residual(_Around):
     """``y = shortcut(x) + inner(x)``; the shortcut (a parameter-free kernel) is the identity
     unless given."""
 
     def __init__(self, inner: Kernel, shortcut: "Shortcut | None" = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.shortcut = shortcut
-        self.params = inner.params
-        self.num_saved = inner.num_saved
 
     def signature(self) -> str:
         short = "" if self.shortcut is None else f"{self.shortcut.signature()},"
@@ -646,9 +656,6 @@ class Residual(Kernel):
         if out != short:
             raise PipetrainError(f"residual branch gives shape {out}, its shortcut {short} (input {in_shape})")
         return out
-
-    def prepare(self, p):
-        return self.inner.prepare(p)
 
     def forward(self, p, x):
         y, saved = self.inner.forward(p, x)
@@ -703,51 +710,44 @@ class Shortcut(Kernel):
         return gx, []
 
 
-class Fork(Kernel):
+class Fork(_Around):
     """``cat(shortcut(x), branch(x))`` on the channels: the first half of a residual block cut
-    into two units, which hands its shortcut on with the branch's activations."""
+    into two units, which hands its shortcut on with the branch's (``inner``) activations."""
 
     def __init__(self, shortcut: Shortcut, branch: Kernel) -> None:
+        super().__init__(branch)
         self.shortcut = shortcut
-        self.branch = branch
-        self.params = branch.params
-        self.num_saved = branch.num_saved
 
     def signature(self) -> str:
-        return f"Fork[{self.shortcut.signature()},{self.branch.signature()}]"
+        return f"Fork[{self.shortcut.signature()},{self.inner.signature()}]"
 
     def _bind(self, in_shape: Shape) -> Shape:
         short = self.shortcut.bind(in_shape)
-        out = self.branch.bind(in_shape)
+        out = self.inner.bind(in_shape)
         if len(out) < 1 or out[1:] != short[1:]:
             raise PipetrainError(f"fork: branch gives {out}, shortcut {short}; they must differ in channels only")
         self._split = short[0]
         return (short[0] + out[0],) + tuple(out[1:])
 
-    def prepare(self, p):
-        return self.branch.prepare(p)
-
     def forward(self, p, x):
-        y, saved = self.branch.forward(p, x)
+        y, saved = self.inner.forward(p, x)
         return torch.cat([self.shortcut.forward(None, x)[0], y], 2), saved
 
     def backward(self, p, saved, gy, need_gx):
         gs, gb = gy[:, :, : self._split], gy[:, :, self._split :]
-        gx, grads = self.branch.backward(p, saved, gb, need_gx)
+        gx, grads = self.inner.backward(p, saved, gb, need_gx)
         if not need_gx:
             return None, grads
         return gx + self.shortcut.backward(None, (), gs, True)[0], grads
 
 
-class Join(Kernel):
+class Join(_Around):
     """``x[:channels] + inner(x[channels:])`` on the channels: the second half of a residual
     block cut into two units (its input is a :class:`Fork`'s output)."""
 
     def __init__(self, inner: Kernel, channels: int) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.channels = channels
-        self.params = inner.params
-        self.num_saved = inner.num_saved
 
     def signature(self) -> str:
         return f"Join[{self.channels},{self.inner.signature()}]"
@@ -760,9 +760,6 @@ class Join(Kernel):
         if out != (c,) + tuple(in_shape[1:]):
             raise PipetrainError(f"join: the branch gives {out}, the shortcut {(c,) + tuple(in_shape[1:])}")
         return out
-
-    def prepare(self, p):
-        return self.inner.prepare(p)
 
     def forward(self, p, x):
         c = self.channels
