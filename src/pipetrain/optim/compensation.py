@@ -122,8 +122,8 @@ def time_scaled_settings(momentum: float, delay: float,
         )
     if delay <= reference_delay:
         return 1.0, momentum
-    # the rate factor is DLR's, bit for bit: DTS is DLR with the momentum memory lengthened
-    return (reference_delay / delay) ** 2, 1.0 - (1.0 - momentum) / (delay / reference_delay)
+    # the rate factor is DLR's: DTS is DLR with the momentum memory lengthened
+    return delay_lr_factor(delay, reference_delay), 1.0 - (1.0 - momentum) / (delay / reference_delay)
 
 
 def _parts(value: str | Iterable[str] | None) -> list[str]:
