@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import tempfile
+from unittest import mock
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -58,18 +59,10 @@ def read_probe(directory: Path) -> dict[int, dict[str, dict[str, float]]]:
 
 def probed(name: str, cfg, steps: int, warmup: int, directory: Path) -> float:
     """Run contender ``name`` with the probe in its workers; its samples/s."""
-    saved = {key: os.environ.get(key) for key in ("PIPETRAIN_CPU_PROBE", "PYTHONPATH")}
-    os.environ["PIPETRAIN_CPU_PROBE"] = str(directory)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(PROBE), str(HERE.parent / "src")]
-                                               + ([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else []))
-    try:
+    inherited = os.environ.get("PYTHONPATH")
+    path = os.pathsep.join([str(PROBE), str(HERE.parent / "src")] + ([inherited] if inherited else []))
+    with mock.patch.dict(os.environ, PIPETRAIN_CPU_PROBE=str(directory), PYTHONPATH=path):
         return CONTENDERS[name][1](cfg, steps, warmup)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def ratios_to_first(rounds: list[dict[str, dict]], names: list[str]) -> dict[tuple[str, int, str], float]:
