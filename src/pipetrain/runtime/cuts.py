@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from pipetrain.errors import ConfigError
 from pipetrain.runtime.sends import Messages
@@ -30,6 +30,14 @@ class Cut:
     positions: list[int]
     #: per rank, positions of its SEND actions (before its cut) whose receive is after the peer's cut
     crossing_sends: list[list[int]] = field(default_factory=list)
+
+    def shifted(self, pattern: Any, periods: int) -> "Cut":
+        """The same cut ``periods`` periods of a long schedule's ``pattern`` later (earlier when
+        negative): between its sample and the long schedule."""
+        lengths = [program._l for program in pattern.programs]
+        return Cut(self.units + periods * pattern.units,
+                   [p + periods * lengths[r] for r, p in enumerate(self.positions)],
+                   [[p + periods * lengths[r] for p in sends] for r, sends in enumerate(self.crossing_sends)])
 
 
 def shared_updates(schedule: Schedule) -> list[tuple[int, int, int]]:
@@ -140,12 +148,7 @@ def cuts(schedule: Schedule, counts: Sequence[int], messages: Messages | None = 
         shifts = [pattern.shift_of_units(units) for units in counts]
         sample_messages = pattern.cached("messages", lambda: Messages(pattern.sample))
         found = cuts(pattern.sample, [units - s * pattern.units for units, s in zip(counts, shifts)], sample_messages)
-        lengths = [program._l for program in pattern.programs]
-        return [
-            Cut(units, [p + s * lengths[r] for r, p in enumerate(c.positions)],
-                [[p + s * lengths[r] for p in sends] for r, sends in enumerate(c.crossing_sends)])
-            for units, s, c in zip(counts, shifts, found)
-        ]
+        return [c.shifted(pattern, s) for s, c in zip(shifts, found)]
     order = sorted(set(counts))
     if not order:
         return []

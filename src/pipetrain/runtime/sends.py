@@ -212,8 +212,6 @@ def on_demand_is_safe(
 def _to_sample(pattern: Any, pauses: Sequence[Sequence[int]], start: Any) -> tuple[list[list[int]], Any] | None:
     """Pauses and a resumed cut of a long schedule at the same places of its pattern's sample
     (None if one falls outside it)."""
-    from pipetrain.runtime.cuts import Cut
-
     sample = pattern.sample.programs
     lengths = [program._l for program in pattern.programs]
 
@@ -236,7 +234,5 @@ def _to_sample(pattern: Any, pauses: Sequence[Sequence[int]], start: Any) -> tup
         found = move(start.positions)
         if found is None:
             return None
-        positions, shift = found
-        moved_start = Cut(start.units - shift * pattern.units, positions,
-                          [[p - shift * lengths[r] for p in sends] for r, sends in enumerate(start.crossing_sends)])
+        moved_start = start.shifted(pattern, -found[1])
     return moved_pauses, moved_start
