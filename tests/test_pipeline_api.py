@@ -216,6 +216,17 @@ def test_per_step_mistakes_are_explained():
     assert len(pipe.finish().update_losses) == 2
 
 
+def test_a_compensation_beside_an_optimizer_factory_is_refused_not_ignored():
+    from pipetrain.optim import build_stage_optimizer
+
+    def factory(stage, delay):
+        return build_stage_optimizer("sgd:lr=0.01,momentum=0.9", stage_delay=delay)
+
+    with pytest.raises(PipetrainError, match="give it the compensation .*compensation='sc\\+lwp\\+dts2'"):
+        Pipeline(_model(), stages=2, schedule="pb", optimizer=factory, compensation="sc+lwp+dts2", executor="emulate")
+    Pipeline(_model(), stages=2, schedule="pb", optimizer=factory, executor="emulate")  # without one: fine
+
+
 def test_the_distributed_executor_refuses_to_rerun_a_test_runner():
     pipe = Pipeline(_model(), stages=2, schedule="1f1b")
     with pytest.raises(PipetrainError, match="executor='emulate'"):

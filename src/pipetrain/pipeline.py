@@ -61,7 +61,8 @@ class Pipeline:
         lr_scheduler: ``lr_scheduler(optimizer) -> torch.optim.lr_scheduler.LRScheduler``
             (stepped once per update of each stage), or a sample-counting spec such as
             ``"cosine:total=10000"`` (see docs/optim.md).
-        compensation: ``none``, ``sc``, ``lwp`` or ``sc+lwp`` (momentum SGD; LWP also Adam).
+        compensation: ``none``, ``sc``, ``lwp``, ``dlr[N]``, ``dts[N]`` or a ``+`` of them, such as
+            ``sc+lwp+dts4`` (docs/optim.md; momentum SGD; LWP and DLR also Adam).
         seed: the data order and dropout; model initialisation is yours.
         on_nonfinite: ``stop`` (a NaN or infinite loss ends the run with a
             :class:`~pipetrain.errors.NonFiniteError` naming the step and stage) or ``skip``
@@ -394,8 +395,8 @@ def _optimizer_parts(
         if spec is None:
             if (compensation or "none") != "none":
                 raise ConfigError(
-                    f"compensation {compensation!r} needs pipetrain's own SGD (sc, lwp) or Adam/AdamW (lwp), not "
-                    f"{optimizer.__name__}"
+                    f"compensation {compensation!r} needs pipetrain's own SGD (sc, lwp, dlr, dts) or Adam/AdamW "
+                    f"(lwp, dlr), not {optimizer.__name__}"
                 )
             if schedule_spec is not None:
                 raise ConfigError(f"a sample-counting lr_scheduler spec drives pipetrain's own optimizers; give "
@@ -418,6 +419,12 @@ def _optimizer_parts(
     if callable(optimizer):
         if lr_scheduler is not None:
             raise ConfigError("an optimizer factory builds each stage's optimizer itself: give it its lr schedule")
+        if (compensation or "none") != "none":
+            raise ConfigError(
+                f"an optimizer factory builds each stage's optimizer itself: give it the compensation "
+                f"(build_stage_optimizer(spec, stage_delay=delay, compensation={compensation!r})) instead of "
+                "compensation="
+            )
         return f"factory {getattr(optimizer, '__qualname__', type(optimizer).__name__)}", None, optimizer
     raise ConfigError(
         f"optimizer must be a torch.optim class, a spec string (sgd:lr=0.1) or a factory (stage, delay) -> optimizer, "
