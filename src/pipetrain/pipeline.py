@@ -419,11 +419,15 @@ def _optimizer_parts(
     if callable(optimizer):
         if lr_scheduler is not None:
             raise ConfigError("an optimizer factory builds each stage's optimizer itself: give it its lr schedule")
-        if (compensation or "none") != "none":
+        from pipetrain.optim import parse_compensation
+
+        # sc, dlr and dts live only in the optimizer the factory builds (lwp also has the forward predict)
+        unused = sorted(parse_compensation(compensation or "none") - {"lwp"})
+        if unused:
             raise ConfigError(
                 f"an optimizer factory builds each stage's optimizer itself: give it the compensation "
-                f"(build_stage_optimizer(spec, stage_delay=delay, compensation={compensation!r})) instead of "
-                "compensation="
+                f"(build_stage_optimizer(spec, stage_delay=delay, compensation={compensation!r})); "
+                f"compensation= would not reach it ({', '.join(unused)})"
             )
         return f"factory {getattr(optimizer, '__qualname__', type(optimizer).__name__)}", None, optimizer
     raise ConfigError(
