@@ -39,7 +39,7 @@ __all__ = ["Method", "parse_method", "parse_methods", "DEFAULT_METHODS"]
 #: what ``pipetrain pb`` trains when ``--methods`` is not given
 DEFAULT_METHODS = ("sgd-batch", "sgd", "pb", "pb+sc", "pb+lwp", "pb+sc+lwp")
 
-_PART = re.compile(r"^(sc|lwp|dlr|dts)(\d+(?:\.\d*)?|\.\d+)?$")
+_PART = re.compile(r"^(sc|lwp|dlr|dtsf|dts)(\d+(?:\.\d*)?|\.\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Method:
     lwp: float = 0.0  # LWP horizon as a multiple of D_s (0: off)
     dlr: float = 0.0  # DLR's reference delay D* in samples (0: off)
     dts: float = 0.0  # DTS's reference delay D* in samples (0: off)
+    dtsf: float = 0.0  # rate-following DTS's reference delay D* in samples (0: off)
 
     @property
     def compensated(self) -> bool:
@@ -68,6 +69,8 @@ class Method:
             parts.append(f"dlr{self.dlr:g}")
         if self.dts > 0:
             parts.append(f"dts{self.dts:g}")
+        if self.dtsf > 0:
+            parts.append(f"dtsf{self.dtsf:g}")
         return "+".join(parts) or "none"
 
     def __str__(self) -> str:
@@ -89,7 +92,7 @@ def parse_method(text: str) -> Method:
             f"scaled compensation such as pb+sc0.5+lwp0.5, with +dlr or +dlrN (delay-scaled lr) or +dts or "
             f"+dtsN (delay time scaling)"
         )
-    scales = {"sc": 0.0, "lwp": 0.0, "dlr": 0.0, "dts": 0.0}
+    scales = {"sc": 0.0, "lwp": 0.0, "dlr": 0.0, "dts": 0.0, "dtsf": 0.0}
     for part in parts[1:]:
         match = _PART.match(part)
         if match is None:
@@ -100,18 +103,21 @@ def parse_method(text: str) -> Method:
         kind, value = match.group(1), match.group(2)
         if scales[kind]:
             raise ConfigError(f"method {text!r} names {kind} twice")
-        default = {"dlr": DEFAULT_DLR_DELAY, "dts": DEFAULT_DTS_DELAY}.get(kind, 1.0)
+        default = {"dlr": DEFAULT_DLR_DELAY, "dts": DEFAULT_DTS_DELAY, "dtsf": DEFAULT_DTS_DELAY}.get(kind, 1.0)
         scale = default if value is None else float(value)
         if scale <= 0:
-            what = "reference delay" if kind in ("dlr", "dts") else "scale"
+            what = "reference delay" if kind in ("dlr", "dts", "dtsf") else "scale"
             raise ConfigError(f"method {text!r}: the {kind} {what} must be > 0 (leave {kind} out instead)")
         scales[kind] = scale
-    if scales["dlr"] and scales["dts"]:
+    scaled = [kind for kind in ("dlr", "dts", "dtsf") if scales[kind]]
+    if len(scaled) > 1:
         raise ConfigError(
-            f"method {text!r} names both dlr and dts; both scale each stage's rate by its delay: name one"
+            f"method {text!r} names both {scaled[0]} and {scaled[1]}; each scales every stage's rate by its delay: "
+            "name one"
         )
     return Method(
-        name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"], dts=scales["dts"]
+        name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"], dts=scales["dts"],
+        dtsf=scales["dtsf"],
     )
 
 
