@@ -1,4 +1,4 @@
-"""Delay compensation for pipelined training: Spike Compensation, Linear Weight Prediction, DLR, DTS.
+"""Delay compensation for pipelined training: Spike Compensation, Linear Weight Prediction, DLR, DTS, DTSF.
 
 Both follow Kosson et al., "Pipelined Backpropagation at Scale" (MLSys 2021), with PyTorch-style
 momentum ``v <- m*v + g``. At pipeline stage s the gradient applied at update n was computed on
@@ -38,6 +38,12 @@ weights D updates old (D = D_s = 2(S-1-s) for Pipelined Backpropagation).
   ``k**2``: at S = 64, D* = 4, stage 0 (D = 126) learns at 1/31.5 of the rate instead of 1/992.
   :func:`time_scaled_settings` gives ``(lr factor, m_s)``; done by
   :func:`pipetrain.optim.build_stage_optimizer` (momentum SGD only).
+* **Rate-following DTS (DTSF)**, ``dtsfN``: DTS with ``k`` recomputed from the lr schedule's
+  factor f before every update, ``k = max(1, (D_s/D*)*sqrt(f))`` (:func:`rate_following_settings`).
+  DTS keeps D*'s margin at the full rate; a decayed rate needs less scaling for the same margin
+  (with SC and LWP the stable ``h`` goes as ``1/D**2``, so ``h*D**2`` is held by ``k**2 ∝ f``), and
+  the stages return to SGD's rate and memory as the schedule anneals. Done by
+  :class:`pipetrain.optim.sgd.RateFollowingSGD`.
 """
 
 from __future__ import annotations

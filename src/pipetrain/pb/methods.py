@@ -19,11 +19,15 @@
                    (``dtsN``: ``D* = N``; ``dts``: the default
                    :data:`~pipetrain.optim.compensation.DEFAULT_DTS_DELAY`), e.g.
                    ``pb+sc+lwp+dts4``; not with ``dlr``
+``pb+...+dtsf``    rate-following delay time scaling: DTS while the lr schedule is at its full
+                   rate, ``k = max(1, (D_s/D*)*sqrt(f))`` at schedule factor f, so the stages
+                   return to SGD's rate and memory as the rate decays (``dtsfN``: ``D* = N``),
+                   e.g. ``pb+sc+lwp+dtsf4``; not with ``dlr`` or ``dts``
 =================  ===========================================================================
 
 A study's ``--delay-scale`` multiplies the SC and LWP factors once more (a sweep of the
-compensation strength); it does not apply to methods without SC or LWP, nor to DLR's or DTS's
-``D*``.
+compensation strength); it does not apply to methods without SC or LWP, nor to the ``D*`` of DLR,
+DTS or DTSF.
 """
 
 from __future__ import annotations
