@@ -163,6 +163,7 @@ def test_emulator_agrees_with_the_pb_reference_implementation():
 @pytest.mark.parametrize("compensation, momenta, contrast", [
     ("sc+lwp+dlr2", [0.9, 0.9, 0.9, 0.9], "sc+lwp"),  # DLR: the rates only
     ("sc+lwp+dts2", [1 - (1 - 0.9) / 3, 1 - (1 - 0.9) / 2, 0.9, 0.9], "sc+lwp+dlr2"),  # DTS: DLR's rates, longer memory
+    ("sc+lwp+dtt2", [1 - (1 - 0.9) / 9, 1 - (1 - 0.9) / 4, 0.9, 0.9], "sc+lwp+dts2"),  # DTT: memory k**2 longer
 ])
 def test_delay_scaling_from_a_spec_string_on_the_emulator_equals_the_reference_and_the_study_engine(
         compensation, momenta, contrast):

@@ -9,7 +9,7 @@ from pipetrain.optim import (SGD, CosineLR, build_stage_optimizer, build_stage_o
                              parse_compensation, parse_dlr_delay, parse_dts_delay, spike_coefficients,
                              time_scaled_settings)
 from pipetrain.optim.compensation import (DEFAULT_DLR_DELAY, DEFAULT_DTS_DELAY, parse_dtsf_delay,
-                                          rate_following_settings)
+                                          parse_dtt_delay, rate_following_settings, temperature_settings)
 from pipetrain.optim.sgd import RateFollowingSGD
 
 
@@ -374,3 +374,56 @@ def test_dtsf_spike_and_prediction_use_the_settings_in_force():
     torch.testing.assert_close(w2["w"], w1["w"] - 0.05 * (a * v + b * g1), rtol=0, atol=1e-15)
     predicted = optimizer.predict(w2, samples_seen=2)
     torch.testing.assert_close(predicted["w"], w2["w"] - 0.05 * 12 * v, rtol=0, atol=1e-15)
+
+
+# -- delay time scaling at SGD's temperature (dtt) -------------------------------------------------
+
+
+def test_dtt_settings_keep_sgds_effective_rate():
+    m = 0.996713
+    assert temperature_settings(m, 4, 4) == (1.0, m) and temperature_settings(m, 0, 4) == (1.0, m)
+    assert temperature_settings(0.9, 16, 4) == (1.0 / 16, 1.0 - (1.0 - 0.9) / 16)
+    factor, slow = temperature_settings(m, 126, 4)
+    assert factor == delay_lr_factor(126, 4) == time_scaled_settings(m, 126, 4)[0]
+    # the effective rate lr_s/(1 - m_s) is SGD's lr/(1 - m); DTS's is k times lower
+    assert factor / (1 - slow) == pytest.approx(1 / (1 - m), rel=1e-9)
+    dts_factor, dts_slow = time_scaled_settings(m, 126, 4)
+    assert dts_factor / (1 - dts_slow) == pytest.approx(1 / (1 - m) / (126 / 4), rel=1e-9)
+    assert parse_dtt_delay("sc+dtt") == DEFAULT_DTS_DELAY and parse_dtt_delay("dtt2.5") == 2.5
+    assert parse_dtt_delay("sc+dts4") is None and parse_compensation("sc+lwp+dtt8") == {"sc", "lwp", "dtt"}
+    with pytest.raises(ConfigError, match="names both dts and dtt"):
+        parse_compensation("dts4+dtt4")
+    with pytest.raises(ConfigError, match="needs 0 < momentum < 1"):
+        build_stage_optimizer("sgd:lr=0.1", stage_delay=8, compensation="dtt4")
+    with pytest.raises(ConfigError, match="delay time scaling \\(dtt\\) scales the momentum of momentum SGD, not of 'adam'"):
+        build_stage_optimizer("adam:lr=0.01", stage_delay=8, compensation="lwp+dtt4")
+    with pytest.raises(ConfigError, match="dtt_delay=4 is set but compensation 'dtt' is off"):
+        build_stage_optimizer("sgd:momentum=0.9", stage_delay=8, compensation="sc+dts", dtt_delay=4)
+
+
+def test_dtt_is_torch_momentum_at_the_scaled_rate_and_momentum_bitwise():
+    # D = 48, D* = 24: k = 2, a quarter of the rate and 1 - m quartered (memory 10 -> 40 updates)
+    ours = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=48, compensation="dtt24")
+    assert ours.lr == 0.05 * 0.25 and ours.momentum == 1.0 - (1.0 - 0.9) / 4
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, lr=0.05 * 0.25, momentum=1.0 - (1.0 - 0.9) / 4,
+                                                 weight_decay=1e-2), ours)
+    below = build_stage_optimizer("sgd:lr=0.05,momentum=0.9", stage_delay=24, compensation="dtt24")
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, lr=0.05, momentum=0.9), below)
+    optimizers = build_stage_optimizers("sgd:lr=0.1,momentum=0.9", [8, 6, 4, 0], compensation="sc+lwp+dtt4")
+    assert [o.lr for o in optimizers] == [0.1 * 0.25, 0.1 * (4 / 6) ** 2, 0.1, 0.1]
+    assert [o.momentum for o in optimizers] == [1 - (1 - 0.9) / 4, 1 - (1 - 0.9) / (6 / 4) ** 2, 0.9, 0.9]
+
+
+def test_dtt_impulse_response_reaches_sgds_displacement_k_squared_times_slower():
+    # lr = 1, m = 0.9, D = 16, D* = 4: k = 4, lr_s = 1/16, 1 - m_s = 0.1/16. A unit impulse moves
+    # the weight by lr_s*(1 - m_s**(n+1))/(1 - m_s) -> lr/(1 - m) = 10: undelayed SGD's total (DTS:
+    # 10/k = 2.5), reached over a memory k**2 times longer. With SC: that response shifted by D.
+    lr_s, m_s = 1.0 / 16, 1.0 - 0.1 / 16
+    alone = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=16,
+                                                    compensation="dtt4"), 6000)
+    exact = [lr_s * (1 - m_s ** (n + 1)) / (1 - m_s) for n in range(6000)]
+    assert alone == pytest.approx(exact, rel=1e-12)
+    assert alone[-1] == pytest.approx(10.0, rel=1e-12)
+    spiked = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=16,
+                                                     compensation="sc+dtt4"), 400)
+    assert spiked[:380] == pytest.approx(exact[16:396], rel=1e-12)

@@ -28,6 +28,8 @@ from pipetrain.pb.methods import DEFAULT_METHODS, Method, parse_method, parse_me
         ("pb+dts", True, False, 0, 0, f"dts{DEFAULT_DTS_DELAY:g}"),
         ("pb+sc+lwp+dtsf4", True, False, 1, 1, "sc+lwp+dtsf4"),
         ("pb+dtsf", True, False, 0, 0, f"dtsf{DEFAULT_DTS_DELAY:g}"),
+        ("pb+sc+lwp+dtt4", True, False, 1, 1, "sc+lwp+dtt4"),
+        ("pb+dtt", True, False, 0, 0, f"dtt{DEFAULT_DTS_DELAY:g}"),
     ],
 )
 def test_parse(text, pipelined, batch, sc, lwp, compensation):
@@ -52,6 +54,8 @@ def test_parse(text, pipelined, batch, sc, lwp, compensation):
         ("pb+dtsf0", "reference delay must be > 0"),
         ("pb+dts4+dtsf4", "names both dts and dtsf"),
         ("pb+dtsf4+dtsf8", "names dtsf twice"),
+        ("pb+dtt0", "reference delay must be > 0"),
+        ("pb+dts4+dtt4", "names both dts and dtt"),
     ],
 )
 def test_errors(text, message):

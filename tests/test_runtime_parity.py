@@ -31,6 +31,7 @@ CASES = {
         ("pb", {"batch_size": 1, "steps": 20}), ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp+dlr2"}),
         ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp+dts2"}),
         ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp+dtsf2", "lr_schedule": "end:total=16,fraction=0.5"}),
+        ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp+dtt2"}),
         ("1f1b", {"replicas": [2, 1], "microbatches": 4}),
         ("pipedream", {"replicas": [2, 1], "steps": 6})],
 }

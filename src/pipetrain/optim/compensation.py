@@ -44,6 +44,15 @@ weights D updates old (D = D_s = 2(S-1-s) for Pipelined Backpropagation).
   (with SC and LWP the stable ``h`` goes as ``1/D**2``, so ``h*D**2`` is held by ``k**2 ∝ f``), and
   the stages return to SGD's rate and memory as the schedule anneals. Done by
   :class:`pipetrain.optim.sgd.RateFollowingSGD`.
+* **Delay time scaling at SGD's temperature (DTT)**, ``dttN``: DTS's rate ``lr/k**2`` with the
+  momentum memory ``k**2`` times longer, ``1 - m_s = (1 - m)/k**2`` (:func:`temperature_settings`),
+  so that the effective rate ``lr_s/(1 - m_s)`` (how far a weight moves per unit of gradient, and
+  the temperature of the gradient noise) is SGD's. Why it stays stable: with SC and LWP the
+  largest stable ``h`` hardly depends on the momentum (``h*D**2`` is 0.4-1.0 for any ``m`` near 1,
+  RESULTS.md section 5), so the longer memory keeps DTS's margin (within 2 % on the quadratic)
+  while DTS's ``k``-fold lower temperature at the deep stages, which costs test accuracy in long
+  runs even without any delay (RESULTS.md section 7), is undone. The price: a memory of
+  ``k**2/(1 - m)`` updates, under-damped along flat directions.
 """
 
 from __future__ import annotations
@@ -66,10 +75,12 @@ __all__ = [
     "parse_dts_delay",
     "rate_following_settings",
     "parse_dtsf_delay",
+    "temperature_settings",
+    "parse_dtt_delay",
 ]
 
 #: Valid compensation names.
-COMPENSATIONS = ("sc", "lwp", "dlr", "dts", "dtsf")
+COMPENSATIONS = ("sc", "lwp", "dlr", "dts", "dtsf", "dtt")
 
 #: DLR's reference delay D* when ``dlr`` is named without one: the best of 8, 16 and 30 in the
 #: S = 32 and 64 study of benchmarks/RESULTS.md section 7 (the module docstring says why).
@@ -82,8 +93,9 @@ DEFAULT_DTS_DELAY = 4.0
 _DLR = re.compile(r"^dlr(\d+(?:\.\d*)?|\.\d+)?$")
 _DTS = re.compile(r"^dts(\d+(?:\.\d*)?|\.\d+)?$")
 _DTSF = re.compile(r"^dtsf(\d+(?:\.\d*)?|\.\d+)?$")
-_VALID = ("none, sc, lwp, dlr or dlrN, dts or dtsN, dtsf or dtsfN (N: the reference delay D*), joined by "
-          "'+' (e.g. sc+lwp+dlr16, sc+lwp+dts4, sc+lwp+dtsf4)")
+_DTT = re.compile(r"^dtt(\d+(?:\.\d*)?|\.\d+)?$")
+_VALID = ("none, sc, lwp, dlr or dlrN, dts or dtsN, dtsf or dtsfN, dtt or dttN (N: the reference delay D*), "
+          "joined by '+' (e.g. sc+lwp+dlr16, sc+lwp+dts4, sc+lwp+dtt4)")
 
 
 def spike_coefficients(momentum: float, delay: float) -> tuple[float, float]:
@@ -162,6 +174,19 @@ def rate_following_settings(momentum: float, delay: float, factor: float,
     return 1.0 / (k * k), 1.0 - (1.0 - momentum) / k
 
 
+def temperature_settings(momentum: float, delay: float,
+                         reference_delay: float = DEFAULT_DTS_DELAY) -> tuple[float, float]:
+    """DTT's ``(lr factor, momentum)`` of a stage with delay ``D``: ``(1/k**2, 1 - (1 - m)/k**2)``
+    with ``k = D/D*`` (the factor is :func:`delay_lr_factor`'s), and exactly ``(1.0, momentum)``
+    for ``D <= D*``. The effective rate ``lr_s/(1 - m_s)``, and with it the gradient-noise
+    temperature of the stage, is SGD's ``lr/(1 - m)``; DTS's is ``k`` times lower."""
+    factor, _ = time_scaled_settings(momentum, delay, reference_delay)  # checks the arguments
+    if factor == 1.0:
+        return 1.0, momentum
+    k = delay / reference_delay
+    return factor, 1.0 - (1.0 - momentum) / k**2
+
+
 def _parts(value: str | Iterable[str] | None) -> list[str]:
     if value is None:
         return []
@@ -181,17 +206,19 @@ def parse_compensation(value: str | Iterable[str] | None) -> frozenset[str]:
             part = "dts"
         elif _DTSF.match(part):
             part = "dtsf"
+        elif _DTT.match(part):
+            part = "dtt"
         if part in names:
             raise ConfigError(f"delay compensation {value!r} names {part} twice; valid: {_VALID}")
         names.add(part)
     unknown = sorted(names - set(COMPENSATIONS))
     if unknown:
         raise ConfigError(f"unknown delay compensation {', '.join(map(repr, unknown))}; valid: {_VALID}")
-    scaled = sorted(names & {"dlr", "dts", "dtsf"})
+    scaled = sorted(names & {"dlr", "dts", "dtsf", "dtt"})
     if len(scaled) > 1:
         raise ConfigError(
             f"delay compensation {value!r} names both {scaled[0]} and {scaled[1]}; each scales every stage's rate "
-            "by its delay (dts and dtsf also its momentum): name one of them"
+            "by its delay (dts, dtsf and dtt also its momentum): name one of them"
         )
     return frozenset(names)
 
@@ -226,3 +253,9 @@ def parse_dtsf_delay(value: str | Iterable[str] | None) -> float | None:
     """Rate-following DTS's reference delay D* named in a compensation (``dtsf4`` -> 4.0,
     ``dtsf`` -> DTS's default), or None when it is off."""
     return _reference_delay(value, _DTSF, DEFAULT_DTS_DELAY, "dtsf4")
+
+
+def parse_dtt_delay(value: str | Iterable[str] | None) -> float | None:
+    """DTT's reference delay D* named in a compensation (``dtt4`` -> 4.0, ``dtt`` -> DTS's
+    default), or None when it is off."""
+    return _reference_delay(value, _DTT, DEFAULT_DTS_DELAY, "dtt4")

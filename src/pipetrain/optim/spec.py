@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from pipetrain.errors import ConfigError
 from pipetrain.optim.compensation import (delay_lr_factor, parse_compensation, parse_dlr_delay, parse_dts_delay,
-                                          parse_dtsf_delay, time_scaled_settings)
+                                          parse_dtsf_delay, parse_dtt_delay, temperature_settings,
+                                          time_scaled_settings)
 from pipetrain.optim.keyvalue import as_bool, as_float, as_float_pair, parse_options, split_spec
 from pipetrain.optim.lr_schedule import LRSchedule, parse_lr_schedule
 
@@ -115,6 +116,7 @@ def build_stage_optimizer(
     dlr_delay: float | None = None,
     dts_delay: float | None = None,
     dtsf_delay: float | None = None,
+    dtt_delay: float | None = None,
 ) -> StageOptimizer:
     """The optimizer of one pipeline stage whose gradients arrive ``stage_delay`` updates late.
 
@@ -128,15 +130,17 @@ def build_stage_optimizer(
     where above 1 (:func:`~pipetrain.optim.compensation.time_scaled_settings`), ``D* = dts_delay``
     (default: the N of ``dtsN``, else ``DEFAULT_DTS_DELAY``). Its rate-following variant
     (``"dtsf"``/``"dtsfN"``, ``D* = dtsf_delay``) gives a stage beyond D* a
-    :class:`~pipetrain.optim.sgd.RateFollowingSGD`, whose ``k`` shrinks as the lr schedule decays.
+    :class:`~pipetrain.optim.sgd.RateFollowingSGD`, whose ``k`` shrinks as the lr schedule decays;
+    ``"dtt"``/``"dttN"`` (``D* = dtt_delay``) takes DTS's rate with the memory ``k**2`` times longer
+    (:func:`~pipetrain.optim.compensation.temperature_settings`).
     """
     parsed = parse_optimizer_spec(spec)
     methods = parse_compensation(compensation)
     for name, value in (("sc", sc_delay), ("lwp", lwp_horizon), ("dlr", dlr_delay), ("dts", dts_delay),
-                        ("dtsf", dtsf_delay)):
+                        ("dtsf", dtsf_delay), ("dtt", dtt_delay)):
         if value is not None and name not in methods:
             label = {"sc": "sc_delay", "lwp": "lwp_horizon", "dlr": "dlr_delay", "dts": "dts_delay",
-                     "dtsf": "dtsf_delay"}[name]
+                     "dtsf": "dtsf_delay", "dtt": "dtt_delay"}[name]
             raise ConfigError(
                 f"{label}={value} is set but compensation {name!r} is off; add {name} to the "
                 f"compensation (e.g. sc+lwp+{name}) or drop the setting"
@@ -157,15 +161,22 @@ def build_stage_optimizer(
             )
         kwargs["sc_delay"] = stage_delay if sc_delay is None else sc_delay
     dts_factor = 1.0
-    if "dts" in methods:
+    for name in ("dts", "dtt"):
+        if name not in methods:
+            continue
         if parsed.name != "sgd":
             raise ConfigError(
-                f"delay time scaling (dts) scales the momentum of momentum SGD, not of {parsed.name!r}; use "
-                "--optimizer sgd:momentum=... with dts, or dlr (the delay-scaled learning rate) with Adam"
+                f"delay time scaling ({name}) scales the momentum of momentum SGD, not of {parsed.name!r}; use "
+                f"--optimizer sgd:momentum=... with {name}, or dlr (the delay-scaled learning rate) with Adam"
             )
-        reference = parse_dts_delay(compensation) if dts_delay is None else float(dts_delay)
+        if name == "dts":
+            reference = parse_dts_delay(compensation) if dts_delay is None else float(dts_delay)
+            settings = time_scaled_settings
+        else:
+            reference = parse_dtt_delay(compensation) if dtt_delay is None else float(dtt_delay)
+            settings = temperature_settings
         momentum = float(kwargs.get("momentum", 0.0))
-        dts_factor, momentum = time_scaled_settings(momentum, stage_delay, reference)  # type: ignore[arg-type]
+        dts_factor, momentum = settings(momentum, stage_delay, reference)  # type: ignore[arg-type]
         if dts_factor != 1.0:  # a stage at or below D* keeps its rate and momentum bit for bit
             kwargs["momentum"] = momentum  # before the optimizer is built: SC's coefficients use it
     if "dtsf" in methods:
@@ -204,6 +215,7 @@ def build_stage_optimizers(
     dlr_delay: float | None = None,
     dts_delay: float | None = None,
     dtsf_delay: float | None = None,
+    dtt_delay: float | None = None,
 ) -> list[StageOptimizer]:
     """One optimizer per stage; ``stage_delays[s]`` is D_s (e.g. ``2*(S-1-s)`` for PB)."""
     count = len(stage_delays)
@@ -222,6 +234,7 @@ def build_stage_optimizers(
             dlr_delay=dlr_delay,
             dts_delay=dts_delay,
             dtsf_delay=dtsf_delay,
+            dtt_delay=dtt_delay,
         )
         for s in range(count)
     ]

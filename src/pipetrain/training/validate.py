@@ -155,6 +155,7 @@ def _check_counts(config: TrainConfig) -> None:
 
 def _check_specs(config: TrainConfig) -> None:
     from pipetrain.optim.compensation import parse_compensation, parse_dlr_delay, parse_dts_delay, parse_dtsf_delay
+    from pipetrain.optim.compensation import parse_dtt_delay
     from pipetrain.optim.lr_schedule import parse_lr_schedule
     from pipetrain.optim.spec import parse_optimizer_spec
     from pipetrain.spec import parse_spec
@@ -168,19 +169,20 @@ def _check_specs(config: TrainConfig) -> None:
     parse_dlr_delay(config.compensation)  # dlr0: a reference delay that is not > 0
     parse_dts_delay(config.compensation)
     parse_dtsf_delay(config.compensation)
+    parse_dtt_delay(config.compensation)
     if "sc" in methods and optimizer.name != "sgd":
         raise ConfigError(
             f"spike compensation is defined for momentum SGD only, not {optimizer.name!r}; use "
             "--optimizer sgd:momentum=... with sc, or lwp alone with Adam (it predicts along the Adam step)"
         )
-    for name in sorted(methods & {"dts", "dtsf"}):
+    for name in sorted(methods & {"dts", "dtsf", "dtt"}):
         if optimizer.name != "sgd":
-            what = "delay time scaling" if name == "dts" else "rate-following delay time scaling"
+            what = "rate-following delay time scaling" if name == "dtsf" else "delay time scaling"
             raise ConfigError(
                 f"{what} ({name}) scales the momentum of momentum SGD, not of {optimizer.name!r}; use "
                 f"--optimizer sgd:momentum=... with {name}, or dlr (the delay-scaled learning rate) with Adam"
             )
-    if methods & {"dts", "dtsf"}:
+    if methods & {"dts", "dtsf", "dtt"}:
         from pipetrain.optim.compensation import time_scaled_settings
 
         time_scaled_settings(float(optimizer.options.get("momentum", 0.0)), 0.0, 1.0)  # momentum 0: refused
