@@ -19,7 +19,7 @@ import torch
 
 from pipetrain.models import build_model
 from pipetrain.optim import translate_hyperparameters
-from pipetrain.optim.compensation import delay_lr_factor, time_scaled_settings
+from pipetrain.optim.compensation import delay_lr_factor, temperature_settings, time_scaled_settings
 from pipetrain.optim.lr_schedule import EndDecayLR
 from pipetrain.pb.study import _evaluate, _index_stream, _load_data, _tensors, StudyConfig
 from pipetrain.pb.methods import parse_method
@@ -29,14 +29,16 @@ from pipetrain.data import dataset_info
 
 
 def stage_settings(kind: str, momentum: float, delay: float) -> tuple[float, float]:
-    """(lr factor, momentum) of a stage with delay ``delay`` under ``kind`` (none, dtsN, dlrN)."""
+    """(lr factor, momentum) of a stage with delay ``delay`` under ``kind`` (none, dtsN, dttN, dlrN)."""
     if kind == "none":
         return 1.0, momentum
+    if kind.startswith("dtt"):
+        return temperature_settings(momentum, delay, float(kind[3:] or 4))
     if kind.startswith("dts"):
         return time_scaled_settings(momentum, delay, float(kind[3:] or 4))
     if kind.startswith("dlr"):
         return delay_lr_factor(delay, float(kind[3:] or 8)), momentum
-    raise SystemExit(f"unknown --settings {kind!r}: none, dtsN or dlrN")
+    raise SystemExit(f"unknown --settings {kind!r}: none, dtsN, dttN or dlrN")
 
 
 def run(args, kind: str, seed: int, lr_scale: float) -> dict:
