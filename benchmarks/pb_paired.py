@@ -34,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against", metavar="METHOD", help="pair with this method (same S, lr, seed) instead of sgd")
     args = parser.parse_args(argv)
     loaded = [load_results(path) for path in args.results]
-    result = loaded[0]
     seen, runs, order = set(), [], []
     for study in loaded:
         for m in study.config.methods:
