@@ -20,7 +20,7 @@ one traced run of pipetrain's 1f1b and pipedream per configuration says where ea
 goes, per action kind (share of the rank's wall time, median action)::
 
     python benchmarks/async_goals.py [--configs compute-bound,overhead-bound,compute-bound-m2,overhead-bound-m2]
-        [--rounds 5] [--no-trace] [--out /tmp/async_goals]
+        [--rounds 5] [--no-trace] [--with-2bw] [--out /tmp/async_goals]
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ CONFIGS_M2 = {
 ALL_CONFIGS = {**CONFIGS, **CONFIGS_M2}
 
 CONTENDER_NAMES = ["sequential", "torch-gpipe", "torch-1f1b", "pipetrain-1f1b", "pipetrain-pipedream"]
+#: beside the goals, not part of them: PipeDream-2BW (one update per batch, as 1F1B, and no flush)
+EXTRA_NAMES = ["pipetrain-2bw"]
 
 #: (label, configurations, ratio name, at least)
 GOALS = [
@@ -123,7 +125,11 @@ def one_round(cfg: Config, order: list[str]) -> dict[str, float]:
 def ratios(rates: dict[str, float]) -> dict[str, float]:
     torch_best = max(rates["torch-gpipe"], rates["torch-1f1b"])
     one, pd = rates["pipetrain-1f1b"], rates["pipetrain-pipedream"]
+    extra = {}
+    if "pipetrain-2bw" in rates:
+        extra = {"2bw/1f1b": rates["pipetrain-2bw"] / one, "2bw/torch": rates["pipetrain-2bw"] / torch_best}
     return {
+        **extra,
         "1f1b/ceiling": one / rates["ceiling-1f1b"],
         "pd/ceiling": pd / rates["ceiling-pipedream"],
         "1f1b/ceiling-pair": one / rates["ceiling-1f1b-pair"],
@@ -169,6 +175,8 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(ALL_CONFIGS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-trace", action="store_true", help="skip the traced runs after the rounds")
+    parser.add_argument("--with-2bw", action="store_true",
+                        help="also run pipetrain's 2bw in every round (its ratios to 1f1b and torch; not a goal)")
     parser.add_argument("--out", default="/tmp/async_goals", help="traces and every round's rates (rounds.json)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -176,7 +184,7 @@ def main() -> None:
     names = args.configs.split(",")
     print(f"machine: {os.cpu_count()} CPUs; every process pinned to its own core, 1 thread; "
           f"load average {os.getloadavg()[0]:.2f}")
-    contenders = ["ceiling", *CONTENDER_NAMES]
+    contenders = ["ceiling", *CONTENDER_NAMES, *(EXTRA_NAMES if args.with_2bw else [])]
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         for i, name in enumerate(names):
@@ -191,7 +199,10 @@ def main() -> None:
         print(f"\n{name}: width {cfg.width}, batch {cfg.batch} = {cfg.microbatches} x {cfg.microbatch}, "
               f"{cfg.steps} timed steps after {cfg.warmup}; medians of {args.rounds} rounds")
         for key in ["sequential", "torch-gpipe", "torch-1f1b", "pipetrain-1f1b", "pipetrain-pipedream",
-                    "ceiling-1f1b", "ceiling-pipedream", "ceiling-1f1b-pair", "ceiling-pipedream-pair"]:
+                    "ceiling-1f1b", "ceiling-pipedream", "ceiling-1f1b-pair", "ceiling-pipedream-pair",
+                    *EXTRA_NAMES]:
+            if key not in rounds[name][0]:
+                continue
             values = [r[key] for r in rounds[name]]
             print(f"  {key:22s} {statistics.median(values):9.0f} samples/s   rounds "
                   + ", ".join(f"{v:.0f}" for v in values))

@@ -482,6 +482,12 @@ def pipetrain_pipedream_unchecked(cfg: Config, steps: int, warmup: int) -> float
     return _pipetrain(cfg, steps, warmup, "pipedream", on_nonfinite="off")
 
 
+def pipetrain_2bw(cfg: Config, steps: int, warmup: int) -> float:
+    """PipeDream-2BW: one update per batch of ``cfg.microbatches`` microbatches, as 1F1B, but no
+    flush (two weight versions, gradients one update stale)."""
+    return _pipetrain(cfg, steps, warmup, "2bw")
+
+
 CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "sequential": ("sequential (1 process)", sequential),
     "sequential-pair": ("2 sequential at once (sum)", sequential_pair),
@@ -497,6 +503,7 @@ CONTENDERS: dict[str, tuple[str, Callable[[Config, int, int], float]]] = {
     "pipetrain-1f1b": ("pipetrain 1f1b", pipetrain_1f1b),
     "pipetrain-1f1b-ahead": ("pipetrain 1f1b, receives ahead", pipetrain_1f1b_ahead),
     "pipetrain-pipedream": ("pipetrain pipedream (limit 2R)", pipetrain_pipedream),
+    "pipetrain-2bw": ("pipetrain 2bw", pipetrain_2bw),
     "pipetrain-pipedream-unchecked": ("  same, no non-finite tests", pipetrain_pipedream_unchecked),
 }
 

@@ -29,6 +29,9 @@ def test_ratios_are_taken_against_the_best_torch_schedule_and_the_ceilings():
     assert r["1f1b/torch"] == pytest.approx(0.9) and r["pd/torch"] == pytest.approx(1.2)
     assert r["1f1b/ceiling"] == pytest.approx(0.9) and r["pd/ceiling"] == pytest.approx(0.9)
     assert r["pd/1f1b"] == pytest.approx(180 / 135) and r["1f1b/ceiling-pair"] == pytest.approx(135 / 140)
+    assert "2bw/1f1b" not in r  # only when 2bw ran (--with-2bw)
+    r = async_goals.ratios({**rates, "pipetrain-2bw": 162.0})
+    assert r["2bw/1f1b"] == pytest.approx(1.2) and r["2bw/torch"] == pytest.approx(162 / 150)
 
 
 def test_trace_shares_split_each_ranks_span(tmp_path):

@@ -81,6 +81,29 @@ def test_compensation_settings_per_stage():
     assert [o.lwp_horizon for o in optimizers] == [2.0 * d for d in pb_delays(4)]
 
 
+def test_a_runs_result_does_not_depend_on_its_engine_mates():
+    # runs train many to an engine; a run's bits must not depend on which others share it (a
+    # resumed study, or a study of other methods, groups them differently). DTS gives its deep
+    # stages another momentum, the case that once changed a run's float32 arithmetic.
+    from pipetrain.pb.study import _Trainer
+
+    config = _config(model="resmlp:depth=6,width=16,groups=4", stages=(8,), epochs=0.5,
+                     methods=tuple(parse_methods("pb+sc+lwp,pb+sc+lwp+dts2")))
+    trainer = _Trainer(config, None)
+    plain, scaled = plan_runs(config)
+
+    def row(result):
+        return {**result.row(curve=True), "seconds": 0.0}
+
+    alone = [row(trainer.train([spec])[0]) for spec in (plain, scaled)]
+    together = [row(r) for r in trainer.train([plain, scaled])]  # one engine for both
+    assert together[1] == alone[1]  # the DTS run: its engine multiplies by a column either way
+    # the study keeps runs of one momentum apart from runs of several, whose engine must use columns
+    assert trainer.engine_key(plain) != trainer.engine_key(scaled)
+    result = run_study(config)
+    assert [{**r.row(curve=True), "seconds": 0.0} for r in result.runs] == alone
+
+
 def test_plan_runs_counts():
     config = _config(stages=(2, 4), seeds=(0, 1), lr_scales=(0.5, 1.0), delay_scales=(0.5, 1.0))
     runs = plan_runs(config)

@@ -217,6 +217,10 @@ class BatchedPB:
         batch_size: samples per member and tick (1 for PB; B > 1 with S = 1 is minibatch SGD).
         dtype: floating-point type of weights and activations.
 
+    A run's float32 result is the same in any engine whose runs share one momentum on every
+    stage, and in any engine where they do not (the update then multiplies by a per-member
+    column everywhere); :func:`pipetrain.pb.study.run_study` keeps the two kinds apart.
+
     Raises :class:`NotBatchable` for what it cannot run (tuple outputs between units, another
     optimizer than SGD, SGD dampening, frozen parameters); the reference engine
     (:func:`pipetrain.pb.pb_sequential`) runs those.
@@ -388,6 +392,7 @@ class BatchedPB:
         offsets, lrs, a_list, b_list, horizons, schedule_ids = [], [], [], [], [], []
         follow_keys: list[tuple] = []  # per member: what its per-update (factor, m, a, b) depend on
         start = 0
+        every_momentum: set[float] = set()
         for group in self.groups:
             momenta, decays, a_g, b_g, t_g = [], [], [], [], []
             for member in group.members:
@@ -409,7 +414,8 @@ class BatchedPB:
                 b_g.append(b)
                 t_g.append(horizon)
             column = lambda v: torch.tensor(v, dtype=self.dtype).unsqueeze(1)  # noqa: E731
-            group.momentum = momenta[0] if len(set(momenta)) == 1 else column(momenta)
+            group.momentum = column(momenta)
+            every_momentum.update(momenta)
             group.following = any(key[0] == "follow" for key in follow_keys[start : start + group.size])
             group.weight_decay = column(decays) if any(decays) else None
             group.spike = not (all(a == 1.0 for a in a_g) and not any(b_g))
@@ -428,6 +434,13 @@ class BatchedPB:
             horizons.extend(t_g)
         self._schedules = schedules
         self._offsets = np.array(offsets, dtype=np.int64)
+        # One momentum for every member: the fused scalar update. Otherwise every group multiplies
+        # by a column, also where its own members agree, so that a run's bits depend only on
+        # whether the engine's runs share one momentum, never on which runs they are.
+        # (rate-following members change their momentum per update: never one momentum)
+        if len(every_momentum) == 1 and not any(key[0] == "follow" for key in follow_keys):
+            for group in self.groups:
+                group.momentum = next(iter(every_momentum))
         self._base_lr = np.array(lrs, dtype=np.float64)
         self._coefficients = np.array([a_list, b_list, horizons], dtype=np.float64)
         self._schedule_ids = np.array(schedule_ids, dtype=np.int64)

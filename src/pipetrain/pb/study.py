@@ -319,19 +319,22 @@ class _Trainer:
         return BatchSampler(self.n, batch).steps_for_epochs(self.config.epochs)
 
     def _build(self, spec: RunSpec) -> tuple[nn.Module, StagedModel, list]:
-        batch, lr, momentum = self.settings(spec)
         model = build_model(
             self.config.model, input_shape=self.info.input_shape, num_classes=self.info.num_classes, seed=spec.seed
         ).to(self.dtype)
-        stages = spec.pipeline_stages
-        staged = split_model(model, stages=stages)
+        staged = split_model(model, stages=spec.pipeline_stages)
         refuse_tied(staged.tied, "Pipelined Backpropagation updates every stage at its own time, from stale gradients")
-        delays = pb_delays(stages)
+        return model, staged, self.optimizers(spec)
+
+    def optimizers(self, spec: RunSpec) -> list:
+        """The run's stage optimizers: the translated SGD with the method's compensation per stage."""
+        batch, lr, momentum = self.settings(spec)
+        delays = pb_delays(spec.pipeline_stages)
         method = spec.method
         scale = 1.0 if spec.delay_scale is None else spec.delay_scale
         samples = self.updates(batch) * batch
         schedule = EndDecayLR(total=samples, fraction=self.config.decay_fraction) if self.config.decay_fraction > 0 else None
-        optimizers = build_stage_optimizers(
+        return build_stage_optimizers(
             f"sgd:lr={lr!r},momentum={momentum!r},weight_decay={self.config.weight_decay!r}",
             delays,
             compensation=method.compensation,
@@ -339,10 +342,17 @@ class _Trainer:
             lwp_horizons=[method.lwp * scale * d for d in delays] if method.lwp else None,
             lr_schedule=schedule,
         )
-        return model, staged, optimizers
+
+    def engine_key(self, spec: RunSpec) -> tuple:
+        """Runs with equal keys may share an engine: the same stage count and batch size, and the
+        same optimizer and momentum on every stage (which) or not (DTS): the engine's float32
+        arithmetic depends on that alone (:class:`~pipetrain.pb.engine.BatchedPB`), so a run gives
+        the same bits whatever runs it trains beside."""
+        momenta = {(type(o).__name__, getattr(o, "momentum", None)) for o in self.optimizers(spec)}
+        return spec.pipeline_stages, self.settings(spec)[0], momenta.pop() if len(momenta) == 1 else "varied"
 
     def train(self, specs: list[RunSpec]) -> list[RunResult]:
-        """Train runs that share stage count and batch size together (one engine)."""
+        """Train runs of one :meth:`engine_key` together (one engine)."""
         batch = self.settings(specs[0])[0]
         updates = self.updates(batch)
         built = [self._build(spec) for spec in specs]
@@ -408,11 +418,11 @@ def runs_per_engine(stages: int, limit: int) -> int:
 
 def _chunks(config: StudyConfig, trainer: "_Trainer", specs: list[RunSpec]) -> list[list[RunSpec]]:
     """The runs of each engine, the most expensive engines first."""
-    batches: dict[tuple[int, int], list[RunSpec]] = {}
+    batches: dict[tuple, list[RunSpec]] = {}
     for spec in specs:
-        batches.setdefault((spec.pipeline_stages, trainer.settings(spec)[0]), []).append(spec)
+        batches.setdefault(trainer.engine_key(spec), []).append(spec)
     chunks = []
-    for (stages, _), group in batches.items():
+    for (stages, *_), group in batches.items():
         limit = runs_per_engine(stages, config.max_runs)
         chunks += [group[first : first + limit] for first in range(0, len(group), limit)]
 
