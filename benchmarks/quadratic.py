@@ -23,6 +23,10 @@ Usage:  python benchmarks/quadratic.py [--out FILE.md]   (recorded in benchmarks
             DLR against delay time scaling (DTS, docs/optim.md) with full SC+LWP: each stage's
             stability margin relative to the stage at the reference delay D*, and how fast each
             moves along a flat direction (the effective rate lr/(1-m) and the convergence time)
+        python benchmarks/quadratic.py --rate-following [--momenta M --delays D,... --reference 4]
+            rate-following DTS (dtsf, docs/optim.md) while the lr schedule decays: each stage's margin
+            at schedule factor f for k = (D/D*)*sqrt(f) against k = (D/D*)*f, and DTS variants with a
+            longer memory, 1 - m_s = (1-m)/k**q: their margin and their progress along a flat direction
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ __all__ = [
     "simulate_optimizer",
     "grows",
     "time_scaled_table",
+    "rate_following_table",
 ]
 
 METHODS = ("none", "sc", "lwp", "sc+lwp")
@@ -257,6 +262,62 @@ def time_scaled_table(momenta: list[float], delays: list[int], reference: float,
     return lines
 
 
+def _margin(momentum: float, delay: int, k: float, factor: float, h_ref: float, q: float = 1.0) -> float:
+    """Margin of a stage with delay D under DTS settings for ``k`` (rate ``1/k**2``, ``1 - m_s =
+    (1-m)/k**q``) while the schedule is at ``factor``, in units of the D* stage's at the full rate."""
+    slow = 1.0 - (1.0 - momentum) / k**q
+    return max_stable_h(slow, delay, "sc+lwp", 1e-4) * k * k / (factor * h_ref)
+
+
+def _run_progress(lr: float, momentum: float, updates: int) -> float:
+    """Distance a weight moves in ``updates`` updates under a constant unit gradient (momentum
+    starting at 0): ``sum_n lr*(1 - m**(n+1))/(1 - m)``."""
+    n = np.arange(updates)
+    return float(np.sum(lr * (1.0 - momentum ** (n + 1)) / (1.0 - momentum)))
+
+
+def rate_following_table(momenta: list[float], delays: list[int], reference: float,
+                         factors: tuple[float, ...] = (1.0, 0.5, 0.25, 0.1, 0.03),
+                         exponents: tuple[float, ...] = (1.0, 1.5, 2.0), updates: int = 14370) -> list[str]:
+    """Markdown: (1) per delay and schedule factor f, the margin (1.00: the D* stage's at the full
+    rate) of rate-following DTS with ``k = max(1, (D/D*)*sqrt(f))`` (dtsf) and with ``k = max(1,
+    (D/D*)*f)``; (2) per delay, DTS with the memory lengthened ``k**q`` times (q = 1: DTS; q = 2:
+    the effective rate and gradient-noise temperature ``lr/(1-m)`` of SGD): its margin, the
+    convergence time along a flat direction and the distance moved under a constant gradient in
+    ``updates`` updates (the 10-epoch digits run), each against undelayed momentum SGD."""
+    lines = []
+    for momentum in momenta:
+        h_ref = max_stable_h(momentum, int(reference), "sc+lwp", 1e-5)
+        lines += [f"\nm = {momentum}, D* = {reference:g} (largest stable h with SC+LWP: {h_ref:.4g})\n",
+                  "Margin while the schedule decays (f: the schedule's factor):\n",
+                  "| D | " + " | ".join(f"f = {f:g}: sqrt(f) (k), f (k)" for f in factors) + " |",
+                  "|---|" + "---|" * len(factors)]
+        for delay in delays:
+            k0, cells = delay / reference, []
+            for f in factors:
+                ks, kl = max(1.0, k0 * math.sqrt(f)), max(1.0, k0 * f)
+                cells.append(f"{_margin(momentum, delay, ks, f, h_ref):.2f} ({ks:.3g}), "
+                             f"{_margin(momentum, delay, kl, f, h_ref):.2f} ({kl:.3g})")
+            lines.append(f"| {delay} | " + " | ".join(cells) + " |")
+        h_flat = 0.1 * (1 - momentum) ** 2
+        base = _convergence_time(h_flat, momentum, 0, "none")
+        sgd = _run_progress(1.0, momentum, updates)
+        lines += [f"\nLonger memory at DTS's rate, 1 - m_s = (1-m)/k**q (flat direction h = 0.1*(1-m)^2: "
+                  f"{base:.0f} samples for undelayed SGD; progress: distance moved in {updates} updates "
+                  "under a constant gradient, against SGD's):\n",
+                  "| D | " + " | ".join(f"q = {q:g}: margin, flat time, progress" for q in exponents) + " |",
+                  "|---|" + "---|" * len(exponents)]
+        for delay in delays:
+            k, cells = delay / reference, []
+            for q in exponents:
+                slow = 1.0 - (1.0 - momentum) / k**q
+                t = _convergence_time(h_flat / k**2, slow, delay, "sc+lwp")
+                cells.append(f"{_margin(momentum, delay, k, 1.0, h_ref, q):.2f}, {t / base:.1f}x, "
+                             f"{_run_progress(1.0 / k**2, slow, updates) / sgd:.3f}")
+            lines.append(f"| {delay} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:
@@ -276,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the table of the best SC/LWP strengths per delay and their bound times D**2")
     parser.add_argument("--time-scaled", action="store_true",
                         help="only the table of DLR against delay time scaling (DTS), per delay, with SC+LWP")
+    parser.add_argument("--rate-following", action="store_true",
+                        help="only the tables of rate-following DTS and of DTS with a longer memory, with SC+LWP")
     parser.add_argument("--reference", type=float, default=8.0, help="D* of --time-scaled (default 8)")
     parser.add_argument("--out", default="-", help="markdown file to write (default '-': print only; the "
                         "recorded table is section 5 of benchmarks/RESULTS.md)")
@@ -284,9 +347,13 @@ def main(argv: list[str] | None = None) -> int:
     delays = [int(x) for x in args.delays.split(",")]
 
     start = time.perf_counter()
-    if args.strengths or args.time_scaled:
-        rows = (strengths_table(momenta, delays) if args.strengths
-                else time_scaled_table(momenta, delays, args.reference))
+    if args.strengths or args.time_scaled or args.rate_following:
+        if args.strengths:
+            rows = strengths_table(momenta, delays)
+        elif args.time_scaled:
+            rows = time_scaled_table(momenta, delays, args.reference)
+        else:
+            rows = rate_following_table(momenta, delays, args.reference)
         body = "\n".join(rows)
         print(body)
         print(f"\n{time.perf_counter() - start:.1f} s")

@@ -163,6 +163,7 @@ def test_emulator_agrees_with_the_pb_reference_implementation():
 @pytest.mark.parametrize("compensation, momenta, contrast", [
     ("sc+lwp+dlr2", [0.9, 0.9, 0.9, 0.9], "sc+lwp"),  # DLR: the rates only
     ("sc+lwp+dts2", [1 - (1 - 0.9) / 3, 1 - (1 - 0.9) / 2, 0.9, 0.9], "sc+lwp+dlr2"),  # DTS: DLR's rates, longer memory
+    ("sc+lwp+dtt2", [1 - (1 - 0.9) / 9, 1 - (1 - 0.9) / 4, 0.9, 0.9], "sc+lwp+dts2"),  # DTT: memory k**2 longer
 ])
 def test_delay_scaling_from_a_spec_string_on_the_emulator_equals_the_reference_and_the_study_engine(
         compensation, momenta, contrast):
@@ -194,4 +195,35 @@ def test_delay_scaling_from_a_spec_string_on_the_emulator_equals_the_reference_a
     # and the scaling did something: the compensation without it ends elsewhere
     d = mlp_stages()
     Pipeline(d, executor="emulate", schedule="pb", optimizer=spec, compensation=contrast).train(data)
+    assert not torch.equal(d[0][0].weight, a[0][0].weight)
+
+
+def test_rate_following_dts_with_a_decaying_schedule_on_the_emulator_equals_the_reference_and_the_study_engine():
+    """dtsf's stages change rate and momentum while the lr schedule decays: the emulator (built
+    from the spec strings, as ``pipetrain train --compensation sc+lwp+dtsf2 --lr-schedule ...``),
+    the PB reference and the batched study engine train the same thing."""
+    from pipetrain.optim import build_stage_optimizers
+    from pipetrain.optim.sgd import RateFollowingSGD
+    from pipetrain.pb.engine import BatchedPB
+    from pipetrain.pb.reference import pb_sequential
+
+    spec, data, schedule = "sgd:lr=0.05,momentum=0.9", samples(30), "end:total=30,fraction=0.6"
+    a, b, c, d = mlp_stages(), mlp_stages(), mlp_stages(), mlp_stages()
+    Pipeline(a, executor="emulate", schedule="pb", optimizer=spec, compensation="sc+lwp+dtsf2",
+             lr_scheduler=schedule).train(data)
+    optimizers = build_stage_optimizers(spec, pb_delays(4), compensation="sc+lwp+dtsf2", lr_schedule=schedule)
+    assert [type(o) for o in optimizers[:2]] == [RateFollowingSGD] * 2
+    result = pb_sequential(b, optimizers, data)
+    assert [o.momentum for o in optimizers[:2]] == [0.9, 0.9]  # at the end of the decay: k = 1
+    engine = BatchedPB([c], [build_stage_optimizers(spec, pb_delays(4), compensation="sc+lwp+dtsf2",
+                                                    lr_schedule=schedule)], sample_shape=(4,), dtype=torch.float64)
+    engine.train(torch.cat([x for x, _ in data]), torch.cat([y for _, y in data]), torch.arange(len(data)).view(-1, 1))
+    engine.write_back()
+    for s, (stage, fast) in enumerate(zip(a, c)):
+        for (name, p), q in zip(stage.named_parameters(), fast.parameters()):
+            assert torch.equal(p.detach(), result.params[s][name]), f"stage {s} {name}"
+            torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-10, atol=1e-12)
+    # and following the rate did something: DTS (k fixed) ends elsewhere
+    Pipeline(d, executor="emulate", schedule="pb", optimizer=spec, compensation="sc+lwp+dts2",
+             lr_scheduler=schedule).train(data)
     assert not torch.equal(d[0][0].weight, a[0][0].weight)

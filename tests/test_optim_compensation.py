@@ -8,7 +8,9 @@ from pipetrain.errors import ConfigError
 from pipetrain.optim import (SGD, CosineLR, build_stage_optimizer, build_stage_optimizers, delay_lr_factor,
                              parse_compensation, parse_dlr_delay, parse_dts_delay, spike_coefficients,
                              time_scaled_settings)
-from pipetrain.optim.compensation import DEFAULT_DLR_DELAY, DEFAULT_DTS_DELAY
+from pipetrain.optim.compensation import (DEFAULT_DLR_DELAY, DEFAULT_DTS_DELAY, parse_dtsf_delay,
+                                          parse_dtt_delay, rate_following_settings, temperature_settings)
+from pipetrain.optim.sgd import RateFollowingSGD
 
 
 def _impulse_response(optimizer, steps, impulse_step=0):
@@ -285,3 +287,143 @@ def test_dts_prediction_uses_the_stage_rate_and_momentum():
                                + torch.tensor([0.5, 0.25], dtype=torch.float64), rtol=0, atol=1e-15)
     predicted = optimizer.predict(w, samples_seen=2)
     torch.testing.assert_close(predicted["w"], w["w"] - 0.2 * 0.25 * 12 * v, rtol=0, atol=1e-15)
+
+
+# -- rate-following delay time scaling (dtsf) ------------------------------------------------------
+
+
+def test_rate_following_settings():
+    m = 0.996713
+    # at the full rate: DTS's settings exactly; D <= D*: untouched at every rate
+    assert rate_following_settings(m, 126, 1.0, 4) == time_scaled_settings(m, 126, 4)
+    assert rate_following_settings(m, 4, 0.3, 4) == (1.0, m) and rate_following_settings(m, 0, 0.0, 4) == (1.0, m)
+    # k = (D/D*)*sqrt(f): D = 16, D* = 4, f = 1/4 -> k = 2, a quarter of the scheduled rate
+    assert rate_following_settings(0.9, 16, 0.25, 4) == (0.25, 1.0 - (1.0 - 0.9) / 2)
+    # so the stage's own rate f*lr/k**2 stays DTS's while the schedule decays, until k reaches 1
+    for f in (0.9, 0.5, 0.1, 1 / 16 + 1e-9):
+        factor, _ = rate_following_settings(0.9, 16, f, 4)
+        assert f * factor == pytest.approx(1 / 16, rel=1e-12)
+    assert rate_following_settings(0.9, 16, 1 / 16, 4) == (1.0, 0.9)
+    assert rate_following_settings(0.9, 16, 0.01, 4) == (1.0, 0.9)
+    assert parse_dtsf_delay("sc+lwp+dts4") is None and parse_dts_delay("sc+lwp+dtsf4") is None
+    assert parse_dtsf_delay("sc+dtsf") == DEFAULT_DTS_DELAY and parse_dtsf_delay("lwp+dtsf2.5") == 2.5
+    assert parse_compensation("sc+lwp+dtsf8") == {"sc", "lwp", "dtsf"}
+    with pytest.raises(ConfigError, match="names both dts and dtsf"):
+        parse_compensation("dts4+dtsf4")
+    with pytest.raises(ConfigError, match="factor -0.5 must be >= 0"):
+        rate_following_settings(0.9, 16, -0.5, 4)
+    with pytest.raises(ConfigError, match="needs 0 < momentum < 1"):
+        build_stage_optimizer("sgd:lr=0.1", stage_delay=8, compensation="dtsf4")
+    with pytest.raises(ConfigError, match="dtsf_delay=4 is set but compensation 'dtsf' is off"):
+        build_stage_optimizer("sgd:momentum=0.9", stage_delay=8, compensation="sc", dtsf_delay=4)
+    with pytest.raises(ConfigError, match="momentum of momentum SGD, not of 'adam'"):
+        build_stage_optimizer("adam:lr=0.01", stage_delay=8, compensation="lwp+dtsf4")
+
+
+@pytest.mark.parametrize("delay", [0, 4])
+def test_dtsf_at_or_below_the_reference_delay_is_torch_momentum_bitwise(delay):
+    # such a stage is plain SGD whatever the schedule does
+    ours = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=delay, compensation="dtsf4")
+    assert type(ours) is SGD
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, lr=0.05, momentum=0.9, weight_decay=1e-2), ours)
+
+
+def test_dtsf_at_the_full_rate_is_dts_bitwise():
+    # a constant schedule never decays: dtsf is DTS, bit for bit (torch at DTS's rate and momentum)
+    ours = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=48, compensation="dtsf24")
+    assert type(ours) is RateFollowingSGD
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, lr=0.05 * 0.25, momentum=1.0 - (1.0 - 0.9) / 2,
+                                                 weight_decay=1e-2), ours)
+
+
+def test_dtsf_impulse_response_follows_the_rate():
+    # lr = 1, m = 0.9, D = 16, D* = 4 (k = 4 at the full rate). A step schedule quarters the rate
+    # after update N: k = 4*sqrt(1/4) = 2, so the stage's rate stays 1/4 * 1/4 = 1/16 and its
+    # momentum memory halves (m_s: 0.975 -> 0.95). A unit gradient at update 0 then moves the weight
+    # by sum_{n<N} lr_s*0.975**n + sum_{n>=N} lr_s*0.975**(N-1)*0.95**(n-N+1): the closed form
+    # lr_s*(1 - 0.975**N)/(1 - 0.975) + lr_s*0.975**(N-1)*0.95/(1 - 0.95) in the limit.
+    N = 30
+    optimizer = build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=16, compensation="dtsf4",
+                                      lr_schedule=f"step:milestones={N},gamma=0.25")
+    response = _impulse_response(optimizer, 1500)
+    lr_s = 1.0 / 16
+    exact = [lr_s * (1 - 0.975 ** (n + 1)) / (1 - 0.975) if n < N else
+             lr_s * (1 - 0.975 ** N) / (1 - 0.975) + lr_s * 0.975 ** (N - 1) * 0.95 * (1 - 0.95 ** (n - N + 1)) / (1 - 0.95)
+             for n in range(1500)]
+    assert response == pytest.approx(exact, rel=1e-12)
+    assert optimizer.momentum == 0.95 and optimizer.lr_at(N) == pytest.approx(1 / 16, rel=1e-15)
+    # against DTS, which keeps k = 4: the same up to N, then a longer memory at a quarter of the rate
+    dts = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=16, compensation="dts4",
+                                                  lr_schedule=f"step:milestones={N},gamma=0.25"), 1500)
+    assert dts[:N] == response[:N] and dts[-1] < response[-1]
+
+
+def test_dtsf_spike_and_prediction_use_the_settings_in_force():
+    # SC's coefficients come from the momentum in force, LWP extrapolates along the stage's rate
+    optimizer = build_stage_optimizer("sgd:lr=0.2,momentum=0.9", stage_delay=12, compensation="sc+lwp+dtsf6",
+                                      lr_schedule="step:milestones=1,gamma=0.25")
+    assert optimizer.lr_at(0) == pytest.approx(0.2 / 4) and optimizer.lr_at(1) == pytest.approx(0.2 * 0.25)
+    w = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    g0, g1 = torch.tensor([1.0, -1.0], dtype=torch.float64), torch.tensor([0.5, 0.25], dtype=torch.float64)
+    w1 = optimizer.step(w, {"w": g0}, 0)  # k = 2: m_s = 0.95
+    a, b = spike_coefficients(0.95, 12)
+    torch.testing.assert_close(w1["w"], w["w"] - 0.05 * (a * g0 + b * g0), rtol=0, atol=1e-15)
+    w2 = optimizer.step(w1, {"w": g1}, 1)  # f = 1/4: k = 1, plain SGD with SC
+    v = 0.9 * g0 + g1
+    a, b = spike_coefficients(0.9, 12)
+    torch.testing.assert_close(w2["w"], w1["w"] - 0.05 * (a * v + b * g1), rtol=0, atol=1e-15)
+    predicted = optimizer.predict(w2, samples_seen=2)
+    torch.testing.assert_close(predicted["w"], w2["w"] - 0.05 * 12 * v, rtol=0, atol=1e-15)
+
+
+# -- delay time scaling at SGD's temperature (dtt) -------------------------------------------------
+
+
+def test_dtt_settings_keep_sgds_effective_rate():
+    m = 0.996713
+    assert temperature_settings(m, 4, 4) == (1.0, m) and temperature_settings(m, 0, 4) == (1.0, m)
+    assert temperature_settings(0.9, 16, 4) == (1.0 / 16, 1.0 - (1.0 - 0.9) / 16)
+    factor, slow = temperature_settings(m, 126, 4)
+    assert factor == delay_lr_factor(126, 4) == time_scaled_settings(m, 126, 4)[0]
+    # the effective rate lr_s/(1 - m_s) is SGD's lr/(1 - m); DTS's is k times lower
+    assert factor / (1 - slow) == pytest.approx(1 / (1 - m), rel=1e-9)
+    dts_factor, dts_slow = time_scaled_settings(m, 126, 4)
+    assert dts_factor / (1 - dts_slow) == pytest.approx(1 / (1 - m) / (126 / 4), rel=1e-9)
+    assert parse_dtt_delay("sc+dtt") == DEFAULT_DTS_DELAY and parse_dtt_delay("dtt2.5") == 2.5
+    assert parse_dtt_delay("sc+dts4") is None and parse_compensation("sc+lwp+dtt8") == {"sc", "lwp", "dtt"}
+    with pytest.raises(ConfigError, match="names both dts and dtt"):
+        parse_compensation("dts4+dtt4")
+    with pytest.raises(ConfigError, match="needs 0 < momentum < 1"):
+        build_stage_optimizer("sgd:lr=0.1", stage_delay=8, compensation="dtt4")
+    with pytest.raises(ConfigError, match="delay time scaling \\(dtt\\) scales the momentum of momentum SGD, not of 'adam'"):
+        build_stage_optimizer("adam:lr=0.01", stage_delay=8, compensation="lwp+dtt4")
+    with pytest.raises(ConfigError, match="dtt_delay=4 is set but compensation 'dtt' is off"):
+        build_stage_optimizer("sgd:momentum=0.9", stage_delay=8, compensation="sc+dts", dtt_delay=4)
+
+
+def test_dtt_is_torch_momentum_at_the_scaled_rate_and_momentum_bitwise():
+    # D = 48, D* = 24: k = 2, a quarter of the rate and 1 - m quartered (memory 10 -> 40 updates)
+    ours = build_stage_optimizer("sgd:lr=0.05,momentum=0.9,weight_decay=0.01", stage_delay=48, compensation="dtt24")
+    assert ours.lr == 0.05 * 0.25 and ours.momentum == 1.0 - (1.0 - 0.9) / 4
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, lr=0.05 * 0.25, momentum=1.0 - (1.0 - 0.9) / 4,
+                                                 weight_decay=1e-2), ours)
+    below = build_stage_optimizer("sgd:lr=0.05,momentum=0.9", stage_delay=24, compensation="dtt24")
+    compare_with_torch(lambda p: torch.optim.SGD(p, foreach=False, lr=0.05, momentum=0.9), below)
+    optimizers = build_stage_optimizers("sgd:lr=0.1,momentum=0.9", [8, 6, 4, 0], compensation="sc+lwp+dtt4")
+    assert [o.lr for o in optimizers] == [0.1 * 0.25, 0.1 * (4 / 6) ** 2, 0.1, 0.1]
+    assert [o.momentum for o in optimizers] == [1 - (1 - 0.9) / 4, 1 - (1 - 0.9) / (6 / 4) ** 2, 0.9, 0.9]
+
+
+def test_dtt_impulse_response_reaches_sgds_displacement_k_squared_times_slower():
+    # lr = 1, m = 0.9, D = 16, D* = 4: k = 4, lr_s = 1/16, 1 - m_s = 0.1/16. A unit impulse moves
+    # the weight by lr_s*(1 - m_s**(n+1))/(1 - m_s) -> lr/(1 - m) = 10: undelayed SGD's total (DTS:
+    # 10/k = 2.5), reached over a memory k**2 times longer. With SC: that response shifted by D.
+    lr_s, m_s = 1.0 / 16, 1.0 - 0.1 / 16
+    alone = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=16,
+                                                    compensation="dtt4"), 6000)
+    exact = [lr_s * (1 - m_s ** (n + 1)) / (1 - m_s) for n in range(6000)]
+    assert alone == pytest.approx(exact, rel=1e-12)
+    assert alone[-1] == pytest.approx(10.0, rel=1e-12)
+    spiked = _impulse_response(build_stage_optimizer("sgd:lr=1.0,momentum=0.9", stage_delay=16,
+                                                     compensation="sc+dtt4"), 400)
+    assert spiked[:380] == pytest.approx(exact[16:396], rel=1e-12)

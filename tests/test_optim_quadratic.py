@@ -73,3 +73,34 @@ def test_delay_time_scaling_keeps_the_reference_margin_and_is_k_times_slower(del
     dlr = quadratic._convergence_time(flat * factor, momentum, delay, "sc+lwp") / base
     assert dts == pytest.approx(k, rel=0.02)
     assert dlr > 0.9 * k**2
+
+
+def test_rate_following_keeps_the_reference_margin_where_a_linear_law_loses_it():
+    # dtsf: k = (D/D*)*sqrt(f) while the schedule is at f. With SC+LWP the bound goes as 1/D**2, so
+    # the stage keeps (about) D*'s margin at the decayed rate f*lr; k proportional to f (the bound
+    # of uncompensated delayed momentum, h*D fixed) leaves it at about f of it: unstable
+    from pipetrain.optim.compensation import rate_following_settings
+
+    momentum, reference, delay, f = 0.99, 4, 16, 0.25
+    bound = quadratic.max_stable_h(momentum, reference, "sc+lwp", 1e-4)
+    factor, slow = rate_following_settings(momentum, delay, f, reference)
+    assert (factor, slow) == (0.25, 1 - (1 - momentum) / 2)
+    margin = quadratic.max_stable_h(slow, delay, "sc+lwp", 1e-4) / (f * factor * bound)
+    assert 1.0 <= margin < 1.3
+    assert quadratic._margin(momentum, delay, 2.0, f, bound) == pytest.approx(margin, rel=1e-3)
+    linear = quadratic._margin(momentum, delay, 1.0, f, bound)  # k = 4*f = 1: SGD's rate and memory
+    assert linear < 0.5
+
+
+def test_dtt_keeps_dts_margin_on_the_quadratic():
+    # DTT: DTS's rate with the memory k**2 times longer (SGD's lr/(1-m)). With SC+LWP the bound
+    # hardly depends on the momentum, so the margin stays that of DTS (and of the D* stage)
+    from pipetrain.optim.compensation import temperature_settings, time_scaled_settings
+
+    momentum, reference, delay = 0.99, 4, 16
+    bound = quadratic.max_stable_h(momentum, reference, "sc+lwp", 1e-4)
+    margins = []
+    for settings in (time_scaled_settings, temperature_settings):
+        factor, slow = settings(momentum, delay, reference)
+        margins.append(quadratic.max_stable_h(slow, delay, "sc+lwp", 1e-4) / (factor * bound))
+    assert 1.0 <= margins[1] < 1.3 and margins[1] == pytest.approx(margins[0], rel=0.05)

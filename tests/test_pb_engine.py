@@ -50,7 +50,8 @@ def _compare(spec: str, stages: int, compensation: str, *, features: int = 6, n:
     return engine
 
 
-@pytest.mark.parametrize("compensation", ["none", "sc", "lwp", "sc+lwp", "sc+lwp+dlr1", "sc+lwp+dts1"])
+@pytest.mark.parametrize("compensation", ["none", "sc", "lwp", "sc+lwp", "sc+lwp+dlr1", "sc+lwp+dts1", "sc+lwp+dtsf1",
+                                          "sc+lwp+dtt1"])
 def test_residual_mlp_with_several_units_per_stage(compensation):
     # 6 units in 3 stages of 2: blocks of different stages (different delays) share a group
     engine = _compare("resmlp:depth=4,width=8,groups=2", 3, compensation, balance=[2, 2, 2])

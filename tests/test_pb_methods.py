@@ -26,6 +26,10 @@ from pipetrain.pb.methods import DEFAULT_METHODS, Method, parse_method, parse_me
         ("pb+lwp+dlr4.5", True, False, 0, 1, "lwp+dlr4.5"),
         ("pb+sc+lwp+dts8", True, False, 1, 1, "sc+lwp+dts8"),
         ("pb+dts", True, False, 0, 0, f"dts{DEFAULT_DTS_DELAY:g}"),
+        ("pb+sc+lwp+dtsf4", True, False, 1, 1, "sc+lwp+dtsf4"),
+        ("pb+dtsf", True, False, 0, 0, f"dtsf{DEFAULT_DTS_DELAY:g}"),
+        ("pb+sc+lwp+dtt4", True, False, 1, 1, "sc+lwp+dtt4"),
+        ("pb+dtt", True, False, 0, 0, f"dtt{DEFAULT_DTS_DELAY:g}"),
     ],
 )
 def test_parse(text, pipelined, batch, sc, lwp, compensation):
@@ -47,6 +51,11 @@ def test_parse(text, pipelined, batch, sc, lwp, compensation):
         ("pb+dlr+dlr8", "names dlr twice"),
         ("pb+dts0", "reference delay must be > 0"),
         ("pb+sc+dlr8+dts8", "names both dlr and dts"),
+        ("pb+dtsf0", "reference delay must be > 0"),
+        ("pb+dts4+dtsf4", "names both dts and dtsf"),
+        ("pb+dtsf4+dtsf8", "names dtsf twice"),
+        ("pb+dtt0", "reference delay must be > 0"),
+        ("pb+dts4+dtt4", "names both dts and dtt"),
     ],
 )
 def test_errors(text, message):
@@ -69,3 +78,8 @@ def test_dlr_is_not_scaled_by_delay_scale():
 def test_dts_is_not_scaled_by_delay_scale():
     method = parse_method("pb+dts4")
     assert not method.compensated and (method.dts, method.dlr) == (4, 0)
+
+
+def test_dtsf_is_not_scaled_by_delay_scale():
+    method = parse_method("pb+sc+lwp+dtsf4")
+    assert method.compensated and (method.dtsf, method.dts, method.dlr) == (4, 0, 0)

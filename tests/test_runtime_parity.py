@@ -26,10 +26,12 @@ CASES = {
         ("pb", {"batch_size": 1, "steps": 24}), ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp"}),
     ],
     # (the delay-scaled lr: stage 0 of 3 (D = 4) at a quarter of the rate, stage 1 at D* = 2 untouched;
-    # delay time scaling: stage 0 also with 1 - m halved)
+    # delay time scaling: stage 0 also with 1 - m halved; rate-following, back to SGD's as the rate decays)
     3: [("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("pipedream", {}), ("2bw", {"microbatches": 3}),
         ("pb", {"batch_size": 1, "steps": 20}), ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp+dlr2"}),
         ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp+dts2"}),
+        ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp+dtsf2", "lr_schedule": "end:total=16,fraction=0.5"}),
+        ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp+dtt2"}),
         ("1f1b", {"replicas": [2, 1], "microbatches": 4}),
         ("pipedream", {"replicas": [2, 1], "steps": 6})],
 }

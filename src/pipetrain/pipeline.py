@@ -61,7 +61,7 @@ class Pipeline:
         lr_scheduler: ``lr_scheduler(optimizer) -> torch.optim.lr_scheduler.LRScheduler``
             (stepped once per update of each stage), or a sample-counting spec such as
             ``"cosine:total=10000"`` (see docs/optim.md).
-        compensation: ``none``, ``sc``, ``lwp``, ``dlr[N]``, ``dts[N]`` or a ``+`` of them, such as
+        compensation: ``none``, ``sc``, ``lwp``, ``dlr[N]``, ``dts[N]``, ``dtsf[N]``, ``dtt[N]`` or a ``+`` of them, such as
             ``sc+lwp+dts4`` (docs/optim.md; momentum SGD; LWP and DLR also Adam).
         seed: the data order and dropout; model initialisation is yours.
         on_nonfinite: ``stop`` (a NaN or infinite loss ends the run with a
@@ -395,7 +395,7 @@ def _optimizer_parts(
         if spec is None:
             if (compensation or "none") != "none":
                 raise ConfigError(
-                    f"compensation {compensation!r} needs pipetrain's own SGD (sc, lwp, dlr, dts) or Adam/AdamW "
+                    f"compensation {compensation!r} needs pipetrain's own SGD (sc, lwp, dlr, dts, dtsf, dtt) or Adam/AdamW "
                     f"(lwp, dlr), not {optimizer.__name__}"
                 )
             if schedule_spec is not None:
@@ -421,7 +421,7 @@ def _optimizer_parts(
             raise ConfigError("an optimizer factory builds each stage's optimizer itself: give it its lr schedule")
         from pipetrain.optim import parse_compensation
 
-        # sc, dlr and dts live only in the optimizer the factory builds (lwp also has the forward predict)
+        # sc, dlr, dts, dtsf and dtt live only in the optimizer the factory builds (lwp also has the forward predict)
         unused = sorted(parse_compensation(compensation or "none") - {"lwp"})
         if unused:
             raise ConfigError(

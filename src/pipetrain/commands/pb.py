@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="sgd-batch,sgd,pb,pb+sc,pb+lwp,pb+sc+lwp",
                         help="sgd-batch, sgd, pb, pb+sc, pb+lwp, pb+sc+lwp, scaled compensation "
                              "such as pb+sc0.5+lwp0.5, and +dlr or +dlrN (delay-scaled lr, reference delay N) or +dts "
-                             "or +dtsN (delay time scaling: lr and momentum), e.g. pb+sc0.5+lwp+dlr16, pb+sc+lwp+dts4 (default sgd-batch,sgd,pb,pb+sc,pb+lwp,pb+sc+lwp)")
+                             "or +dtsN (delay time scaling: lr and momentum) or +dtsf or +dtsfN (delay time scaling that follows the lr "
+                             "schedule) or +dtt or +dttN (delay time scaling at SGD's temperature lr/(1-m)), e.g. pb+sc0.5+lwp+dlr16, "
+                             "pb+sc+lwp+dtt4 (default sgd-batch,sgd,pb,pb+sc,pb+lwp,pb+sc+lwp)")
     parser.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per cell (default 2)")
     parser.add_argument("--epochs", type=float, default=5.0, help="passes over the training data (default 5)")
     parser.add_argument("--reference-batch", type=int, default=32, help="reference batch size B (default 32)")

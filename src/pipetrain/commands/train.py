@@ -83,7 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "end:total=..,fraction=.., counted in samples (default: constant)")
     train.add_argument("--compensation", default="none",
                        help="none, sc, lwp, dlr (delay-scaled lr; dlrN: reference delay N), dts (delay time scaling: "
-                            "lr and momentum; dtsN) or a combination such as sc+lwp+dlr16 or sc+lwp+dts4, delays "
+                            "lr and momentum; dtsN), dtsf (dts that follows --lr-schedule; dtsfN), dtt (dts at SGD's temperature "
+                            "lr/(1-m); dttN) or a combination such as "
+                            "sc+lwp+dlr16 or sc+lwp+dts4, delays "
                             "from the schedule (default none)")
     train.add_argument("--translate-from-batch", type=int, metavar="B",
                        help="treat --optimizer's lr and momentum as tuned for batch B and translate them to --batch-size "

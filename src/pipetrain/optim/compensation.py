@@ -1,4 +1,4 @@
-"""Delay compensation for pipelined training: Spike Compensation, Linear Weight Prediction, DLR, DTS.
+"""Delay compensation for pipelined training: Spike Compensation, Linear Weight Prediction, DLR, DTS, DTSF.
 
 Both follow Kosson et al., "Pipelined Backpropagation at Scale" (MLSys 2021), with PyTorch-style
 momentum ``v <- m*v + g``. At pipeline stage s the gradient applied at update n was computed on
@@ -38,10 +38,26 @@ weights D updates old (D = D_s = 2(S-1-s) for Pipelined Backpropagation).
   ``k**2``: at S = 64, D* = 4, stage 0 (D = 126) learns at 1/31.5 of the rate instead of 1/992.
   :func:`time_scaled_settings` gives ``(lr factor, m_s)``; done by
   :func:`pipetrain.optim.build_stage_optimizer` (momentum SGD only).
+* **Rate-following DTS (DTSF)**, ``dtsfN``: DTS with ``k`` recomputed from the lr schedule's
+  factor f before every update, ``k = max(1, (D_s/D*)*sqrt(f))`` (:func:`rate_following_settings`).
+  DTS keeps D*'s margin at the full rate; a decayed rate needs less scaling for the same margin
+  (with SC and LWP the stable ``h`` goes as ``1/D**2``, so ``h*D**2`` is held by ``k**2 ∝ f``), and
+  the stages return to SGD's rate and memory as the schedule anneals. Done by
+  :class:`pipetrain.optim.sgd.RateFollowingSGD`.
+* **Delay time scaling at SGD's temperature (DTT)**, ``dttN``: DTS's rate ``lr/k**2`` with the
+  momentum memory ``k**2`` times longer, ``1 - m_s = (1 - m)/k**2`` (:func:`temperature_settings`),
+  so that the effective rate ``lr_s/(1 - m_s)`` (how far a weight moves per unit of gradient, and
+  the temperature of the gradient noise) is SGD's. Why it stays stable: with SC and LWP the
+  largest stable ``h`` hardly depends on the momentum (``h*D**2`` is 0.4-1.0 for any ``m`` near 1,
+  RESULTS.md section 5), so the longer memory keeps DTS's margin (within 2 % on the quadratic)
+  while DTS's ``k``-fold lower temperature at the deep stages, which costs test accuracy in long
+  runs even without any delay (RESULTS.md section 7), is undone. The price: a memory of
+  ``k**2/(1 - m)`` updates, under-damped along flat directions.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Iterable
 
@@ -57,10 +73,14 @@ __all__ = [
     "DEFAULT_DTS_DELAY",
     "time_scaled_settings",
     "parse_dts_delay",
+    "rate_following_settings",
+    "parse_dtsf_delay",
+    "temperature_settings",
+    "parse_dtt_delay",
 ]
 
 #: Valid compensation names.
-COMPENSATIONS = ("sc", "lwp", "dlr", "dts")
+COMPENSATIONS = ("sc", "lwp", "dlr", "dts", "dtsf", "dtt")
 
 #: DLR's reference delay D* when ``dlr`` is named without one: the best of 8, 16 and 30 in the
 #: S = 32 and 64 study of benchmarks/RESULTS.md section 7 (the module docstring says why).
@@ -72,8 +92,10 @@ DEFAULT_DTS_DELAY = 4.0
 
 _DLR = re.compile(r"^dlr(\d+(?:\.\d*)?|\.\d+)?$")
 _DTS = re.compile(r"^dts(\d+(?:\.\d*)?|\.\d+)?$")
-_VALID = ("none, sc, lwp, dlr or dlrN, dts or dtsN (N: the reference delay D*), joined by '+' "
-          "(e.g. sc+lwp+dlr16, sc+lwp+dts4)")
+_DTSF = re.compile(r"^dtsf(\d+(?:\.\d*)?|\.\d+)?$")
+_DTT = re.compile(r"^dtt(\d+(?:\.\d*)?|\.\d+)?$")
+_VALID = ("none, sc, lwp, dlr or dlrN, dts or dtsN, dtsf or dtsfN, dtt or dttN (N: the reference delay D*), "
+          "joined by '+' (e.g. sc+lwp+dlr16, sc+lwp+dts4, sc+lwp+dtt4)")
 
 
 def spike_coefficients(momentum: float, delay: float) -> tuple[float, float]:
@@ -126,6 +148,45 @@ def time_scaled_settings(momentum: float, delay: float,
     return delay_lr_factor(delay, reference_delay), 1.0 - (1.0 - momentum) / (delay / reference_delay)
 
 
+def rate_following_settings(momentum: float, delay: float, factor: float,
+                            reference_delay: float = DEFAULT_DTS_DELAY) -> tuple[float, float]:
+    """Rate-following DTS's ``(lr factor, momentum)`` of a stage with delay ``D`` while the lr
+    schedule's factor is ``f``: DTS's settings for ``k = max(1, (D/D*)*sqrt(f))`` instead of
+    ``D/D*``. The lr factor multiplies the *scheduled* rate ``f*lr``.
+
+    Why ``sqrt(f)``: with SC and LWP the largest stable ``h = lr*lam`` falls as about ``1/D**2``
+    (RESULTS.md section 5), so at the scheduled rate ``f*lr`` a stage keeps D*'s margin with
+    ``k**2 = f*(D/D*)**2``: the stage's own rate ``f*lr/k**2 = lr*(D*/D)**2`` stays DTS's while the
+    schedule decays, and its momentum memory shortens back to SGD's as ``sqrt(f)``. ``f = 1`` is
+    :func:`time_scaled_settings` exactly; ``k <= 1`` (``D <= D*``, or ``f <= (D*/D)**2``) is
+    exactly ``(1.0, momentum)``.
+    """
+    if not factor >= 0:
+        raise ConfigError(f"rate-following delay time scaling: lr schedule factor {factor} must be >= 0")
+    if factor == 1.0:
+        return time_scaled_settings(momentum, delay, reference_delay)
+    fast, _ = time_scaled_settings(momentum, delay, reference_delay)  # checks the arguments
+    if fast == 1.0:
+        return 1.0, momentum
+    k = delay / reference_delay * math.sqrt(factor)
+    if k <= 1.0:
+        return 1.0, momentum
+    return 1.0 / (k * k), 1.0 - (1.0 - momentum) / k
+
+
+def temperature_settings(momentum: float, delay: float,
+                         reference_delay: float = DEFAULT_DTS_DELAY) -> tuple[float, float]:
+    """DTT's ``(lr factor, momentum)`` of a stage with delay ``D``: ``(1/k**2, 1 - (1 - m)/k**2)``
+    with ``k = D/D*`` (the factor is :func:`delay_lr_factor`'s), and exactly ``(1.0, momentum)``
+    for ``D <= D*``. The effective rate ``lr_s/(1 - m_s)``, and with it the gradient-noise
+    temperature of the stage, is SGD's ``lr/(1 - m)``; DTS's is ``k`` times lower."""
+    factor, _ = time_scaled_settings(momentum, delay, reference_delay)  # checks the arguments
+    if factor == 1.0:
+        return 1.0, momentum
+    k = delay / reference_delay
+    return factor, 1.0 - (1.0 - momentum) / k**2
+
+
 def _parts(value: str | Iterable[str] | None) -> list[str]:
     if value is None:
         return []
@@ -143,16 +204,21 @@ def parse_compensation(value: str | Iterable[str] | None) -> frozenset[str]:
             part = "dlr"
         elif _DTS.match(part):
             part = "dts"
+        elif _DTSF.match(part):
+            part = "dtsf"
+        elif _DTT.match(part):
+            part = "dtt"
         if part in names:
             raise ConfigError(f"delay compensation {value!r} names {part} twice; valid: {_VALID}")
         names.add(part)
     unknown = sorted(names - set(COMPENSATIONS))
     if unknown:
         raise ConfigError(f"unknown delay compensation {', '.join(map(repr, unknown))}; valid: {_VALID}")
-    if {"dlr", "dts"} <= names:
+    scaled = sorted(names & {"dlr", "dts", "dtsf", "dtt"})
+    if len(scaled) > 1:
         raise ConfigError(
-            f"delay compensation {value!r} names both dlr and dts; both scale each stage's rate by its delay "
-            "(dts also its momentum): name one of them"
+            f"delay compensation {value!r} names both {scaled[0]} and {scaled[1]}; each scales every stage's rate "
+            "by its delay (dts, dtsf and dtt also its momentum): name one of them"
         )
     return frozenset(names)
 
@@ -181,3 +247,15 @@ def parse_dts_delay(value: str | Iterable[str] | None) -> float | None:
     """DTS's reference delay D* named in a compensation (``dts4`` -> 4.0, ``dts`` -> the
     default), or None when DTS is off."""
     return _reference_delay(value, _DTS, DEFAULT_DTS_DELAY, "dts4")
+
+
+def parse_dtsf_delay(value: str | Iterable[str] | None) -> float | None:
+    """Rate-following DTS's reference delay D* named in a compensation (``dtsf4`` -> 4.0,
+    ``dtsf`` -> DTS's default), or None when it is off."""
+    return _reference_delay(value, _DTSF, DEFAULT_DTS_DELAY, "dtsf4")
+
+
+def parse_dtt_delay(value: str | Iterable[str] | None) -> float | None:
+    """DTT's reference delay D* named in a compensation (``dtt4`` -> 4.0, ``dtt`` -> DTS's
+    default), or None when it is off."""
+    return _reference_delay(value, _DTT, DEFAULT_DTS_DELAY, "dtt4")

@@ -1,4 +1,5 @@
-"""SGD with momentum, dampening, Nesterov and weight decay as in torch.optim.SGD, plus SC."""
+"""SGD with momentum, dampening, Nesterov and weight decay as in torch.optim.SGD, plus SC (and
+its rate-following time-scaled variant)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from torch import Tensor
 from pipetrain.errors import ConfigError
 from pipetrain.optim import fused
 from pipetrain.optim.base import StageOptimizer
-from pipetrain.optim.compensation import spike_coefficients
+from pipetrain.optim.compensation import rate_following_settings, spike_coefficients
 from pipetrain.optim.lr_schedule import LRSchedule
 
-__all__ = ["SGD"]
+__all__ = ["SGD", "RateFollowingSGD"]
 
 
 class SGD(StageOptimizer):
@@ -164,3 +165,56 @@ class SGD(StageOptimizer):
             "lwp_horizon": self.lwp_horizon,
             "lr_schedule": repr(self.lr_schedule),
         }
+
+
+class RateFollowingSGD(SGD):
+    """:class:`SGD` of a stage under rate-following delay time scaling (``dtsf``, docs/optim.md).
+
+    Before every update (and every LWP prediction) the stage takes the ``(lr factor, momentum)`` of
+    :func:`~pipetrain.optim.compensation.rate_following_settings` for the lr schedule's factor at
+    that moment: DTS's ``1/k**2`` and ``1 - (1 - m)/k`` with ``k = max(1, (D/D*)*sqrt(f))``, so the
+    stage returns to SGD's rate and memory as the schedule decays. The update itself is
+    :class:`SGD`'s with those numbers (SC's coefficients from the momentum in force). ``momentum``
+    is the base momentum ``m``; ``stage_delay`` is ``D`` and ``reference_delay`` ``D*``.
+    """
+
+    def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, stage_delay: float,
+                 reference_delay: float, sc_delay: float = 0.0, lwp_horizon: float = 0.0,
+                 lr_schedule: LRSchedule | None = None) -> None:
+        super().__init__(lr, momentum, dampening, weight_decay, nesterov, sc_delay=sc_delay,
+                         lwp_horizon=lwp_horizon, lr_schedule=lr_schedule)
+        if nesterov:
+            raise ConfigError("rate-following delay time scaling (dtsf) is defined for plain momentum, not Nesterov")
+        rate_following_settings(momentum, stage_delay, 1.0, reference_delay)  # checks the arguments
+        self.base_momentum = float(momentum)
+        self.stage_delay = float(stage_delay)
+        self.reference_delay = float(reference_delay)
+        self._in_force = (1.0, self.momentum)
+
+    def settings_at(self, samples_seen: int) -> tuple[float, float]:
+        """``(lr factor, momentum)`` in force after ``samples_seen`` samples."""
+        factor = self.lr_schedule.factor(samples_seen)
+        return rate_following_settings(self.base_momentum, self.stage_delay, factor, self.reference_delay)
+
+    def lr_at(self, samples_seen: int) -> float:
+        factor, _ = self.settings_at(samples_seen)
+        lr = self.lr_schedule.lr_at(samples_seen, self.lr)
+        return lr if factor == 1.0 else lr * factor
+
+    def step(self, params, grads, samples_seen: int, *, out=None):
+        settings = self.settings_at(samples_seen)
+        if settings != self._in_force:
+            momentum = settings[1]
+            self.momentum = momentum
+            a, b = spike_coefficients(momentum, self.sc_delay) if self.sc_delay else (1.0, 0.0)
+            self._spike_a, self._spike_b = a, b * (1.0 - self.dampening)
+            self._in_force = settings
+        return super().step(params, grads, samples_seen, out=out)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        values = super().hyperparameters()
+        values["momentum"] = self.base_momentum
+        values["stage_delay"] = self.stage_delay
+        values["reference_delay"] = self.reference_delay
+        return values

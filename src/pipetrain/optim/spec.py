@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from pipetrain.errors import ConfigError
 from pipetrain.optim.compensation import (delay_lr_factor, parse_compensation, parse_dlr_delay, parse_dts_delay,
+                                          parse_dtsf_delay, parse_dtt_delay, temperature_settings,
                                           time_scaled_settings)
 from pipetrain.optim.keyvalue import as_bool, as_float, as_float_pair, parse_options, split_spec
 from pipetrain.optim.lr_schedule import LRSchedule, parse_lr_schedule
@@ -114,6 +115,8 @@ def build_stage_optimizer(
     lr_schedule: str | LRSchedule | None = None,
     dlr_delay: float | None = None,
     dts_delay: float | None = None,
+    dtsf_delay: float | None = None,
+    dtt_delay: float | None = None,
 ) -> StageOptimizer:
     """The optimizer of one pipeline stage whose gradients arrive ``stage_delay`` updates late.
 
@@ -125,13 +128,19 @@ def build_stage_optimizer(
     else ``DEFAULT_DLR_DELAY``). Delay time scaling (``"dts"``/``"dtsN"``, momentum SGD only)
     multiplies ``lr`` by ``1/k**2`` and sets the momentum to ``1 - (1 - m)/k``, ``k = stage_delay/D*``
     where above 1 (:func:`~pipetrain.optim.compensation.time_scaled_settings`), ``D* = dts_delay``
-    (default: the N of ``dtsN``, else ``DEFAULT_DTS_DELAY``).
+    (default: the N of ``dtsN``, else ``DEFAULT_DTS_DELAY``). Its rate-following variant
+    (``"dtsf"``/``"dtsfN"``, ``D* = dtsf_delay``) gives a stage beyond D* a
+    :class:`~pipetrain.optim.sgd.RateFollowingSGD`, whose ``k`` shrinks as the lr schedule decays;
+    ``"dtt"``/``"dttN"`` (``D* = dtt_delay``) takes DTS's rate with the memory ``k**2`` times longer
+    (:func:`~pipetrain.optim.compensation.temperature_settings`).
     """
     parsed = parse_optimizer_spec(spec)
     methods = parse_compensation(compensation)
-    for name, value in (("sc", sc_delay), ("lwp", lwp_horizon), ("dlr", dlr_delay), ("dts", dts_delay)):
+    for name, value in (("sc", sc_delay), ("lwp", lwp_horizon), ("dlr", dlr_delay), ("dts", dts_delay),
+                        ("dtsf", dtsf_delay), ("dtt", dtt_delay)):
         if value is not None and name not in methods:
-            label = {"sc": "sc_delay", "lwp": "lwp_horizon", "dlr": "dlr_delay", "dts": "dts_delay"}[name]
+            label = {"sc": "sc_delay", "lwp": "lwp_horizon", "dlr": "dlr_delay", "dts": "dts_delay",
+                     "dtsf": "dtsf_delay", "dtt": "dtt_delay"}[name]
             raise ConfigError(
                 f"{label}={value} is set but compensation {name!r} is off; add {name} to the "
                 f"compensation (e.g. sc+lwp+{name}) or drop the setting"
@@ -152,17 +161,38 @@ def build_stage_optimizer(
             )
         kwargs["sc_delay"] = stage_delay if sc_delay is None else sc_delay
     dts_factor = 1.0
-    if "dts" in methods:
+    for name in ("dts", "dtt"):
+        if name not in methods:
+            continue
         if parsed.name != "sgd":
             raise ConfigError(
-                f"delay time scaling (dts) scales the momentum of momentum SGD, not of {parsed.name!r}; use "
-                "--optimizer sgd:momentum=... with dts, or dlr (the delay-scaled learning rate) with Adam"
+                f"delay time scaling ({name}) scales the momentum of momentum SGD, not of {parsed.name!r}; use "
+                f"--optimizer sgd:momentum=... with {name}, or dlr (the delay-scaled learning rate) with Adam"
             )
-        reference = parse_dts_delay(compensation) if dts_delay is None else float(dts_delay)
+        if name == "dts":
+            reference = parse_dts_delay(compensation) if dts_delay is None else float(dts_delay)
+            settings = time_scaled_settings
+        else:
+            reference = parse_dtt_delay(compensation) if dtt_delay is None else float(dtt_delay)
+            settings = temperature_settings
         momentum = float(kwargs.get("momentum", 0.0))
-        dts_factor, momentum = time_scaled_settings(momentum, stage_delay, reference)  # type: ignore[arg-type]
+        dts_factor, momentum = settings(momentum, stage_delay, reference)  # type: ignore[arg-type]
         if dts_factor != 1.0:  # a stage at or below D* keeps its rate and momentum bit for bit
             kwargs["momentum"] = momentum  # before the optimizer is built: SC's coefficients use it
+    if "dtsf" in methods:
+        if parsed.name != "sgd":
+            raise ConfigError(
+                f"rate-following delay time scaling (dtsf) scales the momentum of momentum SGD, not of "
+                f"{parsed.name!r}; use --optimizer sgd:momentum=... with dtsf, or dlr (the delay-scaled learning "
+                "rate) with Adam"
+            )
+        reference = parse_dtsf_delay(compensation) if dtsf_delay is None else float(dtsf_delay)
+        momentum = float(kwargs.get("momentum", 0.0))
+        fast, _ = time_scaled_settings(momentum, stage_delay, reference)  # type: ignore[arg-type]
+        if fast != 1.0:  # a stage at or below D* is plain SGD, bit for bit
+            from pipetrain.optim.sgd import RateFollowingSGD  # imports PyTorch: on first use
+
+            return RateFollowingSGD(**kwargs, stage_delay=stage_delay, reference_delay=reference)
     optimizer = optimizer_class(parsed.name)(**kwargs)
     if dts_factor != 1.0:
         optimizer.lr = optimizer.lr * dts_factor
@@ -184,6 +214,8 @@ def build_stage_optimizers(
     lr_schedule: str | LRSchedule | None = None,
     dlr_delay: float | None = None,
     dts_delay: float | None = None,
+    dtsf_delay: float | None = None,
+    dtt_delay: float | None = None,
 ) -> list[StageOptimizer]:
     """One optimizer per stage; ``stage_delays[s]`` is D_s (e.g. ``2*(S-1-s)`` for PB)."""
     count = len(stage_delays)
@@ -201,6 +233,8 @@ def build_stage_optimizers(
             lr_schedule=schedule,
             dlr_delay=dlr_delay,
             dts_delay=dts_delay,
+            dtsf_delay=dtsf_delay,
+            dtt_delay=dtt_delay,
         )
         for s in range(count)
     ]

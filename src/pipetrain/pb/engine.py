@@ -44,6 +44,8 @@ from torch.func import functional_call
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.models import refuse_batchnorm
 from pipetrain.optim import SGD, StageOptimizer, spike_coefficients
+from pipetrain.optim.compensation import rate_following_settings
+from pipetrain.optim.sgd import RateFollowingSGD
 from pipetrain.pb.kernels import Kernel, Outer, materialize
 from pipetrain.pb.latest import LatestWeights
 from pipetrain.pb.lowering import lower
@@ -104,6 +106,7 @@ class _Group:
     momentum: Tensor | float = 0.0
     weight_decay: Tensor | None = None
     spike: bool = False
+    following: bool = False  # holds rate-following members: momentum per update, not fixed
     lwp: bool = False
     small: list[int] = field(default_factory=list)  # parameters kept in the vector slab
     large: list[int] = field(default_factory=list)  # parameters kept as their own tensors
@@ -142,12 +145,13 @@ def _parameter_views(group: _Group, storage: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _sgd_options(opt: StageOptimizer) -> tuple[float, float, float, float, float, float, Any]:
-    """(lr, momentum, weight_decay, a, b, lwp_horizon, schedule) of a plain SGD stage optimizer."""
-    if type(opt) is not SGD:
+    """(lr, momentum, weight_decay, a, b, lwp_horizon, schedule) of a plain SGD stage optimizer
+    (of a :class:`RateFollowingSGD`: its base momentum and the coefficients of that momentum)."""
+    if type(opt) not in (SGD, RateFollowingSGD):
         raise NotBatchable(f"the batched engine runs momentum SGD only, not {type(opt).__name__}")
     if opt.dampening != 0.0:
         raise NotBatchable("the batched engine does not implement SGD dampening")
-    m = opt.momentum
+    m = opt.base_momentum if isinstance(opt, RateFollowingSGD) else opt.momentum
     if opt.nesterov:
         a, b = m, 1.0
     elif opt.sc_delay:
@@ -386,14 +390,21 @@ class BatchedPB:
     def _build_optimizer(self, optimizers: Sequence[Sequence[StageOptimizer]]) -> None:
         schedules: list[Any] = []
         offsets, lrs, a_list, b_list, horizons, schedule_ids = [], [], [], [], [], []
+        follow_keys: list[tuple] = []  # per member: what its per-update (factor, m, a, b) depend on
         start = 0
         every_momentum: set[float] = set()
         for group in self.groups:
             momenta, decays, a_g, b_g, t_g = [], [], [], [], []
             for member in group.members:
-                lr, m, wd, a, b, horizon, schedule = _sgd_options(optimizers[member.run][member.stage])
+                opt = optimizers[member.run][member.stage]
+                lr, m, wd, a, b, horizon, schedule = _sgd_options(opt)
                 if schedule not in schedules:
                     schedules.append(schedule)
+                if isinstance(opt, RateFollowingSGD):
+                    follow_keys.append(("follow", schedules.index(schedule), m, opt.stage_delay,
+                                        opt.reference_delay, opt.sc_delay))
+                else:
+                    follow_keys.append(("constant", m, a, b))
                 schedule_ids.append(schedules.index(schedule))
                 offsets.append(2 * self.num_stages - 2 - member.stage)
                 lrs.append(lr)
@@ -405,6 +416,7 @@ class BatchedPB:
             column = lambda v: torch.tensor(v, dtype=self.dtype).unsqueeze(1)  # noqa: E731
             group.momentum = column(momenta)
             every_momentum.update(momenta)
+            group.following = any(key[0] == "follow" for key in follow_keys[start : start + group.size])
             group.weight_decay = column(decays) if any(decays) else None
             group.spike = not (all(a == 1.0 for a in a_g) and not any(b_g))
             group.lwp = any(t > 0 for t in t_g)
@@ -425,12 +437,20 @@ class BatchedPB:
         # One momentum for every member: the fused scalar update. Otherwise every group multiplies
         # by a column, also where its own members agree, so that a run's bits depend only on
         # whether the engine's runs share one momentum, never on which runs they are.
-        if len(every_momentum) == 1:
+        # (rate-following members change their momentum per update: never one momentum)
+        if len(every_momentum) == 1 and not any(key[0] == "follow" for key in follow_keys):
             for group in self.groups:
                 group.momentum = next(iter(every_momentum))
         self._base_lr = np.array(lrs, dtype=np.float64)
         self._coefficients = np.array([a_list, b_list, horizons], dtype=np.float64)
         self._schedule_ids = np.array(schedule_ids, dtype=np.int64)
+        # rate-following members (dtsf): factor, momentum and spike coefficients change per update
+        self._follow_keys = None
+        if any(key[0] == "follow" for key in follow_keys):
+            distinct = list(dict.fromkeys(follow_keys))
+            self._follow_keys = distinct
+            self._follow_ids = np.array([distinct.index(key) for key in follow_keys], dtype=np.int64)
+            self._horizons = np.array(horizons, dtype=np.float64)
 
     def _build_plans(self) -> None:
         S = self.num_stages
@@ -528,7 +548,8 @@ class BatchedPB:
         gx = results[0].unsqueeze(0) if group.need_gx else None
         return gx, [g.unsqueeze(0) for g in grads]
 
-    def _update(self, group: _Group, grads: list, rates: Tensor, valid: Tensor | None) -> None:
+    def _update(self, group: _Group, grads: list, rates: Tensor, valid: Tensor | None,
+                momenta: Tensor | None = None) -> None:
         """Momentum SGD (+ SC) on the group's rows, one weight tensor at a time (cache friendly).
 
         ``rates`` is ``[3, G, 1]``: ``-lr*a``, ``-lr*b`` and ``-lr*T`` per member, where
@@ -538,10 +559,11 @@ class BatchedPB:
         In the ticks where some members have no sample (pipeline warm-up and drain), ``valid``
         marks the others: the rates of the idle ones are 0 (their weights stay), their output
         gradient was zeroed (so in warm-up their momentum stays 0), and so is their decay. Their
-        momentum may still shrink in the drain, when no update follows.
+        momentum may still shrink in the drain, when no update follows. ``momenta`` (``[G, 1]``)
+        replaces the group's momentum for this update (rate-following members).
         """
         g = group.size
-        momentum, decay, spike = group.momentum, group.weight_decay, group.spike
+        momentum, decay, spike = group.momentum if momenta is None else momenta, group.weight_decay, group.spike
         if valid is not None and decay is not None:
             decay = decay * valid  # members without a sample this tick: no decay either
         scalar = not isinstance(momentum, Tensor)
@@ -583,19 +605,55 @@ class BatchedPB:
         if start < stop:
             losses[start:stop] = values[start - first : stop - first]
 
-    def _rates(self, ticks: np.ndarray, updates: int, table: np.ndarray) -> tuple[Tensor, Tensor, np.ndarray]:
+    def _rates(self, ticks: np.ndarray, updates: int, table: np.ndarray,
+               follow: np.ndarray | None = None) -> tuple[Tensor, Tensor, np.ndarray, Tensor | None]:
         """For a block of ticks: ``[n, 3, M, 1]`` update rates of every member (0 for members
-        without a sample), the validity mask ``[n, M, 1]``, and per tick whether all are valid."""
+        without a sample), the validity mask ``[n, M, 1]``, per tick whether all are valid, and
+        (with rate-following members, ``follow`` from :meth:`_follow_table`) the momentum of
+        every member's update ``[n, M, 1]``, else None."""
         step = ticks[:, None] - self._offsets[None, :]
         valid = (step >= 0) & (step < updates)
-        lr = self._base_lr * table[self._schedule_ids, np.clip(step, 0, updates - 1)] * valid
-        rates = -(lr[:, None, :] * self._coefficients[None])
+        clipped = np.clip(step, 0, updates - 1)
         numpy_dtype = np.float32 if self.dtype == torch.float32 else np.float64
+        momenta = None
+        if follow is None:
+            lr = self._base_lr * table[self._schedule_ids, clipped] * valid
+            rates = -(lr[:, None, :] * self._coefficients[None])
+        else:
+            settings = follow[self._follow_ids[None, :], :, clipped]  # [n, M, 4]: factor, m, a, b
+            lr = self._base_lr * table[self._schedule_ids, clipped] * settings[..., 0] * valid
+            coefficients = np.stack([settings[..., 2], settings[..., 3],
+                                     np.broadcast_to(self._horizons, lr.shape)], 1)  # [n, 3, M]
+            rates = -(lr[:, None, :] * coefficients)
+            momenta = torch.from_numpy(settings[..., 1].astype(numpy_dtype)).unsqueeze(-1)
         rates_t = torch.from_numpy(rates.astype(numpy_dtype)).unsqueeze(-1)
         valid_t = torch.from_numpy(valid.astype(numpy_dtype)).unsqueeze(-1)
-        return rates_t, valid_t, valid.all(1)
+        return rates_t, valid_t, valid.all(1), momenta
 
     # -- training --------------------------------------------------------------------------------
+
+    def _follow_table(self, updates: int, table: np.ndarray) -> np.ndarray | None:
+        """``[K, 4, updates]``: (lr factor, momentum, a, b) of each distinct member setting per
+        update, as :class:`~pipetrain.optim.sgd.RateFollowingSGD` takes them at that update's lr
+        schedule factor (constant for the members that do not follow the rate); None without
+        rate-following members."""
+        if self._follow_keys is None:
+            return None
+        out = np.empty((len(self._follow_keys), 4, updates), dtype=np.float64)
+        for i, key in enumerate(self._follow_keys):
+            if key[0] == "constant":
+                out[i] = np.array([1.0, key[1], key[2], key[3]])[:, None]
+                continue
+            _, schedule_id, momentum, delay, reference, sc_delay = key
+            cache: dict[float, tuple[float, float, float, float]] = {}
+            for n in range(updates):
+                f = float(table[schedule_id, n])
+                if f not in cache:
+                    factor, m = rate_following_settings(momentum, delay, f, reference)
+                    a, b = spike_coefficients(m, sc_delay) if sc_delay else (1.0, 0.0)
+                    cache[f] = (factor, m, a, b)
+                out[i, :, n] = cache[f]
+        return out
 
     def _lr_table(self, updates: int) -> np.ndarray:
         table = np.empty((len(self._schedules), updates), dtype=np.float64)
@@ -627,6 +685,7 @@ class BatchedPB:
         features = features.to(self.dtype)
         labels = labels.to(torch.int64)
         table = self._lr_table(updates)
+        follow = self._follow_table(updates, table)
         losses = torch.full((updates, R), float("nan"), dtype=self.dtype)
         tensors: dict[str, list[Any]] = {
             "fprev": [torch.zeros((g.size, B) + g.out_shape, dtype=self.dtype) for g in self.groups],
@@ -640,7 +699,7 @@ class BatchedPB:
         for tick in range(ticks):
             if tick % block == 0:
                 span = np.arange(tick, min(tick + block, ticks))
-                block_rates, block_valid, block_all = self._rates(span, updates, table)
+                block_rates, block_valid, block_all, block_momenta = self._rates(span, updates, table, follow)
                 block_x = features[indices[torch.from_numpy(np.minimum(span, updates - 1))]]
                 block_y = labels[indices[torch.from_numpy(np.clip(span - S + 1, 0, updates - 1))]]
             k = tick % block
@@ -698,7 +757,8 @@ class BatchedPB:
                     tensors["bcur"][group.index] = gx
                     if grads:
                         mask = None if all_valid else valid[group.member_slice]
-                        self._update(group, grads, rates[:, group.member_slice], mask)
+                        momenta = None if not group.following else block_momenta[k][group.member_slice]
+                        self._update(group, grads, rates[:, group.member_slice], mask, momenta)
             tensors["fprev"], tensors["bprev"] = tensors["fcur"], tensors["bcur"]
             pending += 1
             if progress is not None and pending >= report_every:

@@ -19,11 +19,18 @@
                    (``dtsN``: ``D* = N``; ``dts``: the default
                    :data:`~pipetrain.optim.compensation.DEFAULT_DTS_DELAY`), e.g.
                    ``pb+sc+lwp+dts4``; not with ``dlr``
+``pb+...+dtsf``    rate-following delay time scaling: DTS while the lr schedule is at its full
+                   rate, ``k = max(1, (D_s/D*)*sqrt(f))`` at schedule factor f, so the stages
+                   return to SGD's rate and memory as the rate decays (``dtsfN``: ``D* = N``),
+                   e.g. ``pb+sc+lwp+dtsf4``; not with ``dlr`` or ``dts``
+``pb+...+dtt``     delay time scaling at SGD's temperature: DTS's rate ``1/k**2`` with the
+                   momentum memory ``k**2`` times longer, so ``lr/(1-m)`` is SGD's
+                   (``dttN``: ``D* = N``), e.g. ``pb+sc+lwp+dtt4``
 =================  ===========================================================================
 
 A study's ``--delay-scale`` multiplies the SC and LWP factors once more (a sweep of the
-compensation strength); it does not apply to methods without SC or LWP, nor to DLR's or DTS's
-``D*``.
+compensation strength); it does not apply to methods without SC or LWP, nor to the ``D*`` of DLR,
+DTS, DTSF or DTT.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ __all__ = ["Method", "parse_method", "parse_methods", "DEFAULT_METHODS"]
 #: what ``pipetrain pb`` trains when ``--methods`` is not given
 DEFAULT_METHODS = ("sgd-batch", "sgd", "pb", "pb+sc", "pb+lwp", "pb+sc+lwp")
 
-_PART = re.compile(r"^(sc|lwp|dlr|dts)(\d+(?:\.\d*)?|\.\d+)?$")
+_PART = re.compile(r"^(sc|lwp|dlr|dtsf|dts|dtt)(\d+(?:\.\d*)?|\.\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,8 @@ class Method:
     lwp: float = 0.0  # LWP horizon as a multiple of D_s (0: off)
     dlr: float = 0.0  # DLR's reference delay D* in samples (0: off)
     dts: float = 0.0  # DTS's reference delay D* in samples (0: off)
+    dtsf: float = 0.0  # rate-following DTS's reference delay D* in samples (0: off)
+    dtt: float = 0.0  # DTT's (DTS at SGD's temperature) reference delay D* in samples (0: off)
 
     @property
     def compensated(self) -> bool:
@@ -68,6 +77,10 @@ class Method:
             parts.append(f"dlr{self.dlr:g}")
         if self.dts > 0:
             parts.append(f"dts{self.dts:g}")
+        if self.dtsf > 0:
+            parts.append(f"dtsf{self.dtsf:g}")
+        if self.dtt > 0:
+            parts.append(f"dtt{self.dtt:g}")
         return "+".join(parts) or "none"
 
     def __str__(self) -> str:
@@ -76,7 +89,7 @@ class Method:
 
 def parse_method(text: str) -> Method:
     """``sgd``, ``sgd-batch``, ``pb``, ``pb+sc``, ``pb+lwp``, ``pb+sc+lwp``, ``pb+sc0.5+lwp0.5``,
-    ``pb+sc0.5+lwp+dlr16``, ``pb+sc+lwp+dts4``."""
+    ``pb+sc0.5+lwp+dlr16``, ``pb+sc+lwp+dts4``, ``pb+sc+lwp+dtt4``."""
     name = text.strip().lower()
     if name == "sgd":
         return Method("sgd", pipelined=False)
@@ -89,7 +102,7 @@ def parse_method(text: str) -> Method:
             f"scaled compensation such as pb+sc0.5+lwp0.5, with +dlr or +dlrN (delay-scaled lr) or +dts or "
             f"+dtsN (delay time scaling)"
         )
-    scales = {"sc": 0.0, "lwp": 0.0, "dlr": 0.0, "dts": 0.0}
+    scales = {"sc": 0.0, "lwp": 0.0, "dlr": 0.0, "dts": 0.0, "dtsf": 0.0, "dtt": 0.0}
     for part in parts[1:]:
         match = _PART.match(part)
         if match is None:
@@ -100,18 +113,22 @@ def parse_method(text: str) -> Method:
         kind, value = match.group(1), match.group(2)
         if scales[kind]:
             raise ConfigError(f"method {text!r} names {kind} twice")
-        default = {"dlr": DEFAULT_DLR_DELAY, "dts": DEFAULT_DTS_DELAY}.get(kind, 1.0)
+        default = {"dlr": DEFAULT_DLR_DELAY, "dts": DEFAULT_DTS_DELAY, "dtsf": DEFAULT_DTS_DELAY,
+                   "dtt": DEFAULT_DTS_DELAY}.get(kind, 1.0)
         scale = default if value is None else float(value)
         if scale <= 0:
-            what = "reference delay" if kind in ("dlr", "dts") else "scale"
+            what = "reference delay" if kind in ("dlr", "dts", "dtsf", "dtt") else "scale"
             raise ConfigError(f"method {text!r}: the {kind} {what} must be > 0 (leave {kind} out instead)")
         scales[kind] = scale
-    if scales["dlr"] and scales["dts"]:
+    scaled = [kind for kind in ("dlr", "dts", "dtsf", "dtt") if scales[kind]]
+    if len(scaled) > 1:
         raise ConfigError(
-            f"method {text!r} names both dlr and dts; both scale each stage's rate by its delay: name one"
+            f"method {text!r} names both {scaled[0]} and {scaled[1]}; each scales every stage's rate by its delay: "
+            "name one"
         )
     return Method(
-        name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"], dts=scales["dts"]
+        name, pipelined=True, sc=scales["sc"], lwp=scales["lwp"], dlr=scales["dlr"], dts=scales["dts"],
+        dtsf=scales["dtsf"], dtt=scales["dtt"],
     )
 
 

@@ -154,7 +154,8 @@ def _check_counts(config: TrainConfig) -> None:
 
 
 def _check_specs(config: TrainConfig) -> None:
-    from pipetrain.optim.compensation import parse_compensation, parse_dlr_delay, parse_dts_delay
+    from pipetrain.optim.compensation import parse_compensation, parse_dlr_delay, parse_dts_delay, parse_dtsf_delay
+    from pipetrain.optim.compensation import parse_dtt_delay
     from pipetrain.optim.lr_schedule import parse_lr_schedule
     from pipetrain.optim.spec import parse_optimizer_spec
     from pipetrain.spec import parse_spec
@@ -167,17 +168,21 @@ def _check_specs(config: TrainConfig) -> None:
     methods = parse_compensation(config.compensation)
     parse_dlr_delay(config.compensation)  # dlr0: a reference delay that is not > 0
     parse_dts_delay(config.compensation)
+    parse_dtsf_delay(config.compensation)
+    parse_dtt_delay(config.compensation)
     if "sc" in methods and optimizer.name != "sgd":
         raise ConfigError(
             f"spike compensation is defined for momentum SGD only, not {optimizer.name!r}; use "
             "--optimizer sgd:momentum=... with sc, or lwp alone with Adam (it predicts along the Adam step)"
         )
-    if "dts" in methods and optimizer.name != "sgd":
-        raise ConfigError(
-            f"delay time scaling (dts) scales the momentum of momentum SGD, not of {optimizer.name!r}; use "
-            "--optimizer sgd:momentum=... with dts, or dlr (the delay-scaled learning rate) with Adam"
-        )
-    if "dts" in methods:
+    for name in sorted(methods & {"dts", "dtsf", "dtt"}):
+        if optimizer.name != "sgd":
+            what = "rate-following delay time scaling" if name == "dtsf" else "delay time scaling"
+            raise ConfigError(
+                f"{what} ({name}) scales the momentum of momentum SGD, not of {optimizer.name!r}; use "
+                f"--optimizer sgd:momentum=... with {name}, or dlr (the delay-scaled learning rate) with Adam"
+            )
+    if methods & {"dts", "dtsf", "dtt"}:
         from pipetrain.optim.compensation import time_scaled_settings
 
         time_scaled_settings(float(optimizer.options.get("momentum", 0.0)), 0.0, 1.0)  # momentum 0: refused
