@@ -1,4 +1,4 @@
-"""Delay compensation for pipelined training: Spike Compensation, Linear Weight Prediction, DLR, DTS, DTSF.
+"""Delay compensation for pipelined training: SC, LWP, and per-stage rate scaling (DLR, DTS and its variants).
 
 Both follow Kosson et al., "Pipelined Backpropagation at Scale" (MLSys 2021), with PyTorch-style
 momentum ``v <- m*v + g``. At pipeline stage s the gradient applied at update n was computed on
