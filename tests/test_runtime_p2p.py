@@ -138,8 +138,15 @@ def _timeout_worker():
     from pipetrain.errors import PipetrainError
     from pipetrain.runtime.errors import PeerTimeoutError, ProtocolError
 
+    class Board:  # the part of a StatusBoard the messenger writes
+        waiting = peer = None
+
+        def report(self, gone=None):
+            return "(status)"
+
     env = init_distributed("gloo", timeout=LIMIT)
-    m = Messenger(timeout=30)
+    board = Board()
+    m = Messenger(timeout=30, status=board if env.rank == 1 else None)
     if env.rank == 0:
         m.send(torch.ones(2), 1, ACTIVATIONS, tag=5)
         try:
@@ -156,12 +163,14 @@ def _timeout_worker():
         m.irecv(0, ACTIVATIONS, expect_tag=4, what="RECV_F of microbatch 4 from rank 0").wait()
     except ProtocolError as error:
         mismatch = str(error)
+    cleared = board.waiting is None  # the message arrived: nothing is waited for
     start = time.monotonic()
     try:
         m.irecv(0, ACTIVATIONS, what="RECV_F of microbatch 3 from rank 0").wait(timeout=1.0)
     except PeerTimeoutError as error:
-        return mismatch, str(error), time.monotonic() - start
-    return mismatch, "no timeout", 0.0
+        # a wait that failed stays on the board: the rank's last record names what it gave up on
+        return mismatch, str(error), time.monotonic() - start, cleared, (str(board.waiting), board.peer)
+    return mismatch, "no timeout", 0.0, cleared, None
 
 
 def test_timeout_names_the_action_and_mismatches_are_caught():
@@ -169,9 +178,10 @@ def test_timeout_names_the_action_and_mismatches_are_caught():
     bad_payload, bad_dtype = result.results[0]
     assert "tensor or a tuple of tensors" in bad_payload and "int" in bad_payload
     assert "float8_e4m3fn" in bad_dtype and "supported" in bad_dtype
-    mismatch, message, elapsed = result.results[1]
+    mismatch, message, elapsed, cleared, left = result.results[1]
     assert "expected tag 4" in mismatch and "sent tag 5" in mismatch
-    assert "RECV_F of microbatch 3 from rank 0" in message
+    assert "RECV_F of microbatch 3 from rank 0" in message and message.endswith("(status)")
+    assert cleared and left == ("RECV_F of microbatch 3 from rank 0", 0)
     assert "timed out after 1 s" in message and "rank 1" in message
     assert 0.9 < elapsed < 5.0
 

@@ -193,11 +193,10 @@ class Messenger:
         seconds = self.timeout if timeout is None else timeout
         try:
             work.wait(datetime.timedelta(seconds=seconds))
-        except RuntimeError as error:
+        except RuntimeError as error:  # the wait stays on the board (see Channel._wait)
             raise self._fail(error, str(what), None, seconds) from None
-        finally:
-            if status is not None:
-                status.waiting = None
+        if status is not None:
+            status.waiting = None
 
     # -- errors -----------------------------------------------------------------------------------
 
@@ -328,11 +327,12 @@ class Channel:
         try:
             work.wait(self._td if timeout is None else datetime.timedelta(seconds=timeout))
         except RuntimeError as error:
+            # the wait stays on the board: the last record of a rank that gave up names what it waited
+            # for, so that the launcher counts it among the waiters of the rank that stopped
             seconds = messenger.timeout if timeout is None else timeout
             raise messenger._fail(error, self._what(what, sending), self.peer, seconds) from None
-        finally:
-            if status is not None:
-                status.waiting = None
+        if status is not None:
+            status.waiting = None
 
 
 class SendHandle:
