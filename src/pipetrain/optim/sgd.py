@@ -3,6 +3,7 @@ its rate-following time-scaled variant)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -190,26 +191,28 @@ class RateFollowingSGD(SGD):
         self.base_momentum = float(momentum)
         self.stage_delay = float(stage_delay)
         self.reference_delay = float(reference_delay)
-        self._in_force = (1.0, self.momentum)
+        self._factor = math.nan  # the schedule factor whose settings were last taken (none yet)
+        self._settings = self.settings_for(1.0)
 
-    def settings_at(self, samples_seen: int) -> tuple[float, float]:
-        """``(lr factor, momentum)`` in force after ``samples_seen`` samples."""
-        factor = self.lr_schedule.factor(samples_seen)
-        return rate_following_settings(self.base_momentum, self.stage_delay, factor, self.reference_delay)
+    def settings_for(self, factor: float) -> tuple[float, float, float, float]:
+        """``(lr factor, momentum, a, b)`` at lr schedule factor ``factor``: the pair of
+        :func:`~pipetrain.optim.compensation.rate_following_settings` and SC's coefficients for
+        that momentum (``(1, 0)`` without SC). The batched PB engine reads its table from it."""
+        if factor != self._factor:
+            lr_factor, momentum = rate_following_settings(self.base_momentum, self.stage_delay, factor,
+                                                          self.reference_delay)
+            a, b = spike_coefficients(momentum, self.sc_delay) if self.sc_delay else (1.0, 0.0)
+            self._factor, self._settings = factor, (lr_factor, momentum, a, b)
+        return self._settings
 
     def lr_at(self, samples_seen: int) -> float:
-        factor, _ = self.settings_at(samples_seen)
+        factor = self.settings_for(self.lr_schedule.factor(samples_seen))[0]
         lr = self.lr_schedule.lr_at(samples_seen, self.lr)
         return lr if factor == 1.0 else lr * factor
 
     def step(self, params, grads, samples_seen: int, *, out=None):
-        settings = self.settings_at(samples_seen)
-        if settings != self._in_force:
-            momentum = settings[1]
-            self.momentum = momentum
-            a, b = spike_coefficients(momentum, self.sc_delay) if self.sc_delay else (1.0, 0.0)
-            self._spike_a, self._spike_b = a, b * (1.0 - self.dampening)
-            self._in_force = settings
+        _, momentum, a, b = self.settings_for(self.lr_schedule.factor(samples_seen))
+        self.momentum, self._spike_a, self._spike_b = momentum, a, b * (1.0 - self.dampening)
         return super().step(params, grads, samples_seen, out=out)
 
     def hyperparameters(self) -> dict[str, Any]:

@@ -44,7 +44,6 @@ from torch.func import functional_call
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.models import refuse_batchnorm
 from pipetrain.optim import SGD, StageOptimizer, spike_coefficients
-from pipetrain.optim.compensation import rate_following_settings
 from pipetrain.optim.sgd import RateFollowingSGD
 from pipetrain.pb.kernels import Kernel, Outer, materialize
 from pipetrain.pb.latest import LatestWeights
@@ -391,6 +390,7 @@ class BatchedPB:
         schedules: list[Any] = []
         offsets, lrs, a_list, b_list, horizons, schedule_ids = [], [], [], [], [], []
         follow_keys: list[tuple] = []  # per member: what its per-update (factor, m, a, b) depend on
+        followers: dict[tuple, RateFollowingSGD] = {}  # one optimizer of each rate-following key
         start = 0
         every_momentum: set[float] = set()
         for group in self.groups:
@@ -401,8 +401,9 @@ class BatchedPB:
                 if schedule not in schedules:
                     schedules.append(schedule)
                 if isinstance(opt, RateFollowingSGD):
-                    follow_keys.append(("follow", schedules.index(schedule), m, opt.stage_delay,
-                                        opt.reference_delay, opt.sc_delay))
+                    key = ("follow", schedules.index(schedule), m, opt.stage_delay, opt.reference_delay, opt.sc_delay)
+                    follow_keys.append(key)
+                    followers.setdefault(key, opt)
                 else:
                     follow_keys.append(("constant", m, a, b))
                 schedule_ids.append(schedules.index(schedule))
@@ -438,15 +439,15 @@ class BatchedPB:
         # by a column, also where its own members agree, so that a run's bits depend only on
         # whether the engine's runs share one momentum, never on which runs they are.
         # (rate-following members change their momentum per update: never one momentum)
-        if len(every_momentum) == 1 and not any(key[0] == "follow" for key in follow_keys):
+        if len(every_momentum) == 1 and not followers:
             for group in self.groups:
                 group.momentum = next(iter(every_momentum))
         self._base_lr = np.array(lrs, dtype=np.float64)
         self._coefficients = np.array([a_list, b_list, horizons], dtype=np.float64)
         self._schedule_ids = np.array(schedule_ids, dtype=np.int64)
         # rate-following members (dtsf): factor, momentum and spike coefficients change per update
-        self._follow_keys = None
-        if any(key[0] == "follow" for key in follow_keys):
+        self._follow_keys, self._followers = None, followers
+        if followers:
             distinct = list(dict.fromkeys(follow_keys))
             self._follow_keys = distinct
             self._follow_ids = np.array([distinct.index(key) for key in follow_keys], dtype=np.int64)
@@ -644,15 +645,9 @@ class BatchedPB:
             if key[0] == "constant":
                 out[i] = np.array([1.0, key[1], key[2], key[3]])[:, None]
                 continue
-            _, schedule_id, momentum, delay, reference, sc_delay = key
-            cache: dict[float, tuple[float, float, float, float]] = {}
+            follower, schedule_id = self._followers[key], key[1]
             for n in range(updates):
-                f = float(table[schedule_id, n])
-                if f not in cache:
-                    factor, m = rate_following_settings(momentum, delay, f, reference)
-                    a, b = spike_coefficients(m, sc_delay) if sc_delay else (1.0, 0.0)
-                    cache[f] = (factor, m, a, b)
-                out[i, :, n] = cache[f]
+                out[i, :, n] = follower.settings_for(float(table[schedule_id, n]))
         return out
 
     def _lr_table(self, updates: int) -> np.ndarray:
