@@ -77,6 +77,7 @@ __all__ = [
     "parse_dtsf_delay",
     "temperature_settings",
     "parse_dtt_delay",
+    "refuse_other_than_sgd",
 ]
 
 #: Valid compensation names.
@@ -126,6 +127,17 @@ def delay_lr_factor(delay: float, reference_delay: float = DEFAULT_DLR_DELAY) ->
     if delay <= reference_delay:
         return 1.0
     return (reference_delay / delay) ** 2
+
+
+def refuse_other_than_sgd(name: str, optimizer: str) -> None:
+    """DTS, DTSF and DTT (``name``) change a stage's momentum: refuse ``optimizer`` unless it is
+    momentum SGD, saying what to use instead."""
+    if optimizer != "sgd":
+        what = "rate-following delay time scaling" if name == "dtsf" else "delay time scaling"
+        raise ConfigError(
+            f"{what} ({name}) scales the momentum of momentum SGD, not of {optimizer!r}; use "
+            f"--optimizer sgd:momentum=... with {name}, or dlr (the delay-scaled learning rate) with Adam"
+        )
 
 
 def time_scaled_settings(momentum: float, delay: float,

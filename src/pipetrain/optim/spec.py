@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from pipetrain.errors import ConfigError
 from pipetrain.optim.compensation import (delay_lr_factor, parse_compensation, parse_dlr_delay, parse_dts_delay,
-                                          parse_dtsf_delay, parse_dtt_delay, temperature_settings,
-                                          time_scaled_settings)
+                                          parse_dtsf_delay, parse_dtt_delay, refuse_other_than_sgd,
+                                          temperature_settings, time_scaled_settings)
 from pipetrain.optim.keyvalue import as_bool, as_float, as_float_pair, parse_options, split_spec
 from pipetrain.optim.lr_schedule import LRSchedule, parse_lr_schedule
 
@@ -164,11 +164,7 @@ def build_stage_optimizer(
     for name in ("dts", "dtt"):
         if name not in methods:
             continue
-        if parsed.name != "sgd":
-            raise ConfigError(
-                f"delay time scaling ({name}) scales the momentum of momentum SGD, not of {parsed.name!r}; use "
-                f"--optimizer sgd:momentum=... with {name}, or dlr (the delay-scaled learning rate) with Adam"
-            )
+        refuse_other_than_sgd(name, parsed.name)
         if name == "dts":
             reference = parse_dts_delay(compensation) if dts_delay is None else float(dts_delay)
             settings = time_scaled_settings
@@ -180,12 +176,7 @@ def build_stage_optimizer(
         if dts_factor != 1.0:  # a stage at or below D* keeps its rate and momentum bit for bit
             kwargs["momentum"] = momentum  # before the optimizer is built: SC's coefficients use it
     if "dtsf" in methods:
-        if parsed.name != "sgd":
-            raise ConfigError(
-                f"rate-following delay time scaling (dtsf) scales the momentum of momentum SGD, not of "
-                f"{parsed.name!r}; use --optimizer sgd:momentum=... with dtsf, or dlr (the delay-scaled learning "
-                "rate) with Adam"
-            )
+        refuse_other_than_sgd("dtsf", parsed.name)
         reference = parse_dtsf_delay(compensation) if dtsf_delay is None else float(dtsf_delay)
         momentum = float(kwargs.get("momentum", 0.0))
         fast, _ = time_scaled_settings(momentum, stage_delay, reference)  # type: ignore[arg-type]

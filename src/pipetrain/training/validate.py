@@ -154,8 +154,8 @@ def _check_counts(config: TrainConfig) -> None:
 
 
 def _check_specs(config: TrainConfig) -> None:
-    from pipetrain.optim.compensation import parse_compensation, parse_dlr_delay, parse_dts_delay, parse_dtsf_delay
-    from pipetrain.optim.compensation import parse_dtt_delay
+    from pipetrain.optim.compensation import (parse_compensation, parse_dlr_delay, parse_dts_delay, parse_dtsf_delay,
+                                              parse_dtt_delay, refuse_other_than_sgd)
     from pipetrain.optim.lr_schedule import parse_lr_schedule
     from pipetrain.optim.spec import parse_optimizer_spec
     from pipetrain.spec import parse_spec
@@ -176,12 +176,7 @@ def _check_specs(config: TrainConfig) -> None:
             "--optimizer sgd:momentum=... with sc, or lwp alone with Adam (it predicts along the Adam step)"
         )
     for name in sorted(methods & {"dts", "dtsf", "dtt"}):
-        if optimizer.name != "sgd":
-            what = "rate-following delay time scaling" if name == "dtsf" else "delay time scaling"
-            raise ConfigError(
-                f"{what} ({name}) scales the momentum of momentum SGD, not of {optimizer.name!r}; use "
-                f"--optimizer sgd:momentum=... with {name}, or dlr (the delay-scaled learning rate) with Adam"
-            )
+        refuse_other_than_sgd(name, optimizer.name)
     if methods & {"dts", "dtsf", "dtt"}:
         from pipetrain.optim.compensation import time_scaled_settings
 
