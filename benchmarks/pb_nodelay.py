@@ -18,46 +18,31 @@ import time
 import torch
 
 from pipetrain.models import build_model
-from pipetrain.optim import translate_hyperparameters
-from pipetrain.optim.compensation import delay_lr_factor, temperature_settings, time_scaled_settings
+from pipetrain.optim import build_stage_optimizers
 from pipetrain.optim.lr_schedule import EndDecayLR
-from pipetrain.pb.study import _evaluate, _index_stream, _load_data, _tensors, StudyConfig
 from pipetrain.pb.methods import parse_method
+from pipetrain.pb.study import StudyConfig, _evaluate, _index_stream, _Trainer
 from pipetrain.schedule import pb_delays
 from pipetrain.stages import split_model
-from pipetrain.data import dataset_info
-
-
-def stage_settings(kind: str, momentum: float, delay: float) -> tuple[float, float]:
-    """(lr factor, momentum) of a stage with delay ``delay`` under ``kind`` (none, dtsN, dttN, dlrN)."""
-    if kind == "none":
-        return 1.0, momentum
-    if kind.startswith("dtt"):
-        return temperature_settings(momentum, delay, float(kind[3:] or 4))
-    if kind.startswith("dts"):
-        return time_scaled_settings(momentum, delay, float(kind[3:] or 4))
-    if kind.startswith("dlr"):
-        return delay_lr_factor(delay, float(kind[3:] or 8)), momentum
-    raise SystemExit(f"unknown --settings {kind!r}: none, dtsN, dttN or dlrN")
 
 
 def run(args, kind: str, seed: int, lr_scale: float) -> dict:
-    config = StudyConfig(model=args.model, data=args.data, methods=(parse_method("sgd"),), epochs=args.epochs)
-    train_set, test_set = _load_data(config)
-    info = dataset_info(train_set)
-    x, y = _tensors(train_set, torch.float32)
-    xt, yt = _tensors(test_set, torch.float32)
-    t = translate_hyperparameters(args.reference_batch, args.lr, args.momentum, 0.0)
-    lr = t.lr * lr_scale
-    model = build_model(args.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=seed)
+    """One run: stage s trains at the (lr, momentum) of its optimizer under compensation ``kind``
+    (none, dtsN, dttN, dlrN, as ``pipetrain train --compensation``) at delay D_s, on fresh gradients."""
+    config = StudyConfig(model=args.model, data=args.data, methods=(parse_method("sgd"),), epochs=args.epochs,
+                         reference_batch=args.reference_batch, lr=args.lr, momentum=args.momentum)
+    trainer = _Trainer(config, None)  # the study's data and translated hyper-parameters
+    x, y = trainer.x, trainer.y
+    lr, momentum = trainer.translated.lr * lr_scale, trainer.translated.momentum
+    model = build_model(args.model, input_shape=trainer.info.input_shape, num_classes=trainer.info.num_classes,
+                        seed=seed)
     staged = split_model(model, stages=args.stages)
-    delays = pb_delays(args.stages)
-    groups = []
-    for stage, delay in zip(staged.stages, delays):
-        factor, m = stage_settings(kind, t.momentum, delay)
-        groups.append({"params": list(stage.parameters()), "lr": lr * factor, "momentum": m, "base": lr * factor})
+    optimizers = build_stage_optimizers(f"sgd:lr={lr!r},momentum={momentum!r}", pb_delays(args.stages),
+                                        compensation=kind)
+    groups = [{"params": list(stage.parameters()), "lr": o.lr, "momentum": o.momentum, "base": o.lr}
+              for stage, o in zip(staged.stages, optimizers)]
     opt = torch.optim.SGD(groups, lr=lr)
-    updates = int(round(args.epochs * len(x)))
+    updates = trainer.updates(1)
     schedule = EndDecayLR(total=updates, fraction=args.decay_fraction)
     stream = _index_stream(len(x), 1, seed, updates)[:, 0]
     start = time.perf_counter()
@@ -72,7 +57,7 @@ def run(args, kind: str, seed: int, lr_scale: float) -> dict:
         opt.step()
     seconds = time.perf_counter() - start
     train_loss, train_acc = _evaluate(model, x, y)
-    test_loss, test_acc = _evaluate(model, xt, yt)
+    test_loss, test_acc = _evaluate(model, trainer.x_test, trainer.y_test)
     return {"settings": kind, "seed": seed, "lr_scale": lr_scale, "test_accuracy": test_acc,
             "final_train_loss": train_loss, "train_accuracy": train_acc, "seconds": seconds}
 
