@@ -18,7 +18,24 @@ from typing import Mapping
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["check_outputs", "check_output_file", "check_output_dir"]
+__all__ = ["check_outputs", "check_output_file", "check_output_dir", "is_weights_dir", "WEIGHTS_INDEX",
+           "WEIGHTS_SINGLE"]
+
+#: the files of a weights directory (:mod:`pipetrain.weights`, HuggingFace's layout)
+WEIGHTS_INDEX = "model.safetensors.index.json"
+WEIGHTS_SINGLE = "model.safetensors"
+#: file suffixes of a one-file ``--save`` (torch.save); any other path is a weights directory
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def is_weights_dir(path: str | os.PathLike) -> bool:
+    """Whether ``--save PATH`` names a weights directory (sharded safetensors) rather than one file:
+    an existing directory, a path ending in a separator, or a name without a file suffix
+    (``.pt``, ``.pth``, ``.bin``, ``.ckpt`` are files written by ``torch.save``)."""
+    text = os.fspath(path)
+    if text.endswith(("/", os.sep)) or os.path.isdir(text):
+        return True
+    return not text.lower().endswith(FILE_SUFFIXES)
 
 
 def check_outputs(files: Mapping[str, str | None] | None = None,

@@ -46,6 +46,13 @@ class Pipeline:
             ``stages``; ``leaf_modules`` and ``concrete_args`` go to the tracer), or a list of stage
             modules. Build it the same way on every rank (seed it): each rank trains its stages.
         plan: a plan JSON written by ``pipetrain plan --out`` (stages, replicas, schedule).
+        init: the first values of a model built under ``torch.device("meta")`` (shapes, no values
+            and no memory: every rank builds it whole, cuts it, and materialises only the stages it
+            runs, so no process holds the whole model): ``"reset"`` (each module's
+            ``reset_parameters()`` under a seed from ``seed`` and the module's name, the same for
+            every cut and executor), a function ``init(module, name)``, or a weights directory
+            (``save=DIR``'s or HuggingFace's ``save_pretrained``'s: each rank reads its own tensors).
+            A directory also starts an eagerly built model from its weights. See docs/models.md.
     Schedule:
         schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb (DESIGN.md section 3).
         microbatches: units per update (microbatches per step; pipedream/pb: minibatches or
@@ -93,6 +100,7 @@ class Pipeline:
         balance: Sequence[int] | None = None,
         split_at: Sequence[str] | None = None,
         plan: str | None = None,
+        init: str | Callable[[nn.Module, str], Any] | None = None,
         leaf_modules: Sequence[str | type] = (),
         concrete_args: dict[str, Any] | None = None,
         schedule: str | None = None,
@@ -135,7 +143,7 @@ class Pipeline:
             threads_per_worker=threads_per_worker, receives=receives, timeout=timeout, seed=seed, dtype=None,
             on_nonfinite=on_nonfinite, recompute=recompute, precision=precision, device=device,
             loss_scale=str(loss_scale), loss_scale_init=loss_scale_init, loss_scale_growth=loss_scale_growth,
-            progress=sys.stderr.isatty(),
+            progress=sys.stderr.isatty(), init=_describe_init(init),
         ))
         from pipetrain.training.validate import check_execution
 
@@ -154,7 +162,7 @@ class Pipeline:
         )
         unsplit = nn.Sequential(*model) if isinstance(model, (list, tuple)) else model
         self._parts = RunParts(model=model, train_set=None, test_set=None,
-                               loss_fn=loss_fn or loss_for(unsplit), optimizer=factory, staged=self.staged)
+                               loss_fn=loss_fn or loss_for(unsplit), optimizer=factory, staged=self.staged, init=init)
         self._session: Any = None
         self._run: Any = None
         self.last_schedule = None
@@ -364,6 +372,15 @@ class _Unread(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         raise ConfigError("a run begun with start() reads only the batches handed to step()")
+
+
+def _describe_init(init: Any) -> str | None:
+    """The configuration's words for ``init`` (a function is described by its name)."""
+    if init is None or isinstance(init, str):
+        return init
+    if callable(init):
+        return f"function {getattr(init, '__qualname__', type(init).__name__)}"
+    return str(init)
 
 
 def _dataset(data: Any, what: str):

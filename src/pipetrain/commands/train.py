@@ -45,6 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="DataLoader worker processes reading a plain Dataset ahead, 0 for the training thread "
                            "(default 1; two-tensor and batch() data sets are read by index on a thread)")
     what.add_argument("--pin-memory", action="store_true", help="page-locked batches, with an accelerator (default off)")
+    what.add_argument("--init", choices=["eager", "meta"],
+                      help="meta: build the model on PyTorch's meta device (shapes, no memory); each worker "
+                           "materialises only its own stages, initialised by each module's reset_parameters() under "
+                           "--seed, or from --init-from (default: eager, unless --init-from is given)")
+    what.add_argument("--init-from", metavar="DIR",
+                      help="start from the weights in DIR (written by --save DIR, or a HuggingFace save_pretrained "
+                           "directory): each worker reads only its stages' tensors; implies --init meta unless "
+                           "--init eager (default: none)")
     how = parser.add_argument_group("pipeline")
     how.add_argument("--schedule", help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the "
                      "plan's, else 1f1b)")
@@ -138,7 +146,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "they resume from --checkpoint-dir (under torchrun use torchrun's own "
                                 "--max-restarts) (default 0)")
     out = parser.add_argument_group("outputs")
-    out.add_argument("--save", help="write the trained (unsplit) model's state_dict (default: not saved)")
+    out.add_argument("--save", help="write the trained weights under the unsplit model's names: into a directory "
+                     "(a path without a .pt/.pth/.bin/.ckpt suffix) as safetensors shards, each worker its own "
+                     "stages, with HuggingFace's index (from_pretrained reads it; pipetrain.load_weights too); or "
+                     "into one torch.save file, gathered on rank 0 (default: not saved)")
     out.add_argument("--report-json", help="write a JSON report: samples_per_s, final_loss, steps, ... "
                      "(default: none)")
     out.add_argument("--trace", help="write the measured per-action timeline as a Chrome/Perfetto trace "
@@ -179,13 +190,18 @@ def config_from_args(args: argparse.Namespace):
         receives=args.receives, timeout=args.timeout, seed=args.seed, shuffle=not args.no_shuffle, dtype=args.dtype,
         on_nonfinite=args.on_nonfinite, precision=args.precision, recompute=args.recompute,
         loss_scale=args.loss_scale, loss_scale_init=args.loss_scale_init, loss_scale_growth=args.loss_scale_growth,
-        device=args.device,
+        device=args.device, meta=_meta(args), init=args.init_from or ("reset" if _meta(args) else None),
         eval_every=args.eval_every, eval_samples=args.eval_samples, save=args.save, report_json=args.report_json,
         trace=args.trace, plot=args.plot,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
         keep=args.keep, max_restarts=args.max_restarts,
         progress=not args.no_progress and not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
     )
+
+
+def _meta(args: argparse.Namespace) -> bool:
+    """Whether the model is built on the meta device: ``--init meta``, or ``--init-from`` without ``--init eager``."""
+    return args.init == "meta" or (args.init is None and args.init_from is not None)
 
 
 def _translated(spec_text: str, reference_batch: int, batch_size: int) -> str:

@@ -248,6 +248,10 @@ class StageExecutor:
         scaler: float16's loss scale (see the module docstring; ``None``: no loss scale, no
             stamp and no flag in the messages). Every stage of a run gets one or none.
         units_per_update: microbatches per update (stage 0 stamps one scale per update).
+        own_weights: names of parameters that are this executor's alone (materialised for it from
+            a model built on the meta device, :mod:`pipetrain.stages.materialize`): version 0 is
+            their tensors, not a copy, so a stage holds its weights once. Others are copied, so
+            that training leaves the caller's module as it is until :meth:`write_back`.
     """
 
     def __init__(
@@ -266,6 +270,7 @@ class StageExecutor:
         device: torch.device | None = None,
         scaler: LossScale | None = None,
         units_per_update: int = 1,
+        own_weights: frozenset[str] = frozenset(),
     ) -> None:
         if nonfinite not in NONFINITE:
             raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {nonfinite!r}")
@@ -292,7 +297,8 @@ class StageExecutor:
         named = dict(module.named_parameters())
         self.trainable = frozenset(n for n, p in named.items() if p.requires_grad)
         # recomputing microbatches may still read a released version (PB's latest): its buffers are not reused
-        self.versions = VersionStore({n: p.detach().clone() for n, p in named.items()}, recycle=not recompute)
+        self.versions = VersionStore({n: p.detach() if n in own_weights else p.detach().clone() for n, p in named.items()},
+                                     recycle=not recompute)
         self.buffers = dict(module.named_buffers())
         # where each buffer lives (its module's table and name), for the forward run again
         self._buffer_tables = [(module.get_submodule(owner)._buffers, attr)

@@ -36,6 +36,7 @@ def build_model(
     input_shape: Sequence[int] | int,
     num_classes: int,
     seed: int | None = None,
+    meta: bool = False,
 ) -> nn.Module:
     """The model named by ``spec``, sized for samples of ``input_shape`` and ``num_classes``.
 
@@ -45,7 +46,9 @@ def build_model(
     modules, which becomes an ``nn.Sequential`` of them (one pipeline unit each).
 
     With ``seed``, parameters are initialised under ``torch.manual_seed(seed)`` without touching
-    the caller's random state; without, from the current global state.
+    the caller's random state; without, from the current global state. With ``meta``, the builder
+    runs under ``torch.device("meta")``: the model has shapes and no values (nor memory), for the
+    ranks to materialise their stages (:mod:`pipetrain.stages.materialize`).
     """
     if not isinstance(spec, Spec):
         spec = parse_spec(spec, builtins=MODELS, kind="model")
@@ -60,7 +63,10 @@ def build_model(
         builder = resolve_factory(spec, kind="model")
         extra = {"input_shape": shape, "in_features": features, "num_classes": num_classes}
         what = f"model factory {spec.label}"
-    if seed is None:
+    if meta:
+        with torch.device("meta"):
+            model = call_factory(builder, spec.kwargs, extra=extra, what=what)
+    elif seed is None:
         model = call_factory(builder, spec.kwargs, extra=extra, what=what)
     else:
         with torch.random.fork_rng(devices=[]):

@@ -200,6 +200,8 @@ def measure_unit_costs(
     budget: float = 0.3,
     most: int = 30,
     units: Sequence[str] | None = None,
+    init: Any = None,
+    seed: int = 0,
 ) -> dict[str, float]:
     """Fastest forward + backward seconds of each piece of ``model`` cut at every unit
     (:func:`unit_names`), run on ``(inputs, target)`` as stage executors run them. With one torch
@@ -213,12 +215,21 @@ def measure_unit_costs(
 
     The model is left as it was: parameters are not updated, buffers (BatchNorm statistics) are
     restored and the random state too. Run it with the thread count the training will use.
+
+    A model built on the meta device (:mod:`pipetrain.stages.materialize`) is timed one piece at a
+    time, never whole: each piece is materialised with ``init`` (under ``seed``), run, and put back
+    on meta; first forwards alone, to find every piece's input, then each piece's forward and
+    backward on its input (with gradients of ones arriving for its outputs).
     """
     from pipetrain.execution.stage import StageExecutor  # (execution imports stages)
+    from pipetrain.stages.materialize import has_meta
 
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
     names, pieces = unit_pieces(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args, names=units)
+    if has_meta(model):
+        return _measure_one_at_a_time(model, names, pieces, inputs, target, loss_fn, init, seed,
+                                      dict(repeats=repeats, warmup=warmup, budget=budget, most=most))
     buffers = {k: b.clone() for k, b in model.named_buffers()}
     last = len(pieces) - 1
     executors = [StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)
@@ -259,6 +270,63 @@ def measure_unit_costs(
     return {name: min(times) for name, times in zip(names, rounds)}
 
 
+def _measure_one_at_a_time(model: nn.Module, names: Sequence[str], pieces: StagedModel, inputs: Any,
+                           target: torch.Tensor, loss_fn: Callable, init: Any, seed: int,
+                           rounds: dict[str, Any]) -> dict[str, float]:
+    """:func:`measure_unit_costs` of a model built on meta: one materialised piece at a time."""
+    from pipetrain.execution.stage import StageExecutor, as_tuple
+    from pipetrain.stages.materialize import materialize
+    from pipetrain.stages.staged import call_stage
+
+    last = len(pieces) - 1
+    samples = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() else 1
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    costs: dict[str, float] = {}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            values = [inputs]
+            for piece in pieces.stages[:-1]:  # every piece's input, from the forwards alone
+                made = materialize(model, piece, init, seed=seed)
+                try:
+                    with torch.no_grad():
+                        values.append(call_stage(piece, values[-1]))
+                finally:
+                    made.release()
+            for s, (name, piece) in enumerate(zip(names, pieces.stages)):
+                made = materialize(model, piece, init, seed=seed)
+                try:
+                    executor = StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)
+                    grads = None if s == last else tuple(
+                        torch.ones_like(o) if isinstance(o, torch.Tensor) and o.is_floating_point() else None
+                        for o in as_tuple(values[s + 1]))
+                    costs[name] = _fastest(lambda r: (executor.forward(r, 0, values[s], target=target if s == last else None,
+                                                                       samples=samples),
+                                                      executor.backward(r, 0, grads)), clock, **rounds)
+                    del executor
+                finally:
+                    made.release()
+    except PipetrainError as error:
+        raise ConfigError(f"cannot time the model's units to balance its stages: {error}") from None
+    return costs
+
+
+def _fastest(run: Callable[[int], Any], clock: Callable[[], float], *, repeats: int, warmup: int, budget: float,
+             most: int) -> float:
+    """The fastest of the timed rounds of ``run(round)`` (rounds as :func:`measure_unit_costs` counts them)."""
+    times: list[float] = []
+    began, r = time.perf_counter(), 0
+    while r < warmup + repeats or (r < warmup + most and time.perf_counter() - began < budget):
+        start = clock()
+        run(r)
+        spent = clock() - start
+        if r >= warmup:
+            times.append(spent)
+        else:
+            began = time.perf_counter()
+        r += 1
+    return min(times)
+
+
 def split_by_time(
     model: nn.Module,
     stages: int,
@@ -270,20 +338,24 @@ def split_by_time(
     concrete_args: Mapping[str, Any] | None = None,
     costs: Mapping[str, float] | None = None,
     repeats: int = 5,
+    init: Any = None,
+    seed: int = 0,
 ) -> tuple[StagedModel, StageChoice]:
     """``model`` cut into ``stages`` stages of near-equal measured time, and the record of it.
 
     A traced model's unit that takes more than ``1/stages`` of the time is opened into its parts
     and the parts are timed, as long as that lowers the slowest stage's time (at most 3 times).
     ``costs`` (a previous measurement, :attr:`StageChoice.unit_seconds`) replaces measuring, and
-    reproduces that cut.
+    reproduces that cut. A model built on meta is timed one unit at a time, each materialised with
+    ``init`` under ``seed`` (:func:`measure_unit_costs`).
     """
     trace = dict(leaf_modules=leaf_modules, concrete_args=concrete_args)
     if costs is None:
         names = unit_names(model, stages, **trace)
-        costs = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, repeats=repeats, units=names, **trace)
+        timing = dict(repeats=repeats, init=init, seed=seed)
+        costs = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, units=names, **timing, **trace)
         if declared_units(model) is None and not _cut_between_children(model, leaf_modules, concrete_args):
-            costs = _refined(model, stages, names, costs, inputs, target, loss_fn, repeats, trace)
+            costs = _refined(model, stages, names, costs, inputs, target, loss_fn, timing, trace)
     names = _cost_order(model, costs, trace)
     staged = split_model(model, stages=stages, costs=dict(costs), **trace)
     return staged, StageChoice.of(staged, "measured time", names, costs)
@@ -307,7 +379,7 @@ def _cost_order(model: nn.Module, costs: Mapping[str, float], trace: dict) -> li
     return order
 
 
-def _refined(model, stages, names, costs, inputs, target, loss_fn, repeats, trace) -> dict[str, float]:
+def _refined(model, stages, names, costs, inputs, target, loss_fn, timing, trace) -> dict[str, float]:
     positions, first_compute = _positions(model, trace["leaf_modules"], trace["concrete_args"])
     for _ in range(3):
         total = sum(costs.values())
@@ -317,8 +389,7 @@ def _refined(model, stages, names, costs, inputs, target, loss_fn, repeats, trac
         unit = max(heavy, key=costs.__getitem__)
         i = names.index(unit)
         trial = _startable(names[:i] + open_unit(model, positions, unit) + names[i + 1 :], positions, first_compute)
-        timed = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, repeats=repeats, units=trial,
-                                   **trace)
+        timed = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, units=trial, **timing, **trace)
         if largest_block([timed[n] for n in trial], stages) >= largest_block([costs[n] for n in names], stages):
             break
         names, costs = trial, timed

@@ -81,6 +81,9 @@ class Checkpoints:
         self._store = None
         # what a resumed run must agree on, one key per option, so that a refusal names each difference
         self.meta = {**config.fingerprint(), "schedule": run.schedule.name, "workers": world_size}
+        from pipetrain.training.recut import layout_of
+
+        self.layout = layout_of(run)  # what another cut needs to resume a synchronous run (training.recut)
 
     # -- where the run starts ----------------------------------------------------------------------
 
@@ -100,25 +103,29 @@ class Checkpoints:
             raise path
         if path is None:
             return None
-        from pipetrain.runtime.checkpoint import check_compatible, open_checkpoint
+        from pipetrain.runtime.checkpoint import open_checkpoint
+        from pipetrain.training.recut import recut_needed, recut_state
 
         checkpoint = open_checkpoint(path, verify=False)  # rank 0 verified it; load verifies this rank's file again
-        check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
-        state = checkpoint.load(rank_file(self.rank))  # tensors and plain data only (weights_only=True)
+        if recut_needed(checkpoint.meta, self.meta, self.run, where=f"checkpoint {checkpoint.path}"):
+            state = recut_state(checkpoint, self.run, self.rank)  # a synchronous run on another cut
+        else:
+            state = checkpoint.load(rank_file(self.rank))  # tensors and plain data only (weights_only=True)
         return Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state, str(checkpoint.path))
 
     def check(self) -> None:
         """Refuse now, before any worker starts, a resume that every worker would refuse: a named
         checkpoint that is missing or damaged, one written by a different run, one past this
         run's end (the workers choose again when they start: after a restart, a newer one)."""
-        from pipetrain.runtime.checkpoint import check_compatible, open_checkpoint
+        from pipetrain.runtime.checkpoint import open_checkpoint
+        from pipetrain.training.recut import recut_needed
 
         path = self._choose(say=False)
         if isinstance(path, BaseException):
             raise path
         if path is not None:
             checkpoint = open_checkpoint(path, verify=False)
-            check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
+            recut_needed(checkpoint.meta, self.meta, self.run, where=f"checkpoint {checkpoint.path}")
 
     def _choose(self, say: bool = True) -> str | None | BaseException:
         """Rank 0: the path of the checkpoint to resume (None: afresh), or the error that refuses
@@ -188,7 +195,7 @@ class Checkpoints:
                 self._store = env_store(self.run.config.timeout)
             path = save_distributed(
                 self.directory, step, {rank_file(self.rank): runner.snapshot()},
-                dict(self.meta, updates=self.run.updates), rank=self.rank, world_size=self.world_size,
+                dict(self.meta, updates=self.run.updates, layout=self.layout), rank=self.rank, world_size=self.world_size,
                 store=self._store, timeout=self.run.config.timeout, key=f"{self.serial}/{step}",
             )
             if self.callbacks is not None:

@@ -67,6 +67,9 @@ class TrainConfig:
     loss_scale_init: float = 65536.0  # fp16, dynamic: the first scale (execution.scaling.DEFAULT_INIT)
     loss_scale_growth: int = 2000  # fp16, dynamic: clean updates after which the scale doubles
     device: str = "auto"  # auto (CUDA when available), cpu or cuda: where every stage computes
+    meta: bool = False  # --init meta: the command line builds the model on the meta device (no values)
+    init: str | None = None  # first values of a model built on meta: "reset", a weights directory (--init-from),
+    # or the description of the Python API's init function; None: the model's own values
 
     def fingerprint(self) -> dict[str, object]:
         """What a checkpoint must agree on to be resumed by this run."""

@@ -159,19 +159,40 @@ class RankSetup:
         if self.data is not None:
             self.data.close()
 
+    def write_back(self) -> dict[int, Any]:
+        """The trained weights into the modules of this rank's first replicas; returns them by stage."""
+        schedule, rank, executors = self.run.schedule, self.rank, self.executors
+        firsts = {stage: executors[stage] for stage in self.held if schedule.replica_of(rank, stage) == 0}
+        for executor in firsts.values():
+            executor.write_back()
+        return {stage: executor.module for stage, executor in firsts.items()}
+
+    def save_weights(self) -> None:
+        """``--save DIR``: every rank writes the shard of its own stages, then rank 0 the index
+        (a failure on any rank stops every rank with its message)."""
+        import torch.distributed as dist
+
+        from pipetrain.training.outputs import write_rank_shard, write_weights_index
+
+        world = self.env.world_size
+        record = _together("saving the weights", lambda: write_rank_shard(self.run, self.rank, self.write_back()), world)
+        records: list[Any] = [None] * world
+        _collective("saving the weights", lambda: dist.all_gather_object(records, record))
+        _together("saving the weights", lambda: write_weights_index(self.run, records) if self.rank == 0 else None,
+                  world)
+
     def payload(self, seconds: float, evaluations: list) -> dict[str, Any]:
-        """This rank's results for rank 0: losses, timings, trained weights of its first replicas."""
+        """This rank's results for rank 0: losses, timings, and the trained weights of its first
+        replicas where rank 0 gathers them (:attr:`~pipetrain.training.setup.Run.gathers_weights`)."""
         schedule, rank, executors, runner = self.run.schedule, self.rank, self.executors, self.runner
-        for stage in self.held:
-            if schedule.replica_of(rank, stage) == 0:
-                executors[stage].write_back()
+        modules = self.write_back()
         return {
             "rank": rank,
             "losses": runner.losses,
             **runner.times.payload(),  # starts and ends of its (first) actions, aggregates of a long run
             "seconds": seconds,
-            "states": {stage: {k: v.cpu() for k, v in executors[stage].module.state_dict().items()}
-                       for stage in self.held if schedule.replica_of(rank, stage) == 0},
+            "states": {stage: {k: v.cpu() for k, v in module.state_dict().items()} for stage, module in modules.items()}
+            if self.run.gathers_weights else {},
             "digests": {stage: _digest(executors[stage].versions.latest) for stage in self.held},
             "evaluations": evaluations,
             "receives": "on-demand" if runner.on_demand else "ahead",
@@ -280,6 +301,10 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     if len(held_out) and (not run.config.eval_every):
         evaluate_at(run.updates)()
     _collective("the final barrier", dist.barrier)
+    from pipetrain.paths import is_weights_dir
+
+    if config.save and is_weights_dir(config.save):
+        setup.save_weights()
     return setup.gather(setup.payload(seconds, evaluations) | {"memory": measured}, resumed=after)
 
 
@@ -373,10 +398,12 @@ def _digest(params) -> str:
     """A hash of a stage's parameter bytes: replicas must end bitwise identical."""
     import hashlib
 
+    import torch
+
     h = hashlib.sha256()
     for name in sorted(params):
         h.update(name.encode())
-        h.update(params[name].detach().cpu().contiguous().numpy().tobytes())
+        h.update(params[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy
     return h.hexdigest()
 
 
@@ -404,9 +431,12 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     from pipetrain.execution.losses import UnitLosses
 
     losses = UnitLosses()
+    states = {}
     for payload in gathered:
         losses.update(payload["losses"])
-        for stage, state in payload["states"].items():  # the unsplit model gets every stage's weights
+        states.update(payload["states"])
+    if not run.meta:  # the unsplit model gets every stage's weights (a model built on meta holds its own)
+        for stage, state in states.items():
             run.staged.stages[stage].load_state_dict(state)
     timeline = measured_timeline(run.schedule, gathered)
     seconds = max(p["seconds"] for p in gathered)
@@ -427,5 +457,6 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
 
     if all("memory" in p for p in gathered):
         result.extra["memory"] = memory_report(run, [p["memory"] for p in gathered], per_rank=True)
-    write_outputs(run.config, result, run.model.state_dict())
+    gathered_model = run.staged.merge_state_dict([states[s] for s in range(run.num_stages)]) if states else None
+    write_outputs(run.config, result, run, gathered_model)
     return result

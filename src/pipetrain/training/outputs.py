@@ -12,7 +12,7 @@ import torch
 from pipetrain.training.setup import Run
 
 __all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses", "say", "describe_run",
-           "evaluation_line"]
+           "evaluation_line", "weight_writers", "rank_weights", "write_rank_shard", "write_weights_index"]
 
 
 class HeldOut:
@@ -66,6 +66,58 @@ def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, tmp)  # loads on any machine
     os.replace(tmp, path)
+
+
+def weight_writers(run: Run) -> list[int]:
+    """The ranks that write a shard of ``--save DIR``: the first replica's rank of every stage."""
+    return sorted({ranks[0] for ranks in run.schedule.stage_ranks})
+
+
+def rank_weights(run: Run, rank: int, modules: Any) -> dict[str, torch.Tensor]:
+    """The trained tensors ``rank`` writes under the unsplit model's names, from ``modules[stage]``
+    (its stages' modules, after ``write_back``): those of the stages whose first replica it runs,
+    each tensor by the lowest stage holding it (a tied one once), the model's unused tensors
+    (modules ``forward`` never calls) with stage 0."""
+    staged = run.staged
+    writer: dict[str, int] = {}
+    for stage, mapping in enumerate(staged.key_map):
+        for key in mapping.values():
+            writer.setdefault(key, stage)
+    tensors: dict[str, torch.Tensor] = {}
+    for stage in sorted(modules):
+        if run.schedule.stage_ranks[stage][0] != rank:
+            continue
+        mapping = staged.key_map[stage]
+        for key, value in modules[stage].state_dict().items():
+            if writer[mapping[key]] == stage:
+                tensors[mapping[key]] = value
+        if stage == 0:
+            tensors.update(staged.unused)
+    return tensors
+
+
+def write_rank_shard(run: Run, rank: int, modules: Any) -> dict[str, Any] | None:
+    """``rank``'s shard of ``--save DIR`` (see :mod:`pipetrain.weights`): its record, or ``None``
+    for a rank that runs only further replicas."""
+    from pipetrain.weights import shard_name, write_shard
+
+    writers = weight_writers(run)
+    if rank not in writers:
+        return None
+    try:
+        return write_shard(run.config.save, shard_name(writers.index(rank), len(writers)),
+                           rank_weights(run, rank, modules))
+    except OSError as error:
+        from pipetrain.errors import ConfigError
+
+        raise ConfigError(f"cannot write the weights into {run.config.save!r}: {error.strerror or error}") from None
+
+
+def write_weights_index(run: Run, records: list[dict[str, Any] | None]) -> None:
+    """The commit of ``--save DIR``: the index of every shard (and a HuggingFace model's config)."""
+    from pipetrain.weights import model_config_json, write_index
+
+    write_index(run.config.save, [r for r in records if r is not None], model_config_json(run.model))
 
 
 class UpdateLosses:

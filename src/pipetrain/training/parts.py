@@ -35,7 +35,9 @@ class RunParts:
     ``staged``: the model already cut into stages (a
     :class:`~pipetrain.stages.StagedModel`), or ``None`` to cut it as the configuration says.
     ``train_set`` may also be a ``DataLoader``: its batches are the updates
-    (:class:`~pipetrain.data.LoaderBatches`).
+    (:class:`~pipetrain.data.LoaderBatches`). ``init``: how each rank gives the stages of a model
+    built on the meta device their first values (``"reset"``, a function ``(module, name)`` or a
+    weights directory, :mod:`pipetrain.stages.materialize`), or ``None`` for the configuration's.
     """
 
     model: nn.Module | Sequence[nn.Module]
@@ -45,18 +47,20 @@ class RunParts:
     optimizer: OptimizerFactory | None = None
     staged: Any = None
     data_note: str = ""  # where the held-out data came from (pipetrain.data.load_data), for the report
+    init: Any = None
 
 
 def parts_from_config(config: TrainConfig) -> RunParts:
     """The parts named by the command line's specs: ``--data``/``--test-data``/``--holdout``
     loaded (:func:`pipetrain.data.load_data`), ``--model`` built for the data's input shape and
-    class count (initialised under ``--seed``), its loss."""
+    class count (initialised under ``--seed``, or on the meta device with ``--init meta``), its loss."""
     from pipetrain.data import load_data
     from pipetrain.models import build_model
     from pipetrain.models.loss import loss_for
 
     train_set, test_set, info, note = load_data(config.data, config.test_data, config.holdout)
-    model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed)
+    model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed,
+                        meta=config.meta)
     return RunParts(model=model, train_set=train_set, test_set=test_set, loss_fn=loss_for(model), data_note=note)
 
 

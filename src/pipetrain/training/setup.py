@@ -58,6 +58,17 @@ class Run:
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
     data_note: str = ""  # one line: the training samples, how they are read, where the held-out data comes from
     recompute: frozenset[int] = frozenset()  # the stages that recompute their activations (--recompute, the plan)
+    init: Any = None  # pipetrain.stages.materialize.Init: first values of the stages of a model built on meta
+    meta: bool = False  # the model was built on the meta device: each rank materialises its own stages
+
+    @property
+    def gathers_weights(self) -> bool:
+        """Whether rank 0 gathers every stage's trained weights at the end: for a model every rank
+        holds whole anyway, or for a one-file ``--save``; a model built on meta is never gathered
+        otherwise (each rank's model holds its own stages, ``--save DIR`` is written by stage)."""
+        from pipetrain.paths import is_weights_dir
+
+        return not self.meta or bool(self.config.save and not is_weights_dir(self.config.save))
 
     @property
     def num_stages(self) -> int:
@@ -131,11 +142,22 @@ class Run:
         )
 
     def make_executor(self, rank: int, stage: int) -> StageExecutor:
-        """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies)."""
+        """The executor of ``stage``'s replica on ``rank`` (replicas beyond the first get copies).
+
+        A stage of a model built on the meta device is materialised here, on the rank that runs it
+        (:mod:`pipetrain.stages.materialize`): its executor then holds the only copy of its weights."""
         replica = self.schedule.replica_of(rank, stage)
         module = self.staged.stages[stage]
+        made = self.materialize(stage)
+        own = frozenset()
+        if made is not None:  # the executor's alone, but for parameters another stage holds too (tied)
+            fresh, tied = {id(t) for t in made.made}, self._tied_names(stage)
+            own = frozenset(n for n, p in module.named_parameters() if id(p) in fresh and n not in tied)
         if replica > 0:
-            module = copy.deepcopy(module)
+            module = copy.deepcopy(module)  # a copy of its own (the weights the first replica starts from)
+            if made is not None and made.made:
+                made.release()  # this rank runs the copy only: the model's stage goes back to meta
+                own = frozenset(n for n, _ in module.named_parameters() if n not in self._tied_names(stage))
         module.to(self.device)  # the first replica's parameters stay those of the model (moved with them)
         return StageExecutor(
             stage,
@@ -151,7 +173,27 @@ class Run:
             device=self.device,
             scaler=loss_scale_of(self.config),
             units_per_update=self.layout.units_per_update,
+            own_weights=own,
         )
+
+    def _tied_names(self, stage: int) -> set[str]:
+        return {name for t in self.staged.tied for s, name in t.holders if s == stage}
+
+    def materialize(self, stage: int):
+        """Give ``stage``'s meta tensors (stage 0: also those of modules ``forward`` never calls)
+        real ones with their first values, or with a weights directory as ``init``, load its
+        values into an eagerly built stage; returns the
+        :class:`~pipetrain.stages.materialize.Materialized` record (``None``: nothing to do)."""
+        if self.init is None:
+            return None
+        from pipetrain.stages.materialize import materialize
+
+        unused = list(self.staged.unused) if stage == 0 else []
+        made = materialize(self.model, self.staged.stages[stage], self.init, seed=self.config.seed, keys=unused)
+        if unused:
+            state = self.model.state_dict(keep_vars=True)
+            self.staged.unused.update({key: state[key].detach() for key in unused})
+        return made
 
     def make_executors(self, ranks: list[int] | None = None) -> list[dict[int, StageExecutor]]:
         """``executors[rank][stage]`` for the given ranks (default: all; others stay empty)."""
@@ -283,9 +325,10 @@ def _ties_fixed_by_any_cut(config: TrainConfig, model: nn.Module, pieces: int) -
 
 
 def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_set: Dataset, dtype: torch.dtype,
-         loss_fn: Callable[[Any, Tensor], Tensor]):
+         loss_fn: Callable[[Any, Tensor], Tensor], init: Any = None):
     """The stages, the record of how they were chosen, and ``config`` with the measured unit times
-    (``stage_costs``) when the split balanced time, so that worker processes cut alike."""
+    (``stage_costs``) when the split balanced time, so that worker processes cut alike. A model
+    built on meta is timed one unit at a time, each materialised with ``init`` and freed."""
     from dataclasses import replace
 
     from pipetrain.stages import StageChoice, split_by_time, split_model, unit_names
@@ -310,7 +353,8 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
     torch.set_num_threads(config.threads_per_worker)  # time the units as a worker will run them
     try:
         staged, choice = _measured_once(
-            lambda: split_by_time(model, pieces, inputs, target, loss_fn, costs=costs, **trace), model,
+            lambda: split_by_time(model, pieces, inputs, target, loss_fn, costs=costs, init=init, seed=config.seed,
+                                  **trace), model,
             pieces, trace,
         )
     finally:
@@ -424,6 +468,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     if config.precision != "fp32" and dtype != torch.float32:
         raise ConfigError(f"--precision {config.precision} autocasts a float32 model (its master weights), not a "
                           f"{str(dtype).replace('torch.', '')} one: use a float32 model or --precision fp32")
+    init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
 
     pieces = stages * (config.chunks if name == "interleaved" else 1)
     if config.chunks != 1 and name != "interleaved":
@@ -439,7 +484,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
                 f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
                 f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
             )
-        staged, choice, config = _cut(config, model, name, pieces, train_set, dtype, parts.loss_fn)
+        staged, choice, config = _cut(config, model, name, pieces, train_set, dtype, parts.loss_fn, init)
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
@@ -500,13 +545,40 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
-        stage_choice=choice, device=device, recompute=recompute,
+        stage_choice=choice, device=device, recompute=recompute, init=init, meta=meta,
         data_note="; ".join(filter(None, [
             "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
             else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
     return run
+
+
+def _initialiser(model: nn.Module, init: Any):
+    """``(Init or None, whether the model is on meta)``: the run's initialiser, checked against the model
+    (a meta model needs one; reset and functions initialise meta models only; a weights
+    directory must hold every tensor of the model, with its shape: its index and headers are read)."""
+    from pipetrain.stages.materialize import has_meta, resolve_init
+
+    resolved = resolve_init(init)
+    meta = has_meta(model)
+    if resolved is None:
+        if meta:
+            from pipetrain.stages.materialize import materialize
+
+            materialize(model, model, None, seed=0)  # raises the message that says what to give
+        return None, False
+    if resolved.kind == "weights":
+        from pipetrain.weights import check_against
+
+        check_against(resolved.weights, model)
+    elif not meta:
+        raise ConfigError(
+            f"init={init if isinstance(init, str) else resolved.describe()!r} gives the first values of a model built on "
+            f"the meta device, but this model has values already: build it under torch.device('meta') (on the "
+            f"command line --init meta), or drop init to train it as it is"
+        )
+    return resolved, meta
 
 
 def _samples(data: Any) -> str:

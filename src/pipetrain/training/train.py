@@ -46,7 +46,7 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
         torch.set_num_threads(config.threads_per_worker)
         run = prepare(config, parts)
         result = train_emulated(run, callbacks or None)
-        write_outputs(config, result, run.model.state_dict())
+        write_outputs(config, result, run)
         callbacks.end(result)
         return result
     from pipetrain.runtime.launch import detect
@@ -66,12 +66,23 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     return result
 
 
-def write_outputs(config: TrainConfig, result: TrainResult, state_dict) -> None:
-    """--save, --report-json, --trace and --plot, each written atomically."""
+def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None) -> None:
+    """--save, --report-json, --trace and --plot, each written atomically. ``state_dict``: the
+    trained unsplit model's, for a one-file ``--save`` (default: ``run.model``'s); a weights
+    directory is written here only when every stage lives in this process (the emulator: the
+    runtime's ranks write their own shards)."""
     if config.save:
-        from pipetrain.training.outputs import save_state_dict
+        from pipetrain.paths import is_weights_dir
 
-        save_state_dict(state_dict, config.save)
+        if not is_weights_dir(config.save):
+            from pipetrain.training.outputs import save_state_dict
+
+            save_state_dict(run.model.state_dict() if state_dict is None else state_dict, config.save)
+        elif config.executor == "emulate":
+            from pipetrain.training.outputs import weight_writers, write_rank_shard, write_weights_index
+
+            modules = dict(enumerate(run.staged.stages))
+            write_weights_index(run, [write_rank_shard(run, rank, modules) for rank in weight_writers(run)])
     if config.report_json:
         result.write_report(config.report_json)
     if config.trace and result.timeline is not None:

@@ -14,7 +14,7 @@ import json
 import os
 
 from pipetrain.errors import ConfigError
-from pipetrain.paths import check_outputs
+from pipetrain.paths import WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, is_weights_dir
 from pipetrain.training.config import TrainConfig
 
 __all__ = ["check_config", "check_execution", "read_plan", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
@@ -55,11 +55,13 @@ def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = 
     _check_checkpoints(config)
     if rank is None:
         rank = int(os.environ.get("RANK", "0") or 0)
-    files = {"--save": config.save, "--report-json": config.report_json, "--trace": config.trace,
+    _check_init(config)
+    sharded = bool(config.save) and is_weights_dir(config.save)  # every rank writes a shard of a directory
+    files = {"--save": None if sharded else config.save, "--report-json": config.report_json, "--trace": config.trace,
              "--plot": config.plot}
     check_outputs(
         files=files if rank == 0 else {},
-        directories={"--checkpoint-dir": config.checkpoint_dir},
+        directories={"--checkpoint-dir": config.checkpoint_dir, "--save": config.save if sharded else None},
     )
 
 
@@ -211,6 +213,22 @@ def read_plan(config: TrainConfig) -> tuple[dict, list[int], list[int]]:
 def _check_plan(config: TrainConfig) -> None:
     if config.plan:
         read_plan(config)
+
+
+def _check_init(config: TrainConfig) -> None:
+    """``--init-from DIR`` names a weights directory (its index is read once PyTorch is there)."""
+    path = config.init
+    if not path or path == "reset" or path.startswith("function "):
+        return
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return
+    if not os.path.isdir(path):
+        raise ConfigError(f"--init-from {path!r}: no such directory; name a directory written by --save DIR or "
+                          f"save_pretrained")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in (WEIGHTS_INDEX, WEIGHTS_SINGLE)):
+        raise ConfigError(f"--init-from {path!r} holds neither {WEIGHTS_INDEX} nor {WEIGHTS_SINGLE}: it is not a "
+                          f"weights directory "
+                          f"(written by --save DIR or save_pretrained)")
 
 
 def _check_checkpoints(config: TrainConfig) -> None:
