@@ -1,13 +1,14 @@
 """pipetrain: pipeline-parallel training for PyTorch.
 
 The public face: :class:`Pipeline` (train a model with any schedule in one process),
+:func:`load_weights` (a weights directory written by ``save=DIR`` into the unsplit model),
 :mod:`pipetrain.schedule` (the schedule IR, generators, validation and simulation) and the
 `pipetrain` command.
 """
 
 from pipetrain.errors import PipetrainError
 
-__all__ = ["Pipeline", "PipetrainError"]
+__all__ = ["Pipeline", "PipetrainError", "load_weights"]
 __version__ = "0.1.0"
 
 
@@ -17,4 +18,8 @@ def __getattr__(name: str):
         from pipetrain.pipeline import Pipeline
 
         return Pipeline
+    if name == "load_weights":
+        from pipetrain.weights import load_weights
+
+        return load_weights
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")

@@ -77,12 +77,18 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 
 def write_shard(directory: str | os.PathLike, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Write ``tensors`` (unsplit names) as shard ``name`` of ``directory``, atomically (a temporary
-    file renamed); returns its record ``{"name", "keys", "bytes"}`` for :func:`write_index`."""
+    file renamed); returns its record ``{"name", "keys", "bytes"}`` for :func:`write_index`. Names
+    of one tensor (tied weights: the same memory) are stored once, under the first."""
     st = _safetensors()
     target = Path(directory) / name
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    values = {key: _host(value) for key, value in tensors.items()}
+    values, seen = {}, set()
+    for key, value in tensors.items():
+        same = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+        if same not in seen or not value.numel():  # (empty tensors own no memory to share)
+            seen.add(same)
+            values[key] = _host(value)
     try:
         st.torch.save_file(values, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, target)

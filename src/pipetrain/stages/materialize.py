@@ -40,7 +40,7 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["Init", "assign", "has_meta", "materialize", "meta_names", "resolve_init", "seed_for"]
+__all__ = ["Init", "assign", "has_meta", "materialize", "first_names", "resolve_init", "seed_for"]
 
 #: torch.nn modules whose constructor initialises them through a private method
 _PRIVATE_RESETS = {nn.MultiheadAttention: "_reset_parameters"}
@@ -51,9 +51,16 @@ def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in chain(module.parameters(), module.buffers()))
 
 
-def meta_names(module: nn.Module) -> list[str]:
-    """The state-dict names of ``module``'s tensors that are on the meta device."""
-    return [key for key, value in module.state_dict(keep_vars=True).items() if value.is_meta]
+def first_names(model: nn.Module) -> dict[int, str]:
+    """Each tensor's (parameter's or buffer's) first qualified name in ``model``, by identity: its
+    state-dict name, and a name for non-persistent buffers too."""
+    first: dict[int, str] = {}
+    for prefix, module in model.named_modules():
+        for table in (module._parameters, module._buffers):
+            for attr, value in table.items():
+                if value is not None and id(value) not in first:
+                    first[id(value)] = f"{prefix}.{attr}" if prefix else attr
+    return first
 
 
 def seed_for(seed: int, name: str) -> int:
@@ -252,17 +259,12 @@ def _initialised_by(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], dict
     """The model's modules in constructor order's reverse (children before parents), the tensors
     each one initialises (those whose first name lies inside it) and each tensor's first name."""
     modules = list(model.named_modules())
-    first: dict[int, str] = {}
+    first = first_names(model)
     inside: dict[str, set[int]] = {name: set() for name, _ in modules}
-    for prefix, module in modules:
-        for table in (module._parameters, module._buffers):
-            for attr, value in table.items():
-                if value is None or id(value) in first:
-                    continue
-                first[id(value)] = f"{prefix}.{attr}" if prefix else attr
-                parts = prefix.split(".") if prefix else []
-                for depth in range(len(parts) + 1):
-                    inside[".".join(parts[:depth])].add(id(value))
+    for tensor, name in first.items():
+        parts = name.split(".")[:-1]
+        for depth in range(len(parts) + 1):
+            inside[".".join(parts[:depth])].add(tensor)
     return list(reversed(modules)), inside, first
 
 

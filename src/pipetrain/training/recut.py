@@ -38,12 +38,9 @@ CUT_KEYS = frozenset({"stages", "balance", "split_at", "replicas", "chunks", "st
 
 def _unsplit_names(model, module) -> dict[str, str]:
     """``{name in module: first qualified name in model}`` for ``module``'s parameters and buffers."""
-    first: dict[int, str] = {}
-    for prefix, sub in model.named_modules():
-        for table in (sub._parameters, sub._buffers):
-            for attr, value in table.items():
-                if value is not None and id(value) not in first:
-                    first[id(value)] = f"{prefix}.{attr}" if prefix else attr
+    from pipetrain.stages.materialize import first_names
+
+    first = first_names(model)
     names = {}
     for name, value in [*module.named_parameters(), *module.named_buffers()]:
         names[name] = first.get(id(value), name)
