@@ -189,7 +189,9 @@ class Pipeline:
     @property
     def is_main(self) -> bool:
         """Whether this process reports for the run: the emulator's, or rank 0 of a distributed
-        run (it holds the whole trained model after :meth:`fit` or :meth:`finish`)."""
+        run (it holds the whole trained model after :meth:`fit` or :meth:`finish`, unless the model
+        was built on the meta device: then every rank holds its own stages, and ``save=DIR``
+        writes them all)."""
         return self.rank == 0
 
     @property
@@ -201,7 +203,8 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under the unsplit model's keys (after a distributed run: complete on the
-        main rank, each other rank's own stages trained)."""
+        main rank, each other rank's own stages trained; of a model built on meta, each rank's
+        own stages, the others' still on meta)."""
         return self.staged.merge_state_dict([stage.state_dict() for stage in self.staged.stages])
 
     # -- training with fit ---------------------------------------------------------------------
@@ -242,7 +245,9 @@ class Pipeline:
 
         ``callbacks``: :class:`~pipetrain.training.callbacks.Callback` objects (or functions
         ``f(step, loss)``), called where the information is. Checkpoints (``checkpoint_dir``,
-        ``checkpoint_every``, ``resume``, ``keep``) and the outputs (``save``: the unsplit ``state_dict``,
+        ``checkpoint_every``, ``resume``, ``keep``) and the outputs (``save``: the unsplit ``state_dict``
+        in one file, or with a path without a file suffix a weights directory written stage by stage,
+        see :mod:`pipetrain.weights`,
         ``report_json``, ``trace``, ``plot``) are those of ``pipetrain train``; so are the lines
         printed before and during training (the chosen stages, each evaluation), which ``quiet``
         leaves out, and the progress bar (default: on a terminal). Returns the

@@ -252,6 +252,9 @@ class StageExecutor:
             a model built on the meta device, :mod:`pipetrain.stages.materialize`): version 0 is
             their tensors, not a copy, so a stage holds its weights once. Others are copied, so
             that training leaves the caller's module as it is until :meth:`write_back`.
+        update_in_backward: apply each one-microbatch update during its backward, parameter by
+            parameter, so that the stage never holds its whole gradient (only where the caller
+            knows nothing else needs it: :mod:`pipetrain.execution.update_in_backward`).
     """
 
     def __init__(
@@ -271,6 +274,7 @@ class StageExecutor:
         scaler: LossScale | None = None,
         units_per_update: int = 1,
         own_weights: frozenset[str] = frozenset(),
+        update_in_backward: bool = False,
     ) -> None:
         if nonfinite not in NONFINITE:
             raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {nonfinite!r}")
@@ -317,6 +321,11 @@ class StageExecutor:
         self._backward_params: Mapping[str, Tensor] | None = None
         self._leaves: dict[int, dict[str, Tensor]] = {}
         self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
+        self._fused = None
+        if update_in_backward and optimizer is not None and self.scaler is None and nonfinite != "skip":
+            from pipetrain.execution.update_in_backward import UpdateInBackward, can_update_in_backward
+
+            self._fused = UpdateInBackward(optimizer) if can_update_in_backward(optimizer) else None
         warm_up_autograd()
 
     @property
@@ -729,6 +738,11 @@ class StageExecutor:
             x.grad = None
         if self.policy in _INCONSISTENT:
             self._backward_params = self.versions[version]
+        hooks = []
+        if (self._fused is not None and not weights_only and self.pending_samples == record.samples  # the first
+                and self.grad_scale == 1.0 and all(leaf.grad is None for leaf in record.leaves.values())
+                and self._fused.applies(self.versions, version, bool(self.in_flight), list(record.leaves))):
+            hooks = self._fused.hook(record.leaves, self.versions[version], self.samples_seen)
         try:
             if weights_only:  # W of a split backward: the input gradients are done, skip them
                 torch.autograd.backward(roots, grads, inputs=list(record.leaves.values()))
@@ -736,6 +750,8 @@ class StageExecutor:
                 torch.autograd.backward(roots, grads)
         finally:
             self._backward_params = None
+            for handle in hooks:
+                handle.remove()
         return [x.grad for x in inputs]
 
     # -- update ----------------------------------------------------------------------------------
@@ -753,6 +769,8 @@ class StageExecutor:
         versions = self.versions
         current = versions.latest
         number = versions.current
+        if self._fused is not None and self._fused.applied:
+            return self._step_made_in_backward(release)
         # nothing reads the replaced version any more (its autograd leaves go with it), unless a
         # microbatch in flight will recompute its forward on it: then update in place
         in_place = versions.releasing_current(release) and not self._awaits_recomputation(number)
@@ -806,6 +824,28 @@ class StageExecutor:
             self.release(number)
         made = versions.push(new)
         if number in self._leaves and not versions.holds(number):  # the push dropped it (released before)
+            del self._leaves[number]
+        return made
+
+    def _step_made_in_backward(self, release: Sequence[int]) -> int:
+        """The bookkeeping of an update the backward made (:mod:`~pipetrain.execution.update_in_backward`):
+        the current version's tensors hold the new weights, which become the next version."""
+        versions, number = self.versions, self.versions.current
+        if not versions.releasing_current(release):
+            raise PipetrainError(f"internal error: stage {self.stage} updated version {number} in place during the "
+                                 f"backward, but the schedule keeps it; please report this with the command")
+        self._fused.finish()
+        current = versions.latest
+        for version in release:
+            if version != number:
+                self.release(version)
+        self.samples_seen += self.pending_samples
+        self.pending_samples = 0
+        self.grads = None
+        if number in release:
+            self.release(number)
+        made = versions.push(dict(current))
+        if number in self._leaves and not versions.holds(number):
             del self._leaves[number]
         return made
 

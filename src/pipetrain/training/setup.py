@@ -174,7 +174,15 @@ class Run:
             scaler=loss_scale_of(self.config),
             units_per_update=self.layout.units_per_update,
             own_weights=own,
+            update_in_backward=self._updates_in_backward(stage),
         )
+
+    def _updates_in_backward(self, stage: int) -> bool:
+        """Whether ``stage`` may make each update during its backward (one microbatch per update on
+        one weight version, no replicas, no parameter shared with another stage:
+        :mod:`pipetrain.execution.update_in_backward`)."""
+        return (self.schedule.policy == "flush" and self.layout.units_per_update == 1
+                and len(self.schedule.stage_ranks[stage]) == 1 and not self._tied_names(stage))
 
     def _tied_names(self, stage: int) -> set[str]:
         return {name for t in self.staged.tied for s, name in t.holders if s == stage}
