@@ -54,6 +54,8 @@ def test_the_runtime_equals_the_emulator_and_writes_the_same_weights_directory(t
     configs = [TrainConfig(**{**BASE, **extra}, schedule=schedule, stages=2, executor="distributed", meta=True,
                            init=init, save=str(tmp_path / f"{schedule}-{init == 'reset'}-distributed.pt"))
                for schedule, extra in SCHEDULES.items() for init in (initial, "reset")]
+    configs.append(TrainConfig(**BASE, schedule="1f1b", microbatches=1, stages=2, executor="distributed", meta=True,
+                               init="reset", save=str(tmp_path / "update-in-backward-distributed.pt")))
     assert_distributed_equals_emulated(configs, workers=2, timeout=240)
     common = ["--model", MODEL, "--data", DATA, "--steps", "3", "--batch-size", "8", "--stages", "2", "--init", "meta",
               "--balance-by", "params", "--quiet", "--eval-samples", "16"]

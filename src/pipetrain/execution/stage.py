@@ -322,7 +322,8 @@ class StageExecutor:
         self._leaves: dict[int, dict[str, Tensor]] = {}
         self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
         self._fused = None
-        if update_in_backward and optimizer is not None and self.scaler is None and nonfinite != "skip":
+        if update_in_backward and units_per_update == 1 and optimizer is not None and self.scaler is None \
+                and nonfinite != "skip":
             from pipetrain.execution.update_in_backward import UpdateInBackward, can_update_in_backward
 
             self._fused = UpdateInBackward(optimizer) if can_update_in_backward(optimizer) else None
