@@ -21,15 +21,18 @@ def test_a_1f1b_checkpoint_at_2_stages_resumes_at_4_like_the_uninterrupted_run(t
     first = pipetrain("--schedule", "1f1b", "--stages", "2", "--checkpoint-dir", str(tmp_path / "a"),
                       "--checkpoint-every", "3")
     assert first.returncode == 0, first.stderr
-    resumed = pipetrain("--schedule", "gpipe", "--stages", "4", "--checkpoint-dir", str(tmp_path / "b"),
+    resumed = pipetrain("--schedule", "1f1b", "--stages", "4", "--checkpoint-dir", str(tmp_path / "b"),
                         "--resume", str(tmp_path / "a" / "step-000003"), "--save", str(tmp_path / "resumed.pt"))
     assert resumed.returncode == 0, resumed.stderr
     whole = pipetrain("--schedule", "1f1b", "--stages", "4", "--executor", "emulate", "--save", str(tmp_path / "whole.pt"))
     assert whole.returncode == 0, whole.stderr
     a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "whole.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    refused = pipetrain("--schedule", "pipedream", "--stages", "3", "--checkpoint-dir", str(tmp_path / "c"),
-                        "--resume", str(tmp_path / "a" / "step-000003"))
+    asynchronous = pipetrain("--schedule", "pipedream", "--stages", "2", "--checkpoint-dir", str(tmp_path / "c"),
+                             "--checkpoint-every", "3")
+    assert asynchronous.returncode == 0, asynchronous.stderr
+    refused = pipetrain("--schedule", "pipedream", "--stages", "3", "--checkpoint-dir", str(tmp_path / "d"),
+                        "--resume", str(tmp_path / "c" / "step-000003"))
     assert refused.returncode == 2
-    assert "on another cut" in refused.stderr and "pipedream is asynchronous" in refused.stderr
+    assert "on another cut" in refused.stderr and "asynchronous schedule (version policy stash)" in refused.stderr
     assert "Traceback" not in refused.stderr

@@ -31,9 +31,8 @@ from pipetrain.runtime.errors import CheckpointMismatchError
 
 __all__ = ["CUT_KEYS", "layout_of", "recut_needed", "recut_state"]
 
-#: what a synchronous run may change when it resumes (the cut, and which flush schedule runs it)
-CUT_KEYS = frozenset({"stages", "balance", "split_at", "replicas", "chunks", "stage_costs", "workers", "schedule",
-                      "plan"})
+#: what a synchronous run may change when it resumes: the cut (the schedule stays the same)
+CUT_KEYS = frozenset({"stages", "balance", "split_at", "replicas", "chunks", "stage_costs", "workers"})
 
 
 def _unsplit_names(model, module) -> dict[str, str]:
