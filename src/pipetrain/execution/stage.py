@@ -71,6 +71,7 @@ from pipetrain.execution.device import to_device
 from pipetrain.execution.scaling import LossScale
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
+from pipetrain.structure import Structure, append, arguments, describe, flatten, split_last
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
 
@@ -182,12 +183,15 @@ class _Parameters:
             owner, _, attr = name.rpartition(".")
             self.slots.append((module.get_submodule(owner)._parameters, attr, canonical[id(p)]))
 
-    def __call__(self, params: Mapping[str, Tensor], inputs: tuple) -> Any:
+    def __call__(self, params: Mapping[str, Tensor], inputs: tuple, structure: Structure | None = None) -> Any:
+        """``module`` on ``inputs`` (the leaves of a value of ``structure``, under the call convention
+        of :mod:`pipetrain.structure`) with ``params``."""
+        args, kwargs = (inputs, {}) if structure is None else arguments(structure.unflatten(inputs))
         saved = [(table, attr, table[attr]) for table, attr, _ in self.slots]
         try:
             for table, attr, name in self.slots:
                 table[attr] = params[name]
-            return self.module(*inputs)
+            return self.module(*args, **kwargs)
         finally:
             for table, attr, original in saved:
                 table[attr] = original
@@ -209,7 +213,7 @@ class _ParamRef:
 class _InFlight:
     """What a microbatch leaves on a stage between its forward and its backward."""
 
-    inputs: tuple  # the stage inputs as autograd leaves (or raw values)
+    inputs: tuple  # the stage inputs' leaves (pipetrain.structure), as autograd leaves (or raw values)
     roots: tuple[Tensor, ...]  # outputs (or the scaled loss) to differentiate
     leaves: dict[str, Tensor]  # trainable parameters of the version the forward read
     samples: int
@@ -223,6 +227,7 @@ class _InFlight:
     microbatch: int = 0
     rng: Any = None  # recomputation: the random state the forward started from (None: a per-microbatch seed)
     predicted: dict[str, Tensor] | None = None  # the tensors the optimizer's prediction wrote, if it made any
+    structure: Structure | None = None  # how the inputs' leaves make the value the stage is called with
 
 
 class StageExecutor:
@@ -369,9 +374,15 @@ class StageExecutor:
         samples: int = 0,
         params: Mapping[str, Tensor] | None = None,
         stamp: float | None = None,
-    ) -> tuple:
+    ) -> Any:
         """Run the forward of ``microbatch`` on ``version``; returns the outputs to pass on (detached),
         or on the last stage ``(loss,)`` with the unscaled mean loss.
+
+        ``inputs`` is what the previous stage returned (or the model input): a tensor, a tuple of
+        tensors, or any structure of them (:mod:`pipetrain.structure`), called under the boundary
+        convention. The outputs come back as a tuple of tensors (a tensor ``t`` as ``(t,)``), or as
+        the structure the stage returned; the backward's ``grad_outputs`` follow the outputs'
+        leaves, and the gradients it returns the inputs' leaves.
 
         ``params`` replaces the weights read (e.g. predictions made earlier); by default the
         forward reads ``version``, extrapolated by the optimizer under the ``predict`` policy.
@@ -401,25 +412,27 @@ class StageExecutor:
             elif self.stage == 0:
                 scale = self._stamp(microbatch)
             else:  # the stamp stage 0 put after the outputs
-                *rest, carried = as_tuple(inputs)
-                scale, inputs = float(carried), tuple(rest)
-        inputs = tuple(
+                inputs, carried = split_last(as_tuple(inputs))
+                scale = float(carried)
+        inputs, structure = flatten(inputs)  # a tensor or a flat tuple: as it is, no structure
+        inputs = tuple(  # non-floating leaves (ids, masks) take no gradient
             x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
-            for x in to_device(as_tuple(inputs), device, non_blocking=True)
+            for x in to_device(inputs, device, non_blocking=True)
         )
         if isinstance(target, Tensor) and target.device != device:
             target = target.to(device, non_blocking=True)
         if self.stochastic:
             torch.manual_seed(self._microbatch_seed(microbatch))
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
-                           scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted)
+                           scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted,
+                           structure=structure)
         if self.recompute and not self.stochastic:  # whatever random numbers the forward draws, replayed
             record.rng = _rng_state(self.device)
         try:
             with torch.no_grad() if self.recompute else contextlib.nullcontext():
                 output, loss = self._compute(record)
         except (RuntimeError, TypeError, ValueError) as error:
-            raise self._forward_error(error, inputs, target) from None
+            raise self._forward_error(error, inputs, target, structure) from None
         if self.is_last:
             self.last_loss = loss.detach()
             if self.nonfinite == "stop" and not _finite_loss(self.last_loss):
@@ -432,13 +445,15 @@ class StageExecutor:
                 record.roots = (self._scaled(loss, record),)
             self.in_flight[microbatch] = record
             return (self.last_loss,)
-        outputs = as_tuple(output)
+        outputs, shape = flatten(output)
         if not self.recompute:
             record.roots = outputs
         self.in_flight[microbatch] = record
-        sent = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+        sent: Any = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+        if shape is not None:
+            sent = shape.unflatten(sent)
         if self.scaler is not None:
-            sent += (torch.tensor([scale], dtype=torch.float32, device=device),)
+            sent = append(sent, torch.tensor([scale], dtype=torch.float32, device=device))
         return sent
 
     @staticmethod
@@ -477,11 +492,11 @@ class StageExecutor:
             if self.policy in _INCONSISTENT and torch.is_grad_enabled():
                 record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
                 with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
-                    output = self.call(leaves, inputs)
+                    output = self.call(leaves, inputs, record.structure)
                     if self.is_last:
                         loss = self.loss_fn(output, target)
             else:
-                output = self.call(leaves, inputs)
+                output = self.call(leaves, inputs, record.structure)
                 if self.is_last:
                     loss = self.loss_fn(output, target)
         return output, loss
@@ -510,7 +525,7 @@ class StageExecutor:
         if self.is_last:
             record.roots = (self._scaled(loss, record),)
         else:
-            record.roots = as_tuple(output)
+            record.roots = flatten(output)[0]
 
     def _nonfinite_origin(self, inputs: tuple) -> str:
         """Where a non-finite loss came from, as far as this stage can tell (the error path only)."""
@@ -524,12 +539,12 @@ class StageExecutor:
             return f" (the weights of this stage are not finite in {_nonfinite_names(weights)})"
         return " (its input and weights are finite: its own computation overflowed)"
 
-    def _forward_error(self, error: Exception, inputs: tuple, target: Any) -> PipetrainError:
+    def _forward_error(self, error: Exception, inputs: tuple, target: Any,
+                       structure: Structure | None = None) -> PipetrainError:
         """A failing forward, explained in terms of stages and shapes."""
-        shapes = ", ".join(
-            f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}" if isinstance(x, Tensor) else type(x).__name__
-            for x in inputs
-        )
+        shapes = describe(inputs if structure is None else structure.unflatten(inputs))
+        if structure is None:  # a flat tuple: the shapes without their positions, as always
+            shapes = ", ".join(describe(x) for x in inputs)
         text = str(error).splitlines()[0] if str(error) else type(error).__name__
         origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
         message = f"stage {self.stage} cannot run on its input ({shapes}) from {origin}: {text}"
@@ -865,6 +880,7 @@ class StageExecutor:
                     "version": r.version,
                     "samples": r.samples,
                     "inputs": tuple(x.detach() if isinstance(x, Tensor) else x for x in r.inputs),
+                    "structure": None if r.structure is None else r.structure.text,
                     "target": r.target,
                     "loss_scale": r.loss_scale,
                     "scale": r.scale,
@@ -903,8 +919,11 @@ class StageExecutor:
             params = None
             if record["params"] is not None:
                 params = {**self.versions[record["version"]], **record["params"]}
+            inputs = record["inputs"]
+            if record.get("structure") is not None:
+                inputs = Structure.parse(record["structure"]).unflatten(inputs)
             out = self.forward(
-                record["microbatch"], record["version"], record["inputs"], target=record["target"],
+                record["microbatch"], record["version"], inputs, target=record["target"],
                 samples=record["samples"], params=params,
                 loss_scale=record["loss_scale"], stamp=record.get("scale") if self.scaler is not None else None,
             )
@@ -920,9 +939,10 @@ class StageExecutor:
         """Forward-only pass on the current weights (module in eval mode), for held-out data."""
         was_training = self.module.training
         self.module.eval()
+        leaves, structure = flatten(inputs)
         try:
             with torch.no_grad(), self._autocast():
-                return self.call(self.versions.latest, to_device(as_tuple(inputs), self.device, non_blocking=True))
+                return self.call(self.versions.latest, to_device(leaves, self.device, non_blocking=True), structure)
         finally:
             self.module.train(was_training)
 

@@ -46,6 +46,7 @@ from pipetrain.runtime.errors import CommunicationError
 from pipetrain.runtime.p2p import Messenger, RecvHandle
 from pipetrain.runtime.sends import Messages, SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
+from pipetrain.structure import append, flatten, split_last
 
 __all__ = ["RankRunner", "sync_groups"]
 
@@ -338,7 +339,7 @@ class RankRunner:
                 elif kind is _W:
                     executors[stage].backward_weight(k, version)
                 elif kind is _SEND_F:
-                    payload = local.pop(("F", stage + 1, k)) + (self._labels[k],)
+                    payload = append(local.pop(("F", stage + 1, k)), self._labels[k])
                     self._send(payload, schedule.peer_of(action), "act" + str(stage + 1), k, action, pc)
                 elif kind is _SEND_B:
                     grads = local.pop(("B", stage - 1, k))
@@ -348,8 +349,7 @@ class RankRunner:
                                info=(mask,))
                 elif kind is _RECV_F:
                     payload, _ = self._receive((schedule.peer_of(action), "act" + str(stage)), pc)
-                    local[("F", stage, k)] = payload[:-1]
-                    self._labels[k] = payload[-1]
+                    local[("F", stage, k)], self._labels[k] = split_last(payload)
                 elif kind is _RECV_B:
                     payload, handle = self._receive((schedule.peer_of(action), "grad" + str(stage)), pc)
                     local[("B", stage, k)] = _unmask(payload, handle.info[0] if handle.info else None)
@@ -516,8 +516,8 @@ class RankRunner:
                         self._local[("F", stage + 1, k)] = out
                 elif (stage, k) in crossing:
                     sent_at, action = crossing[(stage, k)]
-                    self._send(out + (self._labels[k],), schedule.peer_of(action), "act" + str(stage + 1), k, action,
-                               sent_at)
+                    self._send(append(out, self._labels[k]), schedule.peer_of(action), "act" + str(stage + 1), k,
+                               action, sent_at)
         # versions kept only for the checkpoint (keep_for_cuts): the program released them before the cut
         released = self._released()
         for stage, version in {(action.stage, action.version) for action in forwards}:
@@ -544,11 +544,11 @@ class RankRunner:
             if on_loss is not None:
                 on_loss(k, loss)
         else:
-            for value in out:
+            for value in flatten(out)[0]:
                 if not isinstance(value, torch.Tensor):
                     raise PipetrainError(
-                        f"stage {stage} returned a {type(value).__name__}; stages must pass tensors (or tuples of "
-                        "tensors) to the next stage"
+                        f"stage {stage} returned a {type(value).__name__}; stages must pass tensors (alone, or in "
+                        "tuples, lists and dicts) to the next stage"
                     )
             local[("F", stage + 1, k)] = out
 

@@ -330,6 +330,7 @@ def _names(model: nn.Module) -> list[str] | None:
 def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype: torch.dtype):
     """The inputs and targets of the run's first microbatch, read without touching any random state."""
     from pipetrain.data import BatchSampler, get_batch
+    from pipetrain.structure import cast_floating, rows
 
     layout = UnitLayout(config.batch_size, max(_units_per_update(config, name), 1))
     _, start, stop = layout.bounds(0)
@@ -337,15 +338,13 @@ def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype:
         if isinstance(train_set, DataLoader):  # a microbatch's worth of its samples times the stages alike
             if isinstance(train_set.dataset, IterableDataset):
                 x, y = next(iter(train_set))
-                x, y = x[start:stop], y[start:stop]
+                x, y = rows(x, start, stop), y[start:stop]
             else:
                 x, y = get_batch(train_set.dataset, range(start, min(stop, len(train_set.dataset))))
         else:
             indices = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle).indices(0)
             x, y = get_batch(train_set, indices[start:stop])
-    if isinstance(x, Tensor) and x.is_floating_point():
-        x = x.to(dtype)
-    return x, y
+    return cast_floating(x, dtype), y
 
 
 def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, trace: dict):
