@@ -458,19 +458,24 @@ def test_transformer_encoder_is_cut_between_its_layers_transparently(cut):
         assert torch.equal(run_stages(staged.stages, x), model(x))
 
 
-def test_units_of_an_encoder_are_its_layers_and_a_masked_encoder_stays_whole():
+def test_units_of_an_encoder_are_its_layers_with_or_without_a_mask():
     staged = split_model(Encoded(), stages=3)
     assert staged.split_at == ["encoder.layers.1", "encoder.layers.3"]
+    masked = Encoded(masked=True).double()
+    staged = split_model(masked, split_at=["encoder.layers.2"])
+    x, y = torch.randint(0, 11, (3, 12)), torch.tensor([0, 1, 2])
+    check_transparent(masked, staged, x, y)
+    assert split_model(masked, stages=4).split_at == ["encoder.layers.1", "encoder.layers.2", "encoder.layers.3"]
+    assert split_model(Encoded(), stages=2, leaf_modules=["encoder"]).split_at == ["encoder"]  # whole
     with pytest.raises(ConfigError) as info:
-        split_model(Encoded(masked=True), split_at=["encoder.layers.2"])
+        split_model(Encoded(), split_at=["encoder.layers.2"], leaf_modules=["encoder"])
     message = str(info.value)
-    assert "lies inside 'encoder'" in message and "called with a mask" in message and "split at 'encoder'" in message
+    assert "lies inside 'encoder'" in message and "made one by leaf_modules" in message
     with pytest.raises(ConfigError) as info:
-        split_model(Encoded(masked=True), stages=4)
+        split_model(Encoded(), stages=4, leaf_modules=["encoder"])
     message = str(info.value)
     assert "3 pipeline units (embed, encoder, head)" in message and "--stages 3 or fewer" in message
     assert "inside" not in message  # no advice that the other errors contradict
-    assert split_model(Encoded(), stages=2, leaf_modules=["encoder"]).split_at == ["encoder"]  # whole
 
 
 def test_leaf_advice_names_the_flag():

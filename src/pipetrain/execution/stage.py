@@ -313,6 +313,10 @@ class StageExecutor:
         self.pending_samples = 0
         self.samples_seen = 0
         self.last_loss: Tensor | None = None
+        #: the floating outputs of the last forward that need no gradient (bit i: leaf i; they did not
+        #: require grad here, e.g. a mask built from a shape or a passed-on model input): the next
+        #: stage's ``forward(constants=...)``, so that it neither computes nor sends gradients for them
+        self.last_constants = 0
         self._backward_params: Mapping[str, Tensor] | None = None
         self._leaves: dict[int, dict[str, Tensor]] = {}
         self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
@@ -374,6 +378,7 @@ class StageExecutor:
         samples: int = 0,
         params: Mapping[str, Tensor] | None = None,
         stamp: float | None = None,
+        constants: int = 0,
     ) -> Any:
         """Run the forward of ``microbatch`` on ``version``; returns the outputs to pass on (detached),
         or on the last stage ``(loss,)`` with the unscaled mean loss.
@@ -382,7 +387,11 @@ class StageExecutor:
         tensors, or any structure of them (:mod:`pipetrain.structure`), called under the boundary
         convention. The outputs come back as a tuple of tensors (a tensor ``t`` as ``(t,)``), or as
         the structure the stage returned; the backward's ``grad_outputs`` follow the outputs'
-        leaves, and the gradients it returns the inputs' leaves.
+        leaves, and the gradients it returns the inputs' leaves. Floating leaves of the inputs
+        take a gradient (on stages after the first) unless ``constants`` (the previous stage's
+        :attr:`last_constants`) marks them: a float mask that needs none stays a plain tensor, so
+        that the stage computes exactly what one process computes (attention picks its kernel by
+        whether the mask requires grad).
 
         ``params`` replaces the weights read (e.g. predictions made earlier); by default the
         forward reads ``version``, extrapolated by the optimizer under the ``predict`` policy.
@@ -415,9 +424,10 @@ class StageExecutor:
                 inputs, carried = split_last(as_tuple(inputs))
                 scale = float(carried)
         inputs, structure = flatten(inputs)  # a tensor or a flat tuple: as it is, no structure
-        inputs = tuple(  # non-floating leaves (ids, masks) take no gradient
-            x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
-            for x in to_device(inputs, device, non_blocking=True)
+        inputs = tuple(  # non-floating leaves (ids, masks) take no gradient, nor the constants
+            x.detach().requires_grad_(True)
+            if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 and not (constants >> i) & 1 else x
+            for i, x in enumerate(to_device(inputs, device, non_blocking=True))
         )
         if isinstance(target, Tensor) and target.device != device:
             target = target.to(device, non_blocking=True)
@@ -446,6 +456,7 @@ class StageExecutor:
             self.in_flight[microbatch] = record
             return (self.last_loss,)
         outputs, shape = flatten(output)
+        self.last_constants = self._constants(outputs, inputs)
         if not self.recompute:
             record.roots = outputs
         self.in_flight[microbatch] = record
@@ -455,6 +466,16 @@ class StageExecutor:
         if self.scaler is not None:
             sent = append(sent, torch.tensor([scale], dtype=torch.float32, device=device))
         return sent
+
+    def _constants(self, outputs: tuple, inputs: tuple) -> int:
+        """:attr:`last_constants` of ``outputs``. A forward without a graph (recomputation) cannot
+        tell a new tensor that needs no gradient from one that does: there only the inputs it hands
+        on unchanged are known (a mask made by an earlier stage); it marks nothing else."""
+        if self.recompute:
+            passed = {id(x) for x in inputs if isinstance(x, Tensor) and not x.requires_grad}
+            return sum(1 << i for i, o in enumerate(outputs) if i < 62 and id(o) in passed and o.is_floating_point())
+        return sum(1 << i for i, o in enumerate(outputs) if i < 62 and isinstance(o, Tensor)
+                   and o.is_floating_point() and not o.requires_grad)
 
     @staticmethod
     def _scaled(loss: Tensor, record: _InFlight) -> Tensor:
@@ -571,17 +592,19 @@ class StageExecutor:
     # -- backward --------------------------------------------------------------------------------
 
     def _differentiable(self, record: _InFlight, grad_outputs: Sequence | None):
+        """The outputs to differentiate and their gradients. An output that requires grad but got no
+        gradient was used by the later stages in no differentiable way (a mask that only chose a
+        causal kernel, a value passed on and never used): it adds nothing, as in one process."""
         self._recompute(record)
+        if grad_outputs is None:  # the last stage: the loss
+            return [r for r in record.roots if isinstance(r, Tensor) and r.requires_grad], None
         roots, grads = [], []
         for index, root in enumerate(record.roots):
-            if isinstance(root, Tensor) and root.requires_grad:
-                roots.append(root)
-                grads.append(None if grad_outputs is None or index >= len(grad_outputs) else grad_outputs[index])
-        if grad_outputs is None:
-            grads = None
-        elif any(g is None for g in grads):
-            missing = [i for i, g in enumerate(grads) if g is None]
-            raise PipetrainError(f"stage {self.stage}: no gradient arrived for outputs {missing}")
+            if isinstance(root, Tensor) and root.requires_grad and index < len(grad_outputs):
+                grad = grad_outputs[index]
+                if grad is not None:
+                    roots.append(root)
+                    grads.append(grad)
         return roots, grads
 
     def _input_gradients(self, record: _InFlight, version: int, inputs: list[Tensor], grad_outputs):
@@ -881,6 +904,8 @@ class StageExecutor:
                     "samples": r.samples,
                     "inputs": tuple(x.detach() if isinstance(x, Tensor) else x for x in r.inputs),
                     "structure": None if r.structure is None else r.structure.text,
+                    "constants": sum(1 << i for i, x in enumerate(r.inputs) if isinstance(x, Tensor)
+                                     and x.is_floating_point() and not x.requires_grad and i < 62),
                     "target": r.target,
                     "loss_scale": r.loss_scale,
                     "scale": r.scale,
@@ -895,9 +920,10 @@ class StageExecutor:
             },
         }
 
-    def restore(self, state: dict[str, Any]) -> list[tuple[int, tuple]]:
+    def restore(self, state: dict[str, Any]) -> list[tuple[int, Any, int]]:
         """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
-        ``[(microbatch, outputs)]`` in their original order (for the messages that crossed). The
+        ``[(microbatch, outputs, constants)]`` in their original order (for the messages that
+        crossed; ``constants`` as :attr:`last_constants`). The
         state's tensors come to this stage's device, wherever they were saved."""
         state = to_device(state, self.device)
         self.versions = VersionStore.from_state(state["versions"], state["current"], recycle=not self.recompute)
@@ -926,8 +952,9 @@ class StageExecutor:
                 record["microbatch"], record["version"], inputs, target=record["target"],
                 samples=record["samples"], params=params,
                 loss_scale=record["loss_scale"], stamp=record.get("scale") if self.scaler is not None else None,
+                constants=record.get("constants", 0),
             )
-            replayed.append((record["microbatch"], out))
+            replayed.append((record["microbatch"], out, self.last_constants))
         with torch.no_grad():
             for name, buffer in self.buffers.items():
                 buffer.copy_(state["buffers"][name])  # replay must not count running statistics twice

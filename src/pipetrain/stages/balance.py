@@ -235,10 +235,13 @@ def measure_unit_costs(
             while r < warmup + repeats or (r < warmup + most and wall() - began < budget):
                 spent = [0.0] * len(executors)
                 value = inputs
+                constants = 0
                 for s, executor in enumerate(executors):
                     start = clock()
-                    value = executor.forward(r, 0, value, target=target if s == last else None, samples=samples)
+                    value = executor.forward(r, 0, value, target=target if s == last else None, samples=samples,
+                                             constants=constants)
                     spent[s] += clock() - start
+                    constants = executor.last_constants
                 grads = None
                 for s in range(last, -1, -1):
                     start = clock()
