@@ -431,7 +431,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         staged = parts.staged
         from pipetrain.stages import StageChoice
 
-        choice = StageChoice.of(staged, "the caller's cut", _names(model))
+        choice = parts.stage_choice or StageChoice.of(staged, "the caller's cut", _names(model))
     else:
         if config.balance and config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
             raise ConfigError(
