@@ -44,7 +44,7 @@ from pipetrain.data.seeding import data_seed, seeded
 from pipetrain.data.info import DataReadError
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.spec import describe_exception
-from pipetrain.structure import cast_floating
+from pipetrain.structure import cast_floating, first_tensor
 
 __all__ = ["LoaderBatches", "loader_info"]
 
@@ -69,7 +69,7 @@ def loader_info(loader: DataLoader, where: str = "the DataLoader") -> "DataInfo"
     if first is None:
         raise ConfigError(f"{where}'s IterableDataset yielded no sample")
     x, _ = check_sample(first, where)
-    return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
+    return DataInfo(tuple(int(s) for s in first_tensor(x).shape), int(num_classes))
 
 
 class LoaderBatches:
