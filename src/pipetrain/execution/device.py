@@ -46,7 +46,12 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 def to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """``value`` (a tensor, or tuples, lists and dicts of them, anything else as it is) with every
     tensor on ``device``; tensors already there are returned as they are (no copy)."""
+    if isinstance(value, Tensor):
+        return value if value.device == device else value.to(device, non_blocking=non_blocking)
+    if type(value) is tuple and all(isinstance(t, Tensor) and t.device == device for t in value):
+        return value  # the common case, a stage's inputs already there: nothing to build
+
     def move(t: Tensor) -> Tensor:
         return t if t.device == device else t.to(device, non_blocking=non_blocking)
 
-    return move(value) if isinstance(value, Tensor) else map_values(value, move)
+    return map_values(value, move)

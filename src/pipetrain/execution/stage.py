@@ -424,11 +424,13 @@ class StageExecutor:
                 inputs, carried = split_last(as_tuple(inputs))
                 scale = float(carried)
         inputs, structure = flatten(inputs)  # a tensor or a flat tuple: as it is, no structure
-        inputs = tuple(  # non-floating leaves (ids, masks) take no gradient, nor the constants
-            x.detach().requires_grad_(True)
-            if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 and not (constants >> i) & 1 else x
-            for i, x in enumerate(to_device(inputs, device, non_blocking=True))
-        )
+        inputs = to_device(inputs, device, non_blocking=True)
+        if self.stage > 0:  # floating leaves take a gradient; non-floating ones (ids, masks) and constants none
+            inputs = tuple(
+                x.detach().requires_grad_(True)
+                if isinstance(x, Tensor) and x.is_floating_point() and not (constants >> i) & 1 else x
+                for i, x in enumerate(inputs)
+            )
         if isinstance(target, Tensor) and target.device != device:
             target = target.to(device, non_blocking=True)
         if self.stochastic:
@@ -471,11 +473,13 @@ class StageExecutor:
         """:attr:`last_constants` of ``outputs``. A forward without a graph (recomputation) cannot
         tell a new tensor that needs no gradient from one that does: there only the inputs it hands
         on unchanged are known (a mask made by an earlier stage); it marks nothing else."""
-        if self.recompute:
-            passed = {id(x) for x in inputs if isinstance(x, Tensor) and not x.requires_grad}
-            return sum(1 << i for i, o in enumerate(outputs) if i < 62 and id(o) in passed and o.is_floating_point())
-        return sum(1 << i for i, o in enumerate(outputs) if i < 62 and isinstance(o, Tensor)
-                   and o.is_floating_point() and not o.requires_grad)
+        passed = {id(x) for x in inputs if isinstance(x, Tensor) and not x.requires_grad} if self.recompute else None
+        mask = 0
+        for i, o in enumerate(outputs):
+            if (isinstance(o, Tensor) and not o.requires_grad and i < 62 and o.is_floating_point()
+                    and (passed is None or id(o) in passed)):
+                mask |= 1 << i
+        return mask
 
     @staticmethod
     def _scaled(loss: Tensor, record: _InFlight) -> Tensor:
