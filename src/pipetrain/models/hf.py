@@ -130,12 +130,14 @@ def declare_units(model: nn.Module, units: Sequence[tuple[str, nn.Module]], loss
     return model
 
 
-def _length(input_shape: Sequence[int]) -> int:
+def _length(input_shape: Sequence[int], seq2seq: bool = False) -> int:
+    """The sequence length of samples of token ids, or an error saying what the model takes."""
     if len(input_shape) != 1:
-        raise ConfigError(
-            f"the HuggingFace language models take token ids of shape (T,) per sample, got samples of shape "
-            f"{tuple(input_shape)}: use a text data set such as --data text"
-        )
+        takes = ("an encoder-decoder takes token ids of shape (T,) per sample (x = {'input_ids': ..., "
+                 "'decoder_input_ids': ...}), got samples whose first tensor has shape" if seq2seq else
+                 "the HuggingFace language models take token ids of shape (T,) per sample, got samples of shape")
+        advice = "" if seq2seq else ": use a text data set such as --data text"
+        raise ConfigError(f"{takes} {tuple(input_shape)}{advice}")
     return int(input_shape[0])
 
 
@@ -189,15 +191,6 @@ def bert_mlm(
     return declare_units(model, bert_units(model), CrossEntropy())
 
 
-def _seq2seq_lengths(input_shape: Sequence[int]) -> int:
-    if len(input_shape) != 1:
-        raise ConfigError(
-            f"an encoder-decoder takes token ids of shape (T,) per sample (x = {{'input_ids': ..., "
-            f"'decoder_input_ids': ...}}), got samples whose first tensor has shape {tuple(input_shape)}"
-        )
-    return int(input_shape[0])
-
-
 def t5(
     input_shape: Sequence[int],
     num_classes: int,
@@ -222,7 +215,7 @@ def t5(
     from pipetrain.models.hf_seq2seq import t5_units
 
     transformers = _transformers()
-    _seq2seq_lengths(input_shape)
+    _length(input_shape, seq2seq=True)
     settings = dict(vocab_size=num_classes, d_model=d_model, d_kv=d_kv or d_model // num_heads, d_ff=d_ff or 4 * d_model,
                     num_layers=num_layers, num_decoder_layers=num_decoder_layers or num_layers, num_heads=num_heads,
                     dropout_rate=dropout, pad_token_id=0, decoder_start_token_id=0, eos_token_id=1,
@@ -252,7 +245,7 @@ def bart(
     from pipetrain.models.hf_seq2seq import bart_units
 
     transformers = _transformers()
-    length = _seq2seq_lengths(input_shape)
+    length = _length(input_shape, seq2seq=True)
     settings = dict(vocab_size=num_classes, d_model=d_model, encoder_layers=encoder_layers,
                     decoder_layers=decoder_layers or encoder_layers, encoder_attention_heads=attention_heads,
                     decoder_attention_heads=attention_heads, encoder_ffn_dim=ffn_dim or 4 * d_model,

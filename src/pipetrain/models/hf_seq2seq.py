@@ -97,6 +97,16 @@ def _decoding(state: dict[str, torch.Tensor], encoded: torch.Tensor, hidden: tor
     return out
 
 
+class _StackLayer(nn.Module):
+    """One layer of an HF stack, with what the stack's ``forward`` gives it: its config (for the
+    masks) and its LayerDrop probability."""
+
+    def __init__(self, stack: nn.Module, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.config, self.layerdrop = stack.config, getattr(stack, "layerdrop", 0.0)
+
+
 # -- T5 ------------------------------------------------------------------------------------------
 
 
@@ -112,18 +122,13 @@ class T5Embed(nn.Module):
         return _start(inputs, self.dropout(self.embed_tokens(inputs["input_ids"])))
 
 
-class T5EncoderLayer(nn.Module):
+class T5EncoderLayer(_StackLayer):
     """One encoder ``T5Block``; the first makes the position bias the others reuse."""
-
-    def __init__(self, stack: nn.Module, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-        self.config = stack.config
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = state["hidden"]
         mask = _encoder_mask(self.config, hidden, state)
-        hidden, bias, _ = self.block(hidden, mask, state.get("position_bias"), None, None, None, cache=None)
+        hidden, bias, _ = self.layer(hidden, mask, state.get("position_bias"), None, None, None, cache=None)
         return {**state, "hidden": hidden, "position_bias": bias}
 
 
@@ -140,18 +145,13 @@ class T5DecoderEmbed(nn.Module):
         return _decoding(state, encoded, self.dropout(self.embed_tokens(state["decoder_input_ids"])))
 
 
-class T5DecoderLayer(nn.Module):
+class T5DecoderLayer(_StackLayer):
     """One decoder ``T5Block`` (self-attention, cross-attention to the encoder's output, MLP)."""
-
-    def __init__(self, stack: nn.Module, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-        self.config = stack.config
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden, encoded = state["hidden"], state["encoder_hidden_states"]
         mask, cross = _masks(self.config, hidden, state)
-        hidden, bias, cross_bias = self.block(hidden, mask, state.get("position_bias"), encoded, cross,
+        hidden, bias, cross_bias = self.layer(hidden, mask, state.get("position_bias"), encoded, cross,
                                               state.get("encoder_decoder_position_bias"), cache=None)
         return {**state, "hidden": hidden, "position_bias": bias, "encoder_decoder_position_bias": cross_bias}
 
@@ -195,11 +195,11 @@ def _dropped(stack: nn.Module) -> bool:
 class BartEmbed(nn.Module):
     """The encoder's scaled token embeddings plus learned positions, layer norm, dropout."""
 
-    def __init__(self, encoder: nn.Module) -> None:
+    def __init__(self, stack: nn.Module) -> None:
         super().__init__()
-        self.embed_tokens, self.embed_positions = encoder.embed_tokens, encoder.embed_positions
-        self.layernorm_embedding = encoder.layernorm_embedding
-        self.p = encoder.dropout
+        self.embed_tokens, self.embed_positions = stack.embed_tokens, stack.embed_positions
+        self.layernorm_embedding = stack.layernorm_embedding
+        self.p = stack.dropout
 
     def forward(self, x: Any) -> dict[str, torch.Tensor]:
         inputs = seq2seq_inputs(x)
@@ -209,13 +209,8 @@ class BartEmbed(nn.Module):
         return _start(inputs, hidden)
 
 
-class BartEncoderLayer(nn.Module):
+class BartEncoderLayer(_StackLayer):
     """One ``BartEncoderLayer`` (with the stack's LayerDrop)."""
-
-    def __init__(self, encoder: nn.Module, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-        self.config, self.layerdrop = encoder.config, encoder.layerdrop
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = state["hidden"]
@@ -224,14 +219,8 @@ class BartEncoderLayer(nn.Module):
         return {**state, "hidden": self.layer(hidden, _encoder_mask(self.config, hidden, state))}
 
 
-class BartDecoderEmbed(nn.Module):
+class BartDecoderEmbed(BartEmbed):
     """The decoder's scaled token embeddings plus learned positions, layer norm, dropout."""
-
-    def __init__(self, decoder: nn.Module) -> None:
-        super().__init__()
-        self.embed_tokens, self.embed_positions = decoder.embed_tokens, decoder.embed_positions
-        self.layernorm_embedding = decoder.layernorm_embedding
-        self.p = decoder.dropout
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = state["decoder_input_ids"]
@@ -242,14 +231,9 @@ class BartDecoderEmbed(nn.Module):
         return _decoding(state, state["hidden"], hidden)
 
 
-class BartDecoderLayer(nn.Module):
+class BartDecoderLayer(_StackLayer):
     """One ``BartDecoderLayer`` (with the stack's LayerDrop); without a decoder attention mask the
     stack's own default, ones."""
-
-    def __init__(self, decoder: nn.Module, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-        self.config, self.layerdrop = decoder.config, decoder.layerdrop
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if _dropped(self):
