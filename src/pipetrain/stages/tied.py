@@ -124,7 +124,8 @@ def refuse_tied(tied: Sequence[TiedParameter], why: str) -> None:
     more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
     untie = first.untie()
     untie = f", e.g. {untie}" if untie else ""
-    stages = " and ".join(str(s) for s in dict.fromkeys(first.stages))
+    numbers = [str(s) for s in dict.fromkeys(first.stages)]
+    stages = " and ".join(numbers) if len(numbers) < 3 else f"{', '.join(numbers[:-1])} and {numbers[-1]}"
     raise ConfigError(
         f"parameter {first.describe()} is shared by stages {stages} (tied weights){more}, but {why}, so its "
         f"copies would drift apart. Use a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1), on which "
