@@ -377,3 +377,71 @@ def test_a_failing_getitem_during_set_up_is_one_line(tmp_path, monkeypatch):
         load_data(f"{name}:make:bad=7")
     assert str(caught.value).startswith("counting the classes of the data set (give it a num_classes attribute to skip "
                                         "this): data set Broken: reading sample 7 raised KeyError: 'sample 7 is missing'")
+
+
+# -- structured samples: x a tuple, list or dict of tensors --------------------------------------
+
+from torch.utils.data import DataLoader  # noqa: E402
+
+from pipetrain.data import DatasetBatches, LoaderBatches  # noqa: E402
+from pipetrain.execution import UnitData, UnitLayout  # noqa: E402
+
+
+class Pairs(Dataset):
+    """x = {"ids": int64 (5,), "mask": bool (5,), "pair": (float64 (2,), int64 ())}, y an int."""
+
+    num_classes = 3
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int):
+        ids = torch.arange(5) + i
+        x = {"ids": ids, "mask": ids % 2 == 0, "pair": (torch.full((2,), float(i), dtype=torch.float64), ids[0])}
+        return x, i % 3
+
+
+def test_structured_samples_stack_into_a_structured_batch():
+    x, y = get_batch(Pairs(), [1, 4, 7])
+    assert list(x) == ["ids", "mask", "pair"] and isinstance(x["pair"], tuple)
+    assert x["ids"].shape == (3, 5) and x["mask"].dtype == torch.bool and x["pair"][1].tolist() == [1, 4, 7]
+    assert torch.equal(x["pair"][0][:, 0], torch.tensor([1.0, 4.0, 7.0], dtype=torch.float64))
+    assert y.tolist() == [1, 1, 1] and y.dtype == torch.int64
+    assert dataset_info(Pairs()) == DataInfo((5,), 3)  # input_shape: the first tensor's (ids)
+
+
+def test_a_structured_batch_is_cut_into_microbatches_and_cast_leaf_by_leaf():
+    batches = DatasetBatches(Pairs(), lambda t: torch.arange(8), workers=0, dtype=torch.float32)
+    units = UnitData.of(batches, UnitLayout(8, 3))
+    x, y = units.unit(1)  # samples 3:6 of update 0
+    assert x["ids"][:, 0].tolist() == [3, 4, 5] and y.tolist() == [0, 1, 2]
+    assert x["pair"][0].dtype == torch.float32 and x["ids"].dtype == torch.int64 and x["mask"].dtype == torch.bool
+
+
+class Broken(Dataset):
+    def __init__(self, sample):
+        self.sample = sample
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return self.sample(i)
+
+
+def test_structured_samples_that_do_not_fit_are_named_by_path():
+    with pytest.raises(ConfigError, match=r"x\['mask'\] is a str"):
+        dataset_info(Broken(lambda i: ({"ids": torch.arange(3), "mask": "no"}, 0)))
+    with pytest.raises(ConfigError, match=r"x is an empty tuple"):
+        dataset_info(Broken(lambda i: ((), 0)))
+    with pytest.raises(ConfigError, match=r"data set: x\[1\] cannot be stacked.*got shapes \[\(1,\), \(2,\)\]"):
+        get_batch(Broken(lambda i: ((torch.zeros(3), torch.zeros(1 + i % 2)), 0)), [0, 1])
+
+
+def test_a_dataloader_of_seq2seq_samples_gives_lists_that_unpack_alike():
+    data = Broken(lambda i: ((torch.arange(4) + i, torch.arange(3) * i), torch.arange(3)))
+    batches = LoaderBatches(DataLoader(data, batch_size=2, shuffle=False))
+    x, y = batches.batch(1)
+    assert isinstance(x, list) and [t.shape for t in x] == [(2, 4), (2, 3)]  # default_collate's list
+    assert x[0][:, 0].tolist() == [2, 3] and y.shape == (2, 3)
+    batches.close()

@@ -179,3 +179,71 @@ def test_all_finite_reads_once_and_is_not_fooled_by_an_overflowing_sum():
     assert all_finite([])
     assert not all_finite([torch.ones(3), torch.tensor([1.0, float("-inf")])])
     assert not all_finite([torch.tensor([float("nan")], dtype=torch.float64)])
+
+
+# -- structured inputs and outputs ---------------------------------------------------------------
+
+
+class Embedder(nn.Module):
+    """Called with keyword arguments (a dict input); returns a dict with a float constant in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+
+    def forward(self, ids, mask):
+        h = self.embed(ids)
+        scale = torch.ones(ids.shape[1])  # made from a shape: needs no gradient
+        return {"h": h, "mask": mask, "extra": (h * 2, scale)}
+
+
+class Reader(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(4, 3)
+
+    def forward(self, h, mask, extra):
+        doubled, scale = extra
+        return self.out((h + doubled) * scale[:, None] * mask[..., None]).mean(1)
+
+
+def test_structured_values_cross_with_gradients_for_the_floats_that_need_them():
+    torch.manual_seed(0)
+    first, second = Embedder(), Reader()
+    ids, y = torch.randint(0, 7, (5, 6)), torch.randint(0, 3, (5,))
+    mask = torch.rand(5, 6) > 0.3
+    a = StageExecutor(0, first, None)
+    b = StageExecutor(1, second, None, loss_fn=F.cross_entropy)
+    out = a.forward(0, 0, {"ids": ids, "mask": mask})
+    assert list(out) == ["h", "mask", "extra"] and isinstance(out["extra"], tuple) and torch.equal(out["mask"], mask)
+    assert a.last_constants == 0b1000  # leaf 3 (scale) took no gradient; mask is no float
+    b.forward(0, 0, out, target=y, constants=a.last_constants)
+    record = b.in_flight[0]
+    assert [x.requires_grad for x in record.inputs] == [True, False, True, False]
+    grads = b.backward(0, 0)
+    assert grads[1] is None and grads[3] is None and grads[0].shape == (5, 6, 4)
+    a.backward(0, 0, grads)
+    # the same numbers as one process
+    ref_first, ref_second = Embedder(), Reader()
+    ref_first.load_state_dict(first.state_dict())
+    ref_second.load_state_dict(second.state_dict())
+    F.cross_entropy(ref_second(**ref_first(ids, mask)), y).backward()
+    assert torch.equal(a.grads["embed.weight"], ref_first.embed.weight.grad)
+    assert torch.equal(b.grads["out.weight"], ref_second.out.weight.grad)
+
+
+def test_a_snapshot_keeps_the_structure_of_the_inputs_in_flight():
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 7, (5, 6)), torch.rand(5, 6) > 0.3
+    a = StageExecutor(0, Embedder(), None)
+    b = StageExecutor(1, Reader(), None, loss_fn=F.cross_entropy)
+    out = a.forward(0, 0, {"ids": ids, "mask": mask})
+    b.forward(0, 0, out, target=torch.zeros(5, dtype=torch.long), constants=a.last_constants)
+    state = b.snapshot()
+    assert state["in_flight"][0]["structure"] == '{"h":*,"mask":*,"extra":(*,*)}'
+    assert state["in_flight"][0]["constants"] == 0b1000
+    resumed = StageExecutor(1, Reader(), None, loss_fn=F.cross_entropy)
+    replayed = resumed.restore(state)
+    assert [(k, c) for k, _, c in replayed] == [(0, 0)]  # the last stage hands nothing on
+    assert [x.requires_grad for x in resumed.in_flight[0].inputs] == [True, False, True, False]
+    assert torch.equal(resumed.backward(0, 0)[0], b.backward(0, 0)[0])

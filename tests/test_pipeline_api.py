@@ -231,3 +231,18 @@ def test_the_distributed_executor_refuses_to_rerun_a_test_runner():
     pipe = Pipeline(_model(), stages=2, schedule="1f1b")
     with pytest.raises(PipetrainError, match="executor='emulate'"):
         pipe.train(_batches(2))
+
+
+def test_the_heading_says_how_pipeline_cut_the_model():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    for options, heading in [({"stages": 2}, "stages balanced by parameter count"),
+                             ({"balance": [2, 1]}, "stages given by balance=[2, 1]"),
+                             ({"split_at": ["2"]}, "stages given by split_at=['2']")]:
+        pipe = Pipeline(model, executor="emulate", microbatches=1, **options)
+        pipe.start(steps=1, batch_size=2)
+        assert pipe._run.stage_choice.heading() == heading
+        pipe.step(torch.randn(2, 4), torch.tensor([0, 1]))
+        pipe.finish()
+    pipe = Pipeline([nn.Linear(4, 8), nn.Linear(8, 2)], executor="emulate", microbatches=1)
+    pipe.start(steps=1, batch_size=2)
+    assert pipe._run.stage_choice.heading() == "stages given by stage modules"

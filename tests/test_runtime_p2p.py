@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
 import torch
 
 from pipetrain.runtime.launch import init_distributed, launch
@@ -42,6 +43,14 @@ def payloads():
         out.append(torch.randn(rows, 8, generator=g))
     out.append(torch.randn(128, 1024, generator=g))  # 512 KiB
     out.append(torch.randn(2, 2, generator=g))  # and back to tiny
+    # structured payloads (wire form STRUCTURED): the receiver builds exactly what was sent
+    ids, mask = torch.arange(12).view(3, 4), torch.rand(3, 4, generator=g) > 0.5
+    out.append({"input_ids": ids, "attention_mask": mask})
+    out.append({"input_ids": ids, "attention_mask": mask})  # the same structure again (cached)
+    out.append(((torch.randn(3, 2, generator=g), ids), [mask, {"deep": torch.tensor(1.5)}]))
+    out.append([torch.randn(2, generator=g), ids])  # a list stays a list
+    out.append({"h": torch.randn(5, 2, generator=g), "key with \"quotes\"": ids[:1]})
+    out.append((torch.randn(2, generator=g), torch.randn(2, generator=g)))  # back to a flat tuple
     return out
 
 
@@ -77,7 +86,9 @@ def _same(a, b):
             and a.shape == b.shape
             and torch.equal(a.detach().resolve_conj(), b)
         )
-    return isinstance(b, tuple) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return type(b) is dict and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return type(b) is type(a) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
 def test_roundtrip_every_dtype_shape_and_tuple():
@@ -176,7 +187,7 @@ def _timeout_worker():
 def test_timeout_names_the_action_and_mismatches_are_caught():
     result = run(_timeout_worker)
     bad_payload, bad_dtype = result.results[0]
-    assert "tensor or a tuple of tensors" in bad_payload and "int" in bad_payload
+    assert "can only send tensors" in bad_payload and "[1] is of type int" in bad_payload
     assert "float8_e4m3fn" in bad_dtype and "supported" in bad_dtype
     mismatch, message, elapsed, cleared, left = result.results[1]
     assert "expected tag 4" in mismatch and "sent tag 5" in mismatch
@@ -298,3 +309,31 @@ def test_two_stage_training_over_the_messenger_matches_one_process():
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+def test_the_wire_describes_a_structured_payload_and_leaves_the_fast_path_alone():
+    from pipetrain.runtime import wire
+
+    tensors = (torch.zeros(2, 3), torch.ones(4, dtype=torch.int64))
+    plain = wire.meta_words(tensors, single=False)
+    assert wire.parse_meta(plain)[:2] == (wire.TUPLE, None) and plain[0] == wire.TUPLE
+    assert wire.parse_meta(wire.meta_words(tensors[:1], single=True))[:2] == (wire.SINGLE, None)
+    text = '{"input_ids":*,"pair":(*,)}'
+    words = wire.meta_words(tensors, single=False, structure=text)
+    form, structure, layout = wire.parse_meta(words)
+    assert (form, structure) == (wire.STRUCTURED, text)
+    assert [(dtype, shape) for dtype, shape, *_ in layout] == [(torch.float32, (2, 3)), (torch.int64, (4,))]
+    assert layout[0][2] == (wire.PREFIX + len(words)) * 8 and (wire.PREFIX + len(words)) % 2 == 0
+    assert len(words) > len(plain)  # the structure is in the header; the tensors' layout follows it
+
+
+def test_a_payload_with_something_other_than_tensors_is_refused_by_path():
+    from pipetrain.errors import PipetrainError
+    from pipetrain.runtime.p2p import _normalize
+
+    assert _normalize(torch.ones(1))[1:] == (True, None)
+    assert _normalize((torch.ones(1),))[1:] == (False, None)
+    leaves, single, text = _normalize({"a": torch.ones(1), "b": [torch.zeros(2)]})
+    assert text == '{"a":*,"b":[*]}' and len(leaves) == 2 and not single
+    with pytest.raises(PipetrainError, match=r"\['b'\]\[1\] is of type str"):
+        _normalize({"a": torch.ones(1), "b": [torch.zeros(2), "x"]})

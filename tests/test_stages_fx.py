@@ -458,19 +458,24 @@ def test_transformer_encoder_is_cut_between_its_layers_transparently(cut):
         assert torch.equal(run_stages(staged.stages, x), model(x))
 
 
-def test_units_of_an_encoder_are_its_layers_and_a_masked_encoder_stays_whole():
+def test_units_of_an_encoder_are_its_layers_with_or_without_a_mask():
     staged = split_model(Encoded(), stages=3)
     assert staged.split_at == ["encoder.layers.1", "encoder.layers.3"]
+    masked = Encoded(masked=True).double()
+    staged = split_model(masked, split_at=["encoder.layers.2"])
+    x, y = torch.randint(0, 11, (3, 12)), torch.tensor([0, 1, 2])
+    check_transparent(masked, staged, x, y)
+    assert split_model(masked, stages=4).split_at == ["encoder.layers.1", "encoder.layers.2", "encoder.layers.3"]
+    assert split_model(Encoded(), stages=2, leaf_modules=["encoder"]).split_at == ["encoder"]  # whole
     with pytest.raises(ConfigError) as info:
-        split_model(Encoded(masked=True), split_at=["encoder.layers.2"])
+        split_model(Encoded(), split_at=["encoder.layers.2"], leaf_modules=["encoder"])
     message = str(info.value)
-    assert "lies inside 'encoder'" in message and "called with a mask" in message and "split at 'encoder'" in message
+    assert "lies inside 'encoder'" in message and "made one by leaf_modules" in message
     with pytest.raises(ConfigError) as info:
-        split_model(Encoded(masked=True), stages=4)
+        split_model(Encoded(), stages=4, leaf_modules=["encoder"])
     message = str(info.value)
     assert "3 pipeline units (embed, encoder, head)" in message and "--stages 3 or fewer" in message
     assert "inside" not in message  # no advice that the other errors contradict
-    assert split_model(Encoded(), stages=2, leaf_modules=["encoder"]).split_at == ["encoder"]  # whole
 
 
 def test_leaf_advice_names_the_flag():
@@ -500,3 +505,104 @@ def test_pipeline_takes_leaf_modules_and_concrete_args():
     x = torch.randn(4, 3)
     assert torch.equal(pipe.staged(x), model(x, scale=2.0))
     assert len(pipe.train([(x, torch.tensor([0, 1, 0, 1]))])) == 1
+
+
+# -- nn.Transformer and its stacks, with masks -----------------------------------------------------
+
+
+class Translator(nn.Module):
+    """A user's seq2seq module around nn.Transformer: embeddings, masks, an output head."""
+
+    def __init__(self, padding=True, causal_hint=None, source_mask=False, norm_first=False):
+        super().__init__()
+        self.padding, self.causal_hint, self.source_mask = padding, causal_hint, source_mask
+        self.src_embed, self.tgt_embed = nn.Embedding(11, 8), nn.Embedding(11, 8)
+        self.transformer = nn.Transformer(8, 2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16,
+                                          dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, src, tgt):
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.size(1), device=tgt.device, dtype=torch.float64)
+        source = nn.Transformer.generate_square_subsequent_mask(src.size(1), dtype=torch.float64)
+        padding = src == 0
+        h = self.transformer(self.src_embed(src), self.tgt_embed(tgt), tgt_mask=causal,
+                             src_mask=source if self.source_mask else None,
+                             src_key_padding_mask=padding if self.padding else None,
+                             memory_key_padding_mask=padding if self.padding else None, tgt_is_causal=self.causal_hint)
+        return self.head(h)
+
+
+def executed(stages, x, y):
+    """The stages run by stage executors (as the emulator and the runtime run them): outputs handed
+    on, constants marked, input gradients handed back."""
+    from pipetrain.execution import StageExecutor
+
+    last = len(stages) - 1
+    executors = [StageExecutor(s, st, None, loss_fn=cross_entropy if s == last else None) for s, st in enumerate(stages)]
+    value, constants = x, 0
+    for executor in executors:
+        value = executor.forward(0, 0, value, target=y if executor.is_last else None, constants=constants)
+        constants = executor.last_constants
+    grads = None
+    for executor in reversed(executors):
+        grads = executor.backward(0, 0, grads)
+    out = {}
+    for executor in executors:
+        out.update(executor.grads)
+    return value[0], out
+
+
+OPTIONS = [{}, {"padding": False}, {"causal_hint": True}, {"source_mask": True}, {"norm_first": True}]
+
+
+@pytest.mark.filterwarnings("ignore:.*mismatched")
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor")
+@pytest.mark.parametrize("options", OPTIONS, ids=["padded", "unpadded", "hinted", "source-mask", "norm-first"])
+def test_a_transformer_is_cut_inside_its_encoder_and_decoder_transparently(options):
+    torch.manual_seed(0)
+    model = Translator(**options).double()
+    g = torch.Generator().manual_seed(1)
+    src, tgt = torch.randint(1, 11, (3, 7), generator=g), torch.randint(1, 11, (3, 5), generator=g)
+    src[0, -2:] = 0
+    y = torch.randint(0, 11, (3, 5), generator=g)
+    model.zero_grad()
+    expected = model(src, tgt)
+    loss = cross_entropy(expected, y)
+    loss.backward()
+    reference = grads(model)
+    for stages in (2, 4, 6):
+        staged = split_model(model, stages=stages)
+        if stages == 4:
+            assert [n.rsplit(".", 1)[0] for n in staged.split_at] == [
+                "transformer.encoder.layers", "transformer.decoder.layers", "transformer.decoder.layers"]
+        model.zero_grad()
+        assert torch.equal(run_stages(staged.stages, src, tgt), expected)
+        got_loss, got = executed(staged.stages, (src, tgt), y)
+        assert torch.equal(got_loss, loss)
+        for key in reference:
+            assert torch.equal(got[key], reference[key]), (stages, key)
+
+
+@pytest.mark.filterwarnings("ignore:.*mismatched")
+def test_the_causal_mask_is_detected_at_run_time_in_each_stage():
+    torch.manual_seed(0)
+    model = Translator(padding=False).double()
+    staged = split_model(model, split_at=["transformer.decoder.layers.1"])
+    detections = [n for stage in staged.stages for n in stage.graph.nodes
+                  if n.op == "call_function" and getattr(n.target, "__name__", "") == "decoder_is_causal"]
+    assert len(detections) == 2  # one per decoder layer, each in its own stage: no bool crosses
+    assert "triu" in staged.boundaries[0]  # the mask itself crosses (a tensor)
+    src, tgt = torch.randint(1, 11, (2, 6)), torch.randint(1, 11, (2, 4))
+    model.eval()  # eval mode without a key padding mask: torch's fast paths do not differ either
+    with torch.no_grad():
+        assert torch.equal(run_stages(staged.stages, src, tgt), model(src, tgt))
+    not_causal = Uncausal(padding=False).double()
+    assert torch.equal(run_stages(split_model(not_causal, stages=3).stages, src, tgt), not_causal(src, tgt))
+
+
+class Uncausal(Translator):
+    """A target mask that is not the causal one: the layers must not be told it is."""
+
+    def forward(self, src, tgt):
+        mask = torch.zeros((tgt.size(1), tgt.size(1)), dtype=torch.float64, device=tgt.device)
+        return self.head(self.transformer(self.src_embed(src), self.tgt_embed(tgt), tgt_mask=mask))

@@ -90,3 +90,27 @@ def test_saving_refuses_copies_that_differ_and_writes_one_tensor():
     with pytest.raises(PipetrainError, match="shared parameter '0.wte.weight'.*differ between stage 0 and stage 2"):
         staged.merge_state_dict(states)
     assert torch.equal(merged["0.wte.weight"], stages[0].wte.weight)
+
+
+class Unit(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_units_name_each_use_by_the_models_key():
+    """A model that declares its units (as the HF recipes do) holds its parameters under unit names
+    (``b.inner.out.weight``); messages name the uses as the model does."""
+    embed = Embed(11, 8)
+    model = nn.ModuleDict({"embed": embed, "head": Head(embed)})
+    model.pipeline_units = [("a", Unit(embed)), ("b", Unit(model["head"]))]
+    staged = split_model(model, stages=2)
+    tied = staged.tied[0]
+    assert tied.holders == ((0, "a.inner.wte.weight"), (1, "b.inner.out.weight"))
+    assert tied.uses == ("embed.wte.weight", "head.out.weight")
+    assert tied.describe() == "'embed.wte.weight' (stage 0 as embed.wte.weight, stage 1 as head.out.weight)"
+    with pytest.raises(ConfigError, match=r"e\.g\. model\.head\.out\.weight = nn\.Parameter\(model\.embed\.wte\.weight"):
+        refuse_tied(staged.tied, "whatever")

@@ -152,17 +152,24 @@ class Pipeline:
         pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1
         if isinstance(model, (list, tuple)):
             self.staged = split_model(list(model))
+            how = "stage modules"
         else:
             count = None if config.balance or config.split_at else (config.stages or 2) * pieces_per_rank
             self.staged = split_model(model, stages=count, balance=config.balance, split_at=config.split_at,
                                       leaf_modules=leaf_modules, concrete_args=concrete_args)
+            how = ("--plan" if config.plan else f"balance={config.balance}" if config.balance
+                   else f"split_at={config.split_at}" if config.split_at else "parameter count")
         self.model = model
         self._config = dataclasses.replace(
             config, stages=len(self.staged.stages) // pieces_per_rank, balance=None, split_at=None, plan=None
         )
         unsplit = nn.Sequential(*model) if isinstance(model, (list, tuple)) else model
+        from pipetrain.stages import StageChoice
+        from pipetrain.training.setup import _names
+
         self._parts = RunParts(model=model, train_set=None, test_set=None,
-                               loss_fn=loss_fn or loss_for(unsplit), optimizer=factory, staged=self.staged, init=init)
+                               loss_fn=loss_fn or loss_for(unsplit), optimizer=factory, staged=self.staged,
+                               stage_choice=StageChoice.of(self.staged, how, _names(unsplit)), init=init)
         self._session: Any = None
         self._run: Any = None
         self.last_schedule = None

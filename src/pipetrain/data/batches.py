@@ -59,7 +59,8 @@ def group_size(batch: Any, seconds: float) -> int:
     :data:`GROUP_SECONDS` of reading, at most :data:`MAX_GROUP`, at least 1. Small, quick batches
     share one message between processes (about 0.3-1 ms each on the project's machine, more than
     reading 32 small samples); large or slow ones gain nothing from it. It changes no result."""
-    from pipetrain.execution.prefetch import PACK_LIMIT, tensors_of
+    from pipetrain.execution.prefetch import PACK_LIMIT
+    from pipetrain.structure import tensors_of
 
     size = sum(t.numel() * t.element_size() for t in tensors_of(batch))
     return max(1, min(MAX_GROUP, PACK_LIMIT // max(size, 1), int(GROUP_SECONDS / max(seconds, 1e-9))))

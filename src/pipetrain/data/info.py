@@ -11,6 +11,7 @@ from torch.utils.data import Dataset, Subset
 
 from pipetrain.errors import ConfigError
 from pipetrain.spec import describe_exception
+from pipetrain.structure import describe, first_tensor, flatten, leaf_paths, stack
 
 __all__ = ["DataInfo", "DataReadError", "dataset_info", "get_batch", "check_sample", "read_sample", "stack_samples",
            "reads_by_index"]
@@ -21,7 +22,11 @@ class DataReadError(ConfigError):
 
 
 class DataInfo(NamedTuple):
-    """Sizes a model takes from its data: one sample's ``input_shape`` and ``num_classes``."""
+    """Sizes a model takes from its data: one sample's ``input_shape`` and ``num_classes``.
+
+    For a structured ``x`` (a tuple, list or dict of tensors, :mod:`pipetrain.structure`),
+    ``input_shape`` is the shape of its first tensor (the source sequence of ``((src, tgt_in), tgt)``,
+    ``input_ids`` of a dict that starts with them)."""
 
     input_shape: tuple[int, ...]
     num_classes: int
@@ -32,17 +37,27 @@ class DataInfo(NamedTuple):
         return math.prod(self.input_shape)
 
 
-def check_sample(sample: object, where: str = "data set") -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(x, y)`` of one sample as tensors, or explain what a sample must look like."""
+def check_sample(sample: object, where: str = "data set") -> tuple[Any, torch.Tensor]:
+    """Return ``(x, y)`` of one sample, ``y`` as a tensor, or explain what a sample must look like.
+
+    ``x`` is a tensor, or tuples, lists and dicts of tensors nested in any way (``(src, tgt_in)``,
+    ``{"input_ids": ..., "attention_mask": ...}``)."""
     if not isinstance(sample, (tuple, list)) or len(sample) != 2:
         raise ConfigError(
-            f"{where}: a sample must be a pair (x, y) of a feature tensor and an integer label, "
-            f"got {type(sample).__name__}"
+            f"{where}: a sample must be a pair (x, y) of inputs (a tensor, or a tuple, list or dict of tensors) "
+            f"and an integer label, got {type(sample).__name__}"
             + (f" of length {len(sample)}" if isinstance(sample, (tuple, list)) else "")
         )
     x, y = sample
     if not isinstance(x, torch.Tensor):
-        raise ConfigError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+        leaves, _ = flatten(x) if isinstance(x, (tuple, list, dict)) else ((x,), None)
+        wrong = [(path, leaf) for path, leaf in zip(leaf_paths(x), leaves) if not isinstance(leaf, torch.Tensor)]
+        if wrong or not leaves:
+            detail = f"x{wrong[0][0]} is a {type(wrong[0][1]).__name__}" if wrong else f"x is an empty {type(x).__name__}"
+            raise ConfigError(
+                f"{where}: x must be a torch.Tensor, or a tuple, list or dict of tensors (nested in any way); "
+                f"{detail}"
+            )
     y = torch.as_tensor(y)
     if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
         raise ConfigError(
@@ -69,25 +84,34 @@ def _class_count(labels: torch.Tensor) -> int:
     return int(counted.max()) + 1 if counted.numel() else 1
 
 
-def stack_samples(samples: Sequence[Any], where: str = "data set") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, y)`` pairs stacked along a new batch dimension; labels as int64.
+def stack_samples(samples: Sequence[Any], where: str = "data set") -> tuple[Any, torch.Tensor]:
+    """``(x, y)`` pairs stacked along a new batch dimension (a structured ``x`` tensor by tensor);
+    labels as int64.
 
     The common case costs one ``torch.stack`` per field; only a batch that fails is checked sample
     by sample, so that the error names what is wrong.
     """
     try:
         xs, ys = zip(*samples)
-        x = torch.stack(xs)
+        x = torch.stack(xs) if isinstance(xs[0], torch.Tensor) else None
         y = torch.stack(ys) if isinstance(ys[0], torch.Tensor) else torch.tensor(ys)
     except (TypeError, ValueError, RuntimeError) as error:
         for sample in samples:
             check_sample(sample, where)
-        shapes = sorted({(tuple(s[0].shape), tuple(torch.as_tensor(s[1]).shape)) for s in samples})
+        shapes = sorted({(tuple(s[0].shape) if isinstance(s[0], torch.Tensor) else describe(s[0]),
+                          tuple(torch.as_tensor(s[1]).shape)) for s in samples},
+                        key=lambda pair: (isinstance(pair[0], str), pair))
         raise ConfigError(
             f"{where}: the samples of a batch cannot be stacked ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); every x must have one shape and every y "
             f"another, got (x, y) shapes {shapes[:4]}"
         ) from None
+    if x is None:  # a structured x: stacked leaf by leaf, an error names the leaf
+        check_sample(samples[0], where)
+        try:
+            x = stack(xs)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}") from None
     if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
         check_sample(samples[0], where)  # explains the label types
     return x, y.to(torch.int64)
@@ -217,6 +241,7 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
     if n == 0:
         raise ConfigError("data set is empty")
     x, y0 = check_sample(read_sample(dataset, 0) if first is None else first)
+    x = first_tensor(x)
     num_classes = _declared_classes(dataset)
     if num_classes is None:
         labels = _stored_labels(dataset)

@@ -44,6 +44,7 @@ from pipetrain.data.seeding import data_seed, seeded
 from pipetrain.data.info import DataReadError
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.spec import describe_exception
+from pipetrain.structure import cast_floating, first_tensor
 
 __all__ = ["LoaderBatches", "loader_info"]
 
@@ -68,7 +69,7 @@ def loader_info(loader: DataLoader, where: str = "the DataLoader") -> "DataInfo"
     if first is None:
         raise ConfigError(f"{where}'s IterableDataset yielded no sample")
     x, _ = check_sample(first, where)
-    return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
+    return DataInfo(tuple(int(s) for s in first_tensor(x).shape), int(num_classes))
 
 
 class LoaderBatches:
@@ -217,8 +218,7 @@ class LoaderBatches:
             raise ConfigError(
                 f"the targets of a DataLoader batch must be a tensor with a batch dimension, got {type(y).__name__}"
             )
-        if self.dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
-            x = x.to(self.dtype)
+        x = cast_floating(x, self.dtype)
         if not y.dtype.is_floating_point and not y.dtype.is_complex and y.dtype != torch.bool:
             y = y.to(torch.int64)
         return x, y

@@ -11,6 +11,7 @@ from pipetrain.data.info import DataReadError, get_batch
 from pipetrain.data.seeding import data_seed, seed_generators, seeded
 from pipetrain.errors import PipetrainError
 from pipetrain.spec import describe_exception
+from pipetrain.structure import cast_floating
 
 __all__ = ["UpdateBatches", "DataReadError"]
 
@@ -47,9 +48,7 @@ class UpdateBatches(Dataset):
 
     def _batch(self, update: int) -> tuple[Any, torch.Tensor]:
         x, y = get_batch(self.dataset, self.indices_of_update(update))
-        if self.dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
-            x = x.to(self.dtype)
-        return x, y
+        return cast_floating(x, self.dtype), y
 
     def _message(self, update: int, error: BaseException) -> str:
         cause = (str(error) if isinstance(error, PipetrainError)

@@ -112,6 +112,7 @@ class Emulator:
         self._mailbox: dict[tuple, tuple] = {}
         self._labels: dict[int, Any] = {}  # unit -> targets, read with its inputs at stage 0 (as the runtime sends them on)
         self._outbox: dict[tuple, tuple] = {}
+        self._constants: dict[tuple[int, int], int] = {}  # (stage, unit) -> inputs needing no gradient
         self._waiting: dict[tuple, int] = {}
         self._syncs: dict[tuple[int, int], list] = {}
         self._sync_seen = [dict() for _ in programs]
@@ -211,8 +212,11 @@ class Emulator:
                             target = labels.pop(k) if stage == last_stage else None
                         _, first, end = layout.bounds(k)
                         out = executor.forward(
-                            k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=end - first
+                            k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=end - first,
+                            constants=self._constants.pop((stage, k), 0) if stage else 0,
                         )
+                        if stage != last_stage and executor.last_constants:
+                            self._constants[(stage + 1, k)] = executor.last_constants
                         if stage == last_stage:
                             loss = float(out[0])
                             self.losses[k] = loss

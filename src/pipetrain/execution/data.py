@@ -2,7 +2,8 @@
 
 Update t consumes the B samples the batch sampler gives for t. Those are split into U units (the
 microbatches of a synchronous step, or the minibatches accumulated into one asynchronous update)
-the way ``torch.tensor_split`` splits, so unit ``k`` is part ``k mod U`` of update ``k // U``.
+the way ``torch.tensor_split`` splits, so unit ``k`` is part ``k mod U`` of update ``k // U`` (every
+tensor of a structured input, :mod:`pipetrain.structure`, along its first dimension).
 Each unit's loss is its mean loss times ``n_k / B``: summed over the units of an update this is
 exactly the mean over the whole batch, the reduction of non-pipelined training.
 """
@@ -17,6 +18,7 @@ from torch.utils.data import Dataset
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution.prefetch import BatchPrefetcher
+from pipetrain.structure import rows
 
 __all__ = ["UnitLayout", "UnitData", "BatchSource"]
 
@@ -139,6 +141,4 @@ class UnitData:
         x, y = self.batch(update)
         if start == 0 and stop == self.layout.batch_size:
             return x, y
-        if isinstance(x, tuple):
-            return tuple(t[start:stop] for t in x), y[start:stop]
-        return x[start:stop], y[start:stop]
+        return rows(x, start, stop), y[start:stop]

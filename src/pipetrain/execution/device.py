@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pipetrain.errors import ConfigError
+from pipetrain.structure import map_values
 
 __all__ = ["DEVICES", "resolve_device", "to_device"]
 
@@ -47,11 +48,10 @@ def to_device(value: Any, device: torch.device, non_blocking: bool = False) -> A
     tensor on ``device``; tensors already there are returned as they are (no copy)."""
     if isinstance(value, Tensor):
         return value if value.device == device else value.to(device, non_blocking=non_blocking)
-    if isinstance(value, tuple):
-        items = [to_device(v, device, non_blocking) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a named tuple keeps its type
-    if isinstance(value, list):
-        return [to_device(v, device, non_blocking) for v in value]
-    if isinstance(value, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in value.items()}
-    return value
+    if type(value) is tuple and all(isinstance(t, Tensor) and t.device == device for t in value):
+        return value  # the common case, a stage's inputs already there: nothing to build
+
+    def move(t: Tensor) -> Tensor:
+        return t if t.device == device else t.to(device, non_blocking=non_blocking)
+
+    return map_values(value, move)

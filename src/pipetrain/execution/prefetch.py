@@ -32,6 +32,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from pipetrain.structure import map_values, tensors_of
+
 __all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "Unpinned", "pack", "unpack", "pin", "pin_available",
            "tensors_of", "unpin_worker", "unpinned_workers", "PACK_LIMIT"]
 
@@ -160,48 +162,23 @@ class _Packed:
         return tensor if self.dtype is None else tensor.view(self.dtype).reshape(self.shape)
 
 
-def tensors_of(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``value`` (nested tuples, lists and dicts), in order."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from tensors_of(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_of(item)
-
-
-def _map(value: Any, fn: Callable[[Any], Any], kind: type) -> Any:
-    if isinstance(value, kind):
-        return fn(value)
-    if isinstance(value, tuple):
-        mapped = [_map(v, fn, kind) for v in value]
-        return type(value)(*mapped) if hasattr(value, "_fields") else tuple(mapped)
-    if isinstance(value, list):
-        return [_map(v, fn, kind) for v in value]
-    if isinstance(value, dict):
-        return {k: _map(v, fn, kind) for k, v in value.items()}
-    return value
-
-
 def pack(value: Any) -> Any:
     """``value`` (tensors in tuples, lists and dicts) with every tensor as bytes when they total
     at most :data:`PACK_LIMIT` bytes; larger batches are left to DataLoader's shared memory."""
     total = sum(t.numel() * t.element_size() for t in tensors_of(value))
     if total > PACK_LIMIT or total == 0:
         return value
-    return _map(value, _Packed, torch.Tensor)
+    return map_values(value, _Packed, torch.Tensor)
 
 
 def unpack(value: Any) -> Any:
     """The inverse of :func:`pack`."""
-    return _map(value, _Packed.tensor, _Packed)
+    return map_values(value, _Packed.tensor, _Packed)
 
 
 def pin(value: Any) -> Any:
     """``value`` with every tensor in page-locked memory (for faster copies to an accelerator)."""
-    return _map(value, lambda t: t.pin_memory(), torch.Tensor)
+    return map_values(value, lambda t: t.pin_memory(), torch.Tensor)
 
 
 def pin_available(asked: bool) -> bool:

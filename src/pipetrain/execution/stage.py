@@ -71,6 +71,7 @@ from pipetrain.execution.device import to_device
 from pipetrain.execution.scaling import LossScale
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
+from pipetrain.structure import Structure, append, arguments, describe, flatten, split_last
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
 
@@ -182,12 +183,15 @@ class _Parameters:
             owner, _, attr = name.rpartition(".")
             self.slots.append((module.get_submodule(owner)._parameters, attr, canonical[id(p)]))
 
-    def __call__(self, params: Mapping[str, Tensor], inputs: tuple) -> Any:
+    def __call__(self, params: Mapping[str, Tensor], inputs: tuple, structure: Structure | None = None) -> Any:
+        """``module`` on ``inputs`` (the leaves of a value of ``structure``, under the call convention
+        of :mod:`pipetrain.structure`) with ``params``."""
+        args, kwargs = (inputs, {}) if structure is None else arguments(structure.unflatten(inputs))
         saved = [(table, attr, table[attr]) for table, attr, _ in self.slots]
         try:
             for table, attr, name in self.slots:
                 table[attr] = params[name]
-            return self.module(*inputs)
+            return self.module(*args, **kwargs)
         finally:
             for table, attr, original in saved:
                 table[attr] = original
@@ -209,7 +213,7 @@ class _ParamRef:
 class _InFlight:
     """What a microbatch leaves on a stage between its forward and its backward."""
 
-    inputs: tuple  # the stage inputs as autograd leaves (or raw values)
+    inputs: tuple  # the stage inputs' leaves (pipetrain.structure), as autograd leaves (or raw values)
     roots: tuple[Tensor, ...]  # outputs (or the scaled loss) to differentiate
     leaves: dict[str, Tensor]  # trainable parameters of the version the forward read
     samples: int
@@ -223,6 +227,7 @@ class _InFlight:
     microbatch: int = 0
     rng: Any = None  # recomputation: the random state the forward started from (None: a per-microbatch seed)
     predicted: dict[str, Tensor] | None = None  # the tensors the optimizer's prediction wrote, if it made any
+    structure: Structure | None = None  # how the inputs' leaves make the value the stage is called with
 
 
 class StageExecutor:
@@ -318,6 +323,10 @@ class StageExecutor:
         self.pending_samples = 0
         self.samples_seen = 0
         self.last_loss: Tensor | None = None
+        #: the floating outputs of the last forward that need no gradient (bit i: leaf i; they did not
+        #: require grad here, e.g. a mask built from a shape or a passed-on model input): the next
+        #: stage's ``forward(constants=...)``, so that it neither computes nor sends gradients for them
+        self.last_constants = 0
         self._backward_params: Mapping[str, Tensor] | None = None
         self._leaves: dict[int, dict[str, Tensor]] = {}
         self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
@@ -385,9 +394,20 @@ class StageExecutor:
         samples: int = 0,
         params: Mapping[str, Tensor] | None = None,
         stamp: float | None = None,
-    ) -> tuple:
+        constants: int = 0,
+    ) -> Any:
         """Run the forward of ``microbatch`` on ``version``; returns the outputs to pass on (detached),
         or on the last stage ``(loss,)`` with the unscaled mean loss.
+
+        ``inputs`` is what the previous stage returned (or the model input): a tensor, a tuple of
+        tensors, or any structure of them (:mod:`pipetrain.structure`), called under the boundary
+        convention. The outputs come back as a tuple of tensors (a tensor ``t`` as ``(t,)``), or as
+        the structure the stage returned; the backward's ``grad_outputs`` follow the outputs'
+        leaves, and the gradients it returns the inputs' leaves. Floating leaves of the inputs
+        take a gradient (on stages after the first) unless ``constants`` (the previous stage's
+        :attr:`last_constants`) marks them: a float mask that needs none stays a plain tensor, so
+        that the stage computes exactly what one process computes (attention picks its kernel by
+        whether the mask requires grad).
 
         ``params`` replaces the weights read (e.g. predictions made earlier); by default the
         forward reads ``version``, extrapolated by the optimizer under the ``predict`` policy.
@@ -417,25 +437,30 @@ class StageExecutor:
             elif self.stage == 0:
                 scale = self._stamp(microbatch)
             else:  # the stamp stage 0 put after the outputs
-                *rest, carried = as_tuple(inputs)
-                scale, inputs = float(carried), tuple(rest)
-        inputs = tuple(
-            x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() and self.stage > 0 else x
-            for x in to_device(as_tuple(inputs), device, non_blocking=True)
-        )
+                inputs, carried = split_last(as_tuple(inputs))
+                scale = float(carried)
+        inputs, structure = flatten(inputs)  # a tensor or a flat tuple: as it is, no structure
+        inputs = to_device(inputs, device, non_blocking=True)
+        if self.stage > 0:  # floating leaves take a gradient; non-floating ones (ids, masks) and constants none
+            inputs = tuple(
+                x.detach().requires_grad_(True)
+                if isinstance(x, Tensor) and x.is_floating_point() and not (constants >> i) & 1 else x
+                for i, x in enumerate(inputs)
+            )
         if isinstance(target, Tensor) and target.device != device:
             target = target.to(device, non_blocking=True)
         if self.stochastic:
             torch.manual_seed(self._microbatch_seed(microbatch))
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
-                           scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted)
+                           scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted,
+                           structure=structure)
         if self.recompute and not self.stochastic:  # whatever random numbers the forward draws, replayed
             record.rng = _rng_state(self.device)
         try:
             with torch.no_grad() if self.recompute else contextlib.nullcontext():
                 output, loss = self._compute(record)
         except (RuntimeError, TypeError, ValueError) as error:
-            raise self._forward_error(error, inputs, target) from None
+            raise self._forward_error(error, inputs, target, structure) from None
         if self.is_last:
             self.last_loss = loss.detach()
             if self.nonfinite == "stop" and not _finite_loss(self.last_loss):
@@ -448,14 +473,29 @@ class StageExecutor:
                 record.roots = (self._scaled(loss, record),)
             self.in_flight[microbatch] = record
             return (self.last_loss,)
-        outputs = as_tuple(output)
+        outputs, shape = flatten(output)
+        self.last_constants = self._constants(outputs, inputs)
         if not self.recompute:
             record.roots = outputs
         self.in_flight[microbatch] = record
-        sent = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+        sent: Any = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+        if shape is not None:
+            sent = shape.unflatten(sent)
         if self.scaler is not None:
-            sent += (torch.tensor([scale], dtype=torch.float32, device=device),)
+            sent = append(sent, torch.tensor([scale], dtype=torch.float32, device=device))
         return sent
+
+    def _constants(self, outputs: tuple, inputs: tuple) -> int:
+        """:attr:`last_constants` of ``outputs``. A forward without a graph (recomputation) cannot
+        tell a new tensor that needs no gradient from one that does: there only the inputs it hands
+        on unchanged are known (a mask made by an earlier stage); it marks nothing else."""
+        passed = {id(x) for x in inputs if isinstance(x, Tensor) and not x.requires_grad} if self.recompute else None
+        mask = 0
+        for i, o in enumerate(outputs):
+            if (isinstance(o, Tensor) and not o.requires_grad and i < 62 and o.is_floating_point()
+                    and (passed is None or id(o) in passed)):
+                mask |= 1 << i
+        return mask
 
     @staticmethod
     def _scaled(loss: Tensor, record: _InFlight) -> Tensor:
@@ -493,11 +533,11 @@ class StageExecutor:
             if self.policy in _INCONSISTENT and torch.is_grad_enabled():
                 record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
                 with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
-                    output = self.call(leaves, inputs)
+                    output = self.call(leaves, inputs, record.structure)
                     if self.is_last:
                         loss = self.loss_fn(output, target)
             else:
-                output = self.call(leaves, inputs)
+                output = self.call(leaves, inputs, record.structure)
                 if self.is_last:
                     loss = self.loss_fn(output, target)
         return output, loss
@@ -526,7 +566,7 @@ class StageExecutor:
         if self.is_last:
             record.roots = (self._scaled(loss, record),)
         else:
-            record.roots = as_tuple(output)
+            record.roots = flatten(output)[0]
 
     def _nonfinite_origin(self, inputs: tuple) -> str:
         """Where a non-finite loss came from, as far as this stage can tell (the error path only)."""
@@ -540,12 +580,12 @@ class StageExecutor:
             return f" (the weights of this stage are not finite in {_nonfinite_names(weights)})"
         return " (its input and weights are finite: its own computation overflowed)"
 
-    def _forward_error(self, error: Exception, inputs: tuple, target: Any) -> PipetrainError:
+    def _forward_error(self, error: Exception, inputs: tuple, target: Any,
+                       structure: Structure | None = None) -> PipetrainError:
         """A failing forward, explained in terms of stages and shapes."""
-        shapes = ", ".join(
-            f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')}" if isinstance(x, Tensor) else type(x).__name__
-            for x in inputs
-        )
+        shapes = describe(inputs if structure is None else structure.unflatten(inputs))
+        if structure is None:  # a flat tuple: the shapes without their positions, as always
+            shapes = ", ".join(describe(x) for x in inputs)
         text = str(error).splitlines()[0] if str(error) else type(error).__name__
         origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
         message = f"stage {self.stage} cannot run on its input ({shapes}) from {origin}: {text}"
@@ -572,17 +612,19 @@ class StageExecutor:
     # -- backward --------------------------------------------------------------------------------
 
     def _differentiable(self, record: _InFlight, grad_outputs: Sequence | None):
+        """The outputs to differentiate and their gradients. An output that requires grad but got no
+        gradient was used by the later stages in no differentiable way (a mask that only chose a
+        causal kernel, a value passed on and never used): it adds nothing, as in one process."""
         self._recompute(record)
+        if grad_outputs is None:  # the last stage: the loss
+            return [r for r in record.roots if isinstance(r, Tensor) and r.requires_grad], None
         roots, grads = [], []
         for index, root in enumerate(record.roots):
-            if isinstance(root, Tensor) and root.requires_grad:
-                roots.append(root)
-                grads.append(None if grad_outputs is None or index >= len(grad_outputs) else grad_outputs[index])
-        if grad_outputs is None:
-            grads = None
-        elif any(g is None for g in grads):
-            missing = [i for i, g in enumerate(grads) if g is None]
-            raise PipetrainError(f"stage {self.stage}: no gradient arrived for outputs {missing}")
+            if isinstance(root, Tensor) and root.requires_grad and index < len(grad_outputs):
+                grad = grad_outputs[index]
+                if grad is not None:
+                    roots.append(root)
+                    grads.append(grad)
         return roots, grads
 
     def _input_gradients(self, record: _InFlight, version: int, inputs: list[Tensor], grad_outputs):
@@ -912,6 +954,9 @@ class StageExecutor:
                     "version": r.version,
                     "samples": r.samples,
                     "inputs": tuple(x.detach() if isinstance(x, Tensor) else x for x in r.inputs),
+                    "structure": None if r.structure is None else r.structure.text,
+                    "constants": sum(1 << i for i, x in enumerate(r.inputs) if isinstance(x, Tensor)
+                                     and x.is_floating_point() and not x.requires_grad and i < 62),
                     "target": r.target,
                     "loss_scale": r.loss_scale,
                     "scale": r.scale,
@@ -926,9 +971,10 @@ class StageExecutor:
             },
         }
 
-    def restore(self, state: dict[str, Any]) -> list[tuple[int, tuple]]:
+    def restore(self, state: dict[str, Any]) -> list[tuple[int, Any, int]]:
         """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
-        ``[(microbatch, outputs)]`` in their original order (for the messages that crossed). The
+        ``[(microbatch, outputs, constants)]`` in their original order (for the messages that
+        crossed; ``constants`` as :attr:`last_constants`). The
         state's tensors come to this stage's device, wherever they were saved."""
         state = to_device(state, self.device)
         self.versions = VersionStore.from_state(state["versions"], state["current"], recycle=not self.recompute)
@@ -950,12 +996,16 @@ class StageExecutor:
             params = None
             if record["params"] is not None:
                 params = {**self.versions[record["version"]], **record["params"]}
+            inputs = record["inputs"]
+            if record.get("structure") is not None:
+                inputs = Structure.parse(record["structure"]).unflatten(inputs)
             out = self.forward(
-                record["microbatch"], record["version"], record["inputs"], target=record["target"],
+                record["microbatch"], record["version"], inputs, target=record["target"],
                 samples=record["samples"], params=params,
                 loss_scale=record["loss_scale"], stamp=record.get("scale") if self.scaler is not None else None,
+                constants=record.get("constants", 0),
             )
-            replayed.append((record["microbatch"], out))
+            replayed.append((record["microbatch"], out, self.last_constants))
         with torch.no_grad():
             for name, buffer in self.buffers.items():
                 buffer.copy_(state["buffers"][name])  # replay must not count running statistics twice
@@ -967,9 +1017,10 @@ class StageExecutor:
         """Forward-only pass on the current weights (module in eval mode), for held-out data."""
         was_training = self.module.training
         self.module.eval()
+        leaves, structure = flatten(inputs)
         try:
             with torch.no_grad(), self._autocast():
-                return self.call(self.versions.latest, to_device(as_tuple(inputs), self.device, non_blocking=True))
+                return self.call(self.versions.latest, to_device(leaves, self.device, non_blocking=True), structure)
         finally:
             self.module.train(was_training)
 

@@ -3,19 +3,21 @@
 Each stage executor holds its own copy of a parameter that several stages use (an LM head tied to
 the input embedding), see :mod:`pipetrain.stages.tied`. On a synchronous schedule the copies start
 equal, and before the n-th STEP of its stages every holder replaces its accumulated gradient of
-the shared parameter by the sum over the holders (in stage order, after each stage's replicas have
-summed theirs with SYNC). Every copy then takes the same update from the same optimizer state, so
+the shared parameter by the sum over the holders (from the last stage to the first, the order in
+which one process's backward reaches the uses, after each stage's replicas have summed theirs with
+SYNC). Every copy then takes the same update from the same optimizer state, so
 the copies stay bitwise equal and training is plain tied training, as Megatron does for its tied
-embeddings. Only the order of additions differs from one process: plain PyTorch adds the two uses'
+embeddings. Only the order of additions differs from one process: plain PyTorch adds the uses'
 gradients per microbatch and then accumulates, the pipeline accumulates per stage and then adds,
-which rounds alike with one microbatch per step and to within float tolerance otherwise.
+which rounds alike with one microbatch per step (for any number of uses: T5's embedding has three)
+and to within float tolerance otherwise.
 
 Where a rank sums: at the first STEP of step n of any holder stage it holds (that stage's
 gradient is final there, and so is every other holder stage's on that rank: checked). The
 emulator meets the other holders there (a rendezvous); the runtime broadcasts each holder's
 gradient from its first replica's rank in a process group of the ranks that hold the parameter
 (every rank creates the groups in the same order, :func:`pipetrain.runtime.executor.sync_groups`),
-and every rank adds the parts in stage order, as the emulator does, so both give the same bits.
+and every rank adds the parts in the same order, as the emulator does, so both give the same bits.
 
 Schedules with several weight versions per stage (pipedream, 2bw, pb, any policy but ``flush``)
 are refused: the copies would be read at different versions and diverge.
@@ -149,8 +151,9 @@ class TiedGradients:
         return [(t, n + shift * max(per_period.get(stage, 0) for stage in self.tied[t].stages)) for t, n in found]
 
     def total(self, t: int, part: Callable[[int, str], Tensor]) -> Tensor:
-        """The summed gradient of parameter ``t``; ``part(stage, name)`` gives each holder's."""
-        return tied_sum([part(stage, name) for stage, name, _ in self.sources[t]])
+        """The summed gradient of parameter ``t``; ``part(stage, name)`` gives each holder's, asked
+        for (and added) from the last holder to the first, as one process's backward adds them."""
+        return tied_sum([part(stage, name) for stage, name, _ in reversed(self.sources[t])])
 
     def assign(self, t: int, total: Tensor, executors: Iterable[StageExecutor]) -> None:
         """Give every copy of parameter ``t`` among ``executors`` the summed gradient."""

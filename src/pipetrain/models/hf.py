@@ -1,4 +1,4 @@
-"""HuggingFace GPT-2 and BERT as pipelines: the HF model, cut between units that share its modules.
+"""HuggingFace GPT-2, BERT, T5 and BART as pipelines: the HF model, cut between units that share its modules.
 
 torch.fx cannot trace a HuggingFace model's ``forward`` (input checks, caches, mask building),
 but training needs little of it: embeddings, the blocks one after the other, the head. This
@@ -12,7 +12,9 @@ bidirectional.
 
 The output head of both reuses the input embedding's weight (tied weights): cut into stages, the
 first and the last stage hold it, and the synchronous schedules sum its gradient
-(:mod:`pipetrain.execution.tied`).
+(:mod:`pipetrain.execution.tied`). The encoder-decoders T5 and BART are cut at every layer of both
+stacks (:mod:`pipetrain.models.hf_seq2seq`); their embedding is shared by the encoder, the decoder
+and the LM head.
 
 ``transformers`` is an optional dependency (``pip install "pipetrain[hf]"``, transformers>=5); the factories build a
 model from a config with random weights, sized by the data (``--model
@@ -33,7 +35,7 @@ from torch import nn
 from pipetrain.errors import ConfigError
 from pipetrain.models.loss import CrossEntropy
 
-__all__ = ["bert_mlm", "bert_units", "declare_units", "gpt2", "gpt2_units"]
+__all__ = ["bart", "bert_mlm", "bert_units", "declare_units", "gpt2", "gpt2_units", "t5"]
 
 
 def _transformers() -> Any:
@@ -128,12 +130,14 @@ def declare_units(model: nn.Module, units: Sequence[tuple[str, nn.Module]], loss
     return model
 
 
-def _length(input_shape: Sequence[int]) -> int:
+def _length(input_shape: Sequence[int], seq2seq: bool = False) -> int:
+    """The sequence length of samples of token ids, or an error saying what the model takes."""
     if len(input_shape) != 1:
-        raise ConfigError(
-            f"the HuggingFace language models take token ids of shape (T,) per sample, got samples of shape "
-            f"{tuple(input_shape)}: use a text data set such as --data text"
-        )
+        takes = ("an encoder-decoder takes token ids of shape (T,) per sample (x = {'input_ids': ..., "
+                 "'decoder_input_ids': ...}), got samples whose first tensor has shape" if seq2seq else
+                 "the HuggingFace language models take token ids of shape (T,) per sample, got samples of shape")
+        advice = "" if seq2seq else ": use a text data set such as --data text"
+        raise ConfigError(f"{takes} {tuple(input_shape)}{advice}")
     return int(input_shape[0])
 
 
@@ -185,3 +189,68 @@ def bert_mlm(
                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, pad_token_id=0)
     model = transformers.BertForMaskedLM(transformers.BertConfig(**{**settings, **config}))
     return declare_units(model, bert_units(model), CrossEntropy())
+
+
+def t5(
+    input_shape: Sequence[int],
+    num_classes: int,
+    num_layers: int = 2,
+    num_decoder_layers: int | None = None,
+    num_heads: int = 4,
+    d_model: int = 64,
+    d_kv: int | None = None,
+    d_ff: int | None = None,
+    dropout: float = 0.0,
+    **config: Any,
+) -> nn.Module:
+    """A randomly initialised ``T5ForConditionalGeneration`` for ``num_classes`` tokens, with its
+    pipeline units (:func:`pipetrain.models.hf_seq2seq.t5_units`) and its loss: the cross entropy
+    over the labels that are not -100, as T5's own. ``x`` is ``{"input_ids", "decoder_input_ids"}``
+    (and optionally the attention masks) or ``(input_ids, decoder_input_ids)``; ``input_shape`` is
+    the shape of ``input_ids`` per sample. Token 0 is the padding and decoder start token, as in T5.
+    ``dropout`` sets T5's ``dropout_rate`` (HF's default is 0.1). The config says ``use_cache=False``:
+    the units keep no cache, and ``model(..., labels=y)`` then computes bit for bit what they
+    compute (with HF's default cache its decoder's attention rounds differently, about 1e-6).
+    Further options go to ``T5Config``."""
+    from pipetrain.models.hf_seq2seq import t5_units
+
+    transformers = _transformers()
+    _length(input_shape, seq2seq=True)
+    settings = dict(vocab_size=num_classes, d_model=d_model, d_kv=d_kv or d_model // num_heads, d_ff=d_ff or 4 * d_model,
+                    num_layers=num_layers, num_decoder_layers=num_decoder_layers or num_layers, num_heads=num_heads,
+                    dropout_rate=dropout, pad_token_id=0, decoder_start_token_id=0, eos_token_id=1,
+                    use_cache=False)  # training keeps no cache; with one, HF's decoder rounds differently
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(**{**settings, **config}))
+    return declare_units(model, t5_units(model), CrossEntropy())
+
+
+def bart(
+    input_shape: Sequence[int],
+    num_classes: int,
+    encoder_layers: int = 2,
+    decoder_layers: int | None = None,
+    attention_heads: int = 4,
+    d_model: int = 64,
+    ffn_dim: int | None = None,
+    dropout: float = 0.0,
+    max_position_embeddings: int | None = None,
+    **config: Any,
+) -> nn.Module:
+    """A randomly initialised ``BartForConditionalGeneration`` for ``num_classes`` tokens, with its
+    pipeline units (:func:`pipetrain.models.hf_seq2seq.bart_units`) and its loss (the cross entropy
+    over the labels that are not -100). ``x`` as for :func:`t5`; positions up to
+    ``max_position_embeddings`` (default: the sample length ``input_shape[0]``, at least 64). Token 0
+    is the padding and decoder start token. ``dropout`` sets BART's dropouts (HF's default is 0.1).
+    Further options go to ``BartConfig``."""
+    from pipetrain.models.hf_seq2seq import bart_units
+
+    transformers = _transformers()
+    length = _length(input_shape, seq2seq=True)
+    settings = dict(vocab_size=num_classes, d_model=d_model, encoder_layers=encoder_layers,
+                    decoder_layers=decoder_layers or encoder_layers, encoder_attention_heads=attention_heads,
+                    decoder_attention_heads=attention_heads, encoder_ffn_dim=ffn_dim or 4 * d_model,
+                    decoder_ffn_dim=ffn_dim or 4 * d_model, dropout=dropout, attention_dropout=dropout,
+                    activation_dropout=dropout, max_position_embeddings=max_position_embeddings or max(length, 64),
+                    pad_token_id=0, decoder_start_token_id=0, bos_token_id=0, eos_token_id=1, forced_eos_token_id=None)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(**{**settings, **config}))
+    return declare_units(model, bart_units(model), CrossEntropy())

@@ -46,6 +46,7 @@ from pipetrain.runtime.errors import CommunicationError
 from pipetrain.runtime.p2p import Messenger, RecvHandle
 from pipetrain.runtime.sends import Messages, SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
+from pipetrain.structure import append, flatten, split_last
 
 __all__ = ["RankRunner", "sync_groups"]
 
@@ -134,6 +135,7 @@ class RankRunner:
         self._releases = version_release_points(self.program)
         self._local: dict[tuple, Any] = {}
         self._labels: dict[int, torch.Tensor] = {}  # labels of microbatches passing through this rank
+        self._constants: dict[tuple[int, int], int] = {}  # (stage, unit) -> inputs needing no gradient (nonzero)
         self._messages = Messages(schedule) if messages is None else messages
         self._sends = SendLedger(schedule, rank, self._messages)
         self._posted: dict[tuple[int, str], RecvHandle] = {}
@@ -338,8 +340,10 @@ class RankRunner:
                 elif kind is _W:
                     executors[stage].backward_weight(k, version)
                 elif kind is _SEND_F:
-                    payload = local.pop(("F", stage + 1, k)) + (self._labels[k],)
-                    self._send(payload, schedule.peer_of(action), "act" + str(stage + 1), k, action, pc)
+                    payload = append(local.pop(("F", stage + 1, k)), self._labels[k])
+                    constants = self._constants.pop((stage + 1, k), 0)
+                    self._send(payload, schedule.peer_of(action), "act" + str(stage + 1), k, action, pc,
+                               info=(constants,) if constants else ())
                 elif kind is _SEND_B:
                     grads = local.pop(("B", stage - 1, k))
                     mask = sum(1 << i for i, g in enumerate(grads) if g is not None)
@@ -347,9 +351,10 @@ class RankRunner:
                     self._send(present, schedule.peer_of(action), "grad" + str(stage - 1), k, action, pc,
                                info=(mask,))
                 elif kind is _RECV_F:
-                    payload, _ = self._receive((schedule.peer_of(action), "act" + str(stage)), pc)
-                    local[("F", stage, k)] = payload[:-1]
-                    self._labels[k] = payload[-1]
+                    payload, handle = self._receive((schedule.peer_of(action), "act" + str(stage)), pc)
+                    local[("F", stage, k)], self._labels[k] = split_last(payload)
+                    if handle.info:
+                        self._constants[(stage, k)] = handle.info[0]
                 elif kind is _RECV_B:
                     payload, handle = self._receive((schedule.peer_of(action), "grad" + str(stage)), pc)
                     local[("B", stage, k)] = _unmask(payload, handle.info[0] if handle.info else None)
@@ -508,16 +513,18 @@ class RankRunner:
         later_forwards = {(a.stage, a.microbatch) for a in _after(program, position) if a.kind is _F}
         for stage in sorted(self.executors):
             replayed = self.executors[stage].restore(state["stages"][stage])
-            for k, out in replayed:
+            for k, out, constants in replayed:
                 if stage == self.last_stage:
                     continue
                 if schedule.rank_of(stage + 1, k) == rank:
                     if (stage + 1, k) in later_forwards:
                         self._local[("F", stage + 1, k)] = out
+                        if constants:
+                            self._constants[(stage + 1, k)] = constants
                 elif (stage, k) in crossing:
                     sent_at, action = crossing[(stage, k)]
-                    self._send(out + (self._labels[k],), schedule.peer_of(action), "act" + str(stage + 1), k, action,
-                               sent_at)
+                    self._send(append(out, self._labels[k]), schedule.peer_of(action), "act" + str(stage + 1), k,
+                               action, sent_at, info=(constants,) if constants else ())
         # versions kept only for the checkpoint (keep_for_cuts): the program released them before the cut
         released = self._released()
         for stage, version in {(action.stage, action.version) for action in forwards}:
@@ -537,18 +544,21 @@ class RankRunner:
         if stage == self.last_stage:
             target = self._labels[k]
         _, start, stop = layout.bounds(k)
-        out = executor.forward(k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=stop - start)
+        out = executor.forward(k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=stop - start,
+                               constants=self._constants.pop((stage, k), 0) if stage else 0)
+        if stage != self.last_stage and executor.last_constants:
+            self._constants[(stage + 1, k)] = executor.last_constants
         if stage == self.last_stage:
             loss = float(out[0])
             self.losses[k] = loss
             if on_loss is not None:
                 on_loss(k, loss)
         else:
-            for value in out:
+            for value in flatten(out)[0]:
                 if not isinstance(value, torch.Tensor):
                     raise PipetrainError(
-                        f"stage {stage} returned a {type(value).__name__}; stages must pass tensors (or tuples of "
-                        "tensors) to the next stage"
+                        f"stage {stage} returned a {type(value).__name__}; stages must pass tensors (alone, or in "
+                        "tuples, lists and dicts) to the next stage"
                     )
             local[("F", stage + 1, k)] = out
 

@@ -1,4 +1,5 @@
-"""Asynchronous point-to-point transfer of tensors and tuples of tensors, with timeouts."""
+"""Asynchronous point-to-point transfer of tensors, tuples of tensors and any nesting of tuples, lists and
+dicts of tensors, with timeouts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 
 from pipetrain.errors import PipetrainError
 from pipetrain.runtime import wire
+from pipetrain.structure import Structure, flatten
 from pipetrain.runtime.errors import (
     CommunicationError,
     PeerLostError,
@@ -30,7 +32,8 @@ __all__ = [
     "MAX_INFO",
 ]
 
-Payload = Union[torch.Tensor, "tuple[torch.Tensor, ...]"]
+#: A tensor, a tuple of tensors, or any nesting of tuples, lists and dicts of tensors.
+Payload = Union[torch.Tensor, "tuple[torch.Tensor, ...]", Any]
 
 #: Conventional channel kinds (any string works; both ranks must use the same one).
 ACTIVATIONS = "act"
@@ -54,16 +57,23 @@ def _tag_of(kind: str) -> int:
     return zlib.crc32(kind.encode()) & 0x3FFFFFFF
 
 
-def _normalize(payload: Payload) -> tuple[tuple[torch.Tensor, ...], bool]:
+def _normalize(payload: Payload) -> tuple[tuple[torch.Tensor, ...], bool, str | None]:
+    """``(tensors, single, structure text)``: a tensor and a tuple of tensors (the fast path) carry
+    no structure; any other nesting of tuples, lists and dicts of tensors carries its text."""
     if isinstance(payload, torch.Tensor):
-        return (payload,), True
-    if isinstance(payload, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in payload):
-        return tuple(payload), False
-    raise PipetrainError(
-        f"can only send a tensor or a tuple of tensors, not {type(payload).__name__}"
-        + (f" holding {[type(t).__name__ for t in payload]}" if isinstance(payload, (tuple, list)) else "")
-        + ": pass plain data (ints, strings) through info= or outside the pipeline"
-    )
+        return (payload,), True, None
+    if isinstance(payload, tuple) and all(isinstance(t, torch.Tensor) for t in payload):
+        return payload, False, None
+    leaves, structure = flatten(payload) if isinstance(payload, (tuple, list, dict)) else ((payload,), None)
+    paths = structure.paths() if structure is not None else [f"[{i}]" for i in range(len(leaves))]
+    wrong = [f"{path or 'the payload'} is of type {type(leaf).__name__}" for path, leaf in zip(paths, leaves)
+             if not isinstance(leaf, torch.Tensor)]
+    if wrong:
+        raise PipetrainError(
+            f"can only send tensors, alone or in tuples, lists and dicts, but {', '.join(wrong[:3])}: pass plain "
+            "data (ints, strings) through info= or outside the pipeline"
+        )
+    return leaves, False, None if structure is None else structure.text
 
 
 class _SendState:
@@ -81,14 +91,15 @@ class _SendState:
 
 
 class _RecvState:
-    __slots__ = ("total", "hw", "seq", "words", "single", "layout", "last")
+    __slots__ = ("total", "hw", "seq", "words", "form", "structure", "layout", "last")
 
     def __init__(self) -> None:
         self.total = wire.INITIAL_TOTAL
         self.hw = wire.INITIAL_WORDS
         self.seq = 0
         self.words: list[int] | None = None
-        self.single = True
+        self.form = wire.SINGLE
+        self.structure: Structure | None = None
         self.layout: wire.Layout = []
         self.last: RecvHandle | None = None
 
@@ -98,9 +109,10 @@ class Messenger:
 
     Why not plain ``dist.isend``: a receiver must know the size of what comes, stages pass tuples,
     the last microbatch may be smaller, and a rank waiting forever on a dead peer is the worst
-    failure of a pipeline. A messenger sends any tensor or tuple of tensors as **one message**: a
-    small header (sequence number, a user tag such as the microbatch, a few user integers, dtypes
-    and shapes) followed by the tensor bytes. Sender and receiver track, per channel, the size of
+    failure of a pipeline. A messenger sends any tensor, tuple of tensors, or nesting of tuples,
+    lists and dicts of tensors (:mod:`pipetrain.structure`) as **one message**: a small header
+    (sequence number, a user tag such as the microbatch, a few user integers, dtypes and shapes,
+    the structure of a structured payload) followed by the tensor bytes. Sender and receiver track, per channel, the size of
     the next message; only when it changes does the sender first send a short control message
     announcing the new size (two messages once, then one again). Every wait has a timeout and
     turns gloo's errors into a :class:`~pipetrain.runtime.errors.PeerTimeoutError` or
@@ -255,19 +267,20 @@ class Channel:
     def isend(
         self, payload: Payload, *, tag: int = -1, info: Sequence[int] = (), what: object = None
     ) -> SendHandle:
-        """Start sending ``payload`` (a tensor, or a tuple of tensors of any dtypes and shapes).
+        """Start sending ``payload`` (a tensor, a tuple of tensors, or tuples, lists and dicts of tensors
+        nested in any way; tensors of any dtypes and shapes). The receiver gets back the same structure.
 
         ``tag`` (for example the microbatch) and up to :data:`MAX_INFO` integers ``info`` travel
         in the header; the receiver reads them from its handle. ``what`` describes the action for
         error messages (any object; ``str()`` is taken only on error). The tensors may be reused
         as soon as this returns: they were copied into the message.
         """
-        tensors, single = _normalize(payload)
+        tensors, single, structure = _normalize(payload)
         st = self._send
-        key = (single, [(t.dtype, t.shape) for t in tensors])
+        key = (structure or single, [(t.dtype, t.shape) for t in tensors])
         if key != st.key:
-            words = wire.meta_words(tensors, single)
-            st.layout = wire.parse_meta(words)[1]
+            words = wire.meta_words(tensors, single, structure)
+            st.layout = wire.parse_meta(words)[2]
             st.key, st.words, st.hw = key, words, wire.PREFIX + len(words)
             st.total = st.layout[-1][2] + wire.padded(st.layout[-1][3]) if st.layout else st.hw * 8
         ninfo = len(info)
@@ -389,7 +402,7 @@ class RecvHandle:
             raise ch.messenger._fail(error, ch._what(self.what, False), ch.peer, ch.messenger.timeout) from None
 
     def wait(self, timeout: float | None = None) -> Payload:
-        """Block until the payload arrived and return it (a tensor, or a tuple if a tuple was
+        """Block until the payload arrived and return it (a tensor, a tuple, or the structure that was
         sent); each message waits up to ``timeout`` seconds (default: the messenger's)."""
         if self._error is not None:
             raise self._error
@@ -444,10 +457,12 @@ class RecvHandle:
             self.info = tuple(words[6 : 6 + words[5]])
         meta = words[wire.PREFIX:]
         if meta != st.words:
-            st.single, st.layout = wire.parse_meta(meta)
+            st.form, text, st.layout = wire.parse_meta(meta)
+            st.structure = None if text is None else Structure.parse(text)
             st.words = meta
         tensors = wire.unpack(buffer, array, st.layout)
-        self._result = tensors[0] if st.single else tensors
+        form = st.form
+        self._result = tensors[0] if form == wire.SINGLE else tensors if form == wire.TUPLE else st.structure.unflatten(tensors)
         self._buffer = None
         self._work = None
         if self.expect_tag is not None and self.tag != self.expect_tag:

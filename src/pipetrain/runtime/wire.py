@@ -3,8 +3,14 @@
 A data message is int64 header words, then the tensors, each padded to 16 bytes::
 
     MAGIC|DATA  seq  total_bytes  header_words  tag  n_info  info[0..3]  form  n_tensors
-    (dtype_code  ndim  dim_0 .. dim_ndim-1) per tensor   [0 to make the header 16-byte aligned]
+    (dtype_code  ndim  dim_0 .. dim_ndim-1) per tensor   [structure]   [0 to make the header 16-byte aligned]
     tensor 0 bytes [pad] tensor 1 bytes [pad] ...
+
+``form`` is :data:`SINGLE` (one tensor), :data:`TUPLE` (a flat tuple of tensors) or
+:data:`STRUCTURED`: any other nesting of tuples, lists and dicts of tensors, whose
+:class:`~pipetrain.structure.Structure` text follows the tensor descriptions (its byte count, then
+its UTF-8 bytes in int64 words), so that the receiver rebuilds exactly what was sent. The first two
+carry no structure and cost nothing extra.
 
 A control message (``MAGIC|CONTROL seq next_total next_header_words``) announces the size of the
 next message. See :class:`pipetrain.runtime.p2p.Messenger`.
@@ -31,6 +37,8 @@ PREFIX = 6 + MAX_INFO  # header words before the payload description (form, coun
 INITIAL_TOTAL = 64  # bytes the receiver expects before the first message of a channel
 INITIAL_WORDS = 4  # header words the receiver reads from that first (control) message
 ALIGN = 16
+#: The ``form`` word of a payload.
+SINGLE, TUPLE, STRUCTURED = 0, 1, 2
 
 # Wire codes of dtypes. Append only: the code is the index.
 DTYPES: tuple[torch.dtype, ...] = (
@@ -57,10 +65,10 @@ def padded(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-def meta_words(tensors: Sequence[torch.Tensor], single: bool) -> list[int]:
-    """The payload description words (form, count, then dtype code, ndim and dims per tensor),
-    padded to an even header length."""
-    words = [0 if single else 1, len(tensors)]
+def meta_words(tensors: Sequence[torch.Tensor], single: bool, structure: str | None = None) -> list[int]:
+    """The payload description words (form, count, then dtype code, ndim and dims per tensor, then
+    a structured payload's structure text), padded to an even header length."""
+    words = [STRUCTURED if structure is not None else SINGLE if single else TUPLE, len(tensors)]
     for t in tensors:
         code = DTYPE_CODE.get(t.dtype)
         if code is None:
@@ -69,14 +77,18 @@ def meta_words(tensors: Sequence[torch.Tensor], single: bool) -> list[int]:
         words.append(code)
         words.append(t.dim())
         words.extend(t.shape)
+    if structure is not None:
+        data = structure.encode()
+        words.append(len(data))
+        words.extend(np.frombuffer(data + bytes(-len(data) % 8), dtype=np.int64).tolist())
     if (PREFIX + len(words)) % 2:
         words.append(0)
     return words
 
 
-def parse_meta(words: list[int]) -> tuple[bool, Layout]:
-    """Payload description words -> (single tensor?, layout)."""
-    single = words[0] == 0
+def parse_meta(words: list[int]) -> tuple[int, str | None, Layout]:
+    """Payload description words -> (form, structure text or None, layout)."""
+    form = words[0]
     count = words[1]
     offset = (PREFIX + len(words)) * 8
     layout: Layout = []
@@ -92,7 +104,11 @@ def parse_meta(words: list[int]) -> tuple[bool, Layout]:
         nbytes = numel * dtype.itemsize
         layout.append((dtype, shape, offset, nbytes, NUMPY.get(dtype)))
         offset += padded(nbytes)
-    return single, layout
+    structure = None
+    if form == STRUCTURED:
+        size = words[i]
+        structure = np.array(words[i + 1 : i + 1 + -(-size // 8)], dtype=np.int64).tobytes()[:size].decode()
+    return form, structure, layout
 
 
 ZEROS = [0] * MAX_INFO

@@ -246,10 +246,13 @@ def measure_unit_costs(
             while r < warmup + repeats or (r < warmup + most and wall() - began < budget):
                 spent = [0.0] * len(executors)
                 value = inputs
+                constants = 0
                 for s, executor in enumerate(executors):
                     start = clock()
-                    value = executor.forward(r, 0, value, target=target if s == last else None, samples=samples)
+                    value = executor.forward(r, 0, value, target=target if s == last else None, samples=samples,
+                                             constants=constants)
                     spent[s] += clock() - start
+                    constants = executor.last_constants
                 grads = None
                 for s in range(last, -1, -1):
                     start = clock()
@@ -274,9 +277,10 @@ def _measure_one_at_a_time(model: nn.Module, names: Sequence[str], pieces: Stage
                            target: torch.Tensor, loss_fn: Callable, init: Any, seed: int,
                            rounds: dict[str, Any]) -> dict[str, float]:
     """:func:`measure_unit_costs` of a model built on meta: one materialised piece at a time."""
-    from pipetrain.execution.stage import StageExecutor, as_tuple
+    from pipetrain.execution.stage import StageExecutor
     from pipetrain.stages.materialize import materialize
     from pipetrain.stages.staged import call_stage
+    from pipetrain.structure import flatten
 
     last = len(pieces) - 1
     samples = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() else 1
@@ -296,12 +300,14 @@ def _measure_one_at_a_time(model: nn.Module, names: Sequence[str], pieces: Stage
                 made = materialize(model, piece, init, seed=seed)
                 try:
                     executor = StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)
-                    grads = None if s == last else tuple(
-                        torch.ones_like(o) if isinstance(o, torch.Tensor) and o.is_floating_point() else None
-                        for o in as_tuple(values[s + 1]))
-                    costs[name] = _fastest(lambda r: (executor.forward(r, 0, values[s], target=target if s == last else None,
-                                                                       samples=samples),
-                                                      executor.backward(r, 0, grads)), clock, **rounds)
+
+                    def round_trip(r: int, s: int = s, executor: StageExecutor = executor) -> None:
+                        out = executor.forward(r, 0, values[s], target=target if s == last else None, samples=samples)
+                        grads = None if s == last else tuple(
+                            torch.ones_like(t) if t.is_floating_point() else None for t in flatten(out)[0])
+                        executor.backward(r, 0, grads)
+
+                    costs[name] = _fastest(round_trip, clock, **rounds)
                     del executor
                 finally:
                     made.release()

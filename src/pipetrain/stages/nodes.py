@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from torch import fx, nn
 
@@ -26,6 +26,7 @@ __all__ = [
     "is_shape_value",
     "module_paths",
     "positioned_nodes",
+    "recomputed",
 ]
 
 _SHAPE_METHODS = frozenset(
@@ -55,9 +56,20 @@ def is_shape_value(node: fx.Node) -> bool:
     return bool(inputs) and all(is_shape_value(n) for n in inputs)
 
 
+def recomputed(fn: Any) -> Any:
+    """Mark ``fn``, a function a traced graph calls, as cheap and pure like a shape value: every
+    stage that needs its result computes it again from values the stage has, so its result (a bool,
+    say) never crosses a boundary. (The transformer stacks' causal-mask detection, see
+    :mod:`pipetrain.stages.trace`.)"""
+    fn.pipetrain_recomputed = True
+    return fn
+
+
 def is_recomputable(node: fx.Node) -> bool:
-    """A parameter/buffer read or a shape value: recomputed in each stage that needs it."""
-    return node.op == "get_attr" or is_shape_value(node)
+    """A parameter/buffer read, a shape value or a :func:`recomputed` function: recomputed in
+    each stage that needs it."""
+    return (node.op == "get_attr" or is_shape_value(node)
+            or (node.op == "call_function" and getattr(node.target, "pipetrain_recomputed", False)))
 
 
 def is_compute(node: fx.Node) -> bool:

@@ -16,8 +16,9 @@ The earliest module of each stage after the first is its split point; every name
 wholly inside its stage (checked). Modules a plan does not name go where execution order puts them.
 
 **Automatic** splits cut at the start of *pipeline units*: the model's top-level children, with
-containers (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``, and the layer stacks of
-``nn.TransformerEncoder``/``Decoder`` traced without masks) opened into their elements and,
+containers (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``, ``nn.Transformer`` into its
+encoder and decoder, and the layer stacks of ``nn.TransformerEncoder``/``Decoder``) opened into their
+elements and,
 while there are fewer units than stages, the unit with the most parameters opened into its
 children. The cut minimises the largest stage's cost, where cost is the parameter count or the
 per-node/per-module costs the caller measured (see :func:`cost_weights`).
@@ -55,7 +56,8 @@ __all__ = [
 #: A plan: module names per stage, a module -> stage mapping, or its text / JSON-file form.
 Plan = Union[Sequence[Sequence[str]], Mapping[str, int], str]
 
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict, nn.TransformerEncoder, nn.TransformerDecoder)
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict, nn.Transformer, nn.TransformerEncoder,
+               nn.TransformerDecoder)
 
 
 def _module_list_hint(model: nn.Module, positions: ModulePositions, name: str) -> str:
@@ -74,10 +76,7 @@ def why_whole(model: nn.Module, name: str) -> str:
     """Why module ``name`` runs as one operation (a leaf of the trace), in words."""
     module = model.get_submodule(name)
     kind = type(module).__name__
-    if type(module) in (nn.TransformerEncoder, nn.TransformerDecoder):
-        return (f"an nn.{kind} called with a mask, which is traced whole (called without masks it opens "
-                f"into its layers)")
-    if type(module).__module__.startswith("torch.nn"):
+    if type(module).__module__.startswith("torch.nn") and not isinstance(module, _CONTAINERS):
         return f"a torch.nn layer ({kind})"
     return f"a leaf module ({kind}, made one by leaf_modules / --leaf-modules)"
 

@@ -1,11 +1,18 @@
-"""A model cut into stages, the tensor convention at stage boundaries, and state-dict mapping.
+"""A model cut into stages, the call convention at stage boundaries, and state-dict mapping.
 
-Boundary convention: a stage receives what the previous stage returned. A tensor is passed as the
-one argument; a tuple of tensors is unpacked into positional arguments, ``stage(*outputs)``. The
-first stage receives the model input. A stage cut from an ``nn.Sequential`` (a
-:class:`StageSequential`) packs several arguments back into one tuple for its first module, so a
-Sequential whose modules hand tuples to each other computes the same when cut anywhere.
-(A 1-tuple reaches the next stage as a bare tensor: return tensors, or tuples of two or more.)
+Call convention: a stage receives what the previous stage returned, read as arguments. A tuple or a
+list is unpacked into positional arguments (``stage(*outputs)``), a dict into keyword arguments
+(``stage(**outputs)``), anything else (a tensor) is the one argument. The first stage receives the
+model input by the same rule: a batch ``x`` that is ``(src, tgt_in)`` calls ``stage0(src, tgt_in)``,
+``{"input_ids": ..., "attention_mask": ...}`` calls ``stage0(input_ids=..., attention_mask=...)``.
+A stage may return a tensor, or tuples, lists and dicts of tensors nested in any way; every
+executor hands the next stage exactly that structure (:mod:`pipetrain.structure`), and gradients
+come back for its floating-point tensors (integer and boolean ones, token ids and masks, take none).
+
+A stage cut from an ``nn.Sequential`` (a :class:`StageSequential`) packs several arguments back
+into one tuple for its first module (keyword arguments into one dict), so a Sequential whose
+modules hand tuples or dicts to each other computes the same when cut anywhere. (A 1-tuple reaches
+the next stage as its one item: return tensors, or tuples of two or more.)
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError
+from pipetrain.structure import arguments
 from pipetrain.stages.tied import TiedParameter, check_tied_copies
 
 __all__ = ["StageSequential", "StagedModel", "call_stage", "run_stages"]
@@ -29,20 +37,28 @@ class StageSequential(nn.Sequential):
     model's keys, and ``forward(*inputs)`` follows the boundary convention of this module.
     """
 
-    def forward(self, *inputs: Any) -> Any:  # type: ignore[override]
-        x = inputs[0] if len(inputs) == 1 else inputs
+    def forward(self, *inputs: Any, **named: Any) -> Any:  # type: ignore[override]
+        if named:
+            if inputs:
+                raise TypeError("a StageSequential takes positional or keyword inputs, not both")
+            x: Any = named
+        else:
+            x = inputs[0] if len(inputs) == 1 else inputs
         for module in self:
             x = module(x)
         return x
 
 
 def call_stage(stage: nn.Module, inputs: Any) -> Any:
-    """Run ``stage`` on what the previous stage returned: ``stage(*inputs)`` for a tuple."""
-    return stage(*inputs) if isinstance(inputs, tuple) else stage(inputs)
+    """Run ``stage`` on what the previous stage returned, under the call convention (``stage(*inputs)``
+    for a tuple or list, ``stage(**inputs)`` for a dict, else ``stage(inputs)``)."""
+    args, kwargs = arguments(inputs)
+    return stage(*args, **kwargs)
 
 
 def run_stages(stages: Sequence[nn.Module], *inputs: Any) -> Any:
-    """Run ``stages`` one after the other on ``inputs``: equals the unsplit model's forward."""
+    """Run ``stages`` one after the other on ``inputs`` (as the model's forward takes them; a
+    structured batch ``x`` as ``run_stages(stages, x)``): equals the unsplit model's forward."""
     x: Any = inputs[0] if len(inputs) == 1 else inputs
     for stage in stages:
         x = call_stage(stage, x)

@@ -12,7 +12,7 @@ model was cut (a list of stage modules, an ``nn.Sequential`` or a traced model).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
@@ -30,22 +30,35 @@ class TiedParameter:
     ``name`` is the unsplit model's key for it and ``keys`` all its keys there (the others are
     aliases); ``holders`` lists ``(stage, name)`` in stage order, ``name`` being the parameter's
     name in that stage's ``named_parameters()`` (and state dict). ``trainable``: whether it
-    requires grad (a frozen shared parameter never changes, so its copies never differ).
+    requires grad (a frozen shared parameter never changes, so its copies never differ). ``uses``
+    names each holder's use by the model's key for it (``lm_head.weight`` where the stage calls it
+    ``head.lm_head.weight``), for messages.
     """
 
     name: str
     holders: tuple[tuple[int, str], ...]
     trainable: bool = True
     keys: tuple[str, ...] = ()
+    uses: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def stages(self) -> tuple[int, ...]:
         return tuple(stage for stage, _ in self.holders)
 
     def describe(self) -> str:
-        """``'wte.weight' (stage 0 as wte.weight, stage 3 as head.weight)``."""
-        uses = ", ".join(f"stage {stage} as {name}" for stage, name in self.holders)
+        """``'wte.weight' (stage 0 as wte.weight, stage 3 as head.weight)``: the model's names of
+        the uses the stages hold."""
+        names = self.uses or tuple(name for _, name in self.holders)
+        uses = ", ".join(f"stage {stage} as {name}" for (stage, _), name in zip(self.holders, names))
         return f"{self.name!r} ({uses})"
+
+    def untie(self) -> str:
+        """Python that unties the uses of the later stages from the first stage's, e.g.
+        ``model.head.weight = nn.Parameter(model.wte.weight.detach().clone())``; "" if unknown."""
+        names = self.uses or (self.keys[:1] + self.keys[-1:] if len(self.keys) > 1 else ())
+        first = names[0] if names else ""
+        later = [n for n in dict.fromkeys(names[1:]) if n != first]
+        return "; ".join(f"model.{n} = nn.Parameter(model.{first}.detach().clone())" for n in later)
 
 
 def find_tied(stages: Sequence[nn.Module], model: nn.Module | None = None) -> list[TiedParameter]:
@@ -60,6 +73,9 @@ def find_tied(stages: Sequence[nn.Module], model: nn.Module | None = None) -> li
     keys: dict[int, list[str]] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         keys.setdefault(id(value), []).append(key)
+    module_names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(module), []).append(name)
     uses: dict[int, list[tuple[int, str]]] = {}
     params: dict[int, nn.Parameter] = {}
     for s, stage in enumerate(stages):
@@ -70,8 +86,29 @@ def find_tied(stages: Sequence[nn.Module], model: nn.Module | None = None) -> li
     for pid, holders in uses.items():
         if len({s for s, _ in holders}) > 1:
             names = tuple(keys.get(pid, [holders[0][1]]))
-            tied.append(TiedParameter(names[0], tuple(holders), params[pid].requires_grad, names))
+            uses = tuple(_model_name(stages[s], name, module_names, names) for s, name in holders)
+            tied.append(TiedParameter(names[0], tuple(holders), params[pid].requires_grad, names, uses))
     return tied
+
+
+def _model_name(stage: nn.Module, name: str, module_names: dict[int, list[str]], keys: Sequence[str]) -> str:
+    """The model's key for parameter ``name`` of ``stage``: the owning module's name in the model
+    (of several, the one ending most like ``name``), then the attribute."""
+    owner, _, attr = name.rpartition(".")
+    candidates = [f"{n}.{attr}" if n else attr for n in module_names.get(id(stage.get_submodule(owner)), [])]
+    candidates = [c for c in candidates if c in keys] or candidates
+    if not candidates:
+        return name
+    parts = name.split(".")
+
+    def common_tail(candidate: str) -> int:
+        other = candidate.split(".")
+        n = 0
+        while n < min(len(parts), len(other)) and parts[-1 - n] == other[-1 - n]:
+            n += 1
+        return n
+
+    return max(candidates, key=common_tail)
 
 
 def refuse_tied(tied: Sequence[TiedParameter], why: str) -> None:
@@ -85,10 +122,10 @@ def refuse_tied(tied: Sequence[TiedParameter], why: str) -> None:
         return
     first = shared[0]
     more = f" (and {len(shared) - 1} more)" if len(shared) > 1 else ""
-    untie = ""
-    if len(first.keys) > 1:
-        untie = f", e.g. model.{first.keys[-1]} = nn.Parameter(model.{first.keys[0]}.detach().clone())"
-    stages = " and ".join(str(s) for s in dict.fromkeys(first.stages))
+    untie = first.untie()
+    untie = f", e.g. {untie}" if untie else ""
+    numbers = [str(s) for s in dict.fromkeys(first.stages)]
+    stages = " and ".join(numbers) if len(numbers) < 3 else f"{', '.join(numbers[:-1])} and {numbers[-1]}"
     raise ConfigError(
         f"parameter {first.describe()} is shared by stages {stages} (tied weights){more}, but {why}, so its "
         f"copies would drift apart. Use a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1), on which "

@@ -6,10 +6,12 @@ shapes, or calls into code it cannot see. When that happens inside a submodule, 
 be made a **leaf** (called as a whole, never looked into) and the rest of the model still traces.
 
 torch.nn layers are leaves, except the containers: ``nn.Sequential`` and ``nn.ModuleList`` (as in
-fx) and ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` called without masks, which are
-traced as the loop over their layers (and the final norm) that their ``forward`` runs then; so a
-split can fall between two layers of an encoder. With a mask they stay whole (their ``forward``
-inspects the mask's values).
+fx) and the transformer stacks: ``nn.Transformer`` is traced as its encoder then its decoder, and
+``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` as the loop over their layers (and the final
+norm) that their ``forward`` runs, with or without masks; so a split can fall between two layers
+of an encoder or a decoder, and the encoder's output and the masks travel to the decoder's stages.
+What their ``forward`` decides from a mask's values (whether it is causal) is decided at run time,
+in each stage, from the real mask (:func:`_layer_loop`).
 
 Forward parameters with a non-tensor default (``mask=None``, ``causal=True``) are fixed to that
 default (fx ``concrete_args``), so that ``if mask is not None`` takes the branch the default takes;
@@ -26,8 +28,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from torch import fx, nn
+from torch.nn import functional as F
+from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
 
 from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.stages.nodes import recomputed
 
 __all__ = ["default_concrete_args", "resolve_leaf_modules", "trace_model"]
 
@@ -55,7 +60,7 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
-        opened = None if self.is_user_leaf(m, self.path_of_module(m)) else _layer_loop(m, args, kwargs)
+        opened = None if self.is_user_leaf(m, self.path_of_module(m)) else _layer_loop(self, m, args, kwargs)
         if opened is None:
             return super().call_module(m, forward, args, kwargs)
         self._opened.append(m)
@@ -65,49 +70,87 @@ class _Tracer(fx.Tracer):
             self._opened.pop()
 
 
-def _layer_loop(m: nn.Module, args: tuple, kwargs: dict) -> Any:
-    """For an ``nn.TransformerEncoder``/``Decoder`` called without masks, a function computing what
-    its ``forward`` computes then (each layer in turn, then the norm); else None."""
-    if type(m) not in (nn.TransformerEncoder, nn.TransformerDecoder):
+@recomputed
+def encoder_is_causal(mask: torch.Tensor, hidden: torch.Tensor, batch_first: bool) -> bool:
+    """What ``nn.TransformerEncoder.forward`` passes its layers as ``is_causal`` when given a mask
+    and no hint: whether the mask, made canonical as it makes it, is the causal mask of the sequence
+    (torch's own functions, on the real mask at run time)."""
+    mask = F._canonical_mask(mask=mask, mask_name="mask", other_type=None, other_name="",
+                             target_type=hidden.dtype, check_other=False)
+    return _detect_is_causal_mask(mask, None, _get_seq_len(hidden, batch_first))
+
+
+@recomputed
+def decoder_is_causal(mask: torch.Tensor, hidden: torch.Tensor, batch_first: bool) -> bool:
+    """What ``nn.TransformerDecoder.forward`` passes its layers as ``tgt_is_causal`` when given a
+    ``tgt_mask`` and no hint (torch's own detection, at run time)."""
+    return _detect_is_causal_mask(mask, None, _get_seq_len(hidden, batch_first))
+
+
+def _causal(tracer: fx.Tracer, detect: Any, mask: Any, hint: Any, hidden: Any, batch_first: bool) -> Any:
+    """The ``is_causal`` a layer receives: the hint (True, False) or without a mask False, as torch
+    decides it; for a mask without a hint, a node that detects it at run time in every stage that
+    needs it (:func:`~pipetrain.stages.nodes.recomputed`), so that no bool crosses a boundary."""
+    if hint is not None or mask is None:
+        return hint is True
+    return tracer.create_proxy("call_function", detect, (mask, hidden, batch_first), {})
+
+
+def _layer_loop(tracer: fx.Tracer, m: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """For ``nn.Transformer``, ``nn.TransformerEncoder`` and ``nn.TransformerDecoder``, a function
+    computing what their ``forward`` computes in training: the encoder then the decoder; each
+    layer in turn, then the norm. Else None.
+
+    Each layer gets the masks as given (it makes them canonical itself, as the stack would) and the
+    ``is_causal`` the stack's ``forward`` would give it (:func:`_causal`). Left out: the nested-tensor
+    fast path of ``TransformerEncoder``, which torch takes only outside training (in eval mode
+    without autograd, with a key padding mask), and ``nn.Transformer``'s checks of batch and feature
+    sizes. In training (and in eval mode with autograd) the opened stack is bitwise the module.
+    """
+    if type(m) not in (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder):
         return None
     try:
         bound = inspect.signature(m.forward).bind(*args, **kwargs)
     except TypeError:
         return None
-    masks = [v for k, v in bound.arguments.items() if k.endswith("mask")]
-    if any(v is not None for v in masks):
-        return None
-    if isinstance(m, nn.TransformerEncoder):
-        causal = bound.arguments.get("is_causal") is True  # torch's _detect_is_causal_mask without a mask
+    bound.apply_defaults()
+    given = dict(bound.arguments)
+    if isinstance(m, nn.Transformer):
+        def transformer(*_: Any, **__: Any) -> Any:
+            memory = m.encoder(given["src"], mask=given["src_mask"], src_key_padding_mask=given["src_key_padding_mask"],
+                               is_causal=given["src_is_causal"])
+            return m.decoder(given["tgt"], memory, tgt_mask=given["tgt_mask"], memory_mask=given["memory_mask"],
+                             tgt_key_padding_mask=given["tgt_key_padding_mask"],
+                             memory_key_padding_mask=given["memory_key_padding_mask"],
+                             tgt_is_causal=given["tgt_is_causal"], memory_is_causal=given["memory_is_causal"])
 
-        def encoder(src: Any, *_: Any, **__: Any) -> Any:
-            out = src
+        return transformer
+    batch_first = m.layers[0].self_attn.batch_first
+    if isinstance(m, nn.TransformerEncoder):
+        def encoder(*_: Any, **__: Any) -> Any:
+            out, mask = given["src"], given["mask"]
             for layer in m.layers:
-                out = layer(out, src_mask=None, is_causal=causal, src_key_padding_mask=None)
+                causal = _causal(tracer, encoder_is_causal, mask, given["is_causal"], out, batch_first)
+                out = layer(out, src_mask=mask, is_causal=causal, src_key_padding_mask=given["src_key_padding_mask"])
             return out if m.norm is None else m.norm(out)
 
         return encoder
-    causal = bound.arguments.get("tgt_is_causal") is True
-    memory_causal = bool(bound.arguments.get("memory_is_causal", False))
 
-    def decoder(tgt: Any, memory: Any, *_: Any, **__: Any) -> Any:
-        out = tgt
+    def decoder(*_: Any, **__: Any) -> Any:
+        out, mask = given["tgt"], given["tgt_mask"]
         for layer in m.layers:
-            out = layer(out, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
-                        memory_key_padding_mask=None, tgt_is_causal=causal, memory_is_causal=memory_causal)
+            causal = _causal(tracer, decoder_is_causal, mask, given["tgt_is_causal"], out, batch_first)
+            out = layer(out, given["memory"], tgt_mask=mask, memory_mask=given["memory_mask"],
+                        tgt_key_padding_mask=given["tgt_key_padding_mask"],
+                        memory_key_padding_mask=given["memory_key_padding_mask"], tgt_is_causal=causal,
+                        memory_is_causal=given["memory_is_causal"])
         return out if m.norm is None else m.norm(out)
 
     return decoder
 
 
 def default_concrete_args(model: nn.Module) -> dict[str, Any]:
-    """torch.nn layers are leaves, except the containers: ``nn.Sequential`` and ``nn.ModuleList`` (as in
-fx) and ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` called without masks, which are
-traced as the loop over their layers (and the final norm) that their ``forward`` runs then; so a
-split can fall between two layers of an encoder. With a mask they stay whole (their ``forward``
-inspects the mask's values).
-
-Forward parameters with a non-tensor default, fixed to it: ``{"mask": None, ...}``."""
+    """Forward parameters with a non-tensor default, fixed to it: ``{"mask": None, ...}``."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from pipetrain.structure import cast_floating
 from pipetrain.training.setup import Run
 
 __all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses", "say", "describe_run",
@@ -48,9 +49,7 @@ class HeldOut:
             start = index * self.size
             with seeded(data_seed(self.seed, index, stream=2)):
                 x, y = get_batch(self.dataset, torch.arange(start, min(start + self.size, self.total)))
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            x = x.to(self.dtype)
-        return x, y
+        return cast_floating(x, self.dtype), y
 
 
 def eval_batches(run: Run, batch_size: int | None = None) -> HeldOut:

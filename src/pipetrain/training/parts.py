@@ -33,7 +33,9 @@ class RunParts:
     ``loss_fn(output, target)``: a scalar mean over the samples; ``optimizer``: a per-stage
     factory, or ``None`` to build the optimizer from ``config.optimizer`` (a spec string);
     ``staged``: the model already cut into stages (a
-    :class:`~pipetrain.stages.StagedModel`), or ``None`` to cut it as the configuration says.
+    :class:`~pipetrain.stages.StagedModel`), or ``None`` to cut it as the configuration says;
+    ``stage_choice``: how ``staged`` was chosen (a :class:`~pipetrain.stages.StageChoice`, for the
+    run's heading and report; default: "the caller's cut").
     ``train_set`` may also be a ``DataLoader``: its batches are the updates
     (:class:`~pipetrain.data.LoaderBatches`). ``init``: how each rank gives the stages of a model
     built on the meta device their first values (``"reset"``, a function ``(module, name)`` or a
@@ -46,6 +48,7 @@ class RunParts:
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
     optimizer: OptimizerFactory | None = None
     staged: Any = None
+    stage_choice: Any = None
     data_note: str = ""  # where the held-out data came from (pipetrain.data.load_data), for the report
     init: Any = None
 

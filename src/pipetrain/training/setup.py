@@ -382,6 +382,7 @@ def _names(model: nn.Module) -> list[str] | None:
 def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype: torch.dtype):
     """The inputs and targets of the run's first microbatch, read without touching any random state."""
     from pipetrain.data import BatchSampler, get_batch
+    from pipetrain.structure import cast_floating, rows
 
     layout = UnitLayout(config.batch_size, max(_units_per_update(config, name), 1))
     _, start, stop = layout.bounds(0)
@@ -389,15 +390,13 @@ def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype:
         if isinstance(train_set, DataLoader):  # a microbatch's worth of its samples times the stages alike
             if isinstance(train_set.dataset, IterableDataset):
                 x, y = next(iter(train_set))
-                x, y = x[start:stop], y[start:stop]
+                x, y = rows(x, start, stop), y[start:stop]
             else:
                 x, y = get_batch(train_set.dataset, range(start, min(stop, len(train_set.dataset))))
         else:
             indices = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle).indices(0)
             x, y = get_batch(train_set, indices[start:stop])
-    if isinstance(x, Tensor) and x.is_floating_point():
-        x = x.to(dtype)
-    return x, y
+    return cast_floating(x, dtype), y
 
 
 def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, trace: dict):
@@ -485,7 +484,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         staged = parts.staged
         from pipetrain.stages import StageChoice
 
-        choice = StageChoice.of(staged, "the caller's cut", _names(model))
+        choice = parts.stage_choice or StageChoice.of(staged, "the caller's cut", _names(model))
     else:
         if config.balance and config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
             raise ConfigError(

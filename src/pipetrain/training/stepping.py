@@ -18,6 +18,7 @@ from torch import Tensor
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution.data import UnitLayout
+from pipetrain.structure import cast_floating, rows
 from pipetrain.training.result import TrainResult
 
 __all__ = ["FedBatches", "EmulatedSession", "DistributedSession"]
@@ -46,9 +47,7 @@ class FedBatches:
                 f"update {update}: the batch holds {rows} samples but the run was started with batch_size={size}; "
                 "every step needs a full batch (drop the last, short one: DataLoader(..., drop_last=True))"
             )
-        if isinstance(inputs, Tensor) and inputs.is_floating_point() and inputs.dtype != self.dtype:
-            inputs = inputs.to(self.dtype)
-        self._batches[update] = (inputs, targets)
+        self._batches[update] = (cast_floating(inputs, self.dtype), targets)
         self._reads[update] = 0
 
     def batch(self, update: int) -> tuple[Any, Tensor]:
@@ -65,9 +64,7 @@ class FedBatches:
             del self._batches[update], self._reads[update]
         if start == 0 and stop == self.layout.batch_size:
             return x, y
-        if isinstance(x, tuple):
-            return tuple(t[start:stop] for t in x), y[start:stop]
-        return x[start:stop], y[start:stop]
+        return rows(x, start, stop), y[start:stop]
 
     def close(self) -> None:
         self._batches.clear()
