@@ -282,3 +282,16 @@ def test_asynchronous_schedules_refuse_t5s_shared_embedding_naming_its_uses():
             "stage 2 as lm_head.weight)") in message
     assert ("model.decoder.embed_tokens.weight = nn.Parameter(model.encoder.embed_tokens.weight.detach().clone()); "
             "model.lm_head.weight = nn.Parameter(model.encoder.embed_tokens.weight.detach().clone())") in message
+
+
+def test_a_t5_trained_from_meta_saves_a_directory_from_pretrained_reads(tmp_path):
+    with torch.device("meta"):
+        meta = tiny_seq2seq(t5)
+    pipe = Pipeline(meta, stages=3, schedule="1f1b", microbatches=2, executor="emulate", optimizer="adam:lr=0.01",
+                    init=lambda module, name: meta._init_weights(module))
+    pipe.fit(T5Copies(), batch_size=4, steps=2, save=str(tmp_path / "t5"), quiet=True, progress=False)
+    loaded = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "t5")
+    trained = pipe.state_dict()
+    assert loaded.state_dict().keys() == trained.keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
+    assert loaded.lm_head.weight is loaded.shared.weight or not loaded.config.tie_word_embeddings
