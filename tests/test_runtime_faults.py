@@ -159,3 +159,56 @@ def test_a_resumed_run_reports_the_evaluations_of_the_uninterrupted_one(tmp_path
     assert [e["step"] for e in a] == [3, 6, 8]
     assert a == b
     assert json.loads((tmp_path / "full.json").read_text())["receives"] == ["on-demand"] * 2
+
+
+def _workers(launcher: int) -> dict[int, int]:
+    """``{rank: pid}`` of the workers a launcher process started (its children, by their RANK)."""
+    found = {}
+    for task in os.listdir(f"/proc/{launcher}/task"):
+        with open(f"/proc/{launcher}/task/{task}/children") as f:
+            for pid in map(int, f.read().split()):
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as e:
+                        variables = dict(v.split(b"=", 1) for v in e.read().split(b"\0") if b"=" in v)
+                except OSError:
+                    continue
+                if b"RANK" in variables:
+                    found[int(variables[b"RANK"])] = pid
+    return found
+
+
+def _wait_for(path, process, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_a_stopped_worker_ends_the_run_within_the_timeout_and_two_seconds(tmp_path):
+    timeout = 6
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipetrain.cli", "train", *BASE, "--schedule", "pipedream", "--stages", "2",
+         "--steps", "3000", "--timeout", str(timeout), "--checkpoint-dir", str(tmp_path / "ck"),
+         "--checkpoint-every", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        _wait_for(tmp_path / "ck" / "step-000020" / "manifest.json", process)  # training is under way
+        stopped = _workers(process.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        _, stderr = process.communicate(timeout=timeout + 60)
+        elapsed = time.monotonic() - started
+    finally:
+        process.kill()
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert process.returncode == 3, stderr
+    assert elapsed < timeout + 2, (elapsed, stderr)
+    assert "rank(s) 1 silent (stopped or frozen): killing them (SIGKILL)" in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("pipetrain train: error: worker rank 0 exited with status 3"), stderr
+    assert "rank 1 is silent" in last or "rank(s) 1 fell silent" in last, stderr  # named last, either way

@@ -289,6 +289,7 @@ class Pipeline:
                                      epochs=None, progress=False, data_workers=0)  # no worker for unread data
         parts = dataclasses.replace(self._parts, train_set=_Unread(), test_set=None)
         if self.executor == "emulate":
+            self._caller_threads = torch.get_num_threads()  # given back by finish()
             torch.set_num_threads(config.threads_per_worker)
             self._run = prepare(config, parts)
             self._session = EmulatedSession(self._run)
@@ -326,7 +327,12 @@ class Pipeline:
         """End the run begun by :meth:`start` (after its last step): the result, with ``model``
         holding the trained weights (the whole model on the main rank)."""
         session = self._active("finish")
-        result = session.finish()
+        try:
+            result = session.finish()
+        finally:
+            threads, self._caller_threads = getattr(self, "_caller_threads", None), None
+            if threads is not None:
+                torch.set_num_threads(threads)
         self._session = None
         self.last_result = result
         return result
