@@ -212,3 +212,28 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout_and_two_seconds(tmp_pa
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("pipetrain train: error: worker rank 0 exited with status 3"), stderr
     assert "rank 1 is silent" in last or "rank(s) 1 fell silent" in last, stderr  # named last, either way
+
+
+def test_a_second_run_in_a_checkpoint_directory_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    directory = tmp_path / "ck"
+    common = ["--schedule", "pipedream", "--stages", "2", "--checkpoint-dir", str(directory)]
+    first = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "train", *BASE, *common, "--steps", "3000",
+                              "--checkpoint-every", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(directory / "step-000020" / "manifest.json", first)
+        for pid in [first.pid, *_workers(first.pid).values()]:  # held where it is: a lock and a checkpoint or two
+            os.kill(pid, signal.SIGSTOP)
+        second = pipetrain(*common, "--steps", "3000")
+    finally:
+        first.kill()  # the launcher, SIGKILL: its workers die with it, its lock is left behind
+        first.communicate(timeout=60)
+    assert second.returncode == 2
+    assert second.stderr.count("\n") == 1, second.stderr
+    assert second.stderr.startswith(f"pipetrain train: error: checkpoint directory {directory} is in use by another "
+                                    f"run (pid {first.pid} on "), second.stderr
+    assert json.loads((directory / ".pipetrain-lock").read_text())["pid"] == first.pid  # stale now
+    third = pipetrain(*common, "--steps", "200")
+    assert third.returncode == 0, third.stderr
+    assert f"took over the lock of {directory} left by pid {first.pid} on " in third.stdout
+    assert "resuming from step" in third.stdout
+    assert not (directory / ".pipetrain-lock").exists()  # released at the end of the run

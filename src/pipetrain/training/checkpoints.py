@@ -21,7 +21,8 @@ from typing import Any
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["Checkpoints", "Resumed", "DEFAULT_KEEP", "DEFAULT_CHECKPOINTS", "checkpoint_period", "rank_file", "chain"]
+__all__ = ["Checkpoints", "Resumed", "DEFAULT_KEEP", "DEFAULT_CHECKPOINTS", "checkpoint_period", "rank_file", "chain",
+           "claim_directory"]
 
 #: Complete checkpoints kept by default (``--keep``).
 DEFAULT_KEEP = 2
@@ -56,6 +57,24 @@ def checkpoint_period(run) -> int:
     return period
 
 
+def claim_directory(config, run: str | None = None):
+    """Take the lock of ``--checkpoint-dir`` for this run (:mod:`pipetrain.runtime.lock`), or
+    refuse with one line naming the run that holds it; None without a checkpoint directory.
+    ``run``: the run's identity (default: this process's, see
+    :func:`~pipetrain.runtime.lock.run_identity`). Says so when it takes over a stale lock."""
+    if not config.checkpoint_dir:
+        return None
+    from pipetrain.runtime.lock import DirectoryLock
+
+    lock = DirectoryLock(config.checkpoint_dir, run)
+    note = lock.acquire()
+    if note and not config.quiet:
+        from pipetrain.training.outputs import say
+
+        say(note)
+    return lock
+
+
 class Resumed:
     """The checkpoint a run starts from: its step, its cut, this rank's state and where it is."""
 
@@ -79,6 +98,7 @@ class Checkpoints:
         self.keep = config.keep
         self.serial = next(_runs)
         self._store = None
+        self._lock = None  # rank 0's hold of the directory, when no launcher holds it for the run
         # what a resumed run must agree on, one key per option, so that a refusal names each difference
         self.meta = {**config.fingerprint(), "schedule": run.schedule.name, "workers": world_size}
 
@@ -93,7 +113,7 @@ class Checkpoints:
             if restart and self.rank == 0:
                 self._say(f"restart {restart} without --checkpoint-dir: training again from step 0")
             return None
-        path = self._choose() if self.rank == 0 else None
+        path = self._claim_and_choose() if self.rank == 0 else None
         if self.world_size > 1:
             path = _broadcast(path)
         if isinstance(path, BaseException):
@@ -119,6 +139,23 @@ class Checkpoints:
         if path is not None:
             checkpoint = open_checkpoint(path, verify=False)
             check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
+
+    def close(self) -> None:
+        """Give back the directory's lock, if this rank took it (at the end of the run)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def _claim_and_choose(self) -> str | None | BaseException:
+        """Rank 0: the directory's lock first (a second run is refused before it reads anything),
+        then :meth:`_choose`."""
+        from pipetrain.errors import PipetrainError
+
+        try:
+            self._lock = claim_directory(self.run.config)
+        except PipetrainError as error:
+            return error
+        return self._choose()
 
     def _choose(self, say: bool = True) -> str | None | BaseException:
         """Rank 0: the path of the checkpoint to resume (None: afresh), or the error that refuses
