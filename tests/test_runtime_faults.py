@@ -237,3 +237,18 @@ def test_a_second_run_in_a_checkpoint_directory_is_refused_and_a_stale_lock_take
     assert f"took over the lock of {directory} left by pid {first.pid} on " in third.stdout
     assert "resuming from step" in third.stdout
     assert not (directory / ".pipetrain-lock").exists()  # released at the end of the run
+
+
+def test_a_killed_data_worker_is_a_fault_the_run_restarts_from_exactly(tmp_path):
+    common = ["--data", "dying_data:make:die_after=150", "--data-workers", "1", "--schedule", "pipedream",
+              "--stages", "2", "--steps", "30"]
+    restarted = pipetrain(*common, "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+                          "--checkpoint-every", "5", "--timeout", "20", "--save", str(tmp_path / "restarted.pt"),
+                          env={"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert restarted.returncode == 0, restarted.stderr
+    assert "the DataLoader worker process (pid " in restarted.stderr, restarted.stderr
+    assert "was killed by SIGKILL" in restarted.stderr and "starting the workers again (restart 1 of 1)" in restarted.stderr
+    assert "resuming from step" in restarted.stdout  # not afresh: it died after a checkpoint
+    expected, got = emulated(tmp_path, *common), torch.load(tmp_path / "restarted.pt")
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
+import signal
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,10 +35,34 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 __all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "Unpinned", "pack", "unpack", "pin", "pin_available",
-           "tensors_of", "unpin_worker", "unpinned_workers", "PACK_LIMIT"]
+           "tensors_of", "unpin_worker", "unpinned_workers", "PACK_LIMIT", "lost_data_worker"]
 
 #: batches of at most this many bytes of tensors are packed as bytes between processes (see above)
 PACK_LIMIT = 512 * 1024
+
+
+#: how torch reports a DataLoader worker that died (its SIGCHLD handler, or the loader's own check)
+_WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
+                          r"(?:is killed by signal: ([^.]+)\.|exited unexpectedly(?: with exit code (-?\d+))?)")
+
+
+def lost_data_worker(error: BaseException, rank: int | None = None):
+    """The :class:`~pipetrain.runtime.errors.DataWorkerLost` that ``error`` (torch's RuntimeError
+    for a DataLoader worker that died) stands for, or None for any other error. torch raises it
+    from its SIGCHLD handler wherever the training thread is, or where the batch is taken."""
+    from pipetrain.runtime.errors import DataWorkerLost
+
+    found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
+    if found is None:
+        return None
+    pids, described, code = found.groups()
+    number = next((s for s in signal.valid_signals() if described and signal.strsignal(s) == described.strip()), None)
+    how = (f"was killed by {signal.Signals(number).name}" if number else f"was killed by signal '{described}'"
+           if described else f"exited with status {code}" if code else "exited unexpectedly")
+    oom = " (the kernel's out-of-memory killer sends SIGKILL: check the machine's memory)" if number == 9 else ""
+    whose = f"rank {rank}: " if rank is not None else ""
+    return DataWorkerLost(f"{whose}the DataLoader worker process (pid {pids.strip()}) reading its batches {how}{oom}; "
+                          "a fault, not bad data (--max-restarts N starts the workers again, to resume from --checkpoint-dir)", number)
 
 
 class BatchPrefetcher:
@@ -217,16 +243,38 @@ def pin_available(asked: bool) -> bool:
 _END = object()
 
 
+_died: list[RuntimeError] = []  # torch's report of a data worker that died, kept for the next take
+
+
+def _on_child(signum: int, frame: Any) -> None:
+    try:
+        torch._C._error_if_any_worker_fails()
+    except RuntimeError as error:
+        _died.append(error)
+
+
+def _keep_worker_deaths() -> None:
+    """Replace torch's SIGCHLD handler, which raises the death of a DataLoader worker in whatever
+    the training thread does at that moment (a forward, a checkpoint, a collective: each would
+    report it as its own failure), by one that keeps it for :meth:`Receiver.take`. Called after
+    the loader's iterator exists (its creation installs torch's handler); main thread only."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGCHLD) is not _on_child:
+        signal.signal(signal.SIGCHLD, _on_child)
+
+
 class Receiver:
     """Takes the items of ``iterator`` on a background thread, ``convert`` s them there and hands
     them over in order, at most ``depth`` ahead (:meth:`take`). An exception raised by the
-    iterator or ``convert`` is raised by the :meth:`take` that would have returned the item.
+    iterator or ``convert`` is raised by the :meth:`take` that would have returned the item, and
+    so is the death of a DataLoader worker process, as torch reports it (a RuntimeError, see
+    :func:`lost_data_worker`), at the first take after it.
 
     The thread only calls ``next(iterator)`` and ``convert``: creating the iterator (which may draw
     random numbers) is the caller's business, on the caller's thread."""
 
     def __init__(self, iterator: Iterator[Any], convert: Callable[[Any], Any] = lambda item: item,
                  depth: int = 2, name: str = "pipetrain-data") -> None:
+        _keep_worker_deaths()
         self._iterator = iterator
         self._convert = convert
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -259,7 +307,15 @@ class Receiver:
         """``(True, item)``, or ``(False, None)`` once the iterator is exhausted."""
         if self._ended:
             return False, None
-        ok, item = self._queue.get()
+        while True:
+            if _died:  # a worker died: torch's own check would see it only seconds later
+                self._ended = True
+                raise _died.pop(0)
+            try:
+                ok, item = self._queue.get(timeout=0.05)
+                break
+            except queue.Empty:
+                continue
         if not ok:
             self._ended = True
             raise item

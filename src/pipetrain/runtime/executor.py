@@ -42,7 +42,7 @@ from pipetrain.execution.losses import UnitLosses
 from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
-from pipetrain.runtime.errors import CommunicationError
+from pipetrain.runtime.errors import CommunicationError, DataWorkerLost
 from pipetrain.runtime.p2p import Messenger, RecvHandle
 from pipetrain.runtime.sends import Messages, SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
@@ -359,7 +359,7 @@ class RankRunner:
                     if self.tied is not None:
                         self._sum_tied(pc)
                     executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
-            except CommunicationError:
+            except (CommunicationError, DataWorkerLost):  # a fault, its exit status kept
                 raise
             except NonFiniteError as error:
                 raise located(error, rank, action, lambda k: self.layout.bounds(k)[0]) from None
@@ -641,6 +641,11 @@ def _unmask(payload, mask: int | None) -> tuple:
 
 
 def _runtime_error(rank: int, action: Action, error: RuntimeError) -> PipetrainError:
+    from pipetrain.execution.prefetch import lost_data_worker
+
+    lost = lost_data_worker(error, rank)  # a fault, not bad input: the run may be restarted
+    if lost is not None:
+        return lost
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     if "shape" in text or "size" in text or "mat1 and mat2" in text:
         return PipetrainError(

@@ -213,8 +213,8 @@ def _watch(
             if failed:
                 # Peers of a dead rank exit within milliseconds of it: name the cause, not them.
                 first = min(failed, key=lambda rc: (rc[1] >= 0, rc[1] == EXIT_PEER_FAILURE, rc[0]))
-                errors = read_errors(store, world) if first[1] == EXIT_USER_ERROR else {}
-                if first[0] in errors:  # the worker's own error (bad data, a NaN loss): the run's one message
+                errors = read_errors(store, world) if first[1] > 0 and first[1] != EXIT_PEER_FAILURE else {}
+                if first[0] in errors:  # the worker's own error (bad data, a lost data worker): the run's one message
                     message = errors[first[0]]
                 else:
                     # ranks that failed on their own (not by losing a peer) are the causes others wait for
