@@ -252,3 +252,46 @@ def test_a_killed_data_worker_is_a_fault_the_run_restarts_from_exactly(tmp_path)
     expected, got = emulated(tmp_path, *common), torch.load(tmp_path / "restarted.pt")
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
+
+
+def _in_small_tmpfs(size: str, script: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``script`` (sh) run with a fresh tmpfs of ``size`` mounted at $MNT, in a user and mount
+    namespace of its own: a real full disk, without root."""
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs unshare with user namespaces")
+    mount = f'MNT=$(mktemp -d) && mount -t tmpfs -o size={size} tmpfs "$MNT" && export MNT && '
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount + script],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+
+
+def test_a_full_disk_stops_every_rank_with_one_line_and_leaves_nothing_behind(tmp_path):
+    command = " ".join([sys.executable, "-m", "pipetrain.cli", "train", *BASE, "--model", "mlp:depth=3,width=256",
+                        "--schedule", "pipedream", "--stages", "2", "--steps", "6", "--checkpoint-every", "2",
+                        "--quiet", "--timeout", "20"])
+    # a checkpoint takes 1.4 MB: the first fits in 2 MB, the second (the first still kept) does not
+    full = _in_small_tmpfs("2m", f'{command} --keep 1 --checkpoint-dir "$MNT/ck"; echo "status $?"; '
+                                 'cd "$MNT/ck" && find . | sort && ' + sys.executable + ' -c "import sys; from '
+                                 'pipetrain.runtime.checkpoint import open_checkpoint as o; '
+                                 'print(\'verified step\', o(sys.argv[1]).step)" step-000002')
+    lines = full.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("status "))
+    assert lines[at] == "status 2", full.stdout + full.stderr
+    last = full.stderr.strip().splitlines()[-1]
+    assert last.startswith("pipetrain train: error: checkpoint of step 4 failed on rank "), full.stderr
+    assert "/ck/step-000004/rank-" in last and last.endswith(": No space left on device"), full.stderr
+    assert "Traceback" not in full.stderr and "enforce fail" not in full.stderr
+    # the older checkpoint intact (its files all there), nothing of the failed one, no temporary
+    assert lines[at + 1:-1] == [".", "./step-000002", "./step-000002/manifest.json", "./step-000002/rank-0.pt",
+                                "./step-000002/rank-1.pt"]
+    assert lines[-1] == "verified step 2"  # sizes and SHA-256 checked
+
+    # --save on a full disk: the trained weights stay in the run's last checkpoint, and it says so
+    saved = _in_small_tmpfs("256k", f'{command} --checkpoint-dir {tmp_path / "ck"} --save "$MNT/model.pt"; '
+                                    'echo "status $?"; ls -a "$MNT"')
+    assert "status 2\n.\n..\n" in saved.stdout, saved.stdout + saved.stderr  # no model.pt, no temporary
+    assert saved.stderr.count("\n") == 1 and "Traceback" not in saved.stderr, saved.stderr
+    assert saved.stderr.startswith("pipetrain train: error: cannot write --save ") and (
+        "/model.pt: No space left on device; the trained weights are kept in the run's last checkpoint, "
+        f"{tmp_path / 'ck' / 'step-000006'}") in saved.stderr, saved.stderr
