@@ -215,6 +215,7 @@ class Pipeline:
         resume: bool | str = False,
         keep: int = 2,
         max_restarts: int = 0,
+        extend: bool = False,
         progress: bool | None = None,
         quiet: bool = False,
         save: str | None = None,
@@ -244,7 +245,9 @@ class Pipeline:
         running the script again continues an interrupted run. ``max_restarts`` (distributed,
         when ``python train.py`` starts the workers itself) starts every worker again after a
         failure that is not a user error, up to that many times; they resume from
-        ``checkpoint_dir``. Under torchrun, use torchrun's ``--max-restarts`` instead.
+        ``checkpoint_dir``. Under torchrun, use torchrun's ``--max-restarts`` instead. ``extend``
+        continues a finished asynchronous run for more ``steps`` or ``epochs`` (``--extend``): its
+        pipeline drains where it ended, so the result is not the uninterrupted longer run.
         """
         from pipetrain.training.train import train
 
@@ -259,7 +262,7 @@ class Pipeline:
             self._config, data=describe_data(data), test_data=None if eval_data is None else describe_data(eval_data),
             batch_size=batch_size, epochs=epochs, steps=steps, eval_every=eval_every, eval_samples=eval_samples,
             shuffle=shuffle and not loader, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            keep=keep, max_restarts=max_restarts,
+            keep=keep, max_restarts=max_restarts, extend=extend,
             progress=self._config.progress if progress is None else progress, quiet=quiet, save=save,
             report_json=report_json, trace=trace, plot=plot,
         )

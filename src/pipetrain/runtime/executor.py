@@ -614,7 +614,8 @@ def _check_in_flight(state: dict[str, Any], forwards: list[Action], rank: int, s
                 f"rank {rank}: the checkpoint of step {step} holds microbatches {held} of stage {stage} in "
                 f"flight, where this run's program has {expected}: it was written by a run of another length "
                 "(--steps / --epochs), whose pipeline drains at a different point; resume with the length it was "
-                "written with"
+                "written with, or continue that run for more updates with --extend (fit(extend=True)), which drains "
+                "the pipeline where that run ended"
             )
 
 

@@ -101,6 +101,8 @@ class Checkpoints:
         self._lock = None  # rank 0's hold of the directory, when no launcher holds it for the run
         # what a resumed run must agree on, one key per option, so that a refusal names each difference
         self.meta = {**config.fingerprint(), "schedule": run.schedule.name, "workers": world_size}
+        if run.drains:  # an extended run's (--extend): where its pipeline drained, checked apart
+            self.meta["drains"] = list(run.drains)
 
     # -- where the run starts ----------------------------------------------------------------------
 
@@ -123,7 +125,7 @@ class Checkpoints:
         from pipetrain.runtime.checkpoint import check_compatible, open_checkpoint
 
         checkpoint = open_checkpoint(path, verify=False)  # rank 0 verified it; load verifies this rank's file again
-        check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
+        check_compatible(checkpoint.meta, self.meta, _compared(self.meta), where=f"checkpoint {checkpoint.path}")
         state = checkpoint.load(rank_file(self.rank))  # tensors and plain data only (weights_only=True)
         return Resumed(checkpoint.step, self.run.cut_after(checkpoint.step), state, str(checkpoint.path))
 
@@ -138,7 +140,7 @@ class Checkpoints:
             raise path
         if path is not None:
             checkpoint = open_checkpoint(path, verify=False)
-            check_compatible(checkpoint.meta, self.meta, where=f"checkpoint {checkpoint.path}")
+            check_compatible(checkpoint.meta, self.meta, _compared(self.meta), where=f"checkpoint {checkpoint.path}")
 
     def close(self) -> None:
         """Give back the directory's lock, if this rank took it (at the end of the run)."""
@@ -185,11 +187,35 @@ class Checkpoints:
                     f"({run.updates} steps): resume with --steps {checkpoint.step} or more, or start afresh "
                     "with another --checkpoint-dir"
                 )
+            self._check_drains(checkpoint)
             where = "the end" if checkpoint.step == run.updates else f"step {checkpoint.step} of {run.updates}"
             tell(f"resuming from {where} ({checkpoint.path})" + "".join(f"; skipped {r}" for r in skipped))
             return str(checkpoint.path)
         except PipetrainError as error:
             return error
+
+    def _check_drains(self, checkpoint) -> None:
+        """Refuse a checkpoint whose run drained its pipeline elsewhere than this one does: one of a
+        run extended with --extend resumed without it, or, with it, one of a longer run."""
+        config, run = self.run.config, self.run
+        drained = [int(d) for d in checkpoint.meta.get("drains", [])]
+        old = int(checkpoint.meta.get("updates", checkpoint.step))
+        if config.extend and old > run.updates:
+            raise ConfigError(
+                f"--extend continues a run for more updates, and checkpoint {checkpoint.path} is of a run of {old} "
+                f"updates, more than this one's {run.updates}: give --steps {old} or more"
+            )
+        if drained and not config.extend and list(run.drains) != drained:
+            raise ConfigError(
+                f"checkpoint {checkpoint.path} is of a run extended with --extend (its pipeline drained after update "
+                f"{', '.join(map(str, drained))}): resume it with --extend too"
+            )
+        expected = drained + ([old] if config.extend and old < run.updates else [])
+        if config.extend and list(run.drains) != expected and run.schedule.is_asynchronous():
+            raise ConfigError(
+                f"checkpoint {checkpoint.path} drains its pipeline after updates {expected}, where this run drains "
+                f"after {list(run.drains)}: it changed while the run started; start it again"
+            )
 
     def _say(self, text: str) -> None:
         if not self.run.config.quiet:
@@ -234,6 +260,12 @@ class Checkpoints:
                 prune(self.directory, keep=self.keep)
 
         return save
+
+
+def _compared(meta: dict) -> list[str]:
+    """The keys of a run's metadata that a checkpoint must equal (its drains are checked apart:
+    the checkpoint an extended run continues from has none)."""
+    return [key for key in meta if key != "drains"]
 
 
 def _broadcast(value: Any) -> Any:
