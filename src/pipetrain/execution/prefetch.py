@@ -244,6 +244,7 @@ _END = object()
 
 
 _died: list[RuntimeError] = []  # torch's report of a data worker that died, kept for the next take
+_held: list[Any] = []  # while receivers are open: the SIGCHLD handler they replaced (torch's)
 
 
 def _on_child(signum: int, frame: Any) -> None:
@@ -253,13 +254,58 @@ def _on_child(signum: int, frame: Any) -> None:
         _died.append(error)
 
 
-def _keep_worker_deaths() -> None:
+def _death_behind(error: BaseException) -> BaseException:
+    """torch's report of a DataLoader worker that died, when one did, instead of ``error``: the
+    iterator itself may only see a pipe to it break (``ConnectionResetError``), a moment before
+    the worker's exit is seen (so a broken pipe waits up to a second for it)."""
+    import time
+
+    deadline = time.monotonic() + (1.0 if isinstance(error, (OSError, EOFError)) else 0.0)
+    while True:
+        try:
+            torch._C._error_if_any_worker_fails()
+        except RuntimeError as death:
+            return death
+        if time.monotonic() >= deadline:
+            return error
+        time.sleep(0.02)
+
+
+def _signal_report(error: BaseException) -> BaseException:
+    """For an error that says a data worker is gone without saying how (torch's "exited
+    unexpectedly", a broken pipe to it), the SIGCHLD handler's report, which names the signal,
+    when it comes within a second (it runs on this, the main, thread: sleeping lets it)."""
+    import time
+
+    if not (isinstance(error, (OSError, EOFError)) or (lost_data_worker(error) is not None
+                                                        and lost_data_worker(error).signal is None)):
+        return error
+    deadline = time.monotonic() + (1.0 if _held else 0.0)
+    while not _died and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _died.pop(0) if _died else error
+
+
+def _keep_worker_deaths() -> bool:
     """Replace torch's SIGCHLD handler, which raises the death of a DataLoader worker in whatever
     the training thread does at that moment (a forward, a checkpoint, a collective: each would
-    report it as its own failure), by one that keeps it for :meth:`Receiver.take`. Called after
-    the loader's iterator exists (its creation installs torch's handler); main thread only."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGCHLD) is not _on_child:
-        signal.signal(signal.SIGCHLD, _on_child)
+    report it as its own failure), by one that keeps it for :meth:`Receiver.take`, until the last
+    receiver closes. Called after the loader's iterator exists (its creation installs torch's
+    handler); main thread only. True if this call replaced it (the caller gives it back)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if not _held:
+        _died.clear()  # deaths before this run are not its business
+        _held.append(signal.signal(signal.SIGCHLD, _on_child))
+    else:
+        _held.append(None)
+    return True
+
+
+def _give_worker_deaths_back() -> None:
+    previous = _held.pop()
+    if not _held and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, previous if previous is not None else signal.SIG_DFL)
 
 
 class Receiver:
@@ -274,7 +320,7 @@ class Receiver:
 
     def __init__(self, iterator: Iterator[Any], convert: Callable[[Any], Any] = lambda item: item,
                  depth: int = 2, name: str = "pipetrain-data") -> None:
-        _keep_worker_deaths()
+        self._replaced = _keep_worker_deaths()
         self._iterator = iterator
         self._convert = convert
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -299,7 +345,7 @@ class Receiver:
                     return
             self._put((True, _END))
         except BaseException as error:  # noqa: BLE001 - handed to the training thread
-            self._put((False, error))
+            self._put((False, _death_behind(error)))
         finally:
             self._iterator = None  # a DataLoader iterator shuts its workers down when dropped
 
@@ -318,7 +364,7 @@ class Receiver:
                 continue
         if not ok:
             self._ended = True
-            raise item
+            raise _signal_report(item)
         if item is _END:
             self._ended = True
             return False, None
@@ -333,6 +379,9 @@ class Receiver:
             except queue.Empty:
                 break
         self._thread.join(timeout)
+        if self._replaced:  # the last receiver gives torch's SIGCHLD handler back
+            self._replaced = False
+            _give_worker_deaths_back()
 
 
 @contextlib.contextmanager
