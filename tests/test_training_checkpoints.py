@@ -112,6 +112,8 @@ def test_checkpoint_options_are_checked_before_any_work(tmp_path):
 
     with pytest.raises(ConfigError, match="--keep must be at least 1"):
         check_config(TrainConfig(checkpoint_dir=str(tmp_path), keep=0))
+    with pytest.raises(ConfigError, match="--extend continues the run of a checkpoint: give --checkpoint-dir"):
+        check_config(TrainConfig(extend=True))
     with pytest.raises(ConfigError, match="--max-restarts must be at least 0"):
         check_config(TrainConfig(max_restarts=-1))
     with pytest.raises(ConfigError, match="--max-restarts restarts the workers of the distributed runtime"):
