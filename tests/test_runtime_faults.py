@@ -240,10 +240,10 @@ def test_a_second_run_in_a_checkpoint_directory_is_refused_and_a_stale_lock_take
 
 
 def test_a_killed_data_worker_is_a_fault_the_run_restarts_from_exactly(tmp_path):
-    common = ["--data", "dying_data:make:die_after=150", "--data-workers", "1", "--schedule", "pipedream",
-              "--stages", "2", "--steps", "30"]
+    common = ["--data", "dying_data:make:die_after=100", "--data-workers", "1", "--schedule", "pipedream",
+              "--stages", "2", "--steps", "16"]
     restarted = pipetrain(*common, "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ck"),
-                          "--checkpoint-every", "5", "--timeout", "20", "--save", str(tmp_path / "restarted.pt"),
+                          "--checkpoint-every", "4", "--timeout", "20", "--save", str(tmp_path / "restarted.pt"),
                           env={"PYTHONPATH": os.pathsep.join(sys.path)})
     assert restarted.returncode == 0, restarted.stderr
     assert "the DataLoader worker process (pid " in restarted.stderr, restarted.stderr

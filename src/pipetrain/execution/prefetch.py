@@ -254,14 +254,20 @@ def _on_child(signum: int, frame: Any) -> None:
         _died.append(error)
 
 
-def _death_behind(error: BaseException) -> BaseException:
+def _death_behind(error: BaseException, iterator: Any) -> BaseException:
     """torch's report of a DataLoader worker that died, when one did, instead of ``error``: the
     iterator itself may only see a pipe to it break (``ConnectionResetError``), a moment before
-    the worker's exit is seen (so a broken pipe waits up to a second for it)."""
+    the worker's exit is seen (so a broken pipe waits up to a second for it), or say it "exited
+    unexpectedly" after reaping it, when only the worker's own exit code still tells the signal."""
     import time
 
     deadline = time.monotonic() + (1.0 if isinstance(error, (OSError, EOFError)) else 0.0)
     while True:
+        for process in getattr(iterator, "_workers", ()):  # a DataLoader iterator's worker processes
+            code = process.exitcode
+            if code is not None and code < 0:  # in torch's words, which lost_data_worker reads
+                return RuntimeError(f"DataLoader worker (pid {process.pid}) is killed by signal: "
+                                    f"{signal.strsignal(-code)}. ")
         try:
             torch._C._error_if_any_worker_fails()
         except RuntimeError as death:
@@ -345,7 +351,7 @@ class Receiver:
                     return
             self._put((True, _END))
         except BaseException as error:  # noqa: BLE001 - handed to the training thread
-            self._put((False, _death_behind(error)))
+            self._put((False, _death_behind(error, self._iterator)))
         finally:
             self._iterator = None  # a DataLoader iterator shuts its workers down when dropped
 
