@@ -180,3 +180,22 @@ def test_loader_info_and_iterable_data_sets():
     with pytest.raises(ConfigError, match="no length"):
         batches.steps_for_epochs(1)
     assert [y.tolist() for _, y in _all(batches, range(4))] == [[1, 1]] * 4
+
+
+def test_a_loader_whose_worker_dies_is_a_fault_not_bad_data(monkeypatch):
+    import dying_data
+
+    from pipetrain.data import LoaderBatches
+    from pipetrain.runtime.errors import DataWorkerLost
+
+    monkeypatch.setenv("PIPETRAIN_RESTART", "0")  # the first start: the data worker kills itself (SIGKILL)
+    loader = torch.utils.data.DataLoader(dying_data.make(die_after=30), batch_size=12, num_workers=1)
+    batches = LoaderBatches(loader, seed=0)
+    try:
+        with pytest.raises(DataWorkerLost, match=r"the DataLoader worker process \(pid \d+\) reading its batches "
+                                                 "was killed by SIGKILL") as caught:
+            for update in range(40):
+                batches.batch(update)
+        assert caught.value.exit_status == 128 + 9  # restartable, as a killed worker is
+    finally:
+        batches.close()

@@ -246,3 +246,27 @@ def test_the_heading_says_how_pipeline_cut_the_model():
     pipe = Pipeline([nn.Linear(4, 8), nn.Linear(8, 2)], executor="emulate", microbatches=1)
     pipe.start(steps=1, batch_size=2)
     assert pipe._run.stage_choice.heading() == "stages given by stage modules"
+
+
+def test_the_emulator_gives_the_callers_thread_count_back():
+    from torch.utils.data import TensorDataset
+
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(32, 6, generator=generator), torch.randint(0, 4, (32,), generator=generator))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        pipe = Pipeline(_model(), stages=2, schedule="pipedream", executor="emulate")
+        pipe.fit(data, batch_size=8, steps=2, progress=False, quiet=True,
+                 callbacks=[lambda step, loss: seen.append(torch.get_num_threads())])
+        assert seen == [1, 1]  # trained at a worker's thread count (threads_per_worker)
+        assert torch.get_num_threads() == 2
+        pipe.start(steps=2, batch_size=8)
+        assert torch.get_num_threads() == 1
+        for _ in range(2):
+            pipe.step(data.tensors[0][:8], data.tensors[1][:8])
+        pipe.finish()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

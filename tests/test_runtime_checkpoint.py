@@ -206,6 +206,38 @@ def test_distributed_protocol_with_threads_and_a_real_store(tmp_path):
     assert open_checkpoint(step_dir(tmp_path, 8)).step == 8  # the earlier commit still stands
 
 
+def test_a_full_disk_on_one_rank_stops_every_rank_and_leaves_nothing(tmp_path, monkeypatch):
+    from pipetrain.runtime.rendezvous import loopback_listener
+
+    listener = loopback_listener()
+    server = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                           master_listen_fd=listener.detach(), use_libuv=True)
+    clients = [dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10)) for _ in range(2)]
+    save(tmp_path, 4)
+    full_disk(monkeypatch, only="stage-1.pt")  # rank 1's file system is full, rank 0 writes its file
+    outcome: dict[int, object] = {}
+
+    def rank_main(rank):
+        try:
+            outcome[rank] = save_distributed(tmp_path, 8, {stage_file(rank): stage_state(rank)}, META, rank=rank,
+                                             world_size=2, store=clients[rank], timeout=10)
+        except CheckpointError as error:
+            outcome[rank] = error
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    expected = (f"checkpoint of step 8 failed on rank 1: cannot write checkpoint file "
+                f"{step_dir(tmp_path, 8) / 'stage-1.pt'}: No space left on device")
+    assert [str(outcome[r]) for r in range(2)] == [expected, expected]
+    assert all(outcome[r].exit_status == 2 for r in range(2))
+    assert not step_dir(tmp_path, 8).exists()  # rank 0's file of the failed save is gone too
+    assert open_checkpoint(step_dir(tmp_path, 4)).step == 4
+
+
 def _save_worker(directory):
     from pipetrain.runtime.status import env_store
 
@@ -232,10 +264,25 @@ class Payload:
     """Any class: a pickle of an arbitrary object could run code when loaded."""
 
 
+class Exploit:
+    """What a malicious pickle holds: a call run when it is loaded."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("echo loaded",))
+
+
 def test_checkpoints_load_tensors_and_plain_data_only(tmp_path):
-    path = save_checkpoint(tmp_path, 1, {"evil.pt": {"x": Payload()}}, META)
-    with pytest.raises(CheckpointError, match="evil.pt holds objects other than tensors and plain data"):
-        open_checkpoint(path).load("evil.pt")
+    path = save_checkpoint(tmp_path, 1, {"evil.pt": {"x": Payload()}, "exploit.pt": {"x": Exploit()}}, META)
+    for name, what in (("evil.pt", "Payload"), ("exploit.pt", "system")):
+        with pytest.raises(CheckpointError, match=f"{name} holds objects other than tensors and plain data") as caught:
+            open_checkpoint(path).load(name)
+        text = str(caught.value)
+        assert what in text and "\n" not in text, text
+        # torch's own message advises loading unsafely ("will likely succeed") or allow-listing: not ours
+        for advice in ("weights_only", "likely succeed", "safe_globals", "trust"):
+            assert advice not in text, text
     source = Path(__file__).resolve().parents[1] / "src"
     found = [str(p) for p in source.rglob("*.py") if "weights_only=False" in p.read_text()]
     assert not found, found
@@ -266,3 +313,162 @@ def test_tensors_saved_without_data_are_refused_saying_where_they_are(tmp_path):
     text = str(caught.value)
     assert "stage-0.pt holds tensors without data, on PyTorch's 'meta' device (weights/0.weight, weights/0.bias)" in text
     assert "Resume from another checkpoint, or start afresh with another --checkpoint-dir" in text
+
+
+def _rename_record(step: Path, name: str, data: bytes | None = None) -> None:
+    """The manifest of ``step`` made to name ``name`` for its first file (with the size and
+    SHA-256 of ``data``, as a forger who knows the target would write)."""
+    import hashlib
+
+    manifest = json.loads((step / MANIFEST).read_text())
+    manifest["files"][0]["name"] = name
+    if data is not None:
+        manifest["files"][0]["size"], manifest["files"][0]["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (step / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _refused(path: Path) -> str:
+    """The one-line refusal of ``open_checkpoint(path)``, which must come at once (a thread that
+    blocked on a FIFO or read /dev/zero would not finish)."""
+    outcome: list[object] = []
+
+    def attempt() -> None:
+        try:
+            open_checkpoint(path)
+            outcome.append(None)
+        except CheckpointError as error:
+            outcome.append(error)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            outcome.append(error)
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert outcome, f"opening {path} blocked"
+    error = outcome[0]
+    assert isinstance(error, CheckpointError), error
+    assert "\n" not in str(error)
+    return str(error)
+
+
+def test_a_manifest_names_nothing_outside_its_directory(tmp_path):
+    import os
+
+    root = tmp_path / "ck"
+    save(root, 1)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours" * 1000)
+    cases = {
+        "../../secret": "'../../secret', which is not a plain file name",  # right size and hash: still refused
+        str(secret): "which is not a plain file name",  # an absolute name
+        "/dev/zero": "'/dev/zero', which is not a plain file name",
+        ".stage-0.pt.tmp-1-2": "which is not a plain file name",  # a temporary is never a checkpoint file
+        "fifo": "fifo is a FIFO, not a checkpoint file",
+        "zero": "zero is a symbolic link",
+    }
+    for step, (name, expected) in enumerate(cases.items(), start=2):
+        path = save(root, step)
+        if name == "fifo":
+            os.mkfifo(path / "fifo")
+        elif name == "zero":
+            (path / "zero").symlink_to("/dev/zero")
+        _rename_record(path, name, secret.read_bytes())
+        text = _refused(path)
+        assert expected in text, text
+        assert str(len(secret.read_bytes())) not in text  # the size of what it names is not told
+    # the manifest itself as a FIFO: refused at once too (it used to hang the launcher)
+    fifo_manifest = save(root, 20)
+    (fifo_manifest / MANIFEST).unlink()
+    os.mkfifo(fifo_manifest / MANIFEST)
+    assert "manifest.json is a FIFO" in _refused(fifo_manifest)
+    with pytest.warns(UserWarning) as caught:
+        assert find_latest(root).step == 1  # each of them skipped for the one good checkpoint
+    assert len(caught) == len(cases) + 1
+
+
+def test_a_manifest_that_lists_no_files_is_skipped(tmp_path):
+    save(tmp_path, 1)
+    path = save(tmp_path, 2)
+    manifest = json.loads((path / MANIFEST).read_text())
+    (path / MANIFEST).write_text(json.dumps(dict(manifest, files=[])))
+    with pytest.raises(CheckpointError, match="not a complete checkpoint: its manifest.json lists no files"):
+        open_checkpoint(path)
+    with pytest.warns(UserWarning, match="step-000002 is not a complete checkpoint: its manifest.json lists no files"):
+        assert find_latest(tmp_path).step == 1
+
+
+def test_a_step_directory_that_is_a_link_is_neither_read_nor_pruned(tmp_path):
+    elsewhere = save(tmp_path / "elsewhere", 9)
+    root = tmp_path / "ck"
+    for step in (1, 2, 3):
+        save(root, step)
+    (root / "step-000009").symlink_to(elsewhere)
+    (root / "step-000000").symlink_to(elsewhere)  # older than every checkpoint: prune would take it
+    assert [s for s, _ in list_checkpoints(root)] == [1, 2, 3]
+    with pytest.warns(UserWarning, match="step-000009 is a symbolic link"):
+        assert find_latest(root).step == 3
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        resolve(root / "step-000009")
+    assert sorted(p.name for p in prune(root, keep=1)) == ["step-000001", "step-000002"]
+    assert (root / "step-000009").is_symlink() and (root / "step-000000").is_symlink()
+    assert open_checkpoint(elsewhere).step == 9  # its manifest and files untouched
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk (a real ENOSPC OSError) after ``room`` bytes."""
+
+    def __init__(self, f, room: int) -> None:
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        import errno
+        import os
+
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def full_disk(monkeypatch, room: int = 1000, only: str = "") -> None:
+    """Every file the checkpoint module writes (whose name holds ``only``) fills up after ``room`` bytes."""
+    import builtins
+
+    import pipetrain.runtime.checkpoint as module
+
+    def opened(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return _FullDisk(f, room) if "w" in mode and only in str(path) else f
+
+    monkeypatch.setattr(module, "open", opened, raising=False)
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+    full_disk(monkeypatch)
+    with pytest.raises(CheckpointError) as caught:
+        save(tmp_path, 2)
+    text = str(caught.value)
+    assert text == f"cannot write checkpoint file {step_dir(tmp_path, 2) / 'stage-0.pt'}: No space left on device"
+    assert not step_dir(tmp_path, 2).exists()  # no temporary, no half checkpoint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
+    assert open_checkpoint(step_dir(tmp_path, 1)).step == 1  # the older checkpoint intact
+
+    from pipetrain.training.outputs import save_state_dict
+
+    target = tmp_path / "out" / "model.pt"
+    full_disk(monkeypatch, only="model.pt")
+    import pipetrain.training.outputs  # noqa: F401 - save_state_dict writes through the checkpoint module
+
+    with pytest.raises(OSError, match="No space left on device"):
+        save_state_dict({"w": torch.ones(1000)}, str(target))
+    assert list((tmp_path / "out").iterdir()) == []

@@ -159,3 +159,139 @@ def test_a_resumed_run_reports_the_evaluations_of_the_uninterrupted_one(tmp_path
     assert [e["step"] for e in a] == [3, 6, 8]
     assert a == b
     assert json.loads((tmp_path / "full.json").read_text())["receives"] == ["on-demand"] * 2
+
+
+def _workers(launcher: int) -> dict[int, int]:
+    """``{rank: pid}`` of the workers a launcher process started (its children, by their RANK)."""
+    found = {}
+    for task in os.listdir(f"/proc/{launcher}/task"):
+        with open(f"/proc/{launcher}/task/{task}/children") as f:
+            for pid in map(int, f.read().split()):
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as e:
+                        variables = dict(v.split(b"=", 1) for v in e.read().split(b"\0") if b"=" in v)
+                except OSError:
+                    continue
+                if b"RANK" in variables:
+                    found[int(variables[b"RANK"])] = pid
+    return found
+
+
+def _wait_for(path, process, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def test_a_stopped_worker_ends_the_run_within_the_timeout_and_two_seconds(tmp_path):
+    timeout = 6
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipetrain.cli", "train", *BASE, "--schedule", "pipedream", "--stages", "2",
+         "--steps", "3000", "--timeout", str(timeout), "--checkpoint-dir", str(tmp_path / "ck"),
+         "--checkpoint-every", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
+    try:
+        _wait_for(tmp_path / "ck" / "step-000020" / "manifest.json", process)  # training is under way
+        stopped = _workers(process.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        _, stderr = process.communicate(timeout=timeout + 60)
+        elapsed = time.monotonic() - started
+    finally:
+        process.kill()
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert process.returncode == 3, stderr
+    assert elapsed < timeout + 2, (elapsed, stderr)
+    assert "rank(s) 1 silent (stopped or frozen): killing them (SIGKILL)" in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("pipetrain train: error: worker rank 0 exited with status 3"), stderr
+    assert "rank 1 is silent" in last or "rank(s) 1 fell silent" in last, stderr  # named last, either way
+
+
+def test_a_second_run_in_a_checkpoint_directory_is_refused_and_a_stale_lock_taken_over(tmp_path):
+    directory = tmp_path / "ck"
+    common = ["--schedule", "pipedream", "--stages", "2", "--checkpoint-dir", str(directory)]
+    first = subprocess.Popen([sys.executable, "-m", "pipetrain.cli", "train", *BASE, *common, "--steps", "3000",
+                              "--checkpoint-every", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(directory / "step-000020" / "manifest.json", first)
+        for pid in [first.pid, *_workers(first.pid).values()]:  # held where it is: a lock and a checkpoint or two
+            os.kill(pid, signal.SIGSTOP)
+        second = pipetrain(*common, "--steps", "3000")
+    finally:
+        first.kill()  # the launcher, SIGKILL: its workers die with it, its lock is left behind
+        first.communicate(timeout=60)
+    assert second.returncode == 2
+    assert second.stderr.count("\n") == 1, second.stderr
+    assert second.stderr.startswith(f"pipetrain train: error: checkpoint directory {directory} is in use by another "
+                                    f"run (pid {first.pid} on "), second.stderr
+    assert json.loads((directory / ".pipetrain-lock").read_text())["pid"] == first.pid  # stale now
+    third = pipetrain(*common, "--steps", "200")
+    assert third.returncode == 0, third.stderr
+    assert f"took over the lock of {directory} left by pid {first.pid} on " in third.stdout
+    assert "resuming from step" in third.stdout
+    assert not (directory / ".pipetrain-lock").exists()  # released at the end of the run
+
+
+def test_a_killed_data_worker_is_a_fault_the_run_restarts_from_exactly(tmp_path):
+    common = ["--data", "dying_data:make:die_after=100", "--data-workers", "1", "--schedule", "pipedream",
+              "--stages", "2", "--steps", "16"]
+    restarted = pipetrain(*common, "--max-restarts", "1", "--checkpoint-dir", str(tmp_path / "ck"),
+                          "--checkpoint-every", "4", "--timeout", "20", "--save", str(tmp_path / "restarted.pt"),
+                          env={"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert restarted.returncode == 0, restarted.stderr
+    assert "the DataLoader worker process (pid " in restarted.stderr, restarted.stderr
+    assert "was killed by SIGKILL" in restarted.stderr and "starting the workers again (restart 1 of 1)" in restarted.stderr
+    assert "resuming from step" in restarted.stdout  # not afresh: it died after a checkpoint
+    expected, got = emulated(tmp_path, *common), torch.load(tmp_path / "restarted.pt")
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+
+
+def _in_small_tmpfs(size: str, script: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``script`` (sh) run with a fresh tmpfs of ``size`` mounted at $MNT, in a user and mount
+    namespace of its own: a real full disk, without root."""
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs unshare with user namespaces")
+    mount = f'MNT=$(mktemp -d) && mount -t tmpfs -o size={size} tmpfs "$MNT" && export MNT && '
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount + script],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+
+
+def test_a_full_disk_stops_every_rank_with_one_line_and_leaves_nothing_behind(tmp_path):
+    command = " ".join([sys.executable, "-m", "pipetrain.cli", "train", *BASE, "--model", "mlp:depth=3,width=256",
+                        "--schedule", "pipedream", "--stages", "2", "--steps", "6", "--checkpoint-every", "2",
+                        "--quiet", "--timeout", "20"])
+    # a checkpoint takes 1.4 MB: the first fits in 2 MB, the second (the first still kept) does not
+    full = _in_small_tmpfs("2m", f'{command} --keep 1 --checkpoint-dir "$MNT/ck"; echo "status $?"; '
+                                 'cd "$MNT/ck" && find . | sort && ' + sys.executable + ' -c "import sys; from '
+                                 'pipetrain.runtime.checkpoint import open_checkpoint as o; '
+                                 'print(\'verified step\', o(sys.argv[1]).step)" step-000002')
+    lines = full.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("status "))
+    assert lines[at] == "status 2", full.stdout + full.stderr
+    last = full.stderr.strip().splitlines()[-1]
+    assert last.startswith("pipetrain train: error: checkpoint of step 4 failed on rank "), full.stderr
+    assert "/ck/step-000004/rank-" in last and last.endswith(": No space left on device"), full.stderr
+    assert "Traceback" not in full.stderr and "enforce fail" not in full.stderr
+    # the older checkpoint intact (its files all there), nothing of the failed one, no temporary
+    assert lines[at + 1:-1] == [".", "./step-000002", "./step-000002/manifest.json", "./step-000002/rank-0.pt",
+                                "./step-000002/rank-1.pt"]
+    assert lines[-1] == "verified step 2"  # sizes and SHA-256 checked
+
+    # --save on a full disk: the trained weights stay in the run's last checkpoint, and it says so
+    saved = _in_small_tmpfs("256k", f'{command} --checkpoint-dir {tmp_path / "ck"} --save "$MNT/model.pt"; '
+                                    'echo "status $?"; ls -a "$MNT"')
+    assert "status 2\n.\n..\n" in saved.stdout, saved.stdout + saved.stderr  # no model.pt, no temporary
+    assert saved.stderr.count("\n") == 1 and "Traceback" not in saved.stderr, saved.stderr
+    assert saved.stderr.startswith("pipetrain train: error: cannot write --save ") and (
+        "/model.pt: No space left on device; the trained weights are kept in the run's last checkpoint, "
+        f"{tmp_path / 'ck' / 'step-000006'}") in saved.stderr, saved.stderr

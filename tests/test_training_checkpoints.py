@@ -112,6 +112,8 @@ def test_checkpoint_options_are_checked_before_any_work(tmp_path):
 
     with pytest.raises(ConfigError, match="--keep must be at least 1"):
         check_config(TrainConfig(checkpoint_dir=str(tmp_path), keep=0))
+    with pytest.raises(ConfigError, match="--extend continues the run of a checkpoint: give --checkpoint-dir"):
+        check_config(TrainConfig(extend=True))
     with pytest.raises(ConfigError, match="--max-restarts must be at least 0"):
         check_config(TrainConfig(max_restarts=-1))
     with pytest.raises(ConfigError, match="--max-restarts restarts the workers of the distributed runtime"):
@@ -167,3 +169,33 @@ def test_a_checkpoint_resumes_on_the_device_of_the_resuming_run(tmp_path, capsys
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"pipetrain train: error: checkpoint {empty}: rank-1.pt holds tensors without data, on "
                           "PyTorch's 'meta' device (stages/1/versions/"), err
+
+
+@pytest.mark.parametrize("options", [dict(schedule="pipedream", stages=2),
+                                     dict(schedule="2bw", stages=2, microbatches=2)])
+def test_extend_continues_a_finished_asynchronous_run_and_says_so(tmp_path, options):
+    base = dict(BASE, **options, steps=6, checkpoint_every=3, checkpoint_dir=str(tmp_path / "ck"))
+    first = TrainConfig(**base)
+    longer = dataclasses.replace(first, steps=10)
+    extended = dataclasses.replace(longer, extend=True, save=str(tmp_path / "extended.pt"),
+                                   report_json=str(tmp_path / "extended.json"))
+    runs = [(first, None), (longer, str(tmp_path / "refused.txt")), (extended, None),
+            (longer, str(tmp_path / "without.txt"))]  # the extended run's checkpoint, resumed without --extend
+    result = launch(_each, (runs,), nprocs=2, timeout=300, quiet=True)
+    assert result.returncode == 0, result.message
+    refused = (tmp_path / "refused.txt").read_text()
+    assert "a run of another length" in refused and "--extend (fit(extend=True))" in refused
+    assert (tmp_path / "without.txt").read_text() == (
+        f"checkpoint {tmp_path / 'ck' / 'step-000010'} is of a run extended with --extend (its pipeline drained "
+        "after update 6): resume it with --extend too")
+    data = json.loads((tmp_path / "extended.json").read_text())["data"]
+    assert data.endswith(f"; extends the run of {tmp_path / 'ck' / 'step-000006'}: its pipeline drained after update "
+                         "6, so this is not the uninterrupted 10-update run"), data
+    # the extended run is the 6-update run, drained, then 4 more: the emulator runs that schedule whole
+    reference = dataclasses.replace(longer, executor="emulate", checkpoint_dir=None, checkpoint_every=0,
+                                    drain_at=(6,), save=str(tmp_path / "drained.pt"))
+    train(reference)
+    assert _equal(str(tmp_path / "extended.pt"), reference.save)
+    uninterrupted = dataclasses.replace(reference, drain_at=(), save=str(tmp_path / "uninterrupted.pt"))
+    train(uninterrupted)
+    assert not _equal(str(tmp_path / "extended.pt"), uninterrupted.save)  # it is not the longer run

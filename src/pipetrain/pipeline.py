@@ -233,6 +233,7 @@ class Pipeline:
         resume: bool | str = False,
         keep: int = 2,
         max_restarts: int = 0,
+        extend: bool = False,
         progress: bool | None = None,
         quiet: bool = False,
         save: str | None = None,
@@ -264,7 +265,9 @@ class Pipeline:
         running the script again continues an interrupted run. ``max_restarts`` (distributed,
         when ``python train.py`` starts the workers itself) starts every worker again after a
         failure that is not a user error, up to that many times; they resume from
-        ``checkpoint_dir``. Under torchrun, use torchrun's ``--max-restarts`` instead.
+        ``checkpoint_dir``. Under torchrun, use torchrun's ``--max-restarts`` instead. ``extend``
+        continues a finished asynchronous run for more ``steps`` or ``epochs`` (``--extend``): its
+        pipeline drains where it ended, so the result is not the uninterrupted longer run.
         """
         from pipetrain.training.train import train
 
@@ -279,7 +282,7 @@ class Pipeline:
             self._config, data=describe_data(data), test_data=None if eval_data is None else describe_data(eval_data),
             batch_size=batch_size, epochs=epochs, steps=steps, eval_every=eval_every, eval_samples=eval_samples,
             shuffle=shuffle and not loader, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            keep=keep, max_restarts=max_restarts,
+            keep=keep, max_restarts=max_restarts, extend=extend,
             progress=self._config.progress if progress is None else progress, quiet=quiet, save=save,
             report_json=report_json, trace=trace, plot=plot,
         )
@@ -309,6 +312,7 @@ class Pipeline:
                                      epochs=None, progress=False, data_workers=0)  # no worker for unread data
         parts = dataclasses.replace(self._parts, train_set=_Unread(), test_set=None)
         if self.executor == "emulate":
+            self._caller_threads = torch.get_num_threads()  # given back by finish()
             torch.set_num_threads(config.threads_per_worker)
             self._run = prepare(config, parts)
             self._session = EmulatedSession(self._run)
@@ -346,7 +350,12 @@ class Pipeline:
         """End the run begun by :meth:`start` (after its last step): the result, with ``model``
         holding the trained weights (the whole model on the main rank)."""
         session = self._active("finish")
-        result = session.finish()
+        try:
+            result = session.finish()
+        finally:
+            threads, self._caller_threads = getattr(self, "_caller_threads", None), None
+            if threads is not None:
+                torch.set_num_threads(threads)
         self._session = None
         self.last_result = result
         return result

@@ -167,6 +167,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="continue from the newest complete checkpoint in --checkpoint-dir, an error if there is "
                           "none, or from the named step directory, refused if it is incomplete or damaged "
                           "(default: --checkpoint-dir's newest if any, else start afresh)")
+    out.add_argument("--extend", action="store_true",
+                     help="continue a finished (or interrupted) asynchronous run for more updates (a longer --steps "
+                          "or --epochs): its pipeline drains where it ended and fills again, so the result is the "
+                          "run extended, not the uninterrupted longer run (the data line says so)")
     out.add_argument("--no-progress", action="store_true",
                      help="no progress bar (it is shown only when stderr is a terminal)")
     out.add_argument("--quiet", action="store_true",
@@ -194,7 +198,7 @@ def config_from_args(args: argparse.Namespace):
         eval_every=args.eval_every, eval_samples=args.eval_samples, save=args.save, report_json=args.report_json,
         trace=args.trace, plot=args.plot,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        keep=args.keep, max_restarts=args.max_restarts,
+        keep=args.keep, max_restarts=args.max_restarts, extend=args.extend,
         progress=not args.no_progress and not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
     )
 

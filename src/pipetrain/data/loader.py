@@ -202,6 +202,11 @@ class LoaderBatches:
         except PipetrainError:
             raise
         except Exception as error:
+            from pipetrain.execution.prefetch import lost_data_worker
+
+            lost = lost_data_worker(error)  # a worker process that died is a fault, not bad data
+            if lost is not None:
+                raise lost from None
             lines = [line for line in str(error).splitlines() if line.strip()]
             # from a worker, torch re-raises with the worker's traceback as text: its last line says what
             cause = lines[-1].strip() if len(lines) > 1 else describe_exception(error)

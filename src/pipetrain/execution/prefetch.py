@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
+import signal
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,10 +37,34 @@ import torch
 from pipetrain.structure import map_values, tensors_of
 
 __all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "Unpinned", "pack", "unpack", "pin", "pin_available",
-           "tensors_of", "unpin_worker", "unpinned_workers", "PACK_LIMIT"]
+           "tensors_of", "unpin_worker", "unpinned_workers", "PACK_LIMIT", "lost_data_worker"]
 
 #: batches of at most this many bytes of tensors are packed as bytes between processes (see above)
 PACK_LIMIT = 512 * 1024
+
+
+#: how torch reports a DataLoader worker that died (its SIGCHLD handler, or the loader's own check)
+_WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
+                          r"(?:is killed by signal: ([^.]+)\.|exited unexpectedly(?: with exit code (-?\d+))?)")
+
+
+def lost_data_worker(error: BaseException, rank: int | None = None):
+    """The :class:`~pipetrain.runtime.errors.DataWorkerLost` that ``error`` (torch's RuntimeError
+    for a DataLoader worker that died) stands for, or None for any other error. torch raises it
+    from its SIGCHLD handler wherever the training thread is, or where the batch is taken."""
+    from pipetrain.runtime.errors import DataWorkerLost
+
+    found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
+    if found is None:
+        return None
+    pids, described, code = found.groups()
+    number = next((s for s in signal.valid_signals() if described and signal.strsignal(s) == described.strip()), None)
+    how = (f"was killed by {signal.Signals(number).name}" if number else f"was killed by signal '{described}'"
+           if described else f"exited with status {code}" if code else "exited unexpectedly")
+    oom = " (the kernel's out-of-memory killer sends SIGKILL: check the machine's memory)" if number == 9 else ""
+    whose = f"rank {rank}: " if rank is not None else ""
+    return DataWorkerLost(f"{whose}the DataLoader worker process (pid {pids.strip()}) reading its batches {how}{oom}; "
+                          "a fault, not bad data (--max-restarts N starts the workers again, to resume from --checkpoint-dir)", number)
 
 
 class BatchPrefetcher:
@@ -194,16 +220,90 @@ def pin_available(asked: bool) -> bool:
 _END = object()
 
 
+_died: list[RuntimeError] = []  # torch's report of a data worker that died, kept for the next take
+_held: list[Any] = []  # while receivers are open: the SIGCHLD handler they replaced (torch's)
+
+
+def _on_child(signum: int, frame: Any) -> None:
+    try:
+        torch._C._error_if_any_worker_fails()
+    except RuntimeError as error:
+        _died.append(error)
+
+
+def _death_behind(error: BaseException, iterator: Any) -> BaseException:
+    """torch's report of a DataLoader worker that died, when one did, instead of ``error``: the
+    iterator itself may only see a pipe to it break (``ConnectionResetError``), a moment before
+    the worker's exit is seen (so a broken pipe waits up to a second for it), or say it "exited
+    unexpectedly" after reaping it, when only the worker's own exit code still tells the signal."""
+    import time
+
+    deadline = time.monotonic() + (1.0 if isinstance(error, (OSError, EOFError)) else 0.0)
+    while True:
+        for process in getattr(iterator, "_workers", ()):  # a DataLoader iterator's worker processes
+            code = process.exitcode
+            if code is not None and code < 0:  # in torch's words, which lost_data_worker reads
+                return RuntimeError(f"DataLoader worker (pid {process.pid}) is killed by signal: "
+                                    f"{signal.strsignal(-code)}. ")
+        try:
+            torch._C._error_if_any_worker_fails()
+        except RuntimeError as death:
+            return death
+        if time.monotonic() >= deadline:
+            return error
+        time.sleep(0.02)
+
+
+def _signal_report(error: BaseException) -> BaseException:
+    """For an error that says a data worker is gone without saying how (torch's "exited
+    unexpectedly", a broken pipe to it), the SIGCHLD handler's report, which names the signal,
+    when it comes within a second (it runs on this, the main, thread: sleeping lets it)."""
+    import time
+
+    if not (isinstance(error, (OSError, EOFError)) or (lost_data_worker(error) is not None
+                                                        and lost_data_worker(error).signal is None)):
+        return error
+    deadline = time.monotonic() + (1.0 if _held else 0.0)
+    while not _died and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _died.pop(0) if _died else error
+
+
+def _keep_worker_deaths() -> bool:
+    """Replace torch's SIGCHLD handler, which raises the death of a DataLoader worker in whatever
+    the training thread does at that moment (a forward, a checkpoint, a collective: each would
+    report it as its own failure), by one that keeps it for :meth:`Receiver.take`, until the last
+    receiver closes. Called after the loader's iterator exists (its creation installs torch's
+    handler); main thread only. True if this call replaced it (the caller gives it back)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if not _held:
+        _died.clear()  # deaths before this run are not its business
+        _held.append(signal.signal(signal.SIGCHLD, _on_child))
+    else:
+        _held.append(None)
+    return True
+
+
+def _give_worker_deaths_back() -> None:
+    previous = _held.pop()
+    if not _held and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, previous if previous is not None else signal.SIG_DFL)
+
+
 class Receiver:
     """Takes the items of ``iterator`` on a background thread, ``convert`` s them there and hands
     them over in order, at most ``depth`` ahead (:meth:`take`). An exception raised by the
-    iterator or ``convert`` is raised by the :meth:`take` that would have returned the item.
+    iterator or ``convert`` is raised by the :meth:`take` that would have returned the item, and
+    so is the death of a DataLoader worker process, as torch reports it (a RuntimeError, see
+    :func:`lost_data_worker`), at the first take after it.
 
     The thread only calls ``next(iterator)`` and ``convert``: creating the iterator (which may draw
     random numbers) is the caller's business, on the caller's thread."""
 
     def __init__(self, iterator: Iterator[Any], convert: Callable[[Any], Any] = lambda item: item,
                  depth: int = 2, name: str = "pipetrain-data") -> None:
+        self._replaced = _keep_worker_deaths()
         self._iterator = iterator
         self._convert = convert
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -228,7 +328,7 @@ class Receiver:
                     return
             self._put((True, _END))
         except BaseException as error:  # noqa: BLE001 - handed to the training thread
-            self._put((False, error))
+            self._put((False, _death_behind(error, self._iterator)))
         finally:
             self._iterator = None  # a DataLoader iterator shuts its workers down when dropped
 
@@ -236,10 +336,18 @@ class Receiver:
         """``(True, item)``, or ``(False, None)`` once the iterator is exhausted."""
         if self._ended:
             return False, None
-        ok, item = self._queue.get()
+        while True:
+            if _died:  # a worker died: torch's own check would see it only seconds later
+                self._ended = True
+                raise _died.pop(0)
+            try:
+                ok, item = self._queue.get(timeout=0.05)
+                break
+            except queue.Empty:
+                continue
         if not ok:
             self._ended = True
-            raise item
+            raise _signal_report(item)
         if item is _END:
             self._ended = True
             return False, None
@@ -254,6 +362,9 @@ class Receiver:
             except queue.Empty:
                 break
         self._thread.join(timeout)
+        if self._replaced:  # the last receiver gives torch's SIGCHLD handler back
+            self._replaced = False
+            _give_worker_deaths_back()
 
 
 @contextlib.contextmanager

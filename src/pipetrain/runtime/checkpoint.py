@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -10,6 +11,7 @@ import pickle
 import random
 import re
 import shutil
+import stat
 import time
 import uuid
 import warnings
@@ -28,6 +30,7 @@ __all__ = [
     "step_dir",
     "stage_file",
     "save_shard",
+    "save_torch_file",
     "write_manifest",
     "save_checkpoint",
     "save_distributed",
@@ -45,6 +48,9 @@ __all__ = [
 MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+#: The most bytes a manifest may hold: a real one lists a few files and a small ``meta``; a
+#: manifest is read before anything vouches for it, so nothing larger is read.
+MANIFEST_LIMIT = 16 * 2**20
 
 
 def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
@@ -58,17 +64,25 @@ def stage_file(stage: int) -> str:
 
 
 class _HashingWriter:
-    """A file wrapper that hashes and counts what torch.save writes through it."""
+    """A file wrapper that hashes and counts what torch.save writes through it, and keeps the
+    ``OSError`` of a failed write: torch.save re-raises it as a RuntimeError that says only
+    ``unexpected pos`` (a full disk would read as an internal error)."""
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: BinaryIO, hashing: bool = True) -> None:
         self.f = f
-        self.sha = hashlib.sha256()
+        self.sha = hashlib.sha256() if hashing else None
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
-        self.sha.update(data)
+        if self.sha is not None:
+            self.sha.update(data)
         self.size += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -103,9 +117,37 @@ def _atomic_write(target: Path, write: Any) -> Any:
     return value
 
 
+def _plain_name(name: object) -> bool:
+    """Whether ``name`` names a file of a checkpoint's own directory: no path, no link upwards,
+    not hidden (temporary files are), not the manifest."""
+    return (isinstance(name, str) and bool(name) and name not in (".", "..", MANIFEST) and not name.startswith(".")
+            and not any(c in name for c in "/\\\0"))
+
+
 def _check_name(name: str) -> None:
-    if not name or name == MANIFEST or "/" in name or "\\" in name or name.startswith("."):
+    if not _plain_name(name):
         raise CheckpointError(f"invalid checkpoint file name {name!r}: use a plain name such as 'stage-0.pt'")
+
+
+def save_torch_file(target: str | os.PathLike[str], obj: Any, *, hashing: bool = True) -> tuple[int, str | None]:
+    """``torch.save(obj)`` into ``target`` atomically (temporary name, fsync, rename; the temporary
+    is removed whatever happens). Returns the size and SHA-256 written (None without ``hashing``).
+
+    A write that fails raises its ``OSError`` (``ENOSPC``: no space left on device), not the
+    RuntimeError torch.save turns it into."""
+
+    def write(f: BinaryIO) -> _HashingWriter:
+        w = _HashingWriter(f, hashing)
+        try:
+            torch.save(obj, w)  # type: ignore[arg-type]
+        except RuntimeError:
+            if w.error is not None:
+                raise w.error from None
+            raise
+        return w
+
+    w = _atomic_write(Path(target), write)
+    return w.size, None if w.sha is None else w.sha.hexdigest()
 
 
 def save_shard(directory: str | os.PathLike[str], step: int, name: str, state: Any) -> dict[str, Any]:
@@ -117,16 +159,10 @@ def save_shard(directory: str | os.PathLike[str], step: int, name: str, state: A
     d = step_dir(directory, step)
     try:
         d.mkdir(parents=True, exist_ok=True)
-
-        def write(f: BinaryIO) -> _HashingWriter:
-            w = _HashingWriter(f)
-            torch.save(state, w)  # type: ignore[arg-type]
-            return w
-
-        w = _atomic_write(d / name, write)
+        size, sha = save_torch_file(d / name, state)
     except OSError as error:
-        raise CheckpointError(f"cannot write checkpoint file {d / name}: {error}") from None
-    return {"name": name, "size": w.size, "sha256": w.sha.hexdigest()}
+        raise CheckpointError(f"cannot write checkpoint file {d / name}: {error.strerror or error}") from None
+    return {"name": name, "size": size, "sha256": sha}
 
 
 def write_manifest(
@@ -156,7 +192,7 @@ def write_manifest(
     try:
         _atomic_write(d / MANIFEST, lambda f: f.write(text))
     except OSError as error:
-        raise CheckpointError(f"cannot write {d / MANIFEST}: {error}") from None
+        raise CheckpointError(f"cannot write {d / MANIFEST}: {error.strerror or error}") from None
     return d
 
 
@@ -164,9 +200,15 @@ def save_checkpoint(
     directory: str | os.PathLike[str], step: int, shards: Mapping[str, Any], meta: Mapping[str, Any]
 ) -> Path:
     """One process writes a whole checkpoint: every ``name -> state`` of ``shards``, then the
-    manifest. Returns the step directory."""
-    records = [save_shard(directory, step, name, state) for name, state in shards.items()]
-    return write_manifest(directory, step, records, meta)
+    manifest. Returns the step directory; after a failure nothing of it is left."""
+    records: list[dict[str, Any]] = []
+    try:
+        for name, state in shards.items():
+            records.append(save_shard(directory, step, name, state))
+        return write_manifest(directory, step, records, meta)
+    except CheckpointError:
+        _discard(step_dir(directory, step), records)
+        raise
 
 
 _rounds: dict[int, int] = {}
@@ -201,12 +243,18 @@ def save_distributed(
         key = str(n)
     prefix = f"pipetrain/checkpoint/{key}"
     td = timedelta(seconds=timeout)
+    d = step_dir(directory, step)
+    records: list[dict[str, Any]] = []
+    failure: CheckpointError | None = None
     try:
-        records = [save_shard(directory, step, name, state) for name, state in shards.items()]
-        store.set(f"{prefix}/{rank}", json.dumps({"files": records}))
-    except CheckpointError as error:
+        for name, state in shards.items():
+            records.append(save_shard(directory, step, name, state))
+    except CheckpointError as error:  # a full disk, a missing permission: every rank hears of it
+        failure = error
+        _discard(d, records)
         store.set(f"{prefix}/{rank}", json.dumps({"error": str(error)}))
-        raise
+    else:
+        store.set(f"{prefix}/{rank}", json.dumps({"files": records}))
     commit = f"{prefix}/commit"
     if rank == 0:
         keys = [f"{prefix}/{r}" for r in range(world_size)]
@@ -227,6 +275,7 @@ def save_distributed(
                 all_records.extend(answer["files"])
         try:
             if errors:
+                _discard(d, all_records)  # every rank has finished: nothing of this save is left half done
                 raise CheckpointError(f"checkpoint of step {step} failed on " + "; ".join(errors))
             names = [r["name"] for r in all_records]
             if len(set(names)) != len(names):
@@ -240,6 +289,8 @@ def save_distributed(
     try:
         store.wait([commit], 2 * td)  # longer than rank 0 waits, to hear its verdict
     except RuntimeError:
+        if failure is not None:
+            raise failure from None
         raise CheckpointPeerError(
             f"rank {rank} waited {2 * timeout:g} s for rank 0 to commit the checkpoint of step "
             f"{step}: rank 0 is gone or stuck"
@@ -248,6 +299,20 @@ def save_distributed(
     if "error" in answer:
         raise (CheckpointPeerError if answer.get("peer") else CheckpointError)(answer["error"])
     return Path(answer["ok"])
+
+
+def _discard(d: Path, records: Iterable[Mapping[str, Any]]) -> None:
+    """Remove the files of a save that failed (``records``: those written), and the step
+    directory if nothing else is left in it; never the files of a committed checkpoint."""
+    if (d / MANIFEST).exists():
+        return
+    for record in records:
+        if _plain_name(record.get("name")):
+            (d / record["name"]).unlink(missing_ok=True)
+    try:
+        d.rmdir()  # only when empty
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True)
@@ -303,7 +368,7 @@ class Checkpoint:
         except pickle.UnpicklingError as error:
             raise CheckpointError(
                 f"checkpoint {self.path}: {name} holds objects other than tensors and plain data, which pipetrain "
-                f"does not load ({_first_line(error)}); it was not written by pipetrain"
+                f"does not load ({_refused_object(error)}); it was not written by pipetrain"
             ) from None
         except RuntimeError as error:
             text = _first_line(error)
@@ -324,6 +389,13 @@ class Checkpoint:
                 "start afresh with another --checkpoint-dir"
             )
         return state
+
+
+def _refused_object(error: BaseException) -> str:
+    """What torch's safe loader refused, without torch's advice to turn safe loading off ("will
+    likely succeed") or to allow-list the object: a checkpoint directory is input."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return f"it refers to {found.group(1)}" if found else "torch's safe loader refused it"
 
 
 def _first_line(error: BaseException) -> str:
@@ -348,20 +420,97 @@ def _without_data(value: Any, where: str = "") -> list[str]:
     return found
 
 
-def _read_verified(d: Path, record: Mapping[str, Any]) -> bytes:
-    path = d / record["name"]
+def _open_plain(d: Path, name: str) -> int:
+    """A read-only descriptor of regular file ``d/name``: opened without following a symbolic link
+    and without blocking (a FIFO would block the open until a writer came), then checked to be a
+    regular file (not a FIFO, a device such as /dev/zero, a socket or a directory)."""
     try:
-        data = path.read_bytes()
+        fd = os.open(d / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as error:
-        raise CheckpointError(f"checkpoint {d} is incomplete: cannot read {record['name']} ({error.strerror})") from None
-    if len(data) != record["size"]:
-        raise CheckpointError(
-            f"checkpoint {d} is damaged: {record['name']} has {len(data)} bytes, the manifest says "
-            f"{record['size']} (truncated or overwritten)"
-        )
-    if hashlib.sha256(data).hexdigest() != record["sha256"]:
-        raise CheckpointError(f"checkpoint {d} is damaged: {record['name']} does not match its SHA-256")
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(f"checkpoint {d}: {name} is a symbolic link; pipetrain reads checkpoint files only "
+                                  "in the checkpoint's own directory, never through links") from None
+        raise CheckpointError(f"checkpoint {d} is incomplete: cannot read {name} ({error.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise CheckpointError(f"checkpoint {d} is damaged: {name} is {kind}, not a checkpoint file")
+    return fd
+
+
+def _read_plain(d: Path, name: str, size: int | None, limit: int) -> bytes:
+    """The bytes of regular file ``d/name`` (see :func:`_open_plain`): exactly ``size`` of them,
+    or, with ``size`` None, at most ``limit``; a file of another size is refused before reading."""
+    fd = _open_plain(d, name)
+    try:
+        actual = os.fstat(fd).st_size
+        if size is not None and actual != size:
+            raise CheckpointError(
+                f"checkpoint {d} is damaged: {name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
+            )
+        if actual > limit:
+            raise CheckpointError(f"checkpoint {d} is damaged: {name} has {actual} bytes, more than a {name} holds")
+        chunks, left = [], actual
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {d} is incomplete: cannot read {name} ({error.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) != actual:
+        raise CheckpointError(f"checkpoint {d} is damaged: {name} changed size while being read")
     return data
+
+
+def _read_verified(d: Path, record: Mapping[str, Any]) -> bytes:
+    name = record["name"]
+    data = _read_plain(d, name, record["size"], record["size"])
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise CheckpointError(f"checkpoint {d} is damaged: {name} does not match its SHA-256")
+    return data
+
+
+def _records(d: Path, files: object) -> dict[str, dict[str, Any]]:
+    """The manifest's file records by name, each checked before anything is opened: a plain file
+    name of the checkpoint's own directory (no path, no ``..``), a size, a SHA-256."""
+    if not isinstance(files, list):
+        raise CheckpointError(f"checkpoint {d} has an unreadable {MANIFEST}: 'files' is not a list")
+    if not files:
+        raise CheckpointError(
+            f"{d} is not a complete checkpoint: its {MANIFEST} lists no files (it was not written by pipetrain)"
+        )
+    records: dict[str, dict[str, Any]] = {}
+    for record in files:
+        name = record.get("name") if isinstance(record, dict) else None
+        if not _plain_name(name):
+            raise CheckpointError(
+                f"checkpoint {d} is damaged: its {MANIFEST} names {name!r}, which is not a plain file name of the "
+                "checkpoint's own directory; pipetrain reads nothing outside it"
+            )
+        size, sha = record.get("size"), record.get("sha256")
+        if (not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha, str)
+                or not re.fullmatch(r"[0-9a-f]{64}", sha)):
+            raise CheckpointError(f"checkpoint {d} has an unreadable {MANIFEST}: the record of {name} needs a size "
+                                  "and a SHA-256")
+        if name in records:
+            raise CheckpointError(f"checkpoint {d} is damaged: its {MANIFEST} lists {name} twice")
+        records[name] = dict(record)
+    return records
+
+
+def _refuse_link(d: Path) -> None:
+    if d.is_symlink():
+        raise CheckpointError(
+            f"{d} is a symbolic link: pipetrain reads and deletes checkpoints only in the step directories themselves, "
+            "never through links; name the directory it points to"
+        )
 
 
 def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> Checkpoint:
@@ -369,61 +518,71 @@ def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> Che
 
     Raises :class:`CheckpointError` if it has no manifest (not a checkpoint: the run stopped
     while writing it), or a file is missing, truncated or does not match its checksum. With
-    ``verify=False`` only presence and sizes are checked.
+    ``verify=False`` only presence and sizes are checked. Nothing outside the step directory is
+    read: the manifest may only name plain files of it, and neither the directory nor any of its
+    files may be a symbolic link; every read is bounded by the size the manifest gives.
     """
     d = Path(path)
     if d.name == MANIFEST:
         d = d.parent
+    _refuse_link(d)
     if not d.is_dir():
         raise CheckpointError(f"no checkpoint at {d}: not a directory")
-    manifest_path = d / MANIFEST
-    if not manifest_path.is_file():
+    if not os.path.lexists(d / MANIFEST):
         raise CheckpointError(
             f"{d} is not a complete checkpoint: it has no {MANIFEST} (the run stopped while saving "
             "it, or this is not a checkpoint directory)"
         )
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(_read_plain(d, MANIFEST, None, MANIFEST_LIMIT))
         step = int(manifest["step"])
-        files = {r["name"]: r for r in manifest["files"]}
+        files = manifest["files"]
         meta = dict(manifest.get("meta", {}))
         fmt = int(manifest.get("format", 0))
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"checkpoint {d} has an unreadable {MANIFEST}: {error}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"checkpoint {d} has an unreadable {MANIFEST}: {_first_line(error)}") from None
     if fmt > FORMAT:
         raise CheckpointError(
             f"checkpoint {d} has format {fmt}, newer than this pipetrain understands ({FORMAT}): upgrade pipetrain"
         )
-    for record in files.values():
+    records = _records(d, files)
+    for record in records.values():
         if verify:
             _read_verified(d, record)
         else:
-            p = d / record["name"]
-            if not p.is_file() or p.stat().st_size != record["size"]:
-                raise CheckpointError(f"checkpoint {d} is incomplete or damaged: {record['name']}")
-    return Checkpoint(path=d, step=step, meta=meta, files=files)
+            fd = _open_plain(d, record["name"])
+            size = os.fstat(fd).st_size
+            os.close(fd)
+            if size != record["size"]:
+                raise CheckpointError(f"checkpoint {d} is incomplete or damaged: {record['name']} has {size} bytes, "
+                                      f"the manifest says {record['size']}")
+    return Checkpoint(path=d, step=step, meta=meta, files=records)
 
 
-def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Every ``step-N`` directory under ``directory`` (complete or not), oldest first."""
+def _step_entries(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Every ``step-N`` entry under ``directory``, links included, oldest first."""
     root = Path(directory)
     if not root.is_dir():
         return []
-    found = []
-    for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
-        if m and child.is_dir():
-            found.append((int(m.group(1)), child))
-    return sorted(found)
+    return sorted((int(m.group(1)), child) for child in root.iterdir() if (m := _STEP_DIR.match(child.name)))
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Every ``step-N`` directory under ``directory`` (complete or not), oldest first; a
+    symbolic link named ``step-N`` is not one (see :func:`find_latest`)."""
+    return [(step, path) for step, path in _step_entries(directory) if not path.is_symlink() and path.is_dir()]
 
 
 def find_latest(
     directory: str | os.PathLike[str], *, verify: bool = True, skipped: list[str] | None = None
 ) -> Checkpoint | None:
     """The newest complete checkpoint under ``directory``, or None. Newer step directories that are
-    incomplete or damaged are skipped with a warning that says why (appended to ``skipped``
-    instead, when given: a run that resumes by itself says so in its own words)."""
-    for _, path in reversed(list_checkpoints(directory)):
+    incomplete or damaged, and links named ``step-N``, are skipped with a warning that says why
+    (appended to ``skipped`` instead, when given: a run that resumes by itself says so in its
+    own words)."""
+    for _, path in reversed(_step_entries(directory)):
+        if not path.is_symlink() and not path.is_dir():
+            continue
         try:
             return open_checkpoint(path, verify=verify)
         except CheckpointError as error:
@@ -451,7 +610,8 @@ def resolve(path: str | os.PathLike[str]) -> Checkpoint:
 def prune(directory: str | os.PathLike[str], keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints, and incomplete step directories
     older than the newest complete one (newer ones may still be being written). Returns the
-    deleted paths. The manifest goes first, so an interrupted deletion leaves no false checkpoint."""
+    deleted paths. The manifest goes first, so an interrupted deletion leaves no false checkpoint.
+    A symbolic link named ``step-N`` is left alone, and so is whatever it points to."""
     if keep < 1:
         raise CheckpointError(f"keep at least one checkpoint, got keep={keep}")
     entries = list_checkpoints(directory)
@@ -468,7 +628,7 @@ def prune(directory: str | os.PathLike[str], keep: int) -> list[Path]:
     newest = complete[-1]
     removed = []
     for step, path in entries:
-        if step in kept or step > newest:
+        if step in kept or step > newest or path.is_symlink():  # never through a link (it may have appeared since)
             continue
         (path / MANIFEST).unlink(missing_ok=True)
         _fsync_dir(path)

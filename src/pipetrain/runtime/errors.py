@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointPeerError",
+    "DataWorkerLost",
 ]
 
 
@@ -59,3 +60,18 @@ class CheckpointPeerError(CheckpointError):
     it is gone or stuck (a lost or timed-out peer, not a bad checkpoint)."""
 
     exit_status = 3
+
+
+class DataWorkerLost(PipetrainError):
+    """A DataLoader worker process reading this rank's batches died: killed by a signal (the
+    kernel's out-of-memory killer picks such a process first) or gone without a word. A fault,
+    not bad data: the exit status is 128+N for signal N (3 when torch does not say which), so
+    ``--max-restarts`` starts the run again."""
+
+    def __init__(self, message: str, signal: int | None = None) -> None:
+        super().__init__(message)
+        self.signal = signal
+        self.exit_status = 128 + signal if signal else 3
+
+    def __reduce__(self):
+        return (DataWorkerLost, (str(self), self.signal))

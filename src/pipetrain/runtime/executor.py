@@ -42,7 +42,7 @@ from pipetrain.execution.losses import UnitLosses
 from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
-from pipetrain.runtime.errors import CommunicationError
+from pipetrain.runtime.errors import CommunicationError, DataWorkerLost
 from pipetrain.runtime.p2p import Messenger, RecvHandle
 from pipetrain.runtime.sends import Messages, SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
@@ -364,7 +364,7 @@ class RankRunner:
                     if self.tied is not None:
                         self._sum_tied(pc)
                     executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
-            except CommunicationError:
+            except (CommunicationError, DataWorkerLost):  # a fault, its exit status kept
                 raise
             except NonFiniteError as error:
                 raise located(error, rank, action, lambda k: self.layout.bounds(k)[0]) from None
@@ -624,7 +624,8 @@ def _check_in_flight(state: dict[str, Any], forwards: list[Action], rank: int, s
                 f"rank {rank}: the checkpoint of step {step} holds microbatches {held} of stage {stage} in "
                 f"flight, where this run's program has {expected}: it was written by a run of another length "
                 "(--steps / --epochs), whose pipeline drains at a different point; resume with the length it was "
-                "written with"
+                "written with, or continue that run for more updates with --extend (fit(extend=True)), which drains "
+                "the pipeline where that run ended"
             )
 
 
@@ -651,6 +652,11 @@ def _unmask(payload, mask: int | None) -> tuple:
 
 
 def _runtime_error(rank: int, action: Action, error: RuntimeError) -> PipetrainError:
+    from pipetrain.execution.prefetch import lost_data_worker
+
+    lost = lost_data_worker(error, rank)  # a fault, not bad input: the run may be restarted
+    if lost is not None:
+        return lost
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     if "shape" in text or "size" in text or "mat1 and mat2" in text:
         return PipetrainError(

@@ -430,7 +430,14 @@ def _run_and_exit(run: Callable[[], None], rank: int) -> None:
                 code = 1
             sys.stdout.flush()
             os._exit(code)
-    except BaseException:
+    except BaseException as error:
+        from pipetrain.execution.prefetch import lost_data_worker
+
+        lost = lost_data_worker(error, rank)  # torch raises it wherever the worker was when its data worker died
+        if lost is not None:
+            if not report_worker_error(rank, lost):
+                print(f"pipetrain worker rank {rank}: error: {lost}", file=sys.stderr, flush=True)
+            os._exit(lost.exit_status)
         traceback.print_exc()
         print(f"pipetrain worker rank {rank}: failed (traceback above)", file=sys.stderr, flush=True)
         sys.stderr.flush()
@@ -444,7 +451,7 @@ def report_worker_error(rank: int, error: PipetrainError) -> bool:
     data, a NaN loss) is left in the launcher's store; a lost peer is not reported when another
     rank left its error there first (the peers of a failed rank only echo its failure). Under
     torchrun, or when the store does not answer, False: the worker prints the error itself."""
-    from pipetrain.runtime.errors import CommunicationError
+    from pipetrain.runtime.errors import CommunicationError, DataWorkerLost
     from pipetrain.runtime.status import env_store, publish_error, read_errors
 
     if "PIPETRAIN_LAUNCHER" not in os.environ:
@@ -456,8 +463,8 @@ def report_worker_error(rank: int, error: PipetrainError) -> bool:
     if isinstance(error, CommunicationError):
         world = int(os.environ.get("WORLD_SIZE", "0"))
         return any(other != rank for other in read_errors(store, world))
-    if error.exit_status != EXIT_USER_ERROR:  # a worker that could not join: it says so itself
-        return False
+    if error.exit_status != EXIT_USER_ERROR and not isinstance(error, DataWorkerLost):
+        return False  # a worker that could not join: it says so itself
     return publish_error(store, rank, str(error))
 
 

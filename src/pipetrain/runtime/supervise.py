@@ -213,13 +213,14 @@ def _watch(
             if failed:
                 # Peers of a dead rank exit within milliseconds of it: name the cause, not them.
                 first = min(failed, key=lambda rc: (rc[1] >= 0, rc[1] == EXIT_PEER_FAILURE, rc[0]))
-                errors = read_errors(store, world) if first[1] == EXIT_USER_ERROR else {}
-                if first[0] in errors:  # the worker's own error (bad data, a NaN loss): the run's one message
+                errors = read_errors(store, world) if first[1] > 0 and first[1] != EXIT_PEER_FAILURE else {}
+                if first[0] in errors:  # the worker's own error (bad data, a lost data worker): the run's one message
                     message = errors[first[0]]
                 else:
                     # ranks that failed on their own (not by losing a peer) are the causes others wait for
                     gone = {r: describe_exit(c) for r, c in failed if c != EXIT_PEER_FAILURE}
                     records = read_status(store, world, timeout=1.0)
+                    silent = _silent(procs, records)
                     message = f"worker rank {first[0]} {describe_exit(first[1])}"
                     if first[1] == EXIT_PEER_FAILURE:
                         message += " (it lost a peer or timed out waiting for one)"
@@ -227,6 +228,9 @@ def _watch(
                         if causes:  # the rank the others waited for, named last: the line a reader sees
                             peer, state, waiters = causes[0]
                             message += f"; rank {peer} {state} (rank(s) {', '.join(map(str, waiters))} waited for it)"
+                        elif silent:  # its peer's last record no longer shows the wait: the board still knows
+                            message += (f"; rank(s) {', '.join(map(str, silent))} fell silent: stopped (SIGSTOP, for "
+                                        "instance) or frozen")
                         finished = [r for r, c in enumerate(codes) if c == 0]
                         if finished:
                             message += (
@@ -235,6 +239,10 @@ def _watch(
                             )
                     say(f"{message}; stopping the other workers")
                     say(format_status(records, world, gone=gone))
+                    if silent:  # a stopped process cannot act on the grace period or a SIGTERM
+                        say(f"rank(s) {', '.join(map(str, silent))} silent (stopped or frozen): killing them (SIGKILL)")
+                        for rank in silent:
+                            procs[rank].kill()
                 stop_at = time.monotonic() + grace
         if all(c is not None for c in codes):
             break
@@ -256,12 +264,27 @@ def _watch(
     return LaunchResult(returncode=128 - code if code < 0 else code, message=message)
 
 
+#: Seconds without a new status record after which a rank that still runs is silent: stopped
+#: (SIGSTOP) or frozen. Its board publishes four times a second from a thread of its own.
+SILENT_AFTER = 2.0
+
+
+def _silent(procs: list[subprocess.Popen[bytes]], records: dict[int, dict[str, Any]] | None) -> list[int]:
+    """The ranks still running whose status board fell silent (:data:`SILENT_AFTER`): stopped
+    or frozen. After a failure nothing they could still report is worth waiting for."""
+    now = time.time()
+    return [r for r, rec in sorted((records or {}).items())
+            if r < len(procs) and procs[r].poll() is None and now - rec["time"] > SILENT_AFTER]
+
+
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM every live worker, SIGKILL those still alive ``grace`` seconds later, reap all."""
+    """SIGTERM every live worker (and SIGCONT, so that a stopped one acts on it), SIGKILL those
+    still alive ``grace`` seconds later, reap all."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
         try:
             p.terminate()
+            p.send_signal(signal.SIGCONT)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace

@@ -21,7 +21,8 @@ from typing import Any
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["Checkpoints", "Resumed", "DEFAULT_KEEP", "DEFAULT_CHECKPOINTS", "checkpoint_period", "rank_file", "chain"]
+__all__ = ["Checkpoints", "Resumed", "DEFAULT_KEEP", "DEFAULT_CHECKPOINTS", "checkpoint_period", "rank_file", "chain",
+           "claim_directory"]
 
 #: Complete checkpoints kept by default (``--keep``).
 DEFAULT_KEEP = 2
@@ -56,6 +57,24 @@ def checkpoint_period(run) -> int:
     return period
 
 
+def claim_directory(config, run: str | None = None):
+    """Take the lock of ``--checkpoint-dir`` for this run (:mod:`pipetrain.runtime.lock`), or
+    refuse with one line naming the run that holds it; None without a checkpoint directory.
+    ``run``: the run's identity (default: this process's, see
+    :func:`~pipetrain.runtime.lock.run_identity`). Says so when it takes over a stale lock."""
+    if not config.checkpoint_dir:
+        return None
+    from pipetrain.runtime.lock import DirectoryLock
+
+    lock = DirectoryLock(config.checkpoint_dir, run)
+    note = lock.acquire()
+    if note and not config.quiet:
+        from pipetrain.training.outputs import say
+
+        say(note)
+    return lock
+
+
 class Resumed:
     """The checkpoint a run starts from: its step, its cut, this rank's state and where it is."""
 
@@ -79,8 +98,11 @@ class Checkpoints:
         self.keep = config.keep
         self.serial = next(_runs)
         self._store = None
+        self._lock = None  # rank 0's hold of the directory, when no launcher holds it for the run
         # what a resumed run must agree on, one key per option, so that a refusal names each difference
         self.meta = {**config.fingerprint(), "schedule": run.schedule.name, "workers": world_size}
+        if run.drains:  # an extended run's (--extend): where its pipeline drained, checked apart
+            self.meta["drains"] = list(run.drains)
         from pipetrain.training.recut import layout_of
 
         self.layout = layout_of(run)  # what another cut needs to resume a synchronous run (training.recut)
@@ -96,7 +118,7 @@ class Checkpoints:
             if restart and self.rank == 0:
                 self._say(f"restart {restart} without --checkpoint-dir: training again from step 0")
             return None
-        path = self._choose() if self.rank == 0 else None
+        path = self._claim_and_choose() if self.rank == 0 else None
         if self.world_size > 1:
             path = _broadcast(path)
         if isinstance(path, BaseException):
@@ -107,7 +129,7 @@ class Checkpoints:
         from pipetrain.training.recut import recut_needed, recut_state
 
         checkpoint = open_checkpoint(path, verify=False)  # rank 0 verified it; load verifies this rank's file again
-        if recut_needed(checkpoint.meta, self.meta, self.run, where=f"checkpoint {checkpoint.path}"):
+        if recut_needed(checkpoint.meta, self.meta, _compared(self.meta), self.run, where=f"checkpoint {checkpoint.path}"):
             state = recut_state(checkpoint, self.run, self.rank)  # a synchronous run on another cut
         else:
             state = checkpoint.load(rank_file(self.rank))  # tensors and plain data only (weights_only=True)
@@ -125,7 +147,24 @@ class Checkpoints:
             raise path
         if path is not None:
             checkpoint = open_checkpoint(path, verify=False)
-            recut_needed(checkpoint.meta, self.meta, self.run, where=f"checkpoint {checkpoint.path}")
+            recut_needed(checkpoint.meta, self.meta, _compared(self.meta), self.run, where=f"checkpoint {checkpoint.path}")
+
+    def close(self) -> None:
+        """Give back the directory's lock, if this rank took it (at the end of the run)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def _claim_and_choose(self) -> str | None | BaseException:
+        """Rank 0: the directory's lock first (a second run is refused before it reads anything),
+        then :meth:`_choose`."""
+        from pipetrain.errors import PipetrainError
+
+        try:
+            self._lock = claim_directory(self.run.config)
+        except PipetrainError as error:
+            return error
+        return self._choose()
 
     def _choose(self, say: bool = True) -> str | None | BaseException:
         """Rank 0: the path of the checkpoint to resume (None: afresh), or the error that refuses
@@ -155,11 +194,35 @@ class Checkpoints:
                     f"({run.updates} steps): resume with --steps {checkpoint.step} or more, or start afresh "
                     "with another --checkpoint-dir"
                 )
+            self._check_drains(checkpoint)
             where = "the end" if checkpoint.step == run.updates else f"step {checkpoint.step} of {run.updates}"
             tell(f"resuming from {where} ({checkpoint.path})" + "".join(f"; skipped {r}" for r in skipped))
             return str(checkpoint.path)
         except PipetrainError as error:
             return error
+
+    def _check_drains(self, checkpoint) -> None:
+        """Refuse a checkpoint whose run drained its pipeline elsewhere than this one does: one of a
+        run extended with --extend resumed without it, or, with it, one of a longer run."""
+        config, run = self.run.config, self.run
+        drained = [int(d) for d in checkpoint.meta.get("drains", [])]
+        old = int(checkpoint.meta.get("updates", checkpoint.step))
+        if config.extend and old > run.updates:
+            raise ConfigError(
+                f"--extend continues a run for more updates, and checkpoint {checkpoint.path} is of a run of {old} "
+                f"updates, more than this one's {run.updates}: give --steps {old} or more"
+            )
+        if drained and not config.extend and list(run.drains) != drained:
+            raise ConfigError(
+                f"checkpoint {checkpoint.path} is of a run extended with --extend (its pipeline drained after update "
+                f"{', '.join(map(str, drained))}): resume it with --extend too"
+            )
+        expected = drained + ([old] if config.extend and old < run.updates else [])
+        if config.extend and list(run.drains) != expected and run.schedule.is_asynchronous():
+            raise ConfigError(
+                f"checkpoint {checkpoint.path} drains its pipeline after updates {expected}, where this run drains "
+                f"after {list(run.drains)}: it changed while the run started; start it again"
+            )
 
     def _say(self, text: str) -> None:
         if not self.run.config.quiet:
@@ -204,6 +267,12 @@ class Checkpoints:
                 prune(self.directory, keep=self.keep)
 
         return save
+
+
+def _compared(meta: dict) -> list[str]:
+    """The keys of a run's metadata that a checkpoint must equal (its drains are checked apart:
+    the checkpoint an extended run continues from has none)."""
+    return [key for key in meta if key != "drains"]
 
 
 def _broadcast(value: Any) -> Any:

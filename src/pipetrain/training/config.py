@@ -54,6 +54,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool | str = False  # False: --checkpoint-dir's newest checkpoint if any; True: it must exist
     keep: int = 2  # complete checkpoints kept (training.checkpoints.DEFAULT_KEEP)
+    extend: bool = False  # continue a finished asynchronous run for more updates (its pipeline drains at its end)
+    drain_at: tuple[int, ...] = ()  # updates after which the pipeline drains (--extend sets them from the checkpoint)
     max_restarts: int = 0  # spawned workers: start them again this many times after a failure
     progress: bool = True  # a progress bar (the command line shows it on a terminal only)
     quiet: bool = False  # no lines before and during training (the chosen stages, --eval-every's results)

@@ -21,11 +21,12 @@ start every worker again (torchrun's own ``--max-restarts`` under torchrun), and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterator
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.training.config import TrainConfig
@@ -45,16 +46,17 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
     if detect() is not None:
         refuse_restarts_here(config)
         return worker(config)
-    run = prepare(replace(config, progress=False))  # checks the configuration before spawning
-    Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
-    if not config.quiet:
-        from pipetrain.training.outputs import describe_run, say
+    with _directory_held(config) as env:  # one run at a time in --checkpoint-dir, every restart of this one
+        run = prepare(replace(config, progress=False))  # checks the configuration before spawning
+        Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
+        if not config.quiet:
+            from pipetrain.training.outputs import describe_run, say
 
-        say(describe_run(run))
-    workers = run.schedule.num_ranks
-    config = replace(config, stage_costs=run.config.stage_costs)  # the workers cut as measured here
-    result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
-                    timeout=None, restarts=config.max_restarts)
+            say(describe_run(run))
+        workers = run.schedule.num_ranks
+        config = replace(config, stage_costs=run.config.stage_costs)  # the workers cut as measured here
+        result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
+                        timeout=None, restarts=config.max_restarts, env=env)
     if result.returncode != 0:
         raise WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
     return result.results[0]
@@ -66,16 +68,34 @@ def spawn_script(run) -> None:
     from pipetrain.runtime.launch import launch_script
     from pipetrain.training.checkpoints import Checkpoints
 
-    Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
-    if not run.config.quiet:
-        from pipetrain.training.outputs import describe_run, say
+    with _directory_held(run.config) as env:
+        Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
+        if not run.config.quiet:
+            from pipetrain.training.outputs import describe_run, say
 
-        say(describe_run(run))
-    result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker,
-                           restarts=run.config.max_restarts)
+            say(describe_run(run))
+        result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker,
+                               restarts=run.config.max_restarts, env=env)
     if result.returncode != 0 and result.message:  # a worker's own error is handed on, not printed, by it
         print(f"pipetrain: error: {result.message}", file=sys.stderr, flush=True)
     raise SystemExit(result.returncode)
+
+
+@contextlib.contextmanager
+def _directory_held(config: TrainConfig) -> Iterator[dict[str, str]]:
+    """The launcher holds ``--checkpoint-dir``'s lock for the whole run, every restart included,
+    and names the run to its workers (the environment to give them), whose rank 0 then finds
+    the lock held for its own run."""
+    from pipetrain.runtime.lock import RUN_ID, new_run_identity
+    from pipetrain.training.checkpoints import claim_directory
+
+    run = new_run_identity()
+    lock = claim_directory(config, run)
+    try:
+        yield {RUN_ID: run}
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def refuse_restarts_here(config: TrainConfig) -> None:
@@ -227,9 +247,19 @@ class RankSetup:
 def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     """This rank's part of the whole ``run`` (see the module docstring); every rank returns the
     run's result, rank 0's with the measured timeline."""
+    from pipetrain.training.checkpoints import Checkpoints
+
+    checkpoints = Checkpoints(run, env.rank, env.world_size, callbacks)
+    try:
+        return _run_rank(run, env, checkpoints, callbacks)
+    finally:
+        checkpoints.close()  # the directory's lock, if this rank took it
+
+
+def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
     import torch.distributed as dist
 
-    from pipetrain.training.checkpoints import Checkpoints, chain
+    from pipetrain.training.checkpoints import chain
     from pipetrain.training.collector import setup_heap_frozen
     from pipetrain.training.evaluate import Metrics
     from pipetrain.training.outputs import eval_batches
@@ -240,7 +270,6 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
         from pipetrain.training.outputs import describe_run, say
 
         say(describe_run(run))
-    checkpoints = Checkpoints(run, rank, env.world_size, callbacks)
     if config.resume or config.checkpoint_dir:  # each rank reads its own file: one refused, all refuse
         resumed = _together("reading the checkpoint", lambda: checkpoints.resume_point(restart=env.restart),
                             env.world_size)

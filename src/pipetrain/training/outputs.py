@@ -59,12 +59,13 @@ def eval_batches(run: Run, batch_size: int | None = None) -> HeldOut:
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
-    """``torch.save`` to a temporary name, then rename: a crash never leaves a half-written file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, tmp)  # loads on any machine
-    os.replace(tmp, path)
+    """``torch.save`` to a temporary name, then rename: a crash never leaves a half-written file,
+    and a failed write (a full disk) leaves no temporary and raises its ``OSError``."""
+    from pipetrain.runtime.checkpoint import save_torch_file
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # loads on any machine
+    save_torch_file(path, cpu, hashing=False)
 
 
 def weight_writers(run: Run) -> list[int]:

@@ -25,7 +25,7 @@ which also hold what only its schedules have (versions in flight, stamps, losses
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from pipetrain.runtime.errors import CheckpointMismatchError
 
@@ -58,18 +58,19 @@ def layout_of(run) -> dict[str, Any]:
     }
 
 
-def recut_needed(saved: Mapping[str, Any], current: Mapping[str, Any], run, where: str) -> bool:
-    """Whether a checkpoint whose metadata is ``saved`` resumes ``run`` (``current`` metadata) on
-    another cut: ``False`` when nothing differs, ``True`` when only the cut does and both runs are
+def recut_needed(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Iterable[str], run, where: str) -> bool:
+    """Whether a checkpoint whose metadata is ``saved`` resumes ``run`` (``current`` metadata,
+    compared on ``keys``) on another cut: ``False`` when nothing differs, ``True`` when only the cut does and both runs are
     synchronous; otherwise a :class:`CheckpointMismatchError` that names the differences and,
     where only the cut differs, why this run cannot take it."""
     from pipetrain.runtime.checkpoint import check_compatible
 
+    keys = list(keys)
     try:
-        check_compatible(saved, current, where=where)
+        check_compatible(saved, current, keys, where=where)
         return False
     except CheckpointMismatchError as mismatch:
-        differing = {key for key in current if _differs(saved.get(key), current.get(key))}
+        differing = {key for key in keys if _differs(saved.get(key), current.get(key))}
         if not differing <= CUT_KEYS:
             raise
         layout = saved.get("layout")

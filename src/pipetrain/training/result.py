@@ -183,14 +183,19 @@ def write_json_atomic(path: str, data: Any) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        if isinstance(data, dict):
-            for chunk in _dict_chunks(data):
-                handle.write(chunk)
-        else:
-            json.dump(data, handle, indent=1)
-        handle.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            if isinstance(data, dict):
+                for chunk in _dict_chunks(data):
+                    handle.write(chunk)
+            else:
+                json.dump(data, handle, indent=1)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no temporary left behind
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 #: array items written per chunk of :func:`_dict_chunks`

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from pipetrain.errors import ConfigError
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
+from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
@@ -58,6 +59,7 @@ class Run:
     _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
     data_note: str = ""  # one line: the training samples, how they are read, where the held-out data comes from
     recompute: frozenset[int] = frozenset()  # the stages that recompute their activations (--recompute, the plan)
+    drains: tuple[int, ...] = ()  # updates after which the pipeline drains and fills again (--extend)
     init: Any = None  # pipetrain.stages.materialize.Init: first values of the stages of a model built on meta
     meta: bool = False  # the model was built on the meta device: each rank materialises its own stages
 
@@ -418,24 +420,52 @@ def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, tr
     return split_by_time(model, pieces, None, None, None, costs=shared[0], **trace)  # type: ignore[arg-type]
 
 
-def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
-    """The unit times of the run being resumed (its checkpoint's fingerprint), so that it is cut
-    as before: the named checkpoint, or the newest one in ``--checkpoint-dir`` (which a run with
-    that option alone resumes)."""
+def _resumed(config: TrainConfig):
+    """The checkpoint the run will resume (None: afresh, or none usable), read before the run is
+    built: the named checkpoint, or the newest one in ``--checkpoint-dir`` (which a run with that
+    option alone resumes). The runtime chooses again, and reports, when it resumes."""
     if not config.resume and not config.checkpoint_dir:
         return None
     from pipetrain.runtime.checkpoint import find_latest, resolve
 
     try:
         if isinstance(config.resume, str):
-            checkpoint = resolve(config.resume)
-        elif config.resume:
-            checkpoint = resolve(config.checkpoint_dir or "")
-        else:
-            checkpoint = find_latest(config.checkpoint_dir, verify=False, skipped=[])  # the runtime warns
+            return resolve(config.resume)
+        if config.resume:
+            return resolve(config.checkpoint_dir or "")
+        return find_latest(config.checkpoint_dir, verify=False, skipped=[])  # the runtime warns
     except Exception:  # noqa: BLE001 - no usable checkpoint: the runtime reports it when it resumes
         return None
+
+
+def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
+    """The unit times of the run being resumed (its checkpoint's fingerprint), so that it is cut
+    as before."""
+    checkpoint = _resumed(config)
     return None if checkpoint is None else checkpoint.meta.get("stage_costs")
+
+
+def _drains(config: TrainConfig, name: str, updates: int) -> tuple[tuple[int, ...], str]:
+    """The updates after which an asynchronous run drains its pipeline (see
+    :mod:`pipetrain.schedule.drains`), and what the data line says of them. With ``--extend``:
+    where the run being continued drained (its checkpoint's own drains and its end, when this run
+    is longer); else ``config.drain_at``."""
+    if name not in ASYNCHRONOUS:
+        return (), ""  # a synchronous schedule drains after every update anyway
+    if not config.extend:
+        return tuple(config.drain_at), ""
+    checkpoint = _resumed(config)
+    if checkpoint is None:
+        return (), ""
+    drains = [int(d) for d in checkpoint.meta.get("drains", [])]
+    old = int(checkpoint.meta.get("updates", checkpoint.step))
+    if old < updates:
+        drains.append(old)
+    if not drains:
+        return (), ""
+    at = ", ".join(map(str, drains))
+    return tuple(drains), (f"extends the run of {checkpoint.path}: its pipeline drained after update{'s' * (len(drains) > 1)} "
+                           f"{at}, so this is not the uninterrupted {updates}-update run")
 
 
 def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
@@ -530,14 +560,16 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
                 f"with replicas {config.replicas} the {name} units ({updates} steps x {units}) must divide evenly "
                 f"among the replicas of every stage (a multiple of {group}); use --steps {fixed}"
             )
-    if asynchronous:
-        schedule = build(name, stages, updates * units, replicas=config.replicas, policy=policy, update_every=units,
+
+    def schedule_of(count: int) -> Schedule:
+        if asynchronous:
+            return build(name, stages, count * units, replicas=config.replicas, policy=policy, update_every=units,
                          pattern=True)
-    else:
-        schedule = build(
-            name, stages, units, steps=updates, chunks=config.chunks, replicas=config.replicas, policy=policy,
-            pattern=True,
-        )
+        return build(name, stages, units, steps=count, chunks=config.chunks, replicas=config.replicas, policy=policy,
+                     pattern=True)
+
+    drains, extension = _drains(config, name, updates)
+    schedule = drained(schedule_of, updates, drains, units, asynchronous) if drains else schedule_of(updates)
     check(schedule)
     recompute = recompute_stages(config.recompute, schedule.num_stages)
     _check_pauses(config, schedule, units, updates)
@@ -555,7 +587,8 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         stage_choice=choice, device=device, recompute=recompute, init=init, meta=meta,
         data_note="; ".join(filter(None, [
             "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
-            else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note])),
+            else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note, extension])),
+        drains=drains,
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
     return run

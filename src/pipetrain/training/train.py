@@ -6,8 +6,10 @@ built from the specs), the Python API with the user's objects (:class:`~pipetrai
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
+from pipetrain.errors import PipetrainError
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
 from pipetrain.training.result import TrainResult
@@ -42,11 +44,15 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
         from pipetrain.training.emulated import train_emulated
 
         # the same thread count as a runtime worker: matrix kernels then round the same way,
-        # and the emulator's parameters equal the runtime's bitwise
+        # and the emulator's parameters equal the runtime's bitwise; the caller's count comes back after
+        threads = torch.get_num_threads()
         torch.set_num_threads(config.threads_per_worker)
-        run = prepare(config, parts)
-        result = train_emulated(run, callbacks or None)
-        write_outputs(config, result, run)
+        try:
+            run = prepare(config, parts)
+            result = train_emulated(run, callbacks or None)
+            write_outputs(config, result, run)
+        finally:
+            torch.set_num_threads(threads)
         callbacks.end(result)
         return result
     from pipetrain.runtime.launch import detect
@@ -70,29 +76,60 @@ def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None
     """--save, --report-json, --trace and --plot, each written atomically. ``state_dict``: the
     trained unsplit model's, for a one-file ``--save`` (default: ``run.model``'s); a weights
     directory is written here only when every stage lives in this process (the emulator: the
-    runtime's ranks write their own shards)."""
+    runtime's ranks write their own shards). One that cannot be written (a full disk) stops the
+    run with one line naming it; for --save, the line says where the trained weights are kept
+    instead, if anywhere."""
     if config.save:
         from pipetrain.paths import is_weights_dir
 
         if not is_weights_dir(config.save):
             from pipetrain.training.outputs import save_state_dict
 
-            save_state_dict(run.model.state_dict() if state_dict is None else state_dict, config.save)
+            with _writing("--save", config.save, _weights_kept(config, result)):
+                save_state_dict(run.model.state_dict() if state_dict is None else state_dict, config.save)
         elif config.executor == "emulate":
             from pipetrain.training.outputs import weight_writers, write_rank_shard, write_weights_index
 
             modules = dict(enumerate(run.staged.stages))
-            write_weights_index(run, [write_rank_shard(run, rank, modules) for rank in weight_writers(run)])
+            with _writing("--save", config.save, _weights_kept(config, result)):
+                write_weights_index(run, [write_rank_shard(run, rank, modules) for rank in weight_writers(run)])
     if config.report_json:
-        result.write_report(config.report_json)
+        with _writing("--report-json", config.report_json):
+            result.write_report(config.report_json)
     if config.trace and result.timeline is not None:
         from pipetrain.schedule.trace import write_trace
         from pipetrain.training.timelines import simulated_counterpart
 
-        write_trace(config.trace, result.timeline, simulated_counterpart(result.timeline),
-                    names=[f"{result.schedule} measured", f"{result.schedule} simulated"])
+        with _writing("--trace", config.trace):
+            write_trace(config.trace, result.timeline, simulated_counterpart(result.timeline),
+                        names=[f"{result.schedule} measured", f"{result.schedule} simulated"])
     if config.plot and result.timeline is not None:
         from pipetrain.training.timelines import plot_measured_and_simulated
 
-        plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})",
-                                    units_per_update=result.extra.get("units_per_update", 1))
+        with _writing("--plot", config.plot):
+            plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})",
+                                        units_per_update=result.extra.get("units_per_update", 1))
+
+
+@contextlib.contextmanager
+def _writing(option: str, path: str, then: str = "") -> Iterator[None]:
+    """An output's ``OSError`` as one line: ``cannot write --save PATH: No space left on device``."""
+    try:
+        yield
+    except OSError as error:
+        raise PipetrainError(f"cannot write {option} {path}: {error.strerror or error}{then}") from None
+
+
+def _weights_kept(config: TrainConfig, result: TrainResult) -> str:
+    """Where the trained weights are when --save cannot be written: the run's last checkpoint."""
+    if config.executor == "distributed" and config.checkpoint_dir:
+        from pipetrain.runtime.checkpoint import CheckpointError, open_checkpoint, step_dir
+
+        last = step_dir(config.checkpoint_dir, result.updates)
+        try:
+            open_checkpoint(last, verify=False)
+            return (f"; the trained weights are kept in the run's last checkpoint, {last}: the same command, run "
+                    "again with space free, resumes there and writes --save")
+        except CheckpointError:
+            pass
+    return "; the trained weights were not written anywhere else"

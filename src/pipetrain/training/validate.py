@@ -238,5 +238,7 @@ def _check_checkpoints(config: TrainConfig) -> None:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
     if config.resume is True and not config.checkpoint_dir:
         raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")
+    if config.extend and not (config.checkpoint_dir or config.resume):
+        raise ConfigError("--extend continues the run of a checkpoint: give --checkpoint-dir DIR (or --resume DIR/step-N)")
     if config.max_restarts and config.executor == "emulate":
         raise ConfigError("--max-restarts restarts the workers of the distributed runtime: use --executor distributed")
