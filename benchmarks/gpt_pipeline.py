@@ -56,9 +56,9 @@ def main() -> None:
     parser.add_argument("--dir", default="out/gpt_pipeline", help="folder of each run's report and weights")
     args = parser.parse_args()
     directory = args.dir
-    from pipetrain.paths import check_outputs
+    from pipetrain.paths import IMAGE, check_outputs
 
-    check_outputs(files={"--out": args.out}, directories={"--dir": directory})  # before the runs
+    check_outputs(files={"--out": args.out}, directories={"--dir": directory}, formats={"--out": IMAGE})  # before the runs
     reports = {}
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}")
     for schedule in SCHEDULES:

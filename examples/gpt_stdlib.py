@@ -29,7 +29,7 @@ import torch
 
 from pipetrain.data import load_train_test
 from pipetrain.models import GPT, build_model, generate
-from pipetrain.paths import check_outputs
+from pipetrain.paths import IMAGE, check_outputs
 from pipetrain.training import TrainConfig
 from pipetrain.training.curves import plot_loss_curves
 from pipetrain.training.train import train
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--plot", default="out/gpt_stdlib.png")
     args = parser.parse_args()
     weights = os.path.join(args.out, "gpt.pt")
-    check_outputs(files={"--out": weights, "--plot": args.plot})  # before training, not after
+    check_outputs(files={"--out": weights, "--plot": args.plot}, formats={"--plot": IMAGE})  # before training, not after
     result = train(TrainConfig(
         model=MODEL, data=DATA, stages=2, schedule=args.schedule, batch_size=16,
         microbatches=4 if args.schedule != "pipedream" else None, optimizer="adam:lr=0.002", steps=args.steps,

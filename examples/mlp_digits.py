@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipetrain.paths import check_outputs
+from pipetrain.paths import IMAGE, check_outputs
 from pipetrain.training import TrainConfig
 from pipetrain.training.curves import plot_loss_curves
 from pipetrain.training.train import train
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=10)
     parser.add_argument("--plot", default="out/mlp_digits.png")
     args = parser.parse_args()
-    check_outputs(files={"--plot": args.plot})  # before training, not after
+    check_outputs(files={"--plot": args.plot}, formats={"--plot": IMAGE})  # before training, not after
     result = train(TrainConfig(
         model="mlp:depth=2,width=128", data="digits", schedule=args.schedule, stages=args.stages,
         epochs=args.epochs, batch_size=32, optimizer="sgd:lr=0.02,momentum=0.9", eval_every=90,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipetrain.paths import check_outputs
+from pipetrain.paths import IMAGE, check_outputs
 from pipetrain.training import TrainConfig
 from pipetrain.training.curves import plot_loss_curves
 from pipetrain.training.train import train
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=10)
     parser.add_argument("--plot", default="out/resnet_skip_digits.png")
     args = parser.parse_args()
-    check_outputs(files={"--plot": args.plot})  # before training, not after
+    check_outputs(files={"--plot": args.plot}, formats={"--plot": IMAGE})  # before training, not after
     split_at = args.split_at.split(",")
     result = train(TrainConfig(
         model="resnet-gn-skip", data="digits", split_at=split_at, schedule=args.schedule,

@@ -189,18 +189,20 @@ RAISING_MODULE = textwrap.dedent('''
         raise OSError("the data file is missing")
 
     class Records(Dataset):
-        """A plain data set whose record 37 is corrupt (set-up reads only record 0)."""
+        """A plain data set whose training split's record 37 is corrupt (set-up reads only its first
+        microbatch, and the first held-out batch, which is whole)."""
         num_classes = 3
 
         def __init__(self, split="train"):
             g = torch.Generator().manual_seed(0 if split == "train" else 1)
             self.x, self.y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+            self.corrupt = 37 if split == "train" else None
 
         def __len__(self):
             return len(self.x)
 
         def __getitem__(self, i):
-            if i == 37:
+            if i == self.corrupt:
                 raise ValueError(f"corrupt record {i}")
             return self.x[i], self.y[i]
 
@@ -208,7 +210,7 @@ RAISING_MODULE = textwrap.dedent('''
         """The same, read a batch at a time (and so ahead of need, on a background thread)."""
 
         def batch(self, indices):
-            if 37 in indices.tolist():
+            if self.corrupt in indices.tolist():
                 raise KeyError("record 37")
             return self.x[indices], self.y[indices]
 ''')
@@ -225,9 +227,9 @@ RAISING_CASES = [
 for _executor in ("emulate", "distributed"):
     RAISING_CASES += [
         (["--data", "raising:Records"], _executor,
-         "data set Records: reading sample 37 raised ValueError: corrupt record 37 (raising.py:24, in __getitem__)"),
+         "data set Records: reading sample 37 raised ValueError: corrupt record 37 (raising.py:26, in __getitem__)"),
         (["--data", "raising:Batched"], _executor,
-         "data set Batched: batch([32, 33, 34, 35, 36, 37, 38, 39]) raised KeyError: 'record 37' (raising.py:32, in batch)"),
+         "data set Batched: batch([32, 33, 34, 35, 36, 37, 38, 39]) raised KeyError: 'record 37' (raising.py:34, in batch)"),
     ]
 
 

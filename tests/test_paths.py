@@ -10,15 +10,40 @@ from pathlib import Path
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.paths import check_output_dir, check_output_file, check_outputs
+from pipetrain.paths import IMAGE, JSON, TEXT, check_output_dir, check_output_file, check_outputs
 
 PROFILE = str(Path(__file__).parent / "data" / "pipedream-profiles" / "alexnet.txt")
 
 
-def test_a_file_in_missing_directories_is_fine_and_nothing_is_created(tmp_path):
-    check_output_file(tmp_path / "a" / "b" / "model.pt", "--save")
+def test_missing_directories_are_made_in_the_working_directory_elsewhere_only_the_last(tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    check_output_file(tmp_path / "a" / "model.pt", "--save")  # its own directory: made by the writer
+    check_output_dir(tmp_path / "c", "--out")
+    with pytest.raises(ConfigError, match=f"'{tmp_path / 'x'}' does not exist; outside the working directory"):
+        check_output_file(tmp_path / "x" / "y" / "model.pt", "--save")  # a typo would become a tree
+    with pytest.raises(ConfigError, match=f"'{tmp_path / 'x'}' does not exist"):
+        check_output_dir(tmp_path / "x" / "y", "--checkpoint-dir")
+    monkeypatch.chdir(tmp_path)
+    check_output_file("a/b/model.pt", "--save")  # below the working directory: every level
     check_output_dir(tmp_path / "c" / "d", "--out")
-    assert sorted(os.listdir(tmp_path)) == []  # no directory made, no probe left behind
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere"]  # no directory made, no probe left behind
+
+
+@pytest.mark.parametrize("option, path, form, message", [
+    ("--plot", "o/p.txt", IMAGE, "--plot 'o/p.txt': --plot writes a picture, named by its suffix (.png, .pdf, "),
+    ("--plot", "o/p", IMAGE, "there is none: use e.g. 'o/p.png'"),
+    ("--trace", "o/t.png", JSON, "--trace 'o/t.png': --trace writes JSON, named by its suffix (.json); '.png' is not "
+                                 "one: use e.g. 'o/t.json'"),
+    ("--csv", "o/s.json", TEXT, "'.json' is not one: use e.g. 'o/s.csv'"),
+])
+def test_an_output_named_for_another_format_is_refused(option, path, form, message):
+    with pytest.raises(ConfigError) as caught:
+        check_outputs(files={option: path}, formats={option: form})
+    assert message in str(caught.value)
+    check_outputs(files={option: os.path.splitext(path)[0] + form.suffixes[-1].upper()}, formats={option: form})
+    check_outputs(files={option: None}, formats={option: form})  # not requested: nothing to check
 
 
 @pytest.mark.parametrize("make, kind, message", [

@@ -167,7 +167,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_ctrl_c_stops_every_worker_and_returns_130(tmp_path):
+@pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
+                                                   (signal.SIGTERM, 143, "terminated by SIGTERM")])
+def test_ctrl_c_or_sigterm_stops_every_worker_and_returns_128_plus_the_signal(tmp_path, signum, status, said):
     script = tmp_path / "run.py"
     script.write_text(
         textwrap.dedent(
@@ -194,13 +196,13 @@ def test_ctrl_c_stops_every_worker_and_returns_130(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
             time.sleep(0.1)
         pids = [int(p.read_text()) for p in pidfiles]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130
-    assert "interrupted" in err
+    assert proc.returncode == status  # as a shell reports a process ended by that signal
+    assert said in err
     time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "NonFiniteError"]
+__all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "StageError", "NonFiniteError",
+           "ModelError"]
 
 
 class PipetrainError(Exception):
@@ -28,12 +29,12 @@ class ConfigError(PipetrainError):
     """A configuration value (option, spec, model, data) is invalid."""
 
 
-class NonFiniteError(PipetrainError):
-    """A loss, gradient or weight became NaN or infinite: training stopped before applying it.
+class StageError(PipetrainError):
+    """Something went wrong in one stage's computation of one microbatch.
 
     ``stage`` is where it was seen; ``step`` the update (counted from 1) when known, else
-    ``microbatch`` names the unit whose loss it was (the executor that runs the schedule knows
-    which update that unit belongs to and says so in the message it re-raises).
+    ``microbatch`` names the unit (the executor that runs the schedule knows which update that
+    unit belongs to and says so in the message it re-raises, :func:`pipetrain.execution.stage.located`).
     """
 
     def __init__(self, message: str, *, stage: int | None = None, step: int | None = None,
@@ -42,8 +43,17 @@ class NonFiniteError(PipetrainError):
         self.stage, self.step, self.microbatch, self.rank = stage, step, microbatch, rank
 
     def __reduce__(self):  # keyword attributes survive pickling (results of worker processes)
-        return (_rebuild_nonfinite, (str(self), self.stage, self.step, self.microbatch, self.rank))
+        return (_rebuild, (type(self), str(self), self.stage, self.step, self.microbatch, self.rank))
 
 
-def _rebuild_nonfinite(message: str, stage, step, microbatch, rank) -> NonFiniteError:
-    return NonFiniteError(message, stage=stage, step=step, microbatch=microbatch, rank=rank)
+def _rebuild(kind: type, message: str, stage, step, microbatch, rank) -> StageError:
+    return kind(message, stage=stage, step=step, microbatch=microbatch, rank=rank)
+
+
+class NonFiniteError(StageError):
+    """A loss, gradient or weight became NaN or infinite: training stopped before applying it."""
+
+
+class ModelError(StageError):
+    """The user's model or loss raised (named with its type and the file and line it was raised
+    at), or gave what training cannot use, such as a loss that is not one number."""

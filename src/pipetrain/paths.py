@@ -8,18 +8,43 @@ that does not exist yet, in the nearest directory above it that does (the writer
 That is tried for real, with a temporary file removed at once, so read-only file systems, missing
 permissions and a file standing where a directory should be are all found, for any user (root too).
 Nothing else is created. The module imports neither PyTorch nor anything that does.
+
+Missing directories: inside the working directory the writers create every one a path needs
+(``out/run1/model.pt`` in a fresh checkout); elsewhere only the output's own directory, the last
+level of the path. ``--save /nonexistent/dir/m.pt`` is refused naming ``/nonexistent``: a mistyped
+mount point or home directory becomes an error, never a tree of new directories.
+
+Formats: an output whose writer picks its format (a picture, JSON) must say so by its suffix
+(``formats=`` of :func:`check_outputs`): ``--plot p.txt`` is refused before the run, not by
+matplotlib after it, and ``--trace t.png`` never writes JSON into a ``.png``.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["check_outputs", "check_output_file", "check_output_dir", "is_weights_dir", "WEIGHTS_INDEX",
-           "WEIGHTS_SINGLE"]
+__all__ = ["check_outputs", "check_output_file", "check_output_dir", "check_format", "is_weights_dir", "Format",
+           "IMAGE", "JSON", "TEXT", "WEIGHTS_INDEX", "WEIGHTS_SINGLE"]
+
+
+class Format(NamedTuple):
+    """What a writer makes of a file (``what``, for the message) and the suffixes that name it,
+    the first one suggested."""
+
+    what: str
+    suffixes: tuple[str, ...]
+
+
+#: a picture drawn by matplotlib, in the formats it writes with its own backends and Pillow
+IMAGE = Format("a picture", (".png", ".pdf", ".svg", ".svgz", ".eps", ".ps", ".jpg", ".jpeg", ".tif", ".tiff",
+                             ".webp"))
+JSON = Format("JSON", (".json",))
+#: a schedule's programs as text (``pipetrain schedule --csv``, read back by ``--load``)
+TEXT = Format("text", (".csv", ".txt"))
 
 #: the files of a weights directory (:mod:`pipetrain.weights`, HuggingFace's layout)
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -39,10 +64,16 @@ def is_weights_dir(path: str | os.PathLike) -> bool:
 
 
 def check_outputs(files: Mapping[str, str | None] | None = None,
-                  directories: Mapping[str, str | None] | None = None) -> None:
+                  directories: Mapping[str, str | None] | None = None,
+                  formats: Mapping[str, Format] | None = None) -> None:
     """Check every output before the work that produces it: ``files`` and ``directories`` map the
-    option that names an output (``"--save"``) to its path (``None``: not requested). Raises one
+    option that names an output (``"--save"``) to its path (``None``: not requested); ``formats``
+    maps a file's option to the :class:`Format` its writer makes (``{"--plot": IMAGE}``). Raises one
     :class:`~pipetrain.errors.ConfigError` naming the option, the path and what to change."""
+    for option, form in (formats or {}).items():
+        path = (files or {}).get(option)
+        if path:
+            check_format(path, option, form)
     seen: dict[str, str] = {}
     for kind, outputs in (("file", files or {}), ("directory", directories or {})):
         for option, path in outputs.items():
@@ -56,6 +87,19 @@ def check_outputs(files: Mapping[str, str | None] | None = None,
                 check_output_file(path, option)
             else:
                 check_output_dir(path, option)
+
+
+def check_format(path: str | os.PathLike, option: str, form: Format) -> None:
+    """Refuse a file whose suffix is not one of ``form``'s (case does not matter)."""
+    text = os.fspath(path)
+    root, suffix = os.path.splitext(text)
+    if suffix.lower() in form.suffixes:
+        return
+    shown = ", ".join(form.suffixes) if len(form.suffixes) > 1 else form.suffixes[0]
+    raise ConfigError(
+        f"{option} {text!r}: {option} writes {form.what}, named by its suffix ({shown}); "
+        f"{'there is none' if not suffix else f'{suffix!r} is not one'}: use e.g. {root + form.suffixes[0]!r}"
+    )
 
 
 def check_output_file(path: str | os.PathLike, option: str = "output") -> None:
@@ -80,16 +124,24 @@ def check_output_dir(path: str | os.PathLike, option: str = "output directory") 
 
 def _check_can_create_in(directory: str, text: str, option: str) -> None:
     """Create and remove a temporary file in ``directory``, or in the nearest existing directory
-    above it (which must then be a directory, so that the missing ones can be made)."""
-    existing = directory
+    above it (which must then be a directory, so that the missing ones can be made: outside the
+    working directory only ``directory`` itself, see the module docstring)."""
+    existing, missing = directory, []
     while not os.path.lexists(existing):
         parent = os.path.dirname(existing)
         if parent == existing:
             break
+        missing.append(existing)
         existing = parent
     if not os.path.isdir(existing):
         raise ConfigError(
             f"{option} {text!r} cannot be written: {existing!r} is a file, not a directory; choose another path"
+        )
+    if len(missing) > 1 and not _inside(directory, os.getcwd()):
+        raise ConfigError(
+            f"{option} {text!r}: {missing[-1]!r} does not exist; outside the working directory pipetrain creates "
+            f"only the output's own directory ({directory!r}), not the ones above it: correct the path, or create "
+            f"{missing[-1]!r} first"
         )
     try:
         handle, probe = tempfile.mkstemp(prefix=".pipetrain-check-", dir=existing)
@@ -101,3 +153,11 @@ def _check_can_create_in(directory: str, text: str, option: str) -> None:
         ) from None
     os.close(handle)
     os.unlink(probe)
+
+
+def _inside(path: str, directory: str) -> bool:
+    """Whether ``path`` (absolute) is ``directory`` or lies below it."""
+    try:
+        return os.path.commonpath([path, os.path.abspath(directory)]) == os.path.abspath(directory)
+    except ValueError:  # another drive (Windows)
+        return False

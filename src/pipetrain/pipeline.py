@@ -131,6 +131,7 @@ class Pipeline:
         from pipetrain.stages import split_model
         from pipetrain.training.setup import apply_plan
 
+        _check_model(model)
         if executor not in _EXECUTORS:
             raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(_EXECUTORS)}")
         spec, lr_schedule, factory = _optimizer_parts(optimizer, optimizer_options, lr_scheduler, compensation)
@@ -393,6 +394,23 @@ class _Unread(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         raise ConfigError("a run begun with start() reads only the batches handed to step()")
+
+
+def _check_model(model: Any) -> None:
+    """Refuse a model that is neither an ``nn.Module`` nor a list of them, saying what it takes."""
+    takes = ("Pipeline(model) takes an nn.Module (an nn.Sequential, or any module torch.fx can trace) or a list "
+             "of stage modules")
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, (list, tuple)):
+        wrong = [(i, m) for i, m in enumerate(model) if not isinstance(m, nn.Module)]
+        if model and not wrong:
+            return
+        got = (f"an empty {type(model).__name__}" if not model
+               else f"a {type(model).__name__} whose item {wrong[0][0]} is of type {type(wrong[0][1]).__name__}")
+    else:
+        got = f"{repr(model)[:40]}, of type {type(model).__name__}"
+    raise ConfigError(f"{takes}, not {got}")
 
 
 def _describe_init(init: Any) -> str | None:

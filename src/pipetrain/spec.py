@@ -28,7 +28,6 @@ import inspect
 import os
 import re
 import sys
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -203,14 +202,12 @@ def resolve_factory(spec: Spec, *, kind: str = "spec") -> Callable[..., Any]:
 
 def describe_exception(error: BaseException) -> str:
     """``"ValueError: bad record (data.py:12, in __getitem__)"``: an exception raised by a user's
-    code in one line, with the innermost place it was raised, instead of a traceback."""
+    code in one line, with the place in the user's code it came from
+    (:func:`pipetrain.usercode.where`), instead of a traceback."""
+    from pipetrain.usercode import where
+
     text = str(error).strip().splitlines()
-    where = ""
-    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ is not None else []
-    if frames:
-        frame = frames[-1]
-        where = f" ({os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
-    return f"{type(error).__name__}{': ' + text[0] if text else ''}{where}"
+    return f"{type(error).__name__}{': ' + text[0] if text else ''}{where(error)}"
 
 
 def _call(factory: Callable[..., Any], kwargs: Mapping[str, Any], what: str) -> Any:

@@ -73,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.plan.profile import load_profile
     from pipetrain.plan.topology import Topology
 
-    from pipetrain.paths import check_outputs
+    from pipetrain.paths import IMAGE, JSON, check_outputs
 
-    check_outputs(files={"--out": args.out, "--plot": args.plot})  # before solving
+    check_outputs(files={"--out": args.out, "--plot": args.plot},
+                  formats={"--out": JSON, "--plot": IMAGE})  # before solving
     if args.microbatches is not None and args.microbatches < 1:
         raise ConfigError(f"--microbatches must be >= 1, got {args.microbatches}")
     topology = Topology.parse(args.workers, args.topology, args.bandwidth)

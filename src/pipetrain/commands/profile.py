@@ -45,9 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipetrain.paths import check_outputs
+    from pipetrain.paths import JSON, check_outputs
 
-    check_outputs(files={"--out": args.out})  # before PyTorch and the measurement
+    check_outputs(files={"--out": args.out}, formats={"--out": JSON})  # before PyTorch and the measurement
     import torch
 
     from pipetrain.data import dataset_info, get_batch, load_dataset

@@ -84,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.schedule.report import format_summary, summarize
 
     gc.disable()  # a short-lived command over 10^5..10^6 small tuples that cannot form cycles
-    from pipetrain.paths import check_outputs
+    from pipetrain.paths import IMAGE, JSON, TEXT, check_outputs
 
-    check_outputs(files={"--plot": args.plot, "--trace": args.trace, "--csv": args.csv, "--programs": args.programs})
+    check_outputs(files={"--plot": args.plot, "--trace": args.trace, "--csv": args.csv, "--programs": args.programs},
+                  formats={"--plot": IMAGE, "--trace": JSON, "--csv": TEXT, "--programs": JSON})
 
     costs = _costs(args)
     if args.compare:

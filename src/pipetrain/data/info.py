@@ -58,7 +58,15 @@ def check_sample(sample: object, where: str = "data set") -> tuple[Any, torch.Te
                 f"{where}: x must be a torch.Tensor, or a tuple, list or dict of tensors (nested in any way); "
                 f"{detail}"
             )
-    y = torch.as_tensor(y)
+    try:
+        y = torch.as_tensor(y)
+    except (TypeError, ValueError, RuntimeError):  # a string, None, a ragged list: not a label
+        shown = repr(y) if len(repr(y)) <= 40 else repr(y)[:37] + "..."
+        raise ConfigError(
+            f"{where}: y must be an integer class label (a Python int or a 0-d integer tensor), or an integer "
+            f"tensor of labels per position; got {type(y).__name__} {shown}: map each label to its class number "
+            f"(0..C-1) in the data set"
+        ) from None
     if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
         raise ConfigError(
             f"{where}: y must be an integer class label (a Python int or a 0-d integer tensor), or "

@@ -15,7 +15,7 @@ from typing import Any, Callable, MutableMapping, Sequence
 
 import torch
 
-from pipetrain.errors import DeadlockError, NonFiniteError, PipetrainError
+from pipetrain.errors import DeadlockError, PipetrainError, StageError
 from pipetrain.execution.data import UnitData
 from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
@@ -269,7 +269,7 @@ class Emulator:
                             break
                         superseded = [v for st, v in releases.get(pc, ()) if st == stage]
                         stages[stage].step(superseded)
-                except NonFiniteError as error:
+                except StageError as error:  # a NaN loss, the user's exception: with the step
                     raise located(error, rank, action, lambda k: layout.bounds(k)[0]) from None
                 except PipetrainError as error:
                     raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None

@@ -66,12 +66,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import NonFiniteError, PipetrainError
+from pipetrain.errors import ModelError, NonFiniteError, PipetrainError, StageError
 from pipetrain.execution.device import to_device
+from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
 from pipetrain.execution.scaling import LossScale
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
-from pipetrain.structure import Structure, append, arguments, describe, flatten, split_last
+from pipetrain.structure import Structure, append, arguments, flatten, split_last
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
 
@@ -140,14 +141,17 @@ def _advice(skip: bool) -> str:
     return text
 
 
-def located(error: NonFiniteError, rank: int, action: Action, step_of_unit: Callable[[int], int]) -> NonFiniteError:
-    """``error`` raised by a stage executor, reworded with the update (step, counted from 1), the
-    stage, the rank and the action; ``step_of_unit(k)`` is the update (from 0) unit ``k`` belongs to."""
-    step = error.step if error.step is not None else step_of_unit(error.microbatch) + 1
-    detail = str(error).partition(": ")[2] or str(error)
-    return NonFiniteError(
+def located(error: StageError, rank: int, action: Action, step_of_unit: Callable[[int], int]) -> StageError:
+    """``error`` raised by a stage executor (a NaN loss, the user's exception), reworded with the
+    update (step, counted from 1), the stage, the rank and the action; ``step_of_unit(k)`` is the
+    update (from 0) unit ``k`` belongs to."""
+    unit = error.microbatch if error.microbatch is not None else action.microbatch
+    step = error.step if error.step is not None else step_of_unit(unit) + 1
+    text, prefix = str(error), f"stage {error.stage}: "
+    detail = text[len(prefix):] if text.startswith(prefix) else text
+    return type(error)(
         f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
-        stage=error.stage, step=step, microbatch=error.microbatch, rank=rank,
+        stage=error.stage, step=step, microbatch=unit, rank=rank,
     )
 
 
@@ -459,8 +463,14 @@ class StageExecutor:
         try:
             with torch.no_grad() if self.recompute else contextlib.nullcontext():
                 output, loss = self._compute(record)
-        except (RuntimeError, TypeError, ValueError) as error:
-            raise self._forward_error(error, inputs, target, structure) from None
+        except ModelError as error:  # the loss's (it names what it was called on)
+            error.microbatch = microbatch
+            raise
+        except PipetrainError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever the user's forward raises, named in one line
+            raise forward_failure(self.stage, error, inputs, self.module, structure=structure, target=target,
+                                  microbatch=microbatch) from None
         if self.is_last:
             self.last_loss = loss.detach()
             if self.nonfinite == "stop" and not _finite_loss(self.last_loss):
@@ -535,12 +545,24 @@ class StageExecutor:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
                     output = self.call(leaves, inputs, record.structure)
                     if self.is_last:
-                        loss = self.loss_fn(output, target)
+                        loss = self._loss(output, target)
             else:
                 output = self.call(leaves, inputs, record.structure)
                 if self.is_last:
-                    loss = self.loss_fn(output, target)
+                    loss = self._loss(output, target)
         return output, loss
+
+    def _loss(self, output: Any, target: Any) -> Tensor:
+        """``loss_fn(output, target)``, one number, or a :class:`~pipetrain.errors.ModelError` that
+        says what the loss raised or returned."""
+        try:
+            loss = self.loss_fn(output, target)
+        except PipetrainError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever the user's loss raises, named in one line
+            raise loss_failure(self.stage, error, output, target) from None
+        check_loss(self.stage, loss)
+        return loss
 
     def _recompute(self, record: _InFlight) -> None:
         """Run ``record``'s forward again, recording the graph its backward needs: same leaves,
@@ -579,21 +601,6 @@ class StageExecutor:
         if not all_finite(list(weights.values())):
             return f" (the weights of this stage are not finite in {_nonfinite_names(weights)})"
         return " (its input and weights are finite: its own computation overflowed)"
-
-    def _forward_error(self, error: Exception, inputs: tuple, target: Any,
-                       structure: Structure | None = None) -> PipetrainError:
-        """A failing forward, explained in terms of stages and shapes."""
-        shapes = describe(inputs if structure is None else structure.unflatten(inputs))
-        if structure is None:  # a flat tuple: the shapes without their positions, as always
-            shapes = ", ".join(describe(x) for x in inputs)
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
-        message = f"stage {self.stage} cannot run on its input ({shapes}) from {origin}: {text}"
-        if self.stage > 0:
-            message += f"; the output of stage {self.stage - 1} must match what stage {self.stage} takes"
-        if self.is_last and target is not None:
-            message += f" (targets: {tuple(target.shape)})"
-        return PipetrainError(message)
 
     @staticmethod
     def _pack(storage: dict[int, str]):
@@ -1021,6 +1028,11 @@ class StageExecutor:
         try:
             with torch.no_grad(), self._autocast():
                 return self.call(self.versions.latest, to_device(leaves, self.device, non_blocking=True), structure)
+        except PipetrainError:
+            raise
+        except Exception as error:  # noqa: BLE001 - as in the forward of training
+            raise forward_failure(self.stage, error, leaves, self.module, structure=structure,
+                                  what="on held-out data") from None
         finally:
             self.module.train(was_training)
 

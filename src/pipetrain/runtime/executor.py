@@ -34,7 +34,7 @@ from typing import Any, Callable, MutableMapping
 import torch
 import torch.distributed as dist
 
-from pipetrain.errors import NonFiniteError, PipetrainError
+from pipetrain.errors import NonFiniteError, PipetrainError, StageError
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.stage import StageExecutor, located
 from pipetrain.execution.tied import TiedGradients, gradient_of
@@ -366,7 +366,7 @@ class RankRunner:
                     executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
             except (CommunicationError, DataWorkerLost):  # a fault, its exit status kept
                 raise
-            except NonFiniteError as error:
+            except StageError as error:  # a NaN loss, the user's exception: with the step
                 raise located(error, rank, action, lambda k: self.layout.bounds(k)[0]) from None
             except PipetrainError as error:
                 raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None

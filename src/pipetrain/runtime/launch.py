@@ -208,7 +208,7 @@ def launch(
     user error nor an interruption, all workers are started again, up to ``restarts`` times (see
     :mod:`pipetrain.runtime.supervise`). Returns a :class:`LaunchResult`: returncode 0, the
     primary failure's status (2 a user error, 3 a lost or timed-out peer, 128+N for a signal N),
-    124 on timeout, 130 on Ctrl-C.
+    124 on timeout, 130 on Ctrl-C, 143 on SIGTERM.
     """
     if nprocs < 1:
         raise PipetrainError(f"need at least one worker, got {nprocs}")

@@ -8,7 +8,7 @@ with a store of its own.
 
 Exit statuses, the command's too: 0; 2 for a user error (bad data, a NaN loss, a mismatched
 stage: the worker's own message is the run's one message); 3 for a lost or timed-out peer; 128+N
-for a worker killed by signal N; 124 when ``timeout`` ran out; 130 on Ctrl-C. Peers of a dead rank
+for a worker killed by signal N; 124 when ``timeout`` ran out; 130 on Ctrl-C, 143 on SIGTERM. Peers of a dead rank
 exit within milliseconds of it (status 3), so the launcher names the primary failure, and when
 only peers' failures are seen (a rank stopped by SIGSTOP, or one that hangs), the rank the
 status board shows the others waiting for.
@@ -59,6 +59,7 @@ class LaunchResult:
     exitcodes: list[int | None] = field(default_factory=list)
     message: str = ""
     restarts: int = 0
+    interrupted: bool = False  # stopped by Ctrl-C or SIGTERM: never started again
 
 
 def describe_exit(code: int) -> str:
@@ -102,7 +103,7 @@ def run_workers(
                         grace=grace if attempt >= restarts else min(grace, RESTART_GRACE), timeout=timeout, env=env,
                         say=say)
         result.restarts = attempt
-        if result.returncode == 0 or attempt >= restarts or not restartable(result.returncode):
+        if result.returncode == 0 or result.interrupted or attempt >= restarts or not restartable(result.returncode):
             return result
         attempt += 1
         say(f"{result.message or describe_exit(result.returncode)}: starting the workers again "
@@ -169,10 +170,12 @@ def _start(
                 wenv["PIPETRAIN_CPUS"] = ",".join(map(str, cores[rank]))
             procs.append(subprocess.Popen(command, env=wenv, start_new_session=True))
         result = _watch(procs, run_store(store, str(attempt)), grace, timeout, say)
-    except KeyboardInterrupt:
-        say("interrupted: stopping every worker")
+    except KeyboardInterrupt as interrupt:
+        how = "terminated by SIGTERM" if isinstance(interrupt, _Terminated) else "interrupted"
+        say(f"{how}: stopping every worker")
         _stop(procs, 3.0)
-        result = LaunchResult(returncode=130, message="interrupted")
+        result = LaunchResult(returncode=128 + signal.SIGTERM if isinstance(interrupt, _Terminated) else 130,
+                              message=how, interrupted=True)
     finally:
         _stop(procs, 3.0)
         if old_term is not None:
@@ -188,8 +191,13 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while the launcher watches: stop as on Ctrl-C, and exit 143 (128 + SIGTERM) as a
+    terminated process does."""
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+    raise _Terminated
 
 
 def _watch(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-import traceback
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -35,9 +34,6 @@ from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.stages.nodes import recomputed
 
 __all__ = ["default_concrete_args", "resolve_leaf_modules", "trace_model"]
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
 
 class _Tracer(fx.Tracer):
     """The default tracer, plus leaves named by qualified name or class name, and transformer
@@ -190,14 +186,13 @@ def resolve_leaf_modules(model: nn.Module, leaf_modules: Sequence[str | type]) -
 
 
 def _user_frame(error: BaseException) -> str:
-    """``file:line: code`` of the innermost traceback frame outside torch, or ""."""
-    frames = [
-        f for f in traceback.extract_tb(error.__traceback__)
-        if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__
-    ]
-    if not frames:
+    """`` at file:line `code``` of the innermost traceback frame in the user's code
+    (:func:`pipetrain.usercode.user_frame`), or ""."""
+    from pipetrain.usercode import user_frame
+
+    frame = user_frame(error)
+    if frame is None:
         return ""
-    frame = frames[-1]
     code = f" `{frame.line.strip()}`" if frame.line else ""
     return f" at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
 

@@ -495,6 +495,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
     resolve_workers(config.data_workers)  # a bad data_workers fails before the data loads
     parts = parts_from_config(config) if parts is None else parts
     train_set, test_set = parts.train_set, parts.test_set
+    _check_batch_size(config, train_set)
     reading = describe_reading(train_set, config.data_workers)
     model = parts.model
     if isinstance(model, (list, tuple)):
@@ -591,6 +592,9 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         drains=drains,
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
+    from pipetrain.training.shapes import check_data
+
+    check_data(run)  # the first training microbatch and held-out batch through the stages, on meta
     return run
 
 
@@ -619,6 +623,23 @@ def _initialiser(model: nn.Module, init: Any):
             f"command line --init meta), or drop init to train it as it is"
         )
     return resolved, meta
+
+
+def _check_batch_size(config: TrainConfig, train_set: Any) -> None:
+    """Refuse an update larger than the data set it samples (it would hold samples twice): a
+    ``DataLoader``'s batches are its own, and a run fed by ``step()`` has no data set."""
+    if isinstance(train_set, DataLoader) or getattr(train_set, "fed_by_step", False):
+        return
+    try:
+        samples = len(train_set)
+    except TypeError:
+        return
+    if config.batch_size > samples:
+        raise ConfigError(
+            f"--batch-size {config.batch_size} is more than the {samples} training samples: every update would read "
+            f"the data {config.batch_size / samples:.3g} times over, holding each sample more than once; use "
+            f"--batch-size {samples} or less, or more data"
+        )
 
 
 def _samples(data: Any) -> str:

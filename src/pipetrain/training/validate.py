@@ -14,7 +14,7 @@ import json
 import os
 
 from pipetrain.errors import ConfigError
-from pipetrain.paths import WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, is_weights_dir
+from pipetrain.paths import IMAGE, JSON, WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, is_weights_dir
 from pipetrain.training.config import TrainConfig
 
 __all__ = ["check_config", "check_execution", "read_plan", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
@@ -62,6 +62,7 @@ def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = 
     check_outputs(
         files=files if rank == 0 else {},
         directories={"--checkpoint-dir": config.checkpoint_dir, "--save": config.save if sharded else None},
+        formats={"--report-json": JSON, "--trace": JSON, "--plot": IMAGE},
     )
 
 

@@ -1,0 +1,100 @@
+"""A stage's forward or loss that fails, explained in one line: the user's exception by its type,
+message and place, or the input an operation refused, and a loss that is not one number.
+
+Two kinds of failure look alike in a traceback and need different words. When the user's code
+raises (``raise ValueError(...)``, an ``assert``, a ``KeyError`` in a dict lookup), the message
+names that exception, its type and the file and line it came from: the inputs are not the
+problem. When a PyTorch operation refuses its input (a shape, a dtype, a device), the message
+shows what the stage received, from where, and the module that failed. Either way it is a
+:class:`~pipetrain.errors.ModelError` that names the stage and the microbatch; the executor that
+runs the schedule adds the update and the rank (:func:`~pipetrain.execution.stage.located`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from pipetrain.errors import ModelError
+from pipetrain.structure import Structure, describe
+from pipetrain.usercode import raised_by_user, where
+
+__all__ = ["forward_failure", "loss_failure", "check_loss", "failing_module"]
+
+
+def failing_module(error: BaseException, root: nn.Module) -> str:
+    """``" in module 'layer1.0.conv2' (Conv2d)"``: the innermost submodule of ``root`` whose
+    ``forward`` was running when ``error`` was raised, or ``""`` (``root`` itself, or none)."""
+    names = {id(module): name for name, module in root.named_modules()}
+    found = ""
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self") if tb.tb_frame.f_code.co_name == "forward" else None
+        name = names.get(id(owner)) if isinstance(owner, nn.Module) else None
+        if name:
+            found = f" in module {name!r} ({type(owner).__name__})"
+        tb = tb.tb_next
+    return found
+
+
+def _text(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0].rstrip('.')}" if lines else type(error).__name__
+
+
+def _shapes(inputs: Any, structure: Structure | None) -> str:
+    if structure is None:  # a flat tuple: the shapes without their positions
+        return ", ".join(describe(x) for x in inputs)
+    return describe(structure.unflatten(inputs))
+
+
+def _said(stage: int, what: str, subject: str, rest: str) -> str:
+    """``"stage 1: the loss raised ..."`` in training (the executor adds the step), ``"at set-up
+    ..., the loss of stage 1 raised ..."`` with ``what``."""
+    return f"{what}, {subject} of stage {stage} {rest}" if what else f"stage {stage}: {subject} {rest}"
+
+
+def forward_failure(stage: int, error: BaseException, inputs: Any, module: nn.Module, *,
+                    structure: Structure | None = None, target: Any = None, microbatch: int | None = None,
+                    what: str = "") -> ModelError:
+    """The error of ``stage``'s forward (``module`` called on ``inputs``, the leaves of a value of
+    ``structure``) that raised ``error``. ``what`` says where, when not in training (``"at
+    set-up, on the first held-out batch"``)."""
+    inside = failing_module(error, module)
+    if raised_by_user(error):
+        message = _said(stage, what, "the forward", f"raised {_text(error)}{where(error)}{inside}")
+    else:
+        origin = "the data" if stage == 0 else f"stage {stage - 1}"
+        message = (f"{what + ', ' if what else ''}stage {stage} cannot run on its input "
+                   f"({_shapes(inputs, structure)}) from {origin}: {_text(error)}{inside}{where(error)}")
+        if isinstance(target, Tensor):
+            message += f" (targets: {tuple(target.shape)})"
+    return ModelError(message, stage=stage, microbatch=microbatch)
+
+
+def loss_failure(stage: int, error: BaseException, output: Any, target: Any, *, microbatch: int | None = None,
+                 what: str = "") -> ModelError:
+    """The error of the loss, called on the last stage's ``output`` and the ``target``."""
+    if raised_by_user(error):
+        rest = f"raised {_text(error)}{where(error)}"
+    else:
+        rest = (f"cannot take the model's output ({describe(output)}) and the targets ({describe(target)}): "
+                f"{_text(error)}{where(error)}")
+    return ModelError(_said(stage, what, "the loss", rest), stage=stage, microbatch=microbatch)
+
+
+def check_loss(stage: int, loss: Any, *, microbatch: int | None = None, what: str = "") -> None:
+    """Refuse a loss that is not one number: training differentiates one scalar per microbatch
+    (its mean over the samples, which pipetrain weights by the microbatch's share of the update)."""
+    if isinstance(loss, Tensor) and loss.numel() == 1:
+        return
+    if isinstance(loss, Tensor):
+        got = f"a {tuple(loss.shape)} tensor"
+        fix = ("return its mean over the samples (reduction='mean', the default of torch.nn's losses, or "
+               "loss.mean()); pipetrain weights each microbatch's mean by its share of the update")
+    else:
+        got = f"a {type(loss).__name__}"
+        fix = "return a 0-dim tensor computed from the model's output, so that it can be differentiated"
+    raise ModelError(_said(stage, what, "the loss", f"returned {got}, not one number: {fix}"),
+                     stage=stage, microbatch=microbatch)

@@ -1,0 +1,126 @@
+"""The data checked against the model before training: the first training microbatch and the
+first held-out batch, run through every stage and the loss on PyTorch's meta device.
+
+Without it, a held-out set of the wrong shape stops the run at its first evaluation, after the
+training, and a forward or a loss that raises on the data stops it only once the workers run. On
+the meta device every operation computes the shape and dtype of its result by the rules of the
+real kernel and no values: the check is exact for shapes and dtypes, costs no arithmetic and no
+memory whatever the model's size, and works for a model built on meta, whose weights exist
+nowhere yet. Each stage runs on meta stand-ins of its own parameters and buffers
+(``torch.func.functional_call``: the model is not touched), on the value the stage before it
+returned, in training mode for the training microbatch and in evaluation mode for the held-out
+batch, as the run calls them; then the loss, which must return one number.
+
+What the meta device cannot compute is not checked: an operation that reads values (``.item()``,
+``if x.sum() > 0``, a shape that depends on the data) or has no meta kernel ends the check
+silently, and the run finds out what it finds out as before. The data is read as the run reads
+it: a training data set by its first microbatch (a ``DataLoader``'s batches are its own, made by
+its collate function and workers, and are not read twice), held-out data as evaluation reads its
+first batch. A worker started by pipetrain's launcher skips the check: the launcher made it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
+from pipetrain.structure import arguments, flatten, map_values
+
+__all__ = ["check_data"]
+
+
+def check_data(run: Any) -> None:
+    """Refuse, in one :class:`~pipetrain.errors.ModelError`, the first training microbatch or the
+    first held-out batch of ``run`` (a prepared :class:`~pipetrain.training.setup.Run`) that the
+    stages or the loss cannot take (see the module docstring)."""
+    if os.environ.get("PIPETRAIN_LAUNCHER") == "1":
+        return
+    with torch.random.fork_rng(devices=[]):
+        train_set = run.train_set
+        if not isinstance(train_set, DataLoader) and not getattr(train_set, "fed_by_step", False):
+            from pipetrain.schedule import resolve_name
+            from pipetrain.training.setup import _first_microbatch
+
+            what = "the first training microbatch"
+            with _reading(what):
+                x, y = _first_microbatch(run.config, resolve_name(run.config.schedule), train_set, run.dtype)
+            _through(run, x, y, f"at set-up (on the meta device), on {what}", training=True)
+        if run.test_set is not None:
+            from pipetrain.training.outputs import eval_batches
+
+            held_out, what = eval_batches(run), "the first held-out batch"
+            if len(held_out):
+                with _reading(what):
+                    x, y = held_out[0]
+                _through(run, x, y, f"at set-up (on the meta device), on {what}", training=False)
+
+
+@contextlib.contextmanager
+def _reading(what: str) -> Iterator[None]:
+    """A data set's error while reading ``what``, said to be there (and so before training)."""
+    try:
+        yield
+    except ConfigError as error:
+        raise ConfigError(f"at set-up, reading {what}: {error}") from None
+
+
+def _unchecked(error: BaseException) -> bool:
+    """Whether ``error`` says only that the meta device cannot run something (no verdict)."""
+    return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
+
+
+def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
+    """``x`` through every stage on meta, then the loss with ``y``; stops silently where the meta
+    device cannot go on."""
+    stages = run.staged.stages
+    value = map_values(x, _meta)
+    target = map_values(y, _meta)
+    with torch.no_grad():
+        for stage, module in enumerate(stages):
+            leaves, structure = flatten(value)
+            try:
+                value = _call(module, value, training)
+            except PipetrainError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the user's forward may raise anything
+                if _unchecked(error):
+                    return
+                raise forward_failure(stage, error, leaves, module, structure=structure,
+                                      target=target if stage == len(stages) - 1 else None,
+                                      what=what) from None
+        last = len(stages) - 1
+        try:
+            loss = run.loss_fn(value, target)
+        except PipetrainError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the user's loss may raise anything
+            if _unchecked(error):
+                return
+            raise loss_failure(last, error, value, target, what=what) from None
+        check_loss(last, loss, what=what)
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tensor, device="meta")
+
+
+def _call(module: nn.Module, value: Any, training: bool) -> Any:
+    """``module`` on ``value`` under the boundary convention, with meta stand-ins of its tensors
+    and every submodule in training or evaluation mode (each put back as it was)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        state = {name: _meta(t) for name, t in module.named_parameters()}
+        state.update((name, _meta(t)) for name, t in module.named_buffers())
+        args, kwargs = arguments(value)
+        return torch.func.functional_call(module, state, tuple(args), kwargs, strict=False)
+    finally:
+        for m, mode in modes:
+            m.training = mode
