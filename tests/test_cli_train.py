@@ -45,6 +45,7 @@ def test_emulated_training_writes_every_output(capsys, tmp_path):
 
 
 BAD_MODULE = textwrap.dedent('''
+    import torch
     import torch.nn as nn
 
     def with_batchnorm(in_features, num_classes):
@@ -52,6 +53,13 @@ BAD_MODULE = textwrap.dedent('''
 
     def mismatched(in_features, num_classes):
         return [nn.Sequential(nn.Linear(in_features, 32), nn.ReLU()), nn.Linear(16, num_classes)]
+
+    class Named(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.zeros(8), "cat"  # a label by name, not by class number
 ''')
 
 
@@ -67,6 +75,10 @@ BAD_MODULE = textwrap.dedent('''
         (["--model", "nosuch.nets:make", "--stages", "2"], "cannot import module 'nosuch.nets'"),
         (["--model", "badnets:mismatched", "--stages", "2"], "stage 1 cannot run on its input ((2, 32) float32) from stage 0"),
         (["--stages", "2", "--workers", "3"], "--workers 3 does not match"),
+        (["--stages", "2", "--batch-size", "100"], "--batch-size 100 is more than the 64 training samples: every "
+         "update would read the data 1.56 times over"),
+        (["--stages", "2", "--data", "badnets:Named"], "y must be an integer class label (a Python int or a 0-d "
+         "integer tensor), or an integer tensor of labels per position; got str 'cat'"),
         (["--schedule", "zb-h2", "--stages", "2"], "unknown schedule"),
         (["--stages", "2", "--checkpoint-every", "2"], "checkpoints are written by the distributed runtime"),
         (["--schedule", "pipedream", "--stages", "2", "--replicas", "2,1", "--steps", "8", "--eval-every", "3"],

@@ -122,3 +122,18 @@ def test_outputs_in_new_directories_are_written(tmp_path):
     result = _command(tmp_path, "plan", PROFILE, "--workers", "2", "--out", "plans/a/plan.json")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "plans" / "a" / "plan.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--save", "o/m.pt", "--plot", "o/p.txt"], "--plot 'o/p.txt': --plot writes a picture"),
+    (["train", "--trace", "o/t.png"], "--trace 'o/t.png': --trace writes JSON"),
+    (["schedule", "1f1b", "--csv", "o/s.csv", "--plot", "o/p.txt"], "--plot 'o/p.txt': --plot writes a picture"),
+    (["plan", PROFILE, "--workers", "2", "--out", "o/plan.json", "--plot", "o/p"], "there is none: use e.g. 'o/p.png'"),
+    (["train", "--save", "{elsewhere}/x/m.pt"], "/elsewhere' does not exist; outside the working directory"),
+])
+def test_a_wrong_format_or_a_missing_tree_is_refused_before_any_work(tmp_path, argv, message):
+    (tmp_path / "cwd").mkdir()
+    result = _command(tmp_path / "cwd", *[a.format(elsewhere=tmp_path / "elsewhere") for a in argv])
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "torch imported: False" in result.stdout
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["cwd"]  # nothing written, no directory made

@@ -200,6 +200,15 @@ def test_fit_calls_back_with_every_update_and_evaluation():
     assert [e["step"] for e in result.evaluations] == [3, 6]
 
 
+@pytest.mark.parametrize("model, got", [("notamodule", "not 'notamodule', of type str"),
+                                        ([nn.Linear(2, 2), 3], "not a list whose item 1 is of type int")])
+def test_a_model_that_is_no_module_is_refused_saying_what_pipeline_takes(model, got):
+    with pytest.raises(PipetrainError, match="^Pipeline\\(model\\) takes an nn.Module \\(an nn.Sequential, or any "
+                                             "module torch.fx can trace\\) or a list of stage modules, ") as caught:
+        Pipeline(model)
+    assert str(caught.value).endswith(got)
+
+
 def test_per_step_mistakes_are_explained():
     pipe = Pipeline(_model(), stages=2, schedule="pipedream", executor="emulate")
     with pytest.raises(PipetrainError, match="start"):
