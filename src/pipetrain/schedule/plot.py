@@ -1,7 +1,9 @@
 """Pictures of timelines: a Gantt chart per schedule, and schedules stacked for comparison.
 
-One row per rank, one colour per action kind, microbatch numbers written in the bars when they
-fit; a RECV that waits is left blank (that blank is the bubble). Matplotlib is imported only here.
+One row per rank, one colour per action kind, microbatch numbers written in the bars they fit in
+at the axis's scale (on a time axis shared with a longer timeline, fewer do), never one over
+another; a RECV that waits is left blank (that blank is the bubble). Matplotlib is imported only
+here.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ COLOURS = {
 _LABELS = {Kind.F: "F forward", Kind.B: "B backward", Kind.I: "I input grad", Kind.W: "W weight grad",
            Kind.STEP: "STEP update", Kind.SYNC: "SYNC all-reduce"}
 _MAX_LABELLED_BARS = 1500
+_LABEL_POINTS = 6  # font size of the numbers in the bars
+_DIGIT_WIDTH = 0.64  # of the font size: a digit of matplotlib's default font, with a margin
 
 
 def _pyplot():
@@ -36,24 +40,32 @@ def _pyplot():
     return plt
 
 
-def draw_timeline(ax, timeline: Timeline, *, title: str | None = None, labels: bool = True) -> set:
-    """Draw ``timeline`` on a matplotlib axis; returns the action kinds drawn (for a legend)."""
+def draw_timeline(ax, timeline: Timeline, *, title: str | None = None, labels: bool = True,
+                  horizon: float | None = None) -> set:
+    """Draw ``timeline`` on a matplotlib axis whose time axis spans ``horizon`` (default: the
+    timeline's makespan); returns the action kinds drawn (for a legend)."""
     schedule = timeline.schedule
     makespan = timeline.makespan or 1.0
     bars = sum(1 for p in schedule.programs for a in p if a.kind in COLOURS)
     write = labels and bars <= _MAX_LABELLED_BARS
+    per_point = (horizon or makespan) / _axis_points(ax)  # time units one point of the axis spans
     drawn = set()
     for rank in range(schedule.num_ranks):
         by_kind: dict[Kind, list[tuple[float, float]]] = {}
+        free = float("-inf")  # where the row's last number ends
         for action, start, end in timeline.spans(rank):
             if action.kind not in COLOURS or end <= start:
                 continue
             by_kind.setdefault(action.kind, []).append((start, end - start))
-            if write and action.microbatch is not None and (end - start) / makespan > 0.012:
+            if write and action.microbatch is not None:
                 text = str(action.microbatch)
                 if schedule.chunks > 1:
                     text += f".{action.stage // schedule.num_ranks}"
-                ax.text(start + (end - start) / 2, rank, text, ha="center", va="center", fontsize=6, color="white")
+                width = (_DIGIT_WIDTH * _LABEL_POINTS * len(text) + 2) * per_point
+                middle = start + (end - start) / 2
+                if width <= end - start and middle - width / 2 >= free:
+                    ax.text(middle, rank, text, ha="center", va="center", fontsize=_LABEL_POINTS, color="white")
+                    free = middle + width / 2
         for kind, spans in by_kind.items():
             ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=COLOURS[kind], edgecolor="white", linewidth=0.3)
             drawn.add(kind)
@@ -66,12 +78,19 @@ def draw_timeline(ax, timeline: Timeline, *, title: str | None = None, labels: b
     return drawn
 
 
-def _legend(fig, kinds: set) -> None:
+def _axis_points(ax) -> float:
+    """The width of ``ax`` in points (its figure's width times the share the axis takes)."""
+    return max(ax.figure.get_figwidth() * 72 * ax.get_position().width, 1.0)
+
+
+def _legend(fig, kinds: set, bottom: float = 0.0) -> None:
+    """The colours' legend along the bottom of ``fig``, ``bottom`` (a fraction of its height) up."""
     from matplotlib.patches import Patch
 
     order = [k for k in COLOURS if k in kinds]
     handles = [Patch(facecolor=COLOURS[k], label=_LABELS[k]) for k in order]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, bottom), ncol=len(handles), fontsize=8,
+               frameon=False)
 
 
 def _save(fig, path: str) -> None:
@@ -94,22 +113,29 @@ def plot_timeline(timeline: Timeline, path: str, *, title: str | None = None, ti
     plt.close(fig)
 
 
-def plot_comparison(timelines: Sequence[Timeline], titles: Sequence[str], path: str, *, time_unit: str = "time") -> None:
-    """Several timelines one under another on a shared time axis (the picture to choose by)."""
+def plot_comparison(timelines: Sequence[Timeline], titles: Sequence[str], path: str, *, time_unit: str = "time",
+                    caption: str | None = None) -> None:
+    """Several timelines one under another on a shared time axis (the picture to choose by);
+    ``caption``: lines under the legend saying how to read them."""
     plt = _pyplot()
     heights = [0.9 + 0.32 * t.schedule.num_ranks for t in timelines]
+    text = 0.1 + 0.17 * (caption.count("\n") + 1) if caption else 0.0  # inches of the caption under the legend
     fig, axes = plt.subplots(
-        len(timelines), 1, figsize=(12, sum(heights) + 0.8), sharex=True,
+        len(timelines), 1, figsize=(12, sum(heights) + 0.8 + text), sharex=True,
         gridspec_kw={"height_ratios": heights}, squeeze=False,
     )
+    strip = (0.04 * (sum(heights) + 0.8) + text) / fig.get_figheight()  # the legend's and the caption's
+    fig.tight_layout(rect=(0, strip, 1, 1))  # the axes' final widths, which decide what numbers fit
     kinds: set = set()
     horizon = max(t.makespan for t in timelines)
     for ax, timeline, title in zip(axes[:, 0], timelines, titles):
-        kinds |= draw_timeline(ax, timeline, title=title)
+        kinds |= draw_timeline(ax, timeline, title=title, horizon=horizon)
         ax.axvline(timeline.makespan, color="black", linewidth=0.8, linestyle=":")
     axes[-1, 0].set_xlim(0, horizon)
     axes[-1, 0].set_xlabel(time_unit)
-    _legend(fig, kinds)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    _legend(fig, kinds, bottom=text / fig.get_figheight())
+    if caption:
+        fig.text(0.01, 0.08 / fig.get_figheight(), caption, fontsize=8, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, strip, 1, 1))
     _save(fig, path)
     plt.close(fig)

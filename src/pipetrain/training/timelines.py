@@ -61,7 +61,8 @@ def crop(timeline: Timeline, first: int, stop: int) -> Timeline:
 def plot_measured_and_simulated(measured: Timeline, path: str, title: str, units_per_update: int = 1,
                                 updates_shown: int = 6) -> None:
     """One picture: a window of the measured timeline above the same window simulated with the
-    measured median action times (a whole run has too many actions to read)."""
+    measured median action times (a whole run has too many actions to read), on one time axis,
+    with a caption that says why the measured one is longer."""
     from pipetrain.schedule.plot import plot_comparison
 
     simulated = simulated_counterpart(measured)
@@ -70,6 +71,7 @@ def plot_measured_and_simulated(measured: Timeline, path: str, title: str, units
     first = max(0, (total - shown) // 2 // units_per_update * units_per_update)
     window = (crop(measured, first, first + shown), crop(simulated, first, first + shown))
     label = f"units {first}..{first + shown - 1} of {total}"
+    ratio = measured.makespan / simulated.makespan if simulated.makespan > 0 else float("nan")
     plot_comparison(
         list(window),
         [f"{title}, {label}: measured ({window[0].makespan * 1e3:.3g} ms; whole run {measured.makespan:.3g} s)",
@@ -77,4 +79,8 @@ def plot_measured_and_simulated(measured: Timeline, path: str, title: str, units
          f"whole run {simulated.makespan:.3g} s)"],
         path,
         time_unit="seconds",
+        caption=(f"Why the measured run takes {ratio:.1f}x the simulated time: the simulation charges each action "
+                 "only its measured median compute time (F, B, W, STEP);\nmessages sent and received, the waits for "
+                 "them and the Python between actions are not in it. Numbers: microbatches, in the bars wide enough "
+                 "to hold them."),
     )
