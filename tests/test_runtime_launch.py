@@ -167,9 +167,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("signum, status, said", [(signal.SIGINT, 130, "interrupted"),
-                                                   (signal.SIGTERM, 143, "terminated by SIGTERM")])
-def test_ctrl_c_or_sigterm_stops_every_worker_and_returns_128_plus_the_signal(tmp_path, signum, status, said):
+@pytest.mark.parametrize("signum, status, said, workers", [(signal.SIGINT, 130, "interrupted", 2),
+                                                            (signal.SIGTERM, 143, "terminated by SIGTERM", 1)])
+def test_ctrl_c_or_sigterm_stops_every_worker_and_returns_128_plus_the_signal(tmp_path, signum, status, said,
+                                                                              workers):
     script = tmp_path / "run.py"
     script.write_text(
         textwrap.dedent(
@@ -183,7 +184,7 @@ def test_ctrl_c_or_sigterm_stops_every_worker_and_returns_128_plus_the_signal(tm
                     f.write(str(os.getpid()))
                 time.sleep(60)
             if __name__ == "__main__":
-                sys.exit(launch(sleeper, ({str(tmp_path / "pid")!r},), 2, timeout={LIMIT}).returncode)
+                sys.exit(launch(sleeper, ({str(tmp_path / "pid")!r},), {workers}, timeout={LIMIT}).returncode)
             """
         )
     )
@@ -191,7 +192,7 @@ def test_ctrl_c_or_sigterm_stops_every_worker_and_returns_128_plus_the_signal(tm
     proc = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
-        pidfiles = [tmp_path / f"pid.{r}" for r in range(2)]
+        pidfiles = [tmp_path / f"pid.{r}" for r in range(workers)]
         while not all(p.exists() and p.read_text() for p in pidfiles):
             assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
             time.sleep(0.1)
