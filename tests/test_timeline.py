@@ -1,4 +1,4 @@
-"""The timeline simulator pinned to DESIGN.md section 3's numbers."""
+"""The timeline simulator pinned to docs/design.md section 3's numbers."""
 
 import pytest
 

@@ -209,7 +209,7 @@ def _meta(args: argparse.Namespace) -> bool:
 
 
 def _translated(spec_text: str, reference_batch: int, batch_size: int) -> str:
-    """Rewrite an SGD spec tuned at ``reference_batch`` for ``batch_size`` (DESIGN.md 3.5)."""
+    """Rewrite an SGD spec tuned at ``reference_batch`` for ``batch_size`` (docs/design.md 3.5)."""
     from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
 
     spec = parse_optimizer_spec(spec_text)

@@ -1,7 +1,7 @@
 """PipeDream's partitioning optimizer: stages, replication, a hierarchical topology.
 
 Dynamic programming over (cut, cut, machines), level by level (Narayanan et al., SOSP 2019,
-section 3.1; DESIGN 3.6). At level ``l`` with ``n`` components joined by bandwidth ``B``::
+section 3.1; docs/design.md 3.6). At level ``l`` with ``n`` components joined by bandwidth ``B``::
 
     A(r -> j, M) = min( T(r -> j, M),                                   # one stage, M replicas
                         min over cuts k, m' < M of
