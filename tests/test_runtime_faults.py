@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from pipetrain.runtime.cuts import cut
+from pipetrain.schedule.cuts import cut
 from pipetrain.training import TrainConfig, prepare
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "restart_script.py")

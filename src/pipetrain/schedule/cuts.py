@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from pipetrain.errors import ConfigError
-from pipetrain.runtime.sends import Messages
+from pipetrain.schedule.messages import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
 __all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "split_counts", "in_flight"]
@@ -90,7 +90,7 @@ def split_counts(schedule: Schedule) -> _SplitCounts:
 
 def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut:
     """The cut after ``units`` units, or a ConfigError if it is not consistent or leaves a split
-    backward half done. ``messages``: the schedule's :class:`~pipetrain.runtime.sends.Messages`,
+    backward half done. ``messages``: the schedule's :class:`~pipetrain.schedule.messages.Messages`,
     if already built."""
     from pipetrain.schedule.pattern import pattern_of
 
