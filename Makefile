@@ -13,7 +13,7 @@ STAMP   = $(VENV)/.pipetrain-installed
 TORCH   = torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ demo: $(STAMP)
 		--plot demo-out/timeline.png --report-json demo-out/report.json
 	$(VENV)/bin/pipetrain schedule --compare gpipe,1f1b,zb-h1,pipedream --stages 4 --microbatches 8 --steps 2 \
 		--costs F=1,B=1,W=1 --plot demo-out/compare.png
+
+# ruff with the rule set of pyproject.toml; CI runs it before the tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests

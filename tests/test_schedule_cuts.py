@@ -142,7 +142,7 @@ def test_feed_cuts_run_each_rank_as_far_as_the_fed_batches_allow(name, options, 
                     assert action.microbatch >= fed
                 else:
                     assert action.kind is Kind.SYNC
-            for position, action in enumerate(done):  # consistent: every receive's send came before
+            for action in done:  # consistent: every receive's send came before
                 if action.kind in (Kind.RECV_F, Kind.RECV_B):
                     sender, sent = messages.sent_at[Messages.of(action)]
                     assert sent < piece[sender]

@@ -12,7 +12,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 __all__ = ["start", "finish", "run"]
 

@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                   f"stage {s}: {_ranges(p['skipped']) if p['skipped'] else 'none'}" for s, p in enumerate(scale["per_stage"])) + ")"))
     skipped = result.extra.get("skipped_updates") or []
     if any(skipped):
-        print(f"skipped updates whose gradient was not finite (--on-nonfinite skip): "
+        print("skipped updates whose gradient was not finite (--on-nonfinite skip): "
               + "; ".join(f"stage {stage}: {_ranges(steps)}" for stage, steps in enumerate(skipped) if steps))
     for flag, path in (("model", config.save), ("report", config.report_json), ("trace", config.trace),
                        ("plot", config.plot)):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -46,10 +46,13 @@ from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.spec import describe_exception
 from pipetrain.structure import cast_floating, first_tensor
 
+if TYPE_CHECKING:
+    from pipetrain.data.info import DataInfo
+
 __all__ = ["LoaderBatches", "loader_info"]
 
 
-def loader_info(loader: DataLoader, where: str = "the DataLoader") -> "DataInfo":
+def loader_info(loader: DataLoader, where: str = "the DataLoader") -> DataInfo:
     """What the model needs to know of a DataLoader's data: :func:`~pipetrain.data.info.dataset_info`
     of its (map-style) data set, one sample read; an ``IterableDataset`` must declare
     ``num_classes``, and gives the input shape of its first sample."""

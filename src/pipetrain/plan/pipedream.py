@@ -911,7 +911,7 @@ def _describe(solver: _Solver, flat: list) -> list[Stage]:
             replicas *= m
         tin = bandwidth_in = 0.0
         if a > 0:
-            for index, (m, kind, start, end) in enumerate(path):
+            for index, (m, kind, start, _) in enumerate(path):
                 if kind == "split" and start == a:
                     bandwidth_in = topology.bandwidths[index]
                     tin = float(_transfer_in(model, cuts.output[a], m, bandwidth_in))

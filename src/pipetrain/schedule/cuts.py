@@ -49,7 +49,7 @@ def shared_updates(schedule: Schedule) -> list[tuple[int, int, int]]:
     backward that another runs only after its own stop.
     """
     groups: dict[tuple[int, int], list[int]] = {}  # (stage, SYNC occurrence) -> its units
-    for rank, program in enumerate(schedule.programs):
+    for program in schedule.programs:
         pending: dict[int, list[int]] = {}
         seen: dict[int, int] = {}
         for action in program:
