@@ -153,3 +153,23 @@ def test_bad_arguments():
         profile_model(nn.Sequential(nn.Linear(16, 4)), batch(), iterations=0, progress=False)
     with pytest.raises(ConfigError, match="unknown statistic 'max'; choose median or mean"):
         profile_model(nn.Sequential(nn.Linear(16, 4)), batch(), statistic="max", progress=False)
+
+
+def test_a_meta_model_is_profiled_unit_by_unit_and_stays_on_meta():
+    from pipetrain.models.gpt import GPT
+    from pipetrain.plan.profiler import profile_by_unit
+    from pipetrain.stages.materialize import has_meta, resolve_init
+
+    with torch.device("meta"):
+        model = GPT(20, 8, n_layer=2, n_head=2, n_embd=16)
+    ids = torch.randint(0, 20, (4, 8))
+    clock = Clock()
+    profile = profile_by_unit(model, (ids, ids), lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+                              init=resolve_init("reset"), iterations=2, warmup=1, clock=clock)
+    assert [layer.name for layer in profile.layers] == ["input", "wte", "wpe", "drop", "blocks.0", "blocks.1", "ln_f",
+                                                          "head"]
+    assert [layer.kind for layer in profile.layers][1:5] == ["Embedding", "Embedding", "Dropout", "Block"]
+    blocks = profile.layers[4]
+    assert blocks.parameter_bytes == 4 * sum(p.numel() for p in model.blocks[0].parameters())
+    assert blocks.activation_bytes == 4 * 4 * 8 * 16  # the hidden states it hands on
+    assert has_meta(model)  # every unit was freed again
