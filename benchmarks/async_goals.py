@@ -26,7 +26,6 @@ goes, per action kind (share of the rank's wall time, median action)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re

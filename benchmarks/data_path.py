@@ -23,7 +23,7 @@ seconds each form spent (all processes of the run, the workers included) per 1,0
 
 ``--transfer`` measures instead what one batch costs to move from a DataLoader worker process to
 the training process, as DataLoader sends it (one shared-memory segment per tensor) and packed as
-bytes (``pipetrain.execution.prefetch.pack``), for batches of 32 KiB to 4 MiB: the figures behind
+bytes (``pipetrain.data.prefetch.pack``), for batches of 32 KiB to 4 MiB: the figures behind
 ``PACK_LIMIT`` and the grouping of small batches (``pipetrain.data.batches.group_size``).
 
 Usage::
@@ -114,7 +114,7 @@ class _Ready(Dataset):
         self.x, self.packed = torch.randn(rows, 256), packed
 
     def __getitem__(self, t: int):
-        from pipetrain.execution.prefetch import pack
+        from pipetrain.data.prefetch import pack
 
         batch = (self.x.clone(), torch.zeros(len(self.x), dtype=torch.int64))
         return pack(batch) if self.packed else batch
@@ -126,7 +126,7 @@ def _keep(item):
 
 def transfer(batches: int = 200) -> None:
     """Training-process time per batch taken from one DataLoader worker that is always ahead."""
-    from pipetrain.execution.prefetch import unpack
+    from pipetrain.data.prefetch import unpack
 
     torch.set_num_threads(1)
     print(f"load average {os.getloadavg()[0]:.2f}; ms per batch on the training process (median of {batches})")

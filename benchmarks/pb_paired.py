@@ -91,7 +91,7 @@ def _against(runs, order: list[str], baseline: str) -> int:
     if not base:
         print(f"no {baseline} runs to pair with", file=sys.stderr)
         return 2
-    print(f"| difference | S | lr | per seed (points) | mean ± std | standard error | loss ratio (median) |")
+    print("| difference | S | lr | per seed (points) | mean ± std | standard error | loss ratio (median) |")
     print("|---|---|---|---|---|---|---|")
     keys = sorted({(r.method, r.stages, r.lr_scale) for r in runs if r.method not in (baseline, "sgd")},
                   key=lambda k: (order.index(k[0]), k[1] or 0, k[2]))

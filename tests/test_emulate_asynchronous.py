@@ -1,4 +1,4 @@
-"""Asynchronous schedules on the emulator against closed forms (DESIGN.md 3.2-3.5)."""
+"""Asynchronous schedules on the emulator against closed forms (docs/design.md 3.2-3.5)."""
 
 import copy
 

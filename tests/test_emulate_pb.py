@@ -1,4 +1,4 @@
-"""Pipelined Backpropagation on the emulator (DESIGN.md 3.4, 3.5)."""
+"""Pipelined Backpropagation on the emulator (docs/design.md 3.4, 3.5)."""
 
 import copy
 

@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipetrain import Pipeline

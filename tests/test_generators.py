@@ -1,4 +1,4 @@
-"""Every named schedule: its order, its versions (DESIGN.md section 3) and its parameter checks."""
+"""Every named schedule: its order, its versions (docs/design.md section 3) and its parameter checks."""
 
 import pytest
 

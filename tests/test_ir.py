@@ -112,7 +112,7 @@ def test_loads_names_the_bad_line():
 
 def test_peer_of_names_the_other_end_of_every_message():
     schedule = build("1f1b", stages=2, microbatches=4, replicas=[2, 1])
-    for rank, program in enumerate(schedule.programs):
+    for program in schedule.programs:
         for action in program:
             if action.kind in (Kind.SEND_F, Kind.RECV_B):
                 assert schedule.peer_of(action) == schedule.rank_of(action.stage + 1, action.microbatch)

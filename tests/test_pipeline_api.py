@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+import torchrun_agents
 import torch
 from torch import nn
 
@@ -23,12 +23,6 @@ RUNS = ("1f1b-fit", "pipedream-fit", "pipedream-step", "pipedream-loader")
 
 def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -68,25 +62,9 @@ def test_fit_on_a_dataloader_reads_its_batches_like_fit_on_its_dataset(emulated)
 
 
 def test_the_same_script_under_two_torchrun_agents_equals_the_emulator(tmp_path, emulated):
-    port = _free_port()
-    procs = []
-    for node in (0, 1):
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pipetrain-api",
-            "--rdzv-conf", f"is_host={1 - node},join_timeout=90", "--max-restarts", "0",
-            SCRIPT, str(tmp_path), "--runs", "1f1b:fit,pipedream:step",
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=240)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    codes, text = torchrun_agents.run([SCRIPT, str(tmp_path), "--runs", "1f1b:fit,pipedream:step"],
+                                      rdzv_id="pipetrain-api")
+    assert codes == [0, 0], text
     for name in ("1f1b-fit", "pipedream-step"):
         _assert_same(tmp_path, emulated, name)
 

@@ -1,4 +1,4 @@
-"""Memory per worker and schedule: the DESIGN 3.2/3.3 table."""
+"""Memory per worker and schedule: the docs/design.md 3.2/3.3 table."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import pytest
 from pipetrain.errors import PipetrainError
 from pipetrain.plan.graphtxt import parse_graph_txt
 from pipetrain.plan.planner import compare_baselines, make_plan
+from pipetrain.plan.profile import Profile
 from pipetrain.plan.topology import Topology
 
 PROFILES = Path(__file__).parent / "data" / "pipedream-profiles"

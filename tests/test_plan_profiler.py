@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -36,53 +35,74 @@ def test_sequential_sizes_and_chain():
     assert model[1].inplace     # restored after profiling
 
 
+class Clock:
+    """Seconds that pass only where a test says (``advance``): the profile's times are then exact."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+    def advance(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
 class _SlowBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, clock):
+        ctx.clock = clock
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.03)
-        return grad
+        ctx.clock.advance(0.03)
+        return grad, None
 
 
 class Slow(nn.Module):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+
     def forward(self, x):
-        time.sleep(0.015)
-        return _SlowBackward.apply(x)
+        self.clock.advance(0.015)
+        return _SlowBackward.apply(x, self.clock)
 
 
 def test_times_land_on_the_right_layer():
-    model = nn.Sequential(nn.Linear(16, 16), Slow(), nn.Linear(16, 4))
-    profile = profile_model(model, batch(), iterations=2, warmup=1, progress=False)
+    clock = Clock()
+    model = nn.Sequential(nn.Linear(16, 16), Slow(clock), nn.Linear(16, 4))
+    profile = profile_model(model, batch(), iterations=2, warmup=1, progress=False, clock=clock)
     slow = profile.layers[2]
-    assert slow.forward_s >= 0.014 and slow.backward_s >= 0.028
+    assert slow.forward_s == pytest.approx(0.015) and slow.backward_s == pytest.approx(0.03)
     others = [profile.layers[1], profile.layers[3]]
     assert all(l.forward_s < slow.forward_s and l.backward_s < slow.backward_s for l in others)
 
 
 class OnceSlow(nn.Module):
-    """Sleeps 60 ms in its forward on one call only (an interruption by another process)."""
+    """Takes 10 ms per forward, 60 ms on one call only (an interruption by another process)."""
 
-    def __init__(self, slow_call):
+    def __init__(self, slow_call, clock: Clock):
         super().__init__()
-        self.calls, self.slow_call = 0, slow_call
+        self.calls, self.slow_call, self.clock = 0, slow_call, clock
 
     def forward(self, x):
         self.calls += 1
-        if self.calls == self.slow_call:
-            time.sleep(0.06)
+        self.clock.advance(0.06 if self.calls == self.slow_call else 0.01)
         return x.clone()
 
 
 def test_median_ignores_one_interrupted_iteration_mean_does_not():
     # warm-up 1, then 3 measured iterations; the second measured one is slow
-    median = profile_model(nn.Sequential(nn.Linear(16, 16), OnceSlow(3)), batch(),
-                           iterations=3, warmup=1, progress=False)
-    mean = profile_model(nn.Sequential(nn.Linear(16, 16), OnceSlow(3)), batch(),
-                         iterations=3, warmup=1, progress=False, statistic="mean")
-    assert median.layers[2].forward_s < 0.02 <= mean.layers[2].forward_s
+    profiles = []
+    for statistic in ("median", "mean"):
+        clock = Clock()
+        profiles.append(profile_model(nn.Sequential(nn.Linear(16, 16), OnceSlow(3, clock)), batch(), iterations=3,
+                                      warmup=1, progress=False, statistic=statistic, clock=clock))
+    median, mean = profiles
+    assert median.layers[2].forward_s == pytest.approx(0.01)
+    assert mean.layers[2].forward_s == pytest.approx((0.01 + 0.06 + 0.01) / 3)
     assert median.meta["statistic"] == "median" and mean.meta["statistic"] == "mean"
 
 
@@ -133,3 +153,23 @@ def test_bad_arguments():
         profile_model(nn.Sequential(nn.Linear(16, 4)), batch(), iterations=0, progress=False)
     with pytest.raises(ConfigError, match="unknown statistic 'max'; choose median or mean"):
         profile_model(nn.Sequential(nn.Linear(16, 4)), batch(), statistic="max", progress=False)
+
+
+def test_a_meta_model_is_profiled_unit_by_unit_and_stays_on_meta():
+    from pipetrain.models.gpt import GPT
+    from pipetrain.plan.profiler import profile_by_unit
+    from pipetrain.stages.materialize import has_meta, resolve_init
+
+    with torch.device("meta"):
+        model = GPT(20, 8, n_layer=2, n_head=2, n_embd=16)
+    ids = torch.randint(0, 20, (4, 8))
+    clock = Clock()
+    profile = profile_by_unit(model, (ids, ids), lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+                              init=resolve_init("reset"), iterations=2, warmup=1, clock=clock)
+    assert [layer.name for layer in profile.layers] == ["input", "wte", "wpe", "drop", "blocks.0", "blocks.1", "ln_f",
+                                                          "head"]
+    assert [layer.kind for layer in profile.layers][1:5] == ["Embedding", "Embedding", "Dropout", "Block"]
+    blocks = profile.layers[4]
+    assert blocks.parameter_bytes == 4 * sum(p.numel() for p in model.blocks[0].parameters())
+    assert blocks.activation_bytes == 4 * 4 * 8 * 16  # the hidden states it hands on
+    assert has_meta(model)  # every unit was freed again

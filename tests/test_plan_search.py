@@ -30,7 +30,7 @@ def straight_plan(forward, schedule="pipedream", microbatches=1):
 
 
 def test_pipedream_steady_state_is_the_slowest_stage():
-    # DESIGN 3.2: S = 4, F = 1, B = 2 -> 3 per minibatch in steady state
+    # docs/design.md 3.2: S = 4, F = 1, B = 2 -> 3 per minibatch in steady state
     plan, profile, topology = straight_plan([1.0] * 4)
     assert simulate_plan(plan, profile, topology).time_per_minibatch == pytest.approx(3.0)
     # unbalanced F = (1, 1, 2, 1): bottleneck 6
@@ -39,7 +39,7 @@ def test_pipedream_steady_state_is_the_slowest_stage():
 
 
 def test_flush_schedule_pays_the_bubble():
-    # DESIGN 3.1: 1f1b, S = 4, m = 8: makespan 33 in microbatch units of F/m = 1/8
+    # docs/design.md 3.1: 1f1b, S = 4, m = 8: makespan 33 in microbatch units of F/m = 1/8
     plan, profile, topology = straight_plan([1.0] * 4, schedule="1f1b", microbatches=8)
     sim = simulate_plan(plan, profile, topology)
     assert sim.time_per_minibatch == pytest.approx(33 / 8)

@@ -6,7 +6,7 @@ import itertools
 import math
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipetrain.plan.window import (fewest, nested_ranges, prefix_fewest, suffix_fewest,

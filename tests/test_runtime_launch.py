@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torchrun_agents
 
 from pipetrain.runtime.errors import LaunchError
 from pipetrain.runtime.launch import detect, init_distributed, launch, plan_cores
@@ -255,36 +256,12 @@ board.close()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_nodes_meet_at_the_rendezvous(tmp_path):
     """The multi-machine path on one machine: two torchrun agents, one worker each, c10d rendezvous."""
     worker = tmp_path / "worker.py"
     worker.write_text(TORCHRUN_WORKER)
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=SRC)
-    procs = []
-    for node in (0, 1):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pipetrain-test",
-            "--rdzv-conf", f"is_host={1 - node},join_timeout=60", "--max-restarts", "0", str(worker),
-        ]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)
-    text = "\n".join(outs)
+    codes, text = torchrun_agents.run([str(worker)], rdzv_id="pipetrain-test", join_timeout=60, timeout=120)
+    assert codes == [0, 0], text
     assert "rank 0 got [6.0, 10.0, 14.0] torchrun" in text
     assert "rank 1 done torchrun" in text
     for rank in (0, 1):  # the status board works on torchrun's store

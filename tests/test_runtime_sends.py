@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.runtime.cuts import cut
-from pipetrain.runtime.sends import Messages, on_demand_is_safe
+from pipetrain.schedule.cuts import cut
+from pipetrain.schedule.messages import Messages
+from pipetrain.runtime.sends import on_demand_is_safe
 from pipetrain.schedule import build, dry_run
 from pipetrain.schedule.ir import Action, Kind, Schedule
 

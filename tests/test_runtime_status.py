@@ -38,8 +38,12 @@ def test_board_publishes_recent_actions_and_waits(capfd):
         a.note = "step 4"
         b.done("F0")
         b.publish()
-        time.sleep(0.3)  # the background thread publishes a's record meanwhile
+        deadline = time.monotonic() + 10  # until a's background thread has published its record
         records = read_status(client, 3, prefix="t")
+        while (records is None or records.get(0, {}).get("done") != ["F2", "B0", "F3"]
+               or records[0].get("waiting_s", 0) <= 0.1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            records = read_status(client, 3, prefix="t")
         assert records is not None and set(records) == {0, 1}
         assert records[0]["done"] == ["F2", "B0", "F3"]  # the last 3 only
         assert records[0]["waiting"] == "RECV_B of microbatch 1 from rank 1"

@@ -7,13 +7,11 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+import torchrun_agents
 
 from pipetrain.errors import ConfigError
 from pipetrain.training import TrainConfig, prepare
@@ -23,40 +21,6 @@ OPTIONS = ["--schedule", "1f1b", "--stages", "2", "--model", "mlp:depth=3,width=
            "--data", "synthetic:features=8,classes=3,samples=64", "--batch-size", "8", "--steps", "8",
            "--microbatches", "2", "--no-progress", "--timeout", "30"]
 SCRIPT = os.path.join(os.path.dirname(__file__), "restart_script.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _agents(entry: list[str], restarts: int, env: dict | None = None, outputs=None) -> list[subprocess.Popen]:
-    """Two torchrun agents of one job, the first hosting the rendezvous, each with one worker;
-    their output piped, or written to ``outputs`` (one file per agent)."""
-    port = _free_port()
-    return [
-        subprocess.Popen([
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pipetrain-train",
-            "--rdzv-conf", f"is_host={1 - node},join_timeout=90", "--max-restarts", str(restarts),
-            "--monitor-interval", "0.1", *entry,
-        ], stdout=subprocess.PIPE if outputs is None else outputs[node], stderr=subprocess.STDOUT, text=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path), **(env or {})))
-        for node in (0, 1)
-    ]  # fmt: skip
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return outputs
 
 
 def _children(pid: int) -> list[int]:
@@ -86,12 +50,12 @@ def test_two_torchrun_agents_restart_a_killed_worker_and_train_like_the_emulator
                          executor="emulate", progress=False, save=str(tmp_path / "emulated.pt"))
     rank = random.randrange(2)
     position = random.randrange(1, len(prepare(config).schedule.programs[rank]))
-    procs = _agents(["-m", "pipetrain.cli", "train", "--executor", "distributed", *OPTIONS, "--save", str(saved),
-                     "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"], restarts=1,
-                    env={"PIPETRAIN_FAULT_INJECT": f"{rank}:{position}"})
-    text = "\n".join(_finish(procs))
+    codes, text = torchrun_agents.run(
+        ["-m", "pipetrain.cli", "train", "--executor", "distributed", *OPTIONS, "--save", str(saved),
+         "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"], rdzv_id="pipetrain-train", restarts=1,
+        env={"PIPETRAIN_FAULT_INJECT": f"{rank}:{position}"})
     where = f"rank {rank} killed before position {position}"
-    assert [p.returncode for p in procs] == [0, 0], (where, text)
+    assert codes == [0, 0], (where, text)
     assert "1f1b: 8 steps on 2 workers" in text
     assert "no checkpoint in" in text and text.count("resuming from step") + text.count("no checkpoint in") == 2, text
     train(config)
@@ -102,9 +66,8 @@ def test_a_script_under_torchrun_restarts_and_resumes_every_run_exactly(tmp_path
     import restart_script
 
     kill = f"{random.choice(list(restart_script.RUNS))}:{random.randrange(restart_script.RUNS['1f1b']['steps'] - 1)}"
-    procs = _agents([SCRIPT, str(tmp_path), "--kill", kill], restarts=1)
-    text = "\n".join(_finish(procs))
-    assert [p.returncode for p in procs] == [0, 0], (kill, text)
+    codes, text = torchrun_agents.run([SCRIPT, str(tmp_path), "--kill", kill], rdzv_id="pipetrain-train", restarts=1)
+    assert codes == [0, 0], (kill, text)
     restart_script.main([str(tmp_path), "--executor", "emulate"])
     for schedule in restart_script.RUNS:
         assert _same(tmp_path / f"{schedule}.pt", tmp_path / f"{schedule}-emulated.pt"), (kill, schedule)
@@ -114,7 +77,8 @@ def test_a_script_under_torchrun_restarts_and_resumes_every_run_exactly(tmp_path
 def test_killing_either_agent_ends_the_other_one_non_zero(tmp_path, victim):
     logs = [open(tmp_path / f"agent{node}.log", "w") for node in (0, 1)]
     long_run = OPTIONS[:OPTIONS.index("--steps")] + ["--steps", "4000"] + OPTIONS[OPTIONS.index("--steps") + 2:]
-    procs = _agents(["-m", "pipetrain.cli", "train", "--executor", "distributed", *long_run], restarts=0, outputs=logs)
+    procs = torchrun_agents.start(["-m", "pipetrain.cli", "train", "--executor", "distributed", *long_run],
+                                  rdzv_id="pipetrain-train", outputs=logs)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not any("stage 0:" in (tmp_path / f"agent{n}.log").read_text()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipetrain.runtime.cuts import cut
+from pipetrain.schedule.cuts import cut
 from pipetrain.schedule import build, check
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.ir import Kind

@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution.versions import version_release_points
-from pipetrain.runtime.cuts import cuts, feed_cuts, in_flight
-from pipetrain.runtime.sends import Messages, on_demand_is_safe
+from pipetrain.schedule.cuts import cuts, feed_cuts, in_flight
+from pipetrain.schedule.messages import Messages
+from pipetrain.runtime.sends import on_demand_is_safe
 from pipetrain.schedule import build, check, memory_by_rank, staleness, units_per_update
 from pipetrain.schedule.pattern import PeriodicProgram, pattern_of
 
@@ -142,7 +143,7 @@ def test_the_pattern_does_not_grow_with_the_run(monkeypatch):
 
 
 def test_the_counts_a_replicated_update_splits_are_read_off_the_pattern():
-    from pipetrain.runtime.cuts import shared_updates, split_counts
+    from pipetrain.schedule.cuts import shared_updates, split_counts
 
     whole = build("pipedream", 3, 300, replicas=[2, 1, 1])
     long = build("pipedream", 3, 300, replicas=[2, 1, 1], pattern=True)

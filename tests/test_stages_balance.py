@@ -16,7 +16,8 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 from pipetrain.models import cross_entropy
-from pipetrain.stages import StageChoice, measure_unit_costs, split_by_time, split_model, unit_names
+from pipetrain.execution.balance import measure_unit_costs, split_by_time
+from pipetrain.stages import StageChoice, split_model, unit_names
 from pipetrain.training import TrainConfig
 from pipetrain.training.setup import prepare
 from pipetrain.training.train import train

@@ -1,4 +1,4 @@
-"""The timeline simulator pinned to DESIGN.md section 3's numbers."""
+"""The timeline simulator pinned to docs/design.md section 3's numbers."""
 
 import pytest
 
@@ -85,7 +85,7 @@ def test_times_are_consistent():
             previous = end
             ends[(rank, str(action))] = end
     for rank in range(schedule.num_ranks):
-        for action, start, end in timeline.spans(rank):
+        for action, _, end in timeline.spans(rank):
             if action.kind.value == "RECV_F":
                 sent = ends[(action.peer, f"{action.stage - 1}SEND_F{action.microbatch}>{rank}")]
                 assert end >= sent + 0.25 - 1e-12

@@ -4,7 +4,6 @@ asynchronous schedules, the runtime equal to the emulator, and training close to
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 

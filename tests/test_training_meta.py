@@ -7,7 +7,6 @@ runtime; ``--save DIR`` written stage by stage by the workers equals the emulato
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from pipetrain import load_weights
 from pipetrain.errors import ConfigError

@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return Pipeline
     if name == "load_weights":
-        from pipetrain.weights import load_weights
+        from pipetrain.stages.materialize import load_weights
 
         return load_weights
     raise AttributeError(f"module 'pipetrain' has no attribute {name!r}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "StageError", "NonFiniteError",
-           "ModelError"]
+           "ModelError", "DataWorkerLost"]
 
 
 class PipetrainError(Exception):
@@ -57,3 +57,18 @@ class NonFiniteError(StageError):
 class ModelError(StageError):
     """The user's model or loss raised (named with its type and the file and line it was raised
     at), or gave what training cannot use, such as a loss that is not one number."""
+
+
+class DataWorkerLost(PipetrainError):
+    """A DataLoader worker process reading this rank's batches died: killed by a signal (the
+    kernel's out-of-memory killer picks such a process first) or gone without a word. A fault,
+    not bad data: the exit status is 128+N for signal N (3 when torch does not say which), so
+    ``--max-restarts`` starts the run again."""
+
+    def __init__(self, message: str, signal: int | None = None) -> None:
+        super().__init__(message)
+        self.signal = signal
+        self.exit_status = 128 + signal if signal else 3
+
+    def __reduce__(self):
+        return (DataWorkerLost, (str(self), self.signal))

@@ -54,7 +54,7 @@ class Pipeline:
             (``save=DIR``'s or HuggingFace's ``save_pretrained``'s: each rank reads its own tensors).
             A directory also starts an eagerly built model from its weights. See docs/models.md.
     Schedule:
-        schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb (DESIGN.md section 3).
+        schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb (docs/design.md section 3).
         microbatches: units per update (microbatches per step; pipedream/pb: minibatches or
             samples accumulated per update, default 1); ``replicas``, ``chunks``, ``policy`` as for
             :func:`pipetrain.schedule.build`.

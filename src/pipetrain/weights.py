@@ -16,8 +16,9 @@ embedding) is stored once, under its first name, as ``save_pretrained`` does. A 
 
 Reading is lazy (:class:`WeightsDir`): a rank asks for the tensors of its stages by name and only
 their bytes are read (``safetensors.safe_open``), which is how a model larger than one process
-starts from pretrained weights (``init="DIR"``, ``--init-from DIR``). :func:`load_weights` loads a
-whole directory into an unsplit model.
+starts from pretrained weights (``init="DIR"``, ``--init-from DIR``).
+:func:`pipetrain.load_weights` (:mod:`pipetrain.stages.materialize`) loads a whole directory into
+an unsplit model.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ __all__ = [
     "CONFIG",
     "WeightsDir",
     "is_weights_dir",
-    "load_weights",
     "save_weights",
     "shard_name",
     "write_index",
@@ -260,21 +260,3 @@ def check_against(weights: WeightsDir, model: nn.Module) -> None:
         if stored != expected:
             raise ConfigError(f"the weights in {str(weights.path)!r} store {key!r} with shape {stored}, but the "
                               f"model's is {expected}: they were saved from another model or configuration")
-
-
-def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load a weights directory (``--save DIR``'s, or a HuggingFace ``save_pretrained`` one) into
-    the unsplit ``model``, every tensor checked by name and shape; returns ``model``.
-
-    A model built under ``torch.device("meta")`` gets real tensors (tied ones stay tied); any other
-    keeps its tensors, on their device and dtype, with the stored values copied in.
-    """
-    weights = WeightsDir(path)
-    check_against(weights, model)
-    from pipetrain.stages.materialize import assign
-
-    values = {}
-    for names in tensor_names(model).values():
-        values[names[0]] = weights.get(weights.find(names))  # type: ignore[arg-type]
-    assign(model, values)
-    return model

@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="optimizer state per parameter, in parameter sizes (0 SGD, "
                              "1 momentum, 2 Adam; default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights (default 0)")
+    parser.add_argument("--init", choices=["eager", "meta"],
+                        help="meta: build the model on the meta device and profile it by pipeline unit, each "
+                             "materialised alone (reset_parameters() under --seed, or --init-from), never whole "
+                             "(default: eager, unless --init-from is given)")
+    parser.add_argument("--init-from", metavar="DIR", help="the weights of a meta-built model (a --save DIR)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads while measuring (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -64,17 +69,28 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     dataset = load_dataset(args.data)
     info = dataset_info(dataset)
+    meta = args.init == "meta" or (args.init is None and args.init_from is not None)
     model = build_model(args.model, input_shape=info.input_shape, num_classes=info.num_classes,
-                        seed=args.seed)
+                        seed=args.seed, meta=meta)
     count = len(dataset)
     indices = [i % count for i in range(args.batch_size)]
     batch = get_batch(dataset, indices)
-    profile = profile_model(model, batch, iterations=args.iterations, warmup=args.warmup,
-                            optimizer_states=args.optimizer_states, device=args.device,
-                            progress=not (args.no_progress or args.json),
-                            statistic=args.statistic,
-                            meta={"model_spec": args.model, "data_spec": args.data,
-                                  "seed": args.seed})
+    described = {"model_spec": args.model, "data_spec": args.data, "seed": args.seed}
+    if meta:
+        from pipetrain.models.loss import loss_for
+        from pipetrain.plan.profiler import profile_by_unit
+        from pipetrain.stages.materialize import resolve_init
+
+        if args.device != "cpu":
+            raise ConfigError("--init meta profiles on the CPU (each unit materialised there): drop --device")
+        profile = profile_by_unit(model, batch, loss_for(model), init=resolve_init(args.init_from or "reset"),
+                                  seed=args.seed, iterations=args.iterations, warmup=args.warmup,
+                                  optimizer_states=args.optimizer_states, statistic=args.statistic, meta=described)
+    else:
+        profile = profile_model(model, batch, iterations=args.iterations, warmup=args.warmup,
+                                optimizer_states=args.optimizer_states, device=args.device,
+                                progress=not (args.no_progress or args.json),
+                                statistic=args.statistic, meta=described)
     if args.out:
         save_profile(profile, args.out)
     if args.json:

@@ -209,7 +209,7 @@ def _meta(args: argparse.Namespace) -> bool:
 
 
 def _translated(spec_text: str, reference_batch: int, batch_size: int) -> str:
-    """Rewrite an SGD spec tuned at ``reference_batch`` for ``batch_size`` (DESIGN.md 3.5)."""
+    """Rewrite an SGD spec tuned at ``reference_batch`` for ``batch_size`` (docs/design.md 3.5)."""
     from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
 
     spec = parse_optimizer_spec(spec_text)
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                   f"stage {s}: {_ranges(p['skipped']) if p['skipped'] else 'none'}" for s, p in enumerate(scale["per_stage"])) + ")"))
     skipped = result.extra.get("skipped_updates") or []
     if any(skipped):
-        print(f"skipped updates whose gradient was not finite (--on-nonfinite skip): "
+        print("skipped updates whose gradient was not finite (--on-nonfinite skip): "
               + "; ".join(f"stage {stage}: {_ranges(steps)}" for stage, steps in enumerate(skipped) if steps))
     for flag, path in (("model", config.save), ("report", config.report_json), ("trace", config.trace),
                        ("plot", config.plot)):

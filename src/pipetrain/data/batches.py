@@ -55,11 +55,11 @@ MAX_GROUP, GROUP_SECONDS = 16, 0.005
 def group_size(batch: Any, seconds: float) -> int:
     """How many updates one worker (or the background thread) reads and sends together, from one
     batch and its read time:
-    as many as fit in :data:`~pipetrain.execution.prefetch.PACK_LIMIT` bytes and
+    as many as fit in :data:`~pipetrain.data.prefetch.PACK_LIMIT` bytes and
     :data:`GROUP_SECONDS` of reading, at most :data:`MAX_GROUP`, at least 1. Small, quick batches
     share one message between processes (about 0.3-1 ms each on the project's machine, more than
     reading 32 small samples); large or slow ones gain nothing from it. It changes no result."""
-    from pipetrain.execution.prefetch import PACK_LIMIT
+    from pipetrain.data.prefetch import PACK_LIMIT
     from pipetrain.structure import tensors_of
 
     size = sum(t.numel() * t.element_size() for t in tensors_of(batch))
@@ -101,7 +101,7 @@ class DatasetBatches:
         pin_memory: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
-        from pipetrain.execution.prefetch import BatchPrefetcher, WorkerPrefetcher, pin, pin_available
+        from pipetrain.data.prefetch import BatchPrefetcher, WorkerPrefetcher, pin, pin_available
 
         self.reads = UpdateBatches(dataset, indices_of_update, seed=seed, dtype=dtype)
         self.workers = resolve_workers(workers)

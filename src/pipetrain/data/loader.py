@@ -23,7 +23,7 @@ The loader keeps everything it was built with (its sampler, ``num_workers``, ``p
   so that the training thread only picks one up. With ``num_workers=0`` batches are read on the
   training thread when needed (as the loader itself would). On a rank that pipetrain's launcher
   pinned to its own cores, the loader's ``worker_init_fn`` is wrapped so that its workers may run
-  on any core first (:func:`~pipetrain.execution.prefetch.unpin_worker`): pinned beside the rank
+  on any core first (:func:`~pipetrain.data.prefetch.unpin_worker`): pinned beside the rank
   they fall behind whenever its core is busy.
 * **Going back.** Updates are asked for in increasing order; the last ``keep`` batches are kept
   for a request that comes a little late (stage 0's replicas take turns). A run that starts at a
@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, TYPE_CHECKING
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -46,10 +46,13 @@ from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.spec import describe_exception
 from pipetrain.structure import cast_floating, first_tensor
 
+if TYPE_CHECKING:
+    from pipetrain.data.info import DataInfo
+
 __all__ = ["LoaderBatches", "loader_info"]
 
 
-def loader_info(loader: DataLoader, where: str = "the DataLoader") -> "DataInfo":
+def loader_info(loader: DataLoader, where: str = "the DataLoader") -> DataInfo:
     """What the model needs to know of a DataLoader's data: :func:`~pipetrain.data.info.dataset_info`
     of its (map-style) data set, one sample read; an ``IterableDataset`` must declare
     ``num_classes``, and gives the input shape of its first sample."""
@@ -105,7 +108,7 @@ class LoaderBatches:
         self._epoch_batches = 0  # full batches of the epoch being read
         self._threaded = int(getattr(loader, "num_workers", 0) or 0) > 0
         if self._threaded and os.environ.get("PIPETRAIN_CPUS") and hasattr(loader, "worker_init_fn"):
-            from pipetrain.execution.prefetch import Unpinned
+            from pipetrain.data.prefetch import Unpinned
 
             if not isinstance(loader.worker_init_fn, Unpinned):  # see the module docstring, "Reading ahead"
                 loader.worker_init_fn = Unpinned(loader.worker_init_fn)
@@ -159,14 +162,14 @@ class LoaderBatches:
         for sampler in (getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
             if callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(self.epoch)
-        from pipetrain.execution.prefetch import unpinned_workers
+        from pipetrain.data.prefetch import unpinned_workers
 
         workers = getattr(self.loader, "num_workers", 0)
         with seeded(data_seed(self.seed, self.epoch, stream=1)), unpinned_workers(workers):
             iterator = iter(self.loader)
         self._epoch_batches = 0
         if self._threaded:
-            from pipetrain.execution.prefetch import Receiver
+            from pipetrain.data.prefetch import Receiver
 
             self._receiver = Receiver(iterator, depth=2, name="pipetrain-loader")
         else:
@@ -202,7 +205,7 @@ class LoaderBatches:
         except PipetrainError:
             raise
         except Exception as error:
-            from pipetrain.execution.prefetch import lost_data_worker
+            from pipetrain.data.prefetch import lost_data_worker
 
             lost = lost_data_worker(error)  # a worker process that died is a fault, not bad data
             if lost is not None:

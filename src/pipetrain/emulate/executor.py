@@ -93,7 +93,7 @@ class Emulator:
 
         ``on_unit(k, loss)`` is called when the last stage finishes the forward of unit k. Each
         ``(positions, callback)`` of ``cuts`` stops every rank r before its action
-        ``positions[r]`` (a consistent cut, see :mod:`pipetrain.runtime.cuts`) and calls
+        ``positions[r]`` (a consistent cut, see :mod:`pipetrain.schedule.cuts`) and calls
         ``callback()`` once all have arrived: evaluation sees every stage as the runtime does.
         """
         self.begin(on_unit, cuts=cuts)
@@ -125,7 +125,7 @@ class Emulator:
     def advance(self, limits: Sequence[int] | None = None) -> None:
         """Run every rank up to (not including) its position ``limits[rank]`` (default: the end of
         its program); ``limits`` must be a consistent cut, such as the end of a
-        :func:`~pipetrain.runtime.cuts.feed_cuts` piece. Raises if a rank cannot get there."""
+        :func:`~pipetrain.schedule.cuts.feed_cuts` piece. Raises if a rank cannot get there."""
         schedule = self.schedule
         programs = schedule.programs
         last_stage = schedule.num_stages - 1

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from pipetrain.errors import ConfigError
-from pipetrain.execution.prefetch import BatchPrefetcher
+from pipetrain.data.prefetch import BatchPrefetcher
 from pipetrain.structure import rows
 
 __all__ = ["UnitLayout", "UnitData", "BatchSource"]
@@ -95,7 +95,7 @@ class UnitData:
     The batches come from ``batches`` (a :class:`BatchSource`, see :meth:`of`), or else from
     ``get_batch(dataset, indices_of_update(t))``: with ``prefetch`` (the updates this rank reads,
     in the order it reads them) and a data set read by index, a
-    :class:`~pipetrain.execution.prefetch.BatchPrefetcher` reads each one on a background thread
+    :class:`~pipetrain.data.prefetch.BatchPrefetcher` reads each one on a background thread
     one update ahead."""
 
     def __init__(

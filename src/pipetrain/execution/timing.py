@@ -25,11 +25,11 @@ _BUSY = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP})
 
 def window_lengths(schedule, units_per_update: int = 1) -> list[int]:
     """Per rank, the actions timed one by one: every action of programs of at most :data:`WINDOW`
-    actions; else the actions before a consistent cut (:mod:`~pipetrain.runtime.cuts`) within
+    actions; else the actions before a consistent cut (:mod:`~pipetrain.schedule.cuts`) within
     :data:`WINDOW` actions of every rank, so that the window is itself a schedule the simulator can
     run (the measured timeline's simulated counterpart, traces and plots)."""
     from pipetrain.errors import PipetrainError
-    from pipetrain.runtime.cuts import cuts
+    from pipetrain.schedule.cuts import cuts
 
     lengths = [len(program) for program in schedule.programs]
     if max(lengths, default=0) <= WINDOW:

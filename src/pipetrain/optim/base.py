@@ -201,7 +201,7 @@ class StageOptimizer(ABC):
         velocity = self.velocity(name)
         return None if velocity is None else torch.add(param, velocity, alpha=-lr_horizon, out=out)
 
-    def _check_can_predict(self) -> None:
+    def _check_can_predict(self) -> None:  # noqa: B027 - a hook: most optimizers can predict
         """Raise if this optimizer keeps no velocity to predict with."""
 
     # -- description and checkpoints -------------------------------------------------------------

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from pipetrain.optim.base import StageOptimizer
 
 __all__ = [
-    "OPTIMIZERS",
+    "OPTIMIZERS",  # noqa: F822 - made on first use (module __getattr__)
     "optimizer_class",
     "OptimizerSpec",
     "parse_optimizer_spec",

@@ -1,6 +1,6 @@
 """Reference Pipelined Backpropagation, one stage at a time, in two equivalent orders.
 
-Semantics (DESIGN.md 3.4/3.5), S stages, samples n = 0, 1, ... in data order, an update every
+Semantics (docs/design.md 3.4/3.5), S stages, samples n = 0, 1, ... in data order, an update every
 ``u`` samples (default 1):
 
 * the forward of sample n at stage s reads version ``max(0, n - D_s) // u`` of that stage, with

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +33,10 @@ from pipetrain.pb.methods import Method
 from pipetrain.pb.reference import pb_sequential
 from pipetrain.schedule import pb_delays
 from pipetrain.stages import StagedModel, refuse_tied, split_model
+
+
+if TYPE_CHECKING:
+    from pipetrain.pb.journal import StudyJournal
 
 __all__ = ["StudyConfig", "RunSpec", "RunResult", "StudyResult", "plan_runs", "run_study", "is_diverged",
            "runs_per_engine", "CURVE_POINTS"]
@@ -479,7 +483,7 @@ def run_study(
     *,
     progress: Callable[[int], None] | None = None,
     on_start: Callable[[int], None] | None = None,
-    journal: "StudyJournal | None" = None,
+    journal: StudyJournal | None = None,
     on_resume: Callable[[int, int], None] | None = None,
 ) -> StudyResult:
     """Train every run of ``config``. ``on_start(total_samples)`` is called once before training,

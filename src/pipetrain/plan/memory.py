@@ -1,6 +1,6 @@
 """Memory of one worker of a pipeline stage, per schedule.
 
-What a worker of stage ``s`` holds at its peak (DESIGN 3.2, 3.3), with ``w`` the stage's parameter
+What a worker of stage ``s`` holds at its peak (docs/design.md 3.2, 3.3), with ``w`` the stage's parameter
 bytes, ``o`` its optimizer-state bytes, ``a`` the activation bytes of all its layers for one
 minibatch, ``m`` microbatches per minibatch and
 ``d_s = ceil(workers from stage s to the end / r_s)``

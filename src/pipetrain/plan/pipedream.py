@@ -1,7 +1,7 @@
 """PipeDream's partitioning optimizer: stages, replication, a hierarchical topology.
 
 Dynamic programming over (cut, cut, machines), level by level (Narayanan et al., SOSP 2019,
-section 3.1; DESIGN 3.6). At level ``l`` with ``n`` components joined by bandwidth ``B``::
+section 3.1; docs/design.md 3.6). At level ``l`` with ``n`` components joined by bandwidth ``B``::
 
     A(r -> j, M) = min( T(r -> j, M),                                   # one stage, M replicas
                         min over cuts k, m' < M of
@@ -911,7 +911,7 @@ def _describe(solver: _Solver, flat: list) -> list[Stage]:
             replicas *= m
         tin = bandwidth_in = 0.0
         if a > 0:
-            for index, (m, kind, start, end) in enumerate(path):
+            for index, (m, kind, start, _) in enumerate(path):
                 if kind == "split" and start == a:
                     bandwidth_in = topology.bandwidths[index]
                     tin = float(_transfer_in(model, cuts.output[a], m, bandwidth_in))

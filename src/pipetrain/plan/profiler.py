@@ -30,19 +30,22 @@ from torch import nn
 from pipetrain.errors import ConfigError
 from pipetrain.plan.profile import LayerProfile, Profile
 
-__all__ = ["profile_model", "STATISTICS"]
+__all__ = ["profile_model", "profile_by_unit", "STATISTICS"]
 
 STATISTICS = {"median": statistics.median, "mean": statistics.fmean}
 
 
 class _Clock:
-    def __init__(self, device: torch.device) -> None:
+    """Wall time (``time``: another source of seconds), the device synchronised first on CUDA."""
+
+    def __init__(self, device: torch.device, time: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = device.type == "cuda"
+        self.time = time
 
     def now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return self.time()
 
 
 class _Mark(torch.autograd.Function):
@@ -179,12 +182,14 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *,
                   iterations: int = 10, warmup: int = 3, optimizer_states: float = 1.0,
                   device: str | torch.device | None = None, progress: bool = True,
-                  meta: dict[str, Any] | None = None, statistic: str = "median") -> Profile:
+                  meta: dict[str, Any] | None = None, statistic: str = "median",
+                  clock: Callable[[], float] = time.perf_counter) -> Profile:
     """Profile ``model`` on one ``(input, target)`` batch; returns a :class:`Profile`.
 
     ``loss_fn`` defaults to cross-entropy. ``optimizer_states`` is the optimizer state per
     parameter in parameter sizes (0 plain SGD, 1 momentum SGD, 2 Adam). ``statistic`` (``median``
-    or ``mean``) summarises each unit's times over the measured iterations.
+    or ``mean``) summarises each unit's times over the measured iterations. ``clock``: the source
+    of seconds (wall time; any monotonic clock, e.g. one a test advances itself).
     """
     if iterations < 1 or warmup < 0:
         raise ConfigError("iterations must be >= 1 and warmup >= 0")
@@ -194,7 +199,7 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
     loss_fn = loss_fn or nn.functional.cross_entropy
     device = torch.device(device) if device is not None else next(
         (p.device for p in model.parameters()), torch.device("cpu"))
-    clock = _Clock(device)
+    clock = _Clock(device, clock)
     inputs, target = example
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
@@ -300,3 +305,92 @@ def _one_iteration(model: nn.Module, units: Sequence[_Unit], output_of: Callable
             begin = None
         backward[unit.name] = max(0.0, end - begin) if begin is not None else 0.0
     return forward, backward, sizes
+
+
+def profile_by_unit(model: nn.Module, example: tuple[Any, torch.Tensor],
+                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *, init: Any = None,
+                    seed: int = 0, iterations: int = 10, warmup: int = 3, optimizer_states: float = 1.0,
+                    meta: dict[str, Any] | None = None, statistic: str = "median",
+                    clock: Callable[[], float] = time.perf_counter) -> Profile:
+    """A profile of ``model`` by pipeline unit (the pieces an automatic split chooses between, see
+    :func:`~pipetrain.stages.unit_names`), each unit materialised alone, measured and freed: how a
+    model built on the meta device (:mod:`pipetrain.stages.materialize`, first values from
+    ``init`` under ``seed``) is profiled without ever holding it whole.
+
+    First the forwards alone give every unit its input; then each unit runs ``warmup`` +
+    ``iterations`` forwards and backwards on it (the last with ``loss_fn``, the others with the
+    sum of their floating outputs, so that a gradient of ones arrives). A unit's
+    ``activation_bytes`` are what it hands on (all values crossing to the next unit); the layers
+    form a chain.
+    """
+    from pipetrain.stages import unit_pieces
+    from pipetrain.stages.materialize import materialize
+    from pipetrain.stages.staged import call_stage
+    from pipetrain.structure import flatten, map_values
+
+    if iterations < 1 or warmup < 0:
+        raise ConfigError("iterations must be >= 1 and warmup >= 0")
+    if statistic not in STATISTICS:
+        raise ConfigError(f"unknown statistic {statistic!r}; choose {' or '.join(STATISTICS)}")
+    summarise = STATISTICS[statistic]
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    inputs, target = example
+    names, pieces = unit_pieces(model, 1)
+    last = len(pieces) - 1
+    given_bytes = sum(t.numel() * t.element_size() for t in flatten(inputs)[0] if isinstance(t, torch.Tensor))
+    layers = [LayerProfile(name="input", kind="Input", activation_bytes=float(given_bytes), input=True)]
+    with torch.random.fork_rng(devices=[]):
+        values = [inputs]
+        for piece in pieces.stages[:-1]:  # every unit's input, from the forwards alone
+            made = materialize(model, piece, init, seed=seed)
+            try:
+                with torch.no_grad():
+                    values.append(call_stage(piece, values[-1]))
+            finally:
+                made.release()
+        for s, (name, piece) in enumerate(zip(names, pieces.stages)):
+            made = materialize(model, piece, init, seed=seed)
+            try:
+                params = [p for p in piece.parameters() if p.requires_grad]
+                forward, backward = [], []
+                for it in range(warmup + iterations):
+                    given = map_values(values[s], lambda t: t.detach().requires_grad_(t.is_floating_point()))
+                    start = clock()
+                    out = call_stage(piece, given)
+                    middle = clock()
+                    if s == last:
+                        loss = loss_fn(out, target)
+                    else:
+                        loss = sum(t.sum() for t in flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad)
+                    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                        loss.backward()
+                    end = clock()
+                    for p in params:
+                        p.grad = None
+                    if it >= warmup:
+                        forward.append(middle - start)
+                        backward.append(end - middle)
+                handed = 0 if s == last else sum(t.numel() * t.element_size() for t in flatten(values[s + 1])[0]
+                                                 if isinstance(t, torch.Tensor))
+                weights = sum(p.numel() * p.element_size() for p in piece.parameters())
+                layers.append(LayerProfile(name=name, kind=_unit_kind(model, name, piece), forward_s=summarise(forward),
+                                           backward_s=summarise(backward), activation_bytes=float(handed),
+                                           parameter_bytes=float(weights),
+                                           optimizer_bytes=float(weights * optimizer_states)))
+            finally:
+                made.release()
+    first = next(iter(flatten(inputs)[0]), None)
+    batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+    info = {"model": type(model).__name__, "device": "cpu", "iterations": iterations, "warmup": warmup,
+            "statistic": statistic, "optimizer_states": optimizer_states, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "units": "pipeline units, each materialised alone"}
+    info.update(meta or {})
+    return Profile(layers=layers, edges=None, batch_size=batch, meta=info)
+
+
+def _unit_kind(model: nn.Module, name: str, piece: nn.Module) -> str:
+    """The class of the module unit ``name`` is (a declared unit's wrapper when it is none)."""
+    try:
+        return type(model.get_submodule(name)).__name__
+    except AttributeError:
+        return type(piece).__name__

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import DataWorkerLost, PipetrainError  # noqa: F401 - DataWorkerLost: (re-exported)
 
 __all__ = [
     "CommunicationError",
@@ -60,18 +60,3 @@ class CheckpointPeerError(CheckpointError):
     it is gone or stuck (a lost or timed-out peer, not a bad checkpoint)."""
 
     exit_status = 3
-
-
-class DataWorkerLost(PipetrainError):
-    """A DataLoader worker process reading this rank's batches died: killed by a signal (the
-    kernel's out-of-memory killer picks such a process first) or gone without a word. A fault,
-    not bad data: the exit status is 128+N for signal N (3 when torch does not say which), so
-    ``--max-restarts`` starts the run again."""
-
-    def __init__(self, message: str, signal: int | None = None) -> None:
-        super().__init__(message)
-        self.signal = signal
-        self.exit_status = 128 + signal if signal else 3
-
-    def __reduce__(self):
-        return (DataWorkerLost, (str(self), self.signal))

@@ -44,7 +44,8 @@ from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError, DataWorkerLost
 from pipetrain.runtime.p2p import Messenger, RecvHandle
-from pipetrain.runtime.sends import Messages, SendLedger, on_demand_is_safe
+from pipetrain.schedule.messages import Messages
+from pipetrain.runtime.sends import SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 from pipetrain.structure import append, flatten, split_last
 
@@ -94,7 +95,7 @@ class RankRunner:
         messenger: point-to-point transport; ``groups``: :func:`sync_groups`.
         status: an optional status board (recent actions, current wait).
         receives: ``"auto"``, ``"on-demand"`` or ``"ahead"`` (see the module docstring).
-        messages: the schedule's :class:`~pipetrain.runtime.sends.Messages`, if already built.
+        messages: the schedule's :class:`~pipetrain.schedule.messages.Messages`, if already built.
         tied: where the stages sharing a parameter sum its gradient (:mod:`pipetrain.execution.tied`;
             its groups come from :func:`sync_groups`).
     """
@@ -445,7 +446,7 @@ class RankRunner:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """This rank's state at its cut (see :mod:`pipetrain.runtime.cuts`). Sends still under way
+        """This rank's state at its cut (see :mod:`pipetrain.schedule.cuts`). Sends still under way
         are not waited for: a message that crosses the cut is received only after the receiver's
         own cut, and a resumed run sends it again."""
         try:
@@ -464,8 +465,8 @@ class RankRunner:
     def keep_for_cuts(self, positions: list[int]) -> None:
         """Keep every version that a forward in flight at one of these cuts (this rank's positions
         of the cuts where it checkpoints) read, up to the cut, so that the checkpoint holds it
-        (see :func:`~pipetrain.runtime.cuts.in_flight`); released right after the cut."""
-        from pipetrain.runtime.cuts import in_flight
+        (see :func:`~pipetrain.schedule.cuts.in_flight`); released right after the cut."""
+        from pipetrain.schedule.cuts import in_flight
 
         if not positions:
             return
@@ -498,7 +499,7 @@ class RankRunner:
     def restore(self, state: dict[str, Any], cut) -> int:
         """Load this rank's state at ``cut``, replay the forwards in flight and re-send what
         crossed the cut; returns the program position to continue from."""
-        from pipetrain.runtime.cuts import in_flight
+        from pipetrain.schedule.cuts import in_flight
 
         schedule, rank, program = self.schedule, self.rank, self.program
         position = cut.positions[rank]
@@ -652,7 +653,7 @@ def _unmask(payload, mask: int | None) -> tuple:
 
 
 def _runtime_error(rank: int, action: Action, error: RuntimeError) -> PipetrainError:
-    from pipetrain.execution.prefetch import lost_data_worker
+    from pipetrain.data.prefetch import lost_data_worker
 
     lost = lost_data_worker(error, rank)  # a fault, not bad input: the run may be restarted
     if lost is not None:

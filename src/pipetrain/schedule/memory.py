@@ -9,7 +9,7 @@ With activation recomputation (``recompute=True`` for every stage, or the stages
 its forward until its backward, which runs the forward again: the whole activations of a
 microbatch then live only during its B (or from its I to its W). The recomputation reads the
 version the forward read, so under the ``latest`` policy (PB) that version lives until the
-backward too. DESIGN 3.3: ``d`` microbatches in flight hold ``d * A_in + A_tot/d`` instead of
+backward too. docs/design.md 3.3: ``d`` microbatches in flight hold ``d * A_in + A_tot/d`` instead of
 ``d * A_tot/d``. Stages that do not recompute are counted as without it, on the same rank too
 (an interleaved rank may recompute one of its chunks and not the other).
 """

@@ -192,7 +192,7 @@ class Pattern:
 
 class ShiftedEnds:
     """``message -> (rank, position)`` of a long schedule, read off the sample's table (see
-    :class:`~pipetrain.runtime.sends.Messages`)."""
+    :class:`~pipetrain.schedule.messages.Messages`)."""
 
     def __init__(self, pattern: Pattern, sample: dict) -> None:
         self.pattern, self.sample = pattern, sample

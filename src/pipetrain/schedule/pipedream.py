@@ -5,7 +5,7 @@ PipeDream, straight 4-stage pipeline (warm-up W_s = 3, 2, 1, 0), updates after e
     stage 0: F0 F1 F2 F3 B0 STEP F4 B1 STEP F5 B2 STEP ...
     stage 3: F0 B0 STEP F1 B1 STEP F2 B2 STEP ...
 
-so minibatch k meets version ``max(0, k - W_s)`` at stage s (DESIGN.md 3.2). Replicated stages
+so minibatch k meets version ``max(0, k - W_s)`` at stage s (docs/design.md 3.2). Replicated stages
 (1F1B-RR) send minibatch k to replica ``k mod r_s``; the replicas average gradients (SYNC) before
 each update. 2BW runs the same order over batches of m microbatches and updates once per batch.
 """

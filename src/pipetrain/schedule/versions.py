@@ -1,7 +1,7 @@
 """Weight-version policies: which version each F, B, I and W reads.
 
 A policy is applied to a program order after the fact, so order and policy stay independent
-(DESIGN.md section 2). Versions count the stage's updates: version v exists after the stage's
+(docs/design.md section 2). Versions count the stage's updates: version v exists after the stage's
 v-th STEP.
 
 =========  ==========================================  ==========================================

@@ -1,6 +1,6 @@
 """Cutting models into pipeline stages and mapping stage state dicts back to the whole model."""
 
-from pipetrain.stages.balance import StageChoice, measure_unit_costs, split_by_time, unit_names, unit_pieces
+from pipetrain.stages.balance import StageChoice, unit_names, unit_pieces
 from pipetrain.stages.costs import measure_node_costs
 from pipetrain.stages.partition import balance_by_params, check_balance, parameter_counts, partition_min_max
 from pipetrain.stages.points import Plan, normalize_plan
@@ -22,13 +22,11 @@ __all__ = [
     "find_tied",
     "from_stages",
     "measure_node_costs",
-    "measure_unit_costs",
     "normalize_plan",
     "parameter_counts",
     "partition_min_max",
     "refuse_tied",
     "run_stages",
-    "split_by_time",
     "split_model",
     "trace_model",
     "unit_names",

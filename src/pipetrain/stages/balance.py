@@ -1,4 +1,6 @@
-"""Balancing stages by measured time, and the record of which stages were chosen and why.
+"""The units an automatic split chooses from, and the record of which stages were chosen and why.
+
+The timing itself runs the units as stage executors run them: :mod:`pipetrain.execution.balance`.
 
 Parameter counts say little about time: an attention layer's cost grows with the sequence and has
 no parameters, a classifier head to many classes is mostly parameters and little work. So an
@@ -17,21 +19,19 @@ printed and in the run's report) with the measurements, which reproduce it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import torch
 from torch import nn
 
-from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.errors import ConfigError
 from pipetrain.stages.nodes import ModulePositions, is_compute, positioned_nodes
-from pipetrain.stages.points import cost_units, largest_block, open_unit, pipeline_units
+from pipetrain.stages.points import cost_units, pipeline_units
 from pipetrain.stages.split import declared_units, split_model
 from pipetrain.stages.staged import StagedModel
 from pipetrain.stages.trace import trace_model
 
-__all__ = ["StageChoice", "measure_unit_costs", "split_by_time", "unit_names", "unit_pieces"]
+__all__ = ["StageChoice", "unit_names", "unit_pieces"]
 
 
 @dataclass
@@ -141,19 +141,19 @@ def unit_names(
     declared = declared_units(model)
     if declared is not None:
         return [name for name, _ in declared]
-    if _cut_between_children(model, leaf_modules, concrete_args):
+    if cut_between_children(model, leaf_modules, concrete_args):
         return [name for name, _ in model.named_children()]
-    positions, first_compute = _positions(model, leaf_modules, concrete_args)
-    return _startable(pipeline_units(model, positions, at_least=stages), positions, first_compute)
+    positions, first_compute = unit_positions(model, leaf_modules, concrete_args)
+    return startable(pipeline_units(model, positions, at_least=stages), positions, first_compute)
 
 
-def _positions(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Any) -> tuple[ModulePositions, int]:
+def unit_positions(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Any) -> tuple[ModulePositions, int]:
     traced = trace_model(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
     nodes = positioned_nodes(traced.graph)
     return ModulePositions.of(nodes), next((i for i, n in enumerate(nodes) if is_compute(n)), len(nodes))
 
 
-def _startable(units: Sequence[str], positions: ModulePositions, first_compute: int) -> list[str]:
+def startable(units: Sequence[str], positions: ModulePositions, first_compute: int) -> list[str]:
     """The first unit, then the units a stage may start at (after the model's first operation)."""
     units = sorted(units, key=lambda n: positions.first[n])
     out = list(units[:1])
@@ -176,227 +176,29 @@ def unit_pieces(
     names = list(names) if names is not None else unit_names(
         model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args
     )
-    if declared_units(model) is not None or _cut_between_children(model, leaf_modules, concrete_args):
+    if declared_units(model) is not None or cut_between_children(model, leaf_modules, concrete_args):
         return names, split_model(model, balance=[1] * len(names))
     return names, split_model(model, split_at=names[1:], leaf_modules=leaf_modules, concrete_args=concrete_args)
 
 
-def _cut_between_children(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Any) -> bool:
+def cut_between_children(model: nn.Module, leaf_modules: Sequence[Any], concrete_args: Any) -> bool:
     """Whether an automatic split cuts ``model`` between its children without tracing."""
     return isinstance(model, nn.Sequential) and not leaf_modules and not concrete_args
 
 
-def measure_unit_costs(
-    model: nn.Module,
-    inputs: Any,
-    target: torch.Tensor,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    *,
-    stages: int,
-    leaf_modules: Sequence[str | type] = (),
-    concrete_args: Mapping[str, Any] | None = None,
-    repeats: int = 5,
-    warmup: int = 2,
-    budget: float = 0.3,
-    most: int = 30,
-    units: Sequence[str] | None = None,
-    init: Any = None,
-    seed: int = 0,
-) -> dict[str, float]:
-    """Fastest forward + backward seconds of each piece of ``model`` cut at every unit
-    (:func:`unit_names`), run on ``(inputs, target)`` as stage executors run them. With one torch
-    thread (a worker's default) the seconds are the thread's CPU time, which other processes on the
-    machine do not stretch; with more, wall time.
-
-    After ``warmup`` rounds, at least ``repeats`` timed rounds, more while they took less than
-    ``budget`` seconds in all (at most ``most``): on a busy machine a round of a small model is
-    often interrupted, and a few more rounds cost little. ``units``: the pieces' names (default
-    :func:`unit_names`).
-
-    The model is left as it was: parameters are not updated, buffers (BatchNorm statistics) are
-    restored and the random state too. Run it with the thread count the training will use.
-
-    A model built on the meta device (:mod:`pipetrain.stages.materialize`) is timed one piece at a
-    time, never whole: each piece is materialised with ``init`` (under ``seed``), run, and put back
-    on meta; first forwards alone, to find every piece's input, then each piece's forward and
-    backward on its input (with gradients of ones arriving for its outputs).
-    """
-    from pipetrain.execution.stage import StageExecutor  # (execution imports stages)
-    from pipetrain.stages.materialize import has_meta
-
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
-    names, pieces = unit_pieces(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args, names=units)
-    if has_meta(model):
-        return _measure_one_at_a_time(model, names, pieces, inputs, target, loss_fn, init, seed,
-                                      dict(repeats=repeats, warmup=warmup, budget=budget, most=most))
-    buffers = {k: b.clone() for k, b in model.named_buffers()}
-    last = len(pieces) - 1
-    executors = [StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)
-                 for s, piece in enumerate(pieces.stages)]
-    rounds: list[list[float]] = [[] for _ in executors]
-    samples = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() else 1
-    # one thread (a worker's default): its CPU time is what the stage costs, however busy the
-    # machine (autograd runs a CPU backward on the calling thread); more threads: wall time
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    wall = time.perf_counter
-    try:
-        with torch.random.fork_rng(devices=[]):
-            began, r = wall(), 0
-            while r < warmup + repeats or (r < warmup + most and wall() - began < budget):
-                spent = [0.0] * len(executors)
-                value = inputs
-                constants = 0
-                for s, executor in enumerate(executors):
-                    start = clock()
-                    value = executor.forward(r, 0, value, target=target if s == last else None, samples=samples,
-                                             constants=constants)
-                    spent[s] += clock() - start
-                    constants = executor.last_constants
-                grads = None
-                for s in range(last, -1, -1):
-                    start = clock()
-                    grads = executors[s].backward(r, 0, grads)
-                    spent[s] += clock() - start
-                if r >= warmup:
-                    for s, seconds in enumerate(spent):
-                        rounds[s].append(seconds)
-                else:
-                    began = wall()
-                r += 1
-    except PipetrainError as error:
-        raise ConfigError(f"cannot time the model's units to balance its stages: {error}") from None
-    finally:
-        with torch.no_grad():
-            for key, buffer in model.named_buffers():
-                buffer.copy_(buffers[key])
-    return {name: min(times) for name, times in zip(names, rounds)}
-
-
-def _measure_one_at_a_time(model: nn.Module, names: Sequence[str], pieces: StagedModel, inputs: Any,
-                           target: torch.Tensor, loss_fn: Callable, init: Any, seed: int,
-                           rounds: dict[str, Any]) -> dict[str, float]:
-    """:func:`measure_unit_costs` of a model built on meta: one materialised piece at a time."""
-    from pipetrain.execution.stage import StageExecutor
-    from pipetrain.stages.materialize import materialize
-    from pipetrain.stages.staged import call_stage
-    from pipetrain.structure import flatten
-
-    last = len(pieces) - 1
-    samples = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() else 1
-    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    costs: dict[str, float] = {}
-    try:
-        with torch.random.fork_rng(devices=[]):
-            values = [inputs]
-            for piece in pieces.stages[:-1]:  # every piece's input, from the forwards alone
-                made = materialize(model, piece, init, seed=seed)
-                try:
-                    with torch.no_grad():
-                        values.append(call_stage(piece, values[-1]))
-                finally:
-                    made.release()
-            for s, (name, piece) in enumerate(zip(names, pieces.stages)):
-                made = materialize(model, piece, init, seed=seed)
-                try:
-                    executor = StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)
-
-                    def round_trip(r: int, s: int = s, executor: StageExecutor = executor) -> None:
-                        out = executor.forward(r, 0, values[s], target=target if s == last else None, samples=samples)
-                        grads = None if s == last else tuple(
-                            torch.ones_like(t) if t.is_floating_point() else None for t in flatten(out)[0])
-                        executor.backward(r, 0, grads)
-
-                    costs[name] = _fastest(round_trip, clock, **rounds)
-                    del executor
-                finally:
-                    made.release()
-    except PipetrainError as error:
-        raise ConfigError(f"cannot time the model's units to balance its stages: {error}") from None
-    return costs
-
-
-def _fastest(run: Callable[[int], Any], clock: Callable[[], float], *, repeats: int, warmup: int, budget: float,
-             most: int) -> float:
-    """The fastest of the timed rounds of ``run(round)`` (rounds as :func:`measure_unit_costs` counts them)."""
-    times: list[float] = []
-    began, r = time.perf_counter(), 0
-    while r < warmup + repeats or (r < warmup + most and time.perf_counter() - began < budget):
-        start = clock()
-        run(r)
-        spent = clock() - start
-        if r >= warmup:
-            times.append(spent)
-        else:
-            began = time.perf_counter()
-        r += 1
-    return min(times)
-
-
-def split_by_time(
-    model: nn.Module,
-    stages: int,
-    inputs: Any,
-    target: torch.Tensor,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    *,
-    leaf_modules: Sequence[str | type] = (),
-    concrete_args: Mapping[str, Any] | None = None,
-    costs: Mapping[str, float] | None = None,
-    repeats: int = 5,
-    init: Any = None,
-    seed: int = 0,
-) -> tuple[StagedModel, StageChoice]:
-    """``model`` cut into ``stages`` stages of near-equal measured time, and the record of it.
-
-    A traced model's unit that takes more than ``1/stages`` of the time is opened into its parts
-    and the parts are timed, as long as that lowers the slowest stage's time (at most 3 times).
-    ``costs`` (a previous measurement, :attr:`StageChoice.unit_seconds`) replaces measuring, and
-    reproduces that cut. A model built on meta is timed one unit at a time, each materialised with
-    ``init`` under ``seed`` (:func:`measure_unit_costs`).
-    """
-    trace = dict(leaf_modules=leaf_modules, concrete_args=concrete_args)
-    if costs is None:
-        names = unit_names(model, stages, **trace)
-        timing = dict(repeats=repeats, init=init, seed=seed)
-        costs = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, units=names, **timing, **trace)
-        if declared_units(model) is None and not _cut_between_children(model, leaf_modules, concrete_args):
-            costs = _refined(model, stages, names, costs, inputs, target, loss_fn, timing, trace)
-    names = _cost_order(model, costs, trace)
-    staged = split_model(model, stages=stages, costs=dict(costs), **trace)
-    return staged, StageChoice.of(staged, "measured time", names, costs)
-
-
-def _cost_order(model: nn.Module, costs: Mapping[str, float], trace: dict) -> list[str]:
+def cost_order(model: nn.Module, costs: Mapping[str, float], trace: dict) -> list[str]:
     """The units that ``costs`` times, in execution order (checked to fit the model)."""
     declared = declared_units(model)
-    if declared is not None or _cut_between_children(model, trace["leaf_modules"], trace["concrete_args"]):
+    if declared is not None or cut_between_children(model, trace["leaf_modules"], trace["concrete_args"]):
         names = [n for n, _ in declared] if declared is not None else [n for n, _ in model.named_children()]
         missing = [n for n in names if n not in costs]
         if missing:
             raise ConfigError(f"the unit costs lack {missing[:3]}: they were measured for another model")
         return names
-    positions, _ = _positions(model, trace["leaf_modules"], trace["concrete_args"])
+    positions, _ = unit_positions(model, trace["leaf_modules"], trace["concrete_args"])
     order = cost_units(model, positions, costs)
     if order is None:
         unknown = [k for k in costs if k not in positions.first][:3]
         raise ConfigError(f"the unit costs name {unknown}, which are not modules this model runs: they were "
                           f"measured for another model")
     return order
-
-
-def _refined(model, stages, names, costs, inputs, target, loss_fn, timing, trace) -> dict[str, float]:
-    positions, first_compute = _positions(model, trace["leaf_modules"], trace["concrete_args"])
-    for _ in range(3):
-        total = sum(costs.values())
-        heavy = [u for u in names if costs[u] * stages > total and open_unit(model, positions, u)]
-        if not heavy:
-            break
-        unit = max(heavy, key=costs.__getitem__)
-        i = names.index(unit)
-        trial = _startable(names[:i] + open_unit(model, positions, unit) + names[i + 1 :], positions, first_compute)
-        timed = measure_unit_costs(model, inputs, target, loss_fn, stages=stages, units=trial, **timing, **trace)
-        if largest_block([timed[n] for n in trial], stages) >= largest_block([costs[n] for n in names], stages):
-            break
-        names, costs = trial, timed
-    return costs

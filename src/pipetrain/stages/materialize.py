@@ -40,7 +40,7 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["Init", "assign", "has_meta", "materialize", "first_names", "resolve_init", "seed_for"]
+__all__ = ["Init", "assign", "load_weights", "has_meta", "materialize", "first_names", "resolve_init", "seed_for"]
 
 #: torch.nn modules whose constructor initialises them through a private method
 _PRIVATE_RESETS = {nn.MultiheadAttention: "_reset_parameters"}
@@ -156,6 +156,24 @@ def assign(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
         else:
             with torch.no_grad():
                 old.copy_(value)
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
+    """Load a weights directory (``--save DIR``'s, or a HuggingFace ``save_pretrained`` one) into
+    the unsplit ``model``, every tensor checked by name and shape; returns ``model``.
+
+    A model built under ``torch.device("meta")`` gets real tensors (tied ones stay tied); any other
+    keeps its tensors, on their device and dtype, with the stored values copied in.
+    """
+    from pipetrain.weights import WeightsDir, check_against, tensor_names
+
+    weights = WeightsDir(path)
+    check_against(weights, model)
+    values = {}
+    for names in tensor_names(model).values():
+        values[names[0]] = weights.get(weights.find(names))  # type: ignore[arg-type]
+    assign(model, values)
+    return model
 
 
 # -- materialising -------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ different ones.
 
 Checkpoints are taken after every ``--checkpoint-every`` updates (default
 :data:`DEFAULT_CHECKPOINTS` per run) and after the last update, at a consistent cut of the
-programs (:mod:`pipetrain.runtime.cuts`); the newest ``--keep`` (default :data:`DEFAULT_KEEP`)
+programs (:mod:`pipetrain.schedule.cuts`); the newest ``--keep`` (default :data:`DEFAULT_KEEP`)
 complete ones are kept.
 """
 
@@ -48,7 +48,7 @@ def checkpoint_period(run) -> int:
         return config.checkpoint_every
     period = max(1, math.ceil(run.updates / DEFAULT_CHECKPOINTS))
     if any(len(ranks) > 1 for ranks in run.schedule.stage_ranks):
-        from pipetrain.runtime.cuts import split_counts
+        from pipetrain.schedule.cuts import split_counts
 
         units = run.layout.units_per_update
         split = split_counts(run.schedule)

@@ -204,7 +204,7 @@ class RankSetup:
     def payload(self, seconds: float, evaluations: list) -> dict[str, Any]:
         """This rank's results for rank 0: losses, timings, and the trained weights of its first
         replicas where rank 0 gathers them (:attr:`~pipetrain.training.setup.Run.gathers_weights`)."""
-        schedule, rank, executors, runner = self.run.schedule, self.rank, self.executors, self.runner
+        rank, executors, runner = self.rank, self.executors, self.runner
         modules = self.write_back()
         return {
             "rank": rank,

@@ -56,7 +56,7 @@ class Run:
     stage_choice: Any = None  # pipetrain.stages.StageChoice: how the stages were chosen, their sizes and times
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this process's stages compute
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
-    _messages: Any = field(default=None, repr=False)  # the schedule's runtime.sends.Messages
+    _messages: Any = field(default=None, repr=False)  # the schedule's schedule.messages.Messages
     data_note: str = ""  # one line: the training samples, how they are read, where the held-out data comes from
     recompute: frozenset[int] = frozenset()  # the stages that recompute their activations (--recompute, the plan)
     drains: tuple[int, ...] = ()  # updates after which the pipeline drains and fills again (--extend)
@@ -97,7 +97,7 @@ class Run:
         """:meth:`cut_after` for many steps, those not yet known computed in one pass."""
         missing = sorted({step for step in steps if step not in self._cuts})
         if missing:
-            from pipetrain.runtime.cuts import cuts
+            from pipetrain.schedule.cuts import cuts
 
             units = self.layout.units_per_update
             for step, found in zip(missing, cuts(self.schedule, [s * units for s in missing], self.messages)):
@@ -107,9 +107,9 @@ class Run:
     @property
     def messages(self):
         """Where each message of the schedule is sent and received
-        (:class:`~pipetrain.runtime.sends.Messages`), built once per run."""
+        (:class:`~pipetrain.schedule.messages.Messages`), built once per run."""
         if self._messages is None:
-            from pipetrain.runtime.sends import Messages
+            from pipetrain.schedule.messages import Messages
 
             self._messages = Messages(self.schedule)
         return self._messages
@@ -274,7 +274,7 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
     every = {"--eval-every": config.eval_every, "--checkpoint-every": config.checkpoint_every}
     if not any(every.values()) or all(len(ranks) < 2 for ranks in schedule.stage_ranks):
         return
-    from pipetrain.runtime.cuts import split_counts
+    from pipetrain.schedule.cuts import split_counts
 
     split = split_counts(schedule)
 
@@ -341,7 +341,8 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
     built on meta is timed one unit at a time, each materialised with ``init`` and freed."""
     from dataclasses import replace
 
-    from pipetrain.stages import StageChoice, split_by_time, split_model, unit_names
+    from pipetrain.execution.balance import split_by_time
+    from pipetrain.stages import StageChoice, split_model, unit_names
 
     trace = dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
     if config.balance:
@@ -408,7 +409,7 @@ def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, tr
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return split()
-    from pipetrain.stages import split_by_time
+    from pipetrain.execution.balance import split_by_time
 
     shared: list[Any] = [None]
     if dist.get_rank() == 0:

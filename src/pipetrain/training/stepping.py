@@ -1,7 +1,7 @@
 """Runs fed one batch at a time by the user's own training loop (``Pipeline.step``).
 
 Each call hands over the batch of the next update and runs every rank as far as it can go
-without the batch after it (:func:`~pipetrain.runtime.cuts.feed_cuts`): the same programs, in the
+without the batch after it (:func:`~pipetrain.schedule.cuts.feed_cuts`): the same programs, in the
 same order, as a whole run, so asynchronous schedules stay full across calls (PipeDream keeps its
 warm-up depth of minibatches in flight; nothing flushes between calls) and a call returns the
 losses of the updates that finished in it. A run of N updates must know N up front (the
@@ -111,7 +111,7 @@ class EmulatedSession(_Session):
 
     def __init__(self, run, callbacks: Any = None) -> None:
         from pipetrain.emulate.executor import Emulator
-        from pipetrain.runtime.cuts import feed_cuts
+        from pipetrain.schedule.cuts import feed_cuts
         from pipetrain.training.outputs import UpdateLosses
 
         super().__init__(run, callbacks)
@@ -180,7 +180,7 @@ class DistributedSession(_Session):
     def __init__(self, run, env, callbacks: Any = None) -> None:
         import torch.distributed as dist
 
-        from pipetrain.runtime.cuts import feed_cuts
+        from pipetrain.schedule.cuts import feed_cuts
         from pipetrain.training.distributed import RankSetup, _collective
         from pipetrain.training.outputs import UpdateLosses
 

@@ -52,7 +52,7 @@ def lost_data_worker(error: BaseException, rank: int | None = None):
     """The :class:`~pipetrain.runtime.errors.DataWorkerLost` that ``error`` (torch's RuntimeError
     for a DataLoader worker that died) stands for, or None for any other error. torch raises it
     from its SIGCHLD handler wherever the training thread is, or where the batch is taken."""
-    from pipetrain.runtime.errors import DataWorkerLost
+    from pipetrain.errors import DataWorkerLost
 
     found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
     if found is None:

@@ -3,7 +3,7 @@
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.runtime.cuts import cut, cuts, in_flight, shared_updates
+from pipetrain.schedule.cuts import cut, cuts, in_flight, shared_updates
 from pipetrain.schedule import Kind, build, loads
 
 
@@ -115,8 +115,8 @@ FEED_CASES = [
 
 @pytest.mark.parametrize("name, options, per_update", FEED_CASES)
 def test_feed_cuts_run_each_rank_as_far_as_the_fed_batches_allow(name, options, per_update):
-    from pipetrain.runtime.cuts import feed_cuts
-    from pipetrain.runtime.sends import Messages
+    from pipetrain.schedule.cuts import feed_cuts
+    from pipetrain.schedule.messages import Messages
 
     options = dict(options)
     stages, units = options.pop("stages"), options.pop("microbatches")
@@ -142,14 +142,14 @@ def test_feed_cuts_run_each_rank_as_far_as_the_fed_batches_allow(name, options, 
                     assert action.microbatch >= fed
                 else:
                     assert action.kind is Kind.SYNC
-            for position, action in enumerate(done):  # consistent: every receive's send came before
+            for action in done:  # consistent: every receive's send came before
                 if action.kind in (Kind.RECV_F, Kind.RECV_B):
                     sender, sent = messages.sent_at[Messages.of(action)]
                     assert sent < piece[sender]
 
 
 def test_pipedream_feed_cuts_keep_the_warm_up_in_flight():
-    from pipetrain.runtime.cuts import feed_cuts
+    from pipetrain.schedule.cuts import feed_cuts
 
     schedule = build("pipedream", 3, 8)
     pieces = feed_cuts(schedule, 1)

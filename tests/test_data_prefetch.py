@@ -13,7 +13,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from pipetrain.data.info import reads_by_index
 from pipetrain.execution import UnitData, UnitLayout
-from pipetrain.execution.prefetch import (
+from pipetrain.data.prefetch import (
     PACK_LIMIT,
     BatchPrefetcher,
     Receiver,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from pipetrain.errors import ConfigError
-from pipetrain.runtime.sends import Messages
+from pipetrain.schedule.messages import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
 __all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "split_counts", "in_flight"]
@@ -49,7 +49,7 @@ def shared_updates(schedule: Schedule) -> list[tuple[int, int, int]]:
     backward that another runs only after its own stop.
     """
     groups: dict[tuple[int, int], list[int]] = {}  # (stage, SYNC occurrence) -> its units
-    for rank, program in enumerate(schedule.programs):
+    for program in schedule.programs:
         pending: dict[int, list[int]] = {}
         seen: dict[int, int] = {}
         for action in program:
@@ -90,7 +90,7 @@ def split_counts(schedule: Schedule) -> _SplitCounts:
 
 def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut:
     """The cut after ``units`` units, or a ConfigError if it is not consistent or leaves a split
-    backward half done. ``messages``: the schedule's :class:`~pipetrain.runtime.sends.Messages`,
+    backward half done. ``messages``: the schedule's :class:`~pipetrain.schedule.messages.Messages`,
     if already built."""
     from pipetrain.schedule.pattern import pattern_of
 
