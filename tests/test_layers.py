@@ -13,7 +13,7 @@ import pipetrain
 
 #: docs/design.md's table, lowest first (``__init__`` is the package's face: the top)
 LAYERS = [
-    {"errors", "paths", "spec", "structure"},
+    {"errors", "paths", "spec", "structure", "usercode"},
     {"schedule", "optim", "weights"},
     {"stages"},
     {"data", "models"},
