@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="meta: build the model on the meta device and profile it by pipeline unit, each "
                              "materialised alone (reset_parameters() under --seed, or --init-from), never whole "
                              "(default: eager, unless --init-from is given)")
-    parser.add_argument("--init-from", metavar="DIR", help="the weights of a meta-built model (a --save DIR)")
+    parser.add_argument("--init-from", metavar="DIR", help="the weights of a meta-built model (a --save DIR) "
+                        "(default: none: a meta-built model's units start from reset_parameters() under --seed)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads while measuring (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
