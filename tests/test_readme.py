@@ -26,6 +26,9 @@ The rules, block by block (fenced blocks of README.md):
   failure the command alone does not cause: it is parsed, not run. A ``--plan FILE`` that the
   README made from a measured profile (a profile is timing) is written from the stages the
   README's output shows.
+
+The numbers are this machine's (x86-64, PyTorch 2.13 CPU, one thread per rank): a CPU whose
+kernels round differently prints other last digits, and the README is then rerun there.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ silently, and the run finds out what it finds out as before. The data is read as
 it: a training data set by its first microbatch (a ``DataLoader``'s batches are its own, made by
 its collate function and workers, and are not read twice), held-out data as evaluation reads its
 first batch. A worker started by pipetrain's launcher skips the check: the launcher made it.
+Under torchrun rank 0, the rank that reads the data, makes it and tells the others the verdict.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
+from pipetrain.spec import describe_exception
 from pipetrain.structure import arguments, flatten, map_values
 
 __all__ = ["check_data"]
@@ -39,9 +41,29 @@ __all__ = ["check_data"]
 def check_data(run: Any) -> None:
     """Refuse, in one :class:`~pipetrain.errors.ModelError`, the first training microbatch or the
     first held-out batch of ``run`` (a prepared :class:`~pipetrain.training.setup.Run`) that the
-    stages or the loss cannot take (see the module docstring)."""
+    stages or the loss cannot take (see the module docstring). Under torchrun rank 0, which
+    reads the data, checks, and every rank raises its verdict."""
     if os.environ.get("PIPETRAIN_LAUNCHER") == "1":
         return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        _check(run)
+        return
+    verdict: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            _check(run)
+        except PipetrainError as error:
+            verdict[0] = error
+        except Exception as error:  # noqa: BLE001 - the other ranks must not wait for a verdict that never comes
+            verdict[0] = PipetrainError(f"rank 0 could not check the data at set-up: {describe_exception(error)}")
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise verdict[0]
+
+
+def _check(run: Any) -> None:
     with torch.random.fork_rng(devices=[]):
         train_set = run.train_set
         if not isinstance(train_set, DataLoader) and not getattr(train_set, "fed_by_step", False):
