@@ -101,3 +101,22 @@ def test_what_the_meta_device_cannot_run_is_left_to_the_run(capsys, nets):
     code, out, err = _train(capsys, nets, "--model", "shapenets:net:middle=by_value")
     assert code == 0, err
     assert os.path.exists(nets / "out" / "m.pt")
+
+
+def test_fit_refuses_held_out_targets_the_loss_cannot_take_before_any_update():
+    import torch
+    from torch import nn
+
+    from pipetrain import Pipeline
+    from pipetrain.errors import PipetrainError
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    held_out = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64, 2)))
+    pipe = Pipeline(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), balance=[2, 1], executor="emulate")
+    updates = []
+    with pytest.raises(PipetrainError, match=r"^at set-up \(on the meta device\), on the first held-out batch, the "
+                                             r"loss of stage 1: cross entropy needs logits with one more dimension"):
+        pipe.fit(data, batch_size=8, steps=2, eval_data=held_out, callbacks=[lambda step, loss: updates.append(step)],
+                 progress=False, quiet=True)
+    assert updates == []

@@ -84,8 +84,8 @@ class CrossEntropy:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits, labels = self.pairs(output, target)
-        if labels.numel() and not bool((labels != self.ignore_index).any()):
-            return logits.sum() * 0.0  # nothing counts: zero, with a zero gradient
+        if labels.numel() and not labels.is_meta and not bool((labels != self.ignore_index).any()):
+            return logits.sum() * 0.0  # nothing counts: zero, with a zero gradient (on meta: shapes only)
         return F.cross_entropy(logits, labels, ignore_index=self.ignore_index)
 
     def count(self, output: torch.Tensor, target: torch.Tensor) -> int:

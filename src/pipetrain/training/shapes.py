@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import traceback
 from typing import Any, Iterator
 
 import torch
@@ -94,8 +95,16 @@ def _reading(what: str) -> Iterator[None]:
 
 
 def _unchecked(error: BaseException) -> bool:
-    """Whether ``error`` says only that the meta device cannot run something (no verdict)."""
-    return isinstance(error, NotImplementedError) or "meta" in str(error).lower()
+    """Whether ``error`` says only that the meta device cannot run something, or that the module
+    cannot be called with stand-ins of its tensors (no verdict on the data)."""
+    if isinstance(error, NotImplementedError) or "meta" in str(error).lower():
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.endswith(_FUNCTIONAL_CALL)
+
+
+#: torch's own code that puts the stand-ins in place (an error there is not the data's)
+_FUNCTIONAL_CALL = (os.path.join("nn", "utils", "stateless.py"), os.path.join("_functorch", "functional_call.py"))
 
 
 def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
@@ -109,8 +118,8 @@ def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
             leaves, structure = flatten(value)
             try:
                 value = _call(module, value, training)
-            except PipetrainError:
-                raise
+            except PipetrainError as error:  # a module's own refusal: said where it was met
+                raise type(error)(f"{what}, stage {stage}: {error}") from None
             except Exception as error:  # noqa: BLE001 - the user's forward may raise anything
                 if _unchecked(error):
                     return
@@ -120,8 +129,8 @@ def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
         last = len(stages) - 1
         try:
             loss = run.loss_fn(value, target)
-        except PipetrainError:
-            raise
+        except PipetrainError as error:  # the loss's own refusal (pipetrain's cross entropy)
+            raise type(error)(f"{what}, the loss of stage {last}: {error}") from None
         except Exception as error:  # noqa: BLE001 - the user's loss may raise anything
             if _unchecked(error):
                 return
