@@ -1,6 +1,7 @@
 """The README's commands run as the README says, so that its printed output never drifts.
 
-The rules, block by block (fenced blocks of README.md):
+The pages: README.md and docs/examples.md (the README's longer runs). The rules, block by block
+(fenced blocks of each page):
 
 * **Every command parses.** Each ``pipetrain ...`` command (after ``$``, in an ``sh`` block, or
   after ``torchrun ... -m pipetrain.cli``) goes through the command's own argument parser: no
@@ -43,7 +44,9 @@ import pytest
 
 from pipetrain.cli import _build_parser, main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+#: the pages whose commands and outputs are checked
+PAGES = [ROOT / "README.md", ROOT / "docs" / "examples.md"]
 
 #: commands (by a piece of their text) that run to their first evaluation, with its update count
 SHORTENED = {"--model resnet-gn-skip": 90, "--model gpt:n_layer=4": 100}
@@ -54,11 +57,12 @@ _OUTPUT = re.compile(r"^([\w-]+: \d+ (stages|steps) on \d+ |data: |stage \d+: |a
 
 @dataclass
 class Command:
-    line: int  # where it stands in the README (1-based)
+    line: int  # where it stands in its page (1-based)
     argv: list[str]  # after `pipetrain`
     text: str
     output: list[str] | None = None  # the lines the README shows it printing
     comment: bool = False
+    page: str = "README.md"
 
 
 @dataclass
@@ -103,7 +107,7 @@ def _joined(lines: list[str], start: int) -> tuple[str, int]:
     return text, i
 
 
-def _commands(blocks: list[Block]) -> tuple[list[Command], list[tuple[int, str]]]:
+def _commands(blocks: list[Block], page: str = "README.md") -> tuple[list[Command], list[tuple[int, str]]]:
     """Every pipetrain command of the README, with the output shown for it; and the lines that
     look like pipetrain's output but belong to no command."""
     commands: list[Command] = []
@@ -120,7 +124,7 @@ def _commands(blocks: list[Block]) -> tuple[list[Command], list[tuple[int, str]]
                     argv = _argv(text[2:])
                     current = None
                     if argv is not None:
-                        current = Command(block.line + i - 1, argv, text[2:], [], comment=" #" in text)
+                        current = Command(block.line + i - 1, argv, text[2:], [], comment=" #" in text, page=page)
                         found.append(current)
                     continue
                 if not line.strip():
@@ -128,7 +132,7 @@ def _commands(blocks: list[Block]) -> tuple[list[Command], list[tuple[int, str]]
                 elif current is not None:
                     current.output.append(line)
                 elif _OUTPUT.match(line):
-                    orphans.append((block.line + i, line))
+                    orphans.append((f"{page}:{block.line + i}", line))
                 i += 1
         else:
             i = 0
@@ -136,19 +140,24 @@ def _commands(blocks: list[Block]) -> tuple[list[Command], list[tuple[int, str]]
                 text, i = _joined(block.lines, i)
                 argv = _argv(text) if text and block.lang != "python" else None
                 if argv is not None:
-                    found.append(Command(block.line + i - 1, argv, text))
+                    found.append(Command(block.line + i - 1, argv, text, page=page))
             shown = [line for line in block.lines if line.strip()]
             if not found and shown and _OUTPUT.match(shown[0]):
                 if len(previous) == 1 and previous[0].output is None:
                     previous[0].output = shown
                 else:
-                    orphans += [(block.line, line) for line in shown if _OUTPUT.match(line)]
+                    orphans += [(f"{page}:{block.line}", line) for line in shown if _OUTPUT.match(line)]
         commands += found
         previous = found
     return commands, orphans
 
 
-COMMANDS, ORPHANS = _commands(_blocks(README.read_text(encoding="utf-8")))
+COMMANDS: list[Command] = []
+ORPHANS: list[tuple[str, str]] = []
+for _page in PAGES:
+    _found, _orphans = _commands(_blocks(_page.read_text(encoding="utf-8")), _page.relative_to(ROOT).as_posix())
+    COMMANDS += _found
+    ORPHANS += _orphans
 RUNS = [c for c in COMMANDS if c.output and not c.comment]
 
 
@@ -157,15 +166,15 @@ def test_the_readme_shows_commands_and_outputs_to_check():
     assert not ORPHANS, f"README lines that show pipetrain output without its command: {ORPHANS}"
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"line{c.line}")
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.page}:{c.line}")
 def test_every_readme_command_parses(command):
     parser, chosen = _build_parser(command.argv[0])
-    assert chosen is not None, f"README line {command.line}: no command {command.argv[0]!r}"
+    assert chosen is not None, f"{command.page} line {command.line}: no command {command.argv[0]!r}"
     try:
         _, extras = parser.parse_known_args(command.argv)
     except SystemExit:
-        pytest.fail(f"README line {command.line}: the parser refuses {command.text!r}")
-    assert not extras, f"README line {command.line}: unknown arguments {extras}"
+        pytest.fail(f"{command.page} line {command.line}: the parser refuses {command.text!r}")
+    assert not extras, f"{command.page} line {command.line}: unknown arguments {extras}"
 
 
 def _shortened(command: Command) -> int | None:
@@ -194,7 +203,7 @@ def _expected(command: Command, steps: int | None) -> list[str]:
     if steps is None:
         return shown
     cut = next((i for i, line in enumerate(shown) if re.match(rf"^after +{steps} of ", line)), None)
-    assert cut is not None, (f"README line {command.line}: a run shortened to {steps} updates shows nothing to "
+    assert cut is not None, (f"{command.page} line {command.line}: a run shortened to {steps} updates shows nothing to "
                              f"compare: show its evaluation after {steps} updates")
     return shown[:cut + 1]
 
@@ -217,7 +226,7 @@ def _write_plan(command: Command, tmp_path: Path) -> None:
                                              "schedule": heading.split(":")[0], "microbatches": units}))
 
 
-@pytest.mark.parametrize("command", RUNS, ids=lambda c: f"line{c.line}")
+@pytest.mark.parametrize("command", RUNS, ids=lambda c: f"{c.page}:{c.line}")
 def test_every_readme_output_is_what_the_command_prints(command, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv, steps = list(command.argv), _shortened(command)
@@ -238,7 +247,7 @@ def test_every_readme_output_is_what_the_command_prints(command, capsys, tmp_pat
     for lines in _segments(expected):
         found = next((i for i in range(position, len(printed) - len(lines) + 1)
                       if printed[i:i + len(lines)] == lines), None)
-        assert found is not None, (f"README line {command.line}: `{command.text}` printed\n" + "\n".join(printed)
+        assert found is not None, (f"{command.page} line {command.line}: `{command.text}` printed\n" + "\n".join(printed)
                                    + "\n\nwhich does not hold, in order, the README's\n" + "\n".join(lines))
         position = found + len(lines)
 
