@@ -263,7 +263,7 @@ def profile_command(case: Case, path: Path, iterations: int) -> list[str]:
 def median_profile(case: Case, workdir: Path, args: argparse.Namespace,
                    commands: list[str]) -> tuple[Path, list[float]]:
     """``pipetrain profile`` ``--repeats`` times; the per-layer median of the runs, written."""
-    from pipetrain.plan.profile import load_profile, save_profile
+    from pipetrain.plan.profile_files import load_profile, save_profile
 
     runs = []
     for repeat in range(args.repeats):

@@ -62,3 +62,63 @@ def test_no_module_imports_a_higher_layer():
                 upward.append(f"{path.relative_to(ROOT)}:{line} ({source}, layer {LAYER[source]}) imports "
                               f"{target} (layer {LAYER[target]})")
     assert not upward, "\n".join(upward)
+
+
+def module_name(path: Path) -> str:
+    parts = ["pipetrain", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in ROOT.rglob("*.py")}
+
+
+def targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The pipetrain modules an import statement runs (``from pkg import sub`` names the submodule)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name in MODULES]
+    base = node.module or ""
+    if node.level:
+        package = module.split(".")
+        if not MODULES[module].name == "__init__.py":
+            package = package[:-1]
+        base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+    found = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names}
+    return sorted(found & set(MODULES))
+
+
+def imports_by_place() -> tuple[dict[str, set[str]], list[tuple[str, int, str]]]:
+    """Each module's module-level imports, and its imports inside functions (module, line, target)."""
+    top: dict[str, set[str]] = {module: set() for module in MODULES}
+    inner = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        in_functions = set()
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        in_functions.add(id(node))
+                        inner.extend((module, node.lineno, target) for target in targets(module, node))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in in_functions:
+                top[module].update(targets(module, node))
+    return top, inner
+
+
+def test_no_import_inside_a_function_hides_a_cycle():
+    """An import moved into a function to break a cycle hides a design fault; lazy imports that
+    only keep start-up cheap (the commands import torch late) are fine: hoisted, they close no cycle."""
+    top, inner = imports_by_place()
+
+    def reaches(start: str) -> set[str]:
+        seen, stack = set(), [start]
+        while stack:
+            module = stack.pop()
+            if module not in seen:
+                seen.add(module)
+                stack.extend(top[module])
+        return seen
+
+    hidden = [f"{MODULES[module].relative_to(ROOT)}:{line} imports {target}, which imports {module}"
+              for module, line, target in inner if target != module and module in reaches(target)]
+    assert not hidden, "\n".join(hidden)

@@ -139,7 +139,7 @@ def test_malformed_profile_error(capsys, tmp_path):
 def test_recompute_auto_chooses_stages_and_train_takes_them(capsys, tmp_path):
     """`pipetrain plan --recompute auto --memory` names the stages that recompute (table and
     JSON); `pipetrain train --plan` recomputes those, unless --recompute says otherwise."""
-    from pipetrain.plan.profile import save_profile
+    from pipetrain.plan.profile_files import save_profile
     from test_plan_planner import blocks
 
     profile = tmp_path / "blocks.json"

@@ -8,7 +8,7 @@ import pytest
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.profile import load_profile
+from pipetrain.plan.profile_files import load_profile
 
 PROFILES = Path(__file__).parent / "data" / "pipedream-profiles"
 

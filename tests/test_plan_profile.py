@@ -7,7 +7,8 @@ import json
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.plan.profile import FORMAT, LayerProfile, Profile, load_profile, save_profile
+from pipetrain.plan.profile import FORMAT, LayerProfile, Profile
+from pipetrain.plan.profile_files import load_profile, save_profile
 
 
 def sample() -> Profile:

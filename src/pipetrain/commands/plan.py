@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.plan.graph import build_cuts
     from pipetrain.plan.memory import parse_bytes
     from pipetrain.plan.planner import compare_baselines, make_plan, training_hints
-    from pipetrain.plan.profile import load_profile
+    from pipetrain.plan.profile_files import load_profile
     from pipetrain.plan.topology import Topology
 
     from pipetrain.paths import IMAGE, JSON, check_outputs

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pipetrain.data import dataset_info, get_batch, load_dataset
     from pipetrain.models import build_model
-    from pipetrain.plan.profile import save_profile
+    from pipetrain.plan.profile_files import save_profile
     from pipetrain.plan.profiler import profile_model
 
     if args.batch_size < 1:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
-from pipetrain.pb.study import RunResult, RunSpec, StudyConfig
+from pipetrain.pb.study import RunResult, StudyConfig, run_key
 
 __all__ = ["StudyJournal", "JOURNAL_NAME"]
 
@@ -38,14 +38,6 @@ def _shared(config: StudyConfig) -> dict[str, Any]:
     from dataclasses import fields
 
     return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in _GRID}
-
-
-def run_key(method: str, stages: int | None, lr_scale: float, delay_scale: float | None, seed: int) -> tuple:
-    return (method, stages, float(lr_scale), None if delay_scale is None else float(delay_scale), int(seed))
-
-
-def spec_key(spec: RunSpec) -> tuple:
-    return run_key(spec.method.name, spec.stages, spec.lr_scale, spec.delay_scale, spec.seed)
 
 
 class StudyJournal:

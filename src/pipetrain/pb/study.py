@@ -111,6 +111,16 @@ class RunSpec:
     def pipeline_stages(self) -> int:
         return self.stages if self.method.pipelined and self.stages else 1
 
+    @property
+    def key(self) -> tuple:
+        """The run's identity in a study journal (:func:`run_key`)."""
+        return run_key(self.method.name, self.stages, self.lr_scale, self.delay_scale, self.seed)
+
+
+def run_key(method: str, stages: int | None, lr_scale: float, delay_scale: float | None, seed: int) -> tuple:
+    """One run of a study, as a value equal for a planned run and its recorded result."""
+    return (method, stages, float(lr_scale), None if delay_scale is None else float(delay_scale), int(seed))
+
 
 @dataclass
 class RunResult:
@@ -492,13 +502,11 @@ def run_study(
     (:class:`~pipetrain.pb.journal.StudyJournal`): the runs it holds are not trained again, and
     every engine's runs are recorded in it as they finish; ``on_resume(held, total)`` is told how
     many runs it held."""
-    from pipetrain.pb.journal import spec_key
-
     start = time.perf_counter()
     trainer = _Trainer(config, progress)
     specs = plan_runs(config)
     held = journal.done() if journal is not None else {}
-    results: dict[RunSpec, RunResult] = {s: held[spec_key(s)] for s in specs if spec_key(s) in held}
+    results: dict[RunSpec, RunResult] = {s: held[s.key] for s in specs if s.key in held}
     if on_resume is not None and journal is not None:
         on_resume(len(results), len(specs))
     todo = [s for s in specs if s not in results]

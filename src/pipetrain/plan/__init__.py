@@ -11,7 +11,8 @@ from typing import Any
 from pipetrain.plan.baselines import BASELINES, baseline
 from pipetrain.plan.pipedream import COST_MODELS, optimize
 from pipetrain.plan.planner import compare_baselines, make_plan
-from pipetrain.plan.profile import LayerProfile, Profile, load_profile, save_profile
+from pipetrain.plan.profile import LayerProfile, Profile
+from pipetrain.plan.profile_files import load_profile, save_profile
 from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.search import search
 from pipetrain.plan.topology import Topology

@@ -19,21 +19,19 @@ chain in layer order. The JSON form (``"format": "pipetrain-profile"``)::
       "meta": {...}                     # free-form: model, device, iterations, ...
     }
 
-:func:`load_profile` also reads PipeDream's ``graph.txt`` profiles (see
-:mod:`pipetrain.plan.graphtxt`).
+:func:`pipetrain.plan.profile_files.load_profile` reads this form and PipeDream's ``graph.txt``
+profiles (:mod:`pipetrain.plan.graphtxt`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["LayerProfile", "Profile", "load_profile", "save_profile", "FORMAT"]
+__all__ = ["LayerProfile", "Profile", "FORMAT"]
 
 FORMAT = "pipetrain-profile"
 _VERSION = 1
@@ -148,27 +146,3 @@ class Profile:
         batch = data.get("batch_size")
         return cls(layers=layers, edges=edges, batch_size=batch,
                    meta=dict(data.get("meta") or {}))
-
-
-def load_profile(path: str | Path) -> Profile:
-    """Read a pipetrain JSON profile or a PipeDream ``graph.txt`` profile."""
-    from pipetrain.plan.graphtxt import parse_graph_txt
-
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise ConfigError(f"cannot read profile {str(path)!r}: {error.strerror}") from None
-    if text.lstrip().startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path}: line {error.lineno}: invalid JSON ({error.msg})") from None
-        return Profile.from_json(data, where=str(path))
-    return parse_graph_txt(text, where=str(path))
-
-
-def save_profile(profile: Profile, path: str | Path) -> None:
-    """Write ``profile`` as pipetrain JSON."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(profile.to_json(), indent=1) + "\n")
