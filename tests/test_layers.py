@@ -122,3 +122,14 @@ def test_no_import_inside_a_function_hides_a_cycle():
     hidden = [f"{MODULES[module].relative_to(ROOT)}:{line} imports {target}, which imports {module}"
               for module, line, target in inner if target != module and module in reaches(target)]
     assert not hidden, "\n".join(hidden)
+
+
+def test_the_readme_draws_these_layers():
+    """README's "Layout" block lists the same packages in the same order as :data:`LAYERS`."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("a module imports only its layer and those below", 1)[1].split("```")[1]
+    drawn = []
+    for row in block.strip("\n").splitlines():
+        names = row.split("  ")[0].split(",")
+        drawn.append({name.strip().removesuffix("/").removesuffix(".py") for name in names})
+    assert drawn == [layer - {"__init__", "__main__"} for layer in LAYERS]
