@@ -16,15 +16,7 @@ Conv, embeddings, norm affine parameters, attention projections). A layer that s
 *computed* from a parameter (e.g. weight normalisation's ``g * v / |v|``) keeps the forward-time
 value for that tensor.
 
-Non-finite values (``nonfinite=``), tested where it costs nothing on the way: the last stage tests
-each microbatch's loss (a number every executor reads anyway) and a NaN or infinite one stops the
-run (``stop``, the default; a non-finite gradient makes the weights non-finite, and so the next
-loss that goes through them); :meth:`StageExecutor.snapshot` and :meth:`StageExecutor.write_back`
-refuse weights that are not finite, so that no checkpoint and no saved model holds them. With
-``skip`` every update tests its gradient first (one pass over it and one read of the host, the
-price of skipping) and leaves the weights as they are when it is not finite: the update still
-makes a version, equal to the last, and the optimizer's state does not move. docs/optim.md says
-what ``skip`` means for each schedule.
+Non-finite values (``nonfinite=``): :mod:`pipetrain.execution.nonfinite`.
 
 Activation recomputation (``recompute=True``): the forward runs without recording a graph and the
 stage keeps only its inputs (and the random state the forward started from); the backward first
@@ -66,23 +58,16 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import ModelError, NonFiniteError, PipetrainError, StageError
+from pipetrain.errors import ModelError, PipetrainError, StageError
 from pipetrain.execution.device import to_device
 from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
+from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
 from pipetrain.execution.scaling import LossScale
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
 from pipetrain.structure import Structure, append, arguments, flatten, split_last
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
-
-#: What a stage does with a NaN or infinite loss or gradient: ``stop`` the run (the default),
-#: ``skip`` the update (keep the weights), or ``off`` (no test; for measuring what the tests cost).
-NONFINITE = ("stop", "skip", "off")
-#: Under ``skip``, a stage that skips this many updates in a row stops the run: its weights (or
-#: the data) keep producing non-finite values, and the run would otherwise end with weights that
-#: no update has moved for a long time, as if it had succeeded.
-SKIP_LIMIT = 10
 
 Gradients = tuple[Tensor | None, ...]
 _INCONSISTENT = frozenset({"latest", "predict"})
@@ -99,46 +84,6 @@ def warm_up_autograd() -> None:
 
 def as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every value of ``tensors`` is finite, with one read of the host (not one per
-    tensor): the sum of the tensors' sums is NaN or infinite when any value is. Finite values
-    beyond about 1e38 can overflow that sum too, so a failed test is confirmed tensor by tensor."""
-    if not tensors:
-        return True
-    total = torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum()
-    if math.isfinite(total.item()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _nonfinite_kind(tensor: Tensor) -> str | None:
-    """``"nan"``, ``"inf"`` (either sign) or ``None`` when every value is finite."""
-    if bool(torch.isnan(tensor).any()):
-        return "nan"
-    return None if bool(torch.isfinite(tensor).all()) else "inf"
-
-
-def _nonfinite_names(tensors: Mapping[str, Tensor]) -> str:
-    """``"2.weight (nan), 2.bias (inf)"``: the non-finite tensors, at most three named."""
-    bad = [(name, kind) for name, t in tensors.items() if (kind := _nonfinite_kind(t)) is not None]
-    text = ", ".join(f"{name} ({kind})" for name, kind in bad[:3])
-    return text + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-
-
-def _advice(skip: bool) -> str:
-    """What to change, appended to every non-finite message."""
-    text = (
-        "A loss or gradient that is not finite usually comes from a learning rate too large for the model "
-        "(lower lr in --optimizer) or from NaN or infinite values in the data"
-    )
-    if skip:
-        text += (
-            "; --on-nonfinite skip (on_nonfinite='skip') drops an update whose gradient is not finite "
-            "instead of stopping"
-        )
-    return text
 
 
 def located(error: StageError, rank: int, action: Action, step_of_unit: Callable[[int], int]) -> StageError:
@@ -166,10 +111,6 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
     torch.set_rng_state(state[0])
     if len(state) > 1:
         torch.cuda.set_rng_state(state[1], device)
-
-
-def _finite_loss(loss: Tensor) -> bool:
-    return math.isfinite(loss.item()) if loss.numel() == 1 else bool(torch.isfinite(loss).all())
 
 
 class _Parameters:
@@ -285,11 +226,8 @@ class StageExecutor:
         own_weights: frozenset[str] = frozenset(),
         update_in_backward: bool = False,
     ) -> None:
-        if nonfinite not in NONFINITE:
-            raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {nonfinite!r}")
+        self.guard = NonFiniteGuard(stage, nonfinite)
         self.nonfinite = nonfinite
-        #: the updates (counted from 1) skipped because their gradient was not finite (``skip``)
-        self.skipped: list[int] = []
         self.stage = stage
         self.module = module
         self.optimizer = optimizer
@@ -341,6 +279,11 @@ class StageExecutor:
 
             self._fused = UpdateInBackward(optimizer) if can_update_in_backward(optimizer) else None
         warm_up_autograd()
+
+    @property
+    def skipped(self) -> list[int]:
+        """The updates (counted from 1) skipped because their gradient was not finite (``skip``)."""
+        return self.guard.skipped
 
     @property
     def grads(self) -> dict[str, Tensor] | None:
@@ -473,12 +416,7 @@ class StageExecutor:
                                   microbatch=microbatch) from None
         if self.is_last:
             self.last_loss = loss.detach()
-            if self.nonfinite == "stop" and not _finite_loss(self.last_loss):
-                raise NonFiniteError(
-                    f"stage {self.stage}: the loss of microbatch {microbatch} is {_nonfinite_kind(self.last_loss)}"
-                    f"{self._nonfinite_origin(inputs)}; training stopped there. {_advice(skip=True)}",
-                    stage=self.stage, microbatch=microbatch,
-                )
+            self.guard.check_loss(microbatch, self.last_loss, inputs, self.versions.latest)
             if not self.recompute:
                 record.roots = (self._scaled(loss, record),)
             self.in_flight[microbatch] = record
@@ -589,18 +527,6 @@ class StageExecutor:
             record.roots = (self._scaled(loss, record),)
         else:
             record.roots = flatten(output)[0]
-
-    def _nonfinite_origin(self, inputs: tuple) -> str:
-        """Where a non-finite loss came from, as far as this stage can tell (the error path only)."""
-        bad = [kind for x in inputs if isinstance(x, Tensor) and x.is_floating_point()
-               and (kind := _nonfinite_kind(x)) is not None]
-        if bad:
-            origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
-            return f" (its input from {origin} already holds {bad[0]})"
-        weights = self.versions.latest
-        if not all_finite(list(weights.values())):
-            return f" (the weights of this stage are not finite in {_nonfinite_names(weights)})"
-        return " (its input and weights are finite: its own computation overflowed)"
 
     @staticmethod
     def _pack(storage: dict[int, str]):
@@ -836,16 +762,13 @@ class StageExecutor:
             if overflow:
                 self.overflow_skipped.append(number + 1)
                 if not self.scaler.dynamic:
-                    self._check_skip_limit(self.overflow_skipped, number + 1, grads)
+                    self.guard.check_skip_limit(self.overflow_skipped, number + 1, grads)
             if self.stage == 0:
                 self.scaler.update(overflow, number + 1)
             unscale = 1.0 / scale
             skip = overflow
         else:
-            skip = self.nonfinite == "skip" and not all_finite(list(grads.values()))
-            if skip:
-                self.skipped.append(number + 1)
-                self._check_skip_limit(self.skipped, number + 1, grads)
+            skip = self.guard.skips(number + 1, grads)
         if skip:
             if in_place:
                 new = current
@@ -903,16 +826,6 @@ class StageExecutor:
         """The scale of an update with no backward here (nothing to unscale): stage 0's, else 1."""
         return self.scaler.scale if self.stage == 0 else 1.0
 
-    def _check_skip_limit(self, skipped: list[int], step: int, grads: Mapping[str, Tensor]) -> None:
-        """Stop after :data:`SKIP_LIMIT` skipped updates in a row (see its docstring)."""
-        if len(skipped) >= SKIP_LIMIT and skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
-            raise NonFiniteError(
-                f"stage {self.stage}: the gradients of updates {step - SKIP_LIMIT + 1} to {step} were all not "
-                f"finite (the last in {_nonfinite_names(grads)}) and all were skipped: the weights or the data "
-                f"keep producing NaN or infinite values; training stopped there. {_advice(skip=False)}",
-                stage=self.stage, step=step,
-            )
-
     def _awaits_recomputation(self, version: int) -> bool:
         """Whether a microbatch in flight will recompute its forward on ``version``'s tensors
         (``latest``: an update may supersede the version its forward read before its backward)."""
@@ -929,17 +842,8 @@ class StageExecutor:
 
     def check_weights(self, consequence: str) -> None:
         """Raise a :class:`~pipetrain.errors.NonFiniteError` if a weight version this stage holds is
-        not finite (one pass over each, for checkpoints and the end of a run; not with ``off``)."""
-        if self.nonfinite == "off":
-            return
-        for version in self.versions.held():
-            params = self.versions[version]
-            if not all_finite(list(params.values())):
-                raise NonFiniteError(
-                    f"stage {self.stage}: the weights after update {version} are not finite in "
-                    f"{_nonfinite_names(params)}; {consequence}. {_advice(skip=self.nonfinite == 'stop')}",
-                    stage=self.stage, step=version,
-                )
+        not finite (:meth:`NonFiniteGuard.check_weights`)."""
+        self.guard.check_weights(self.versions, consequence)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything needed to continue exactly: versions, optimizer, counters, accumulated
