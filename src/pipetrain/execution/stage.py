@@ -18,17 +18,7 @@ value for that tensor.
 
 Non-finite values (``nonfinite=``): :mod:`pipetrain.execution.nonfinite`.
 
-Activation recomputation (``recompute=True``): the forward runs without recording a graph and the
-stage keeps only its inputs (and the random state the forward started from); the backward first
-runs the forward again on the same autograd leaves the first forward read (the version its action
-named: weight stashing), with the same random numbers (dropout masks), and on copies of the
-module's buffers (a BatchNorm's running statistics count each microbatch once). The
-recomputed forward is the same arithmetic as the first, so its graph, and the gradients, are
-bitwise those of a run without recomputation. Under ``latest`` and ``predict`` the recomputation
-reads the forward's weights while the backward resolves parameters to the backward's version, as
-without recomputation; so the forward's weights must survive until the backward: an update never
-overwrites a version in place while a microbatch that read it waits for its recomputation, and
-:func:`pipetrain.schedule.memory_by_rank` counts such versions as held.
+Activation recomputation (``recompute=True``): :mod:`pipetrain.execution.recompute`.
 
 Mixed precision (``autocast=torch.bfloat16``): every forward (and the loss) runs under
 ``torch.autocast`` on the stage's device; weights, versions, gradients and optimizer state stay in
@@ -62,6 +52,8 @@ from pipetrain.errors import ModelError, PipetrainError, StageError
 from pipetrain.execution.device import to_device
 from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
 from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
+from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
+from pipetrain.execution.recompute import Recomputation, is_stochastic
 from pipetrain.execution.scaling import LossScale
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
@@ -71,7 +63,6 @@ __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", 
 
 Gradients = tuple[Tensor | None, ...]
 _INCONSISTENT = frozenset({"latest", "predict"})
-_STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,19 +89,6 @@ def located(error: StageError, rank: int, action: Action, step_of_unit: Callable
         f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
         stage=error.stage, step=step, microbatch=unit, rank=rank,
     )
-
-
-def _rng_state(device: torch.device) -> tuple:
-    """The random state a forward on ``device`` draws from (the CPU's, and the GPU's on CUDA)."""
-    if device.type == "cuda":
-        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
-    return (torch.get_rng_state(),)
-
-
-def _set_rng_state(device: torch.device, state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if len(state) > 1:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 class _Parameters:
@@ -251,14 +229,13 @@ class StageExecutor:
         self.versions = VersionStore({n: p.detach() if n in own_weights else p.detach().clone() for n, p in named.items()},
                                      recycle=not recompute)
         self.buffers = dict(module.named_buffers())
-        # where each buffer lives (its module's table and name), for the forward run again
-        self._buffer_tables = [(module.get_submodule(owner)._buffers, attr)
-                               for owner, _, attr in (name.rpartition(".") for name in self.buffers)]
         self.call = _Parameters(module)
-        self.stochastic = any(isinstance(m, _STOCHASTIC) and m.p > 0 for m in module.modules())
+        self.stochastic = is_stochastic(module)
         #: where the stage computes, and what arrives is moved to (see the ``device`` argument)
         self.device = torch.device(device) if device is not None else next(
             (t.device for t in [*self.versions.latest.values(), *self.buffers.values()]), torch.device("cpu"))
+        self.recomputation = Recomputation(module, self.device, self._microbatch_seed if self.stochastic else None,
+                                           recompute)
         self.in_flight: dict[int, _InFlight] = {}
         self._grads: dict[str, Tensor] | None = None  # see the grads property
         self._holder: tuple[dict, dict[str, Tensor]] | None = None  # (leaf set, its trainable leaves)
@@ -396,13 +373,10 @@ class StageExecutor:
             )
         if isinstance(target, Tensor) and target.device != device:
             target = target.to(device, non_blocking=True)
-        if self.stochastic:
-            torch.manual_seed(self._microbatch_seed(microbatch))
+        rng = self.recomputation.begin(microbatch)  # seeds a stage with dropout
         record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
                            scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted,
-                           structure=structure)
-        if self.recompute and not self.stochastic:  # whatever random numbers the forward draws, replayed
-            record.rng = _rng_state(self.device)
+                           structure=structure, rng=rng)
         try:
             with torch.no_grad() if self.recompute else contextlib.nullcontext():
                 output, loss = self._compute(record)
@@ -503,30 +477,12 @@ class StageExecutor:
         return loss
 
     def _recompute(self, record: _InFlight) -> None:
-        """Run ``record``'s forward again, recording the graph its backward needs: same leaves,
-        same random numbers, and the buffers as they were before (so that a BatchNorm's running
-        statistics are not updated twice). Nothing to do without recomputation or once done."""
+        """Run ``record``'s forward again (:class:`~pipetrain.execution.recompute.Recomputation`),
+        recording the graph its backward needs. Nothing to do without recomputation or once done."""
         if record.roots or not self.recompute:
             return
-        # the forward again updates copies of the buffers, dropped afterwards (the graph may save them)
-        originals = [(table, attr, table[attr]) for table, attr in self._buffer_tables]
-        devices = [self.device] if self.device.type == "cuda" else []
-        try:
-            for table, attr, buffer in originals:
-                table[attr] = buffer.clone()
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                if record.rng is not None:
-                    _set_rng_state(self.device, record.rng)
-                elif self.stochastic:
-                    torch.manual_seed(self._microbatch_seed(record.microbatch))
-                output, loss = self._compute(record)
-        finally:
-            for table, attr, buffer in originals:
-                table[attr] = buffer
-        if self.is_last:
-            record.roots = (self._scaled(loss, record),)
-        else:
-            record.roots = flatten(output)[0]
+        output, loss = self.recomputation.again(record.microbatch, record.rng, lambda: self._compute(record))
+        record.roots = (self._scaled(loss, record),) if self.is_last else flatten(output)[0]
 
     @staticmethod
     def _pack(storage: dict[int, str]):
