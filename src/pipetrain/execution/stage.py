@@ -1,20 +1,7 @@
 """One stage replica at work: forward and backward of microbatches on the weight version an action
 names, gradient accumulation, and updates that make new versions.
 
-The module's structure is called with the parameters of the
-version the action reads, so several versions can be in use at once and none is ever modified
-(the original PipeDream broke on PyTorch >= 1.5 by updating weights that autograd had saved).
-Buffers (BatchNorm running statistics) are the module's own and are not versioned.
-
-Inconsistent backward (``latest`` and ``predict`` policies, Pipelined Backpropagation): the
-forward runs under saved-tensor hooks that record any saved tensor sharing storage with a
-parameter as a reference (name, size, stride, offset); when the backward runs, the reference is
-resolved against the version the backward action names. So the error propagates through the
-weights current at backward time while weight gradients use the activations stored at forward
-time, for every layer whose backward reads the parameter tensor itself or a view of it (Linear,
-Conv, embeddings, norm affine parameters, attention projections). A layer that saves a tensor
-*computed* from a parameter (e.g. weight normalisation's ``g * v / |v|``) keeps the forward-time
-value for that tensor.
+Versions and inconsistent backward (``latest``, ``predict``): :mod:`pipetrain.execution.parameters`.
 
 Non-finite values (``nonfinite=``): :mod:`pipetrain.execution.nonfinite`.
 
@@ -51,18 +38,19 @@ from torch import Tensor, nn
 from pipetrain.errors import ModelError, PipetrainError, StageError
 from pipetrain.execution.device import to_device
 from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
+from pipetrain.execution.parameters import INCONSISTENT as _INCONSISTENT
+from pipetrain.execution.parameters import Parameters, SavedParameters
 from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
 from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
 from pipetrain.execution.recompute import Recomputation, is_stochastic
 from pipetrain.execution.scaling import LossScale
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
-from pipetrain.structure import Structure, append, arguments, flatten, split_last
+from pipetrain.structure import Structure, append, flatten, split_last
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
 
 Gradients = tuple[Tensor | None, ...]
-_INCONSISTENT = frozenset({"latest", "predict"})
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,47 +77,6 @@ def located(error: StageError, rank: int, action: Action, step_of_unit: Callable
         f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
         stage=error.stage, step=step, microbatch=unit, rank=rank,
     )
-
-
-class _Parameters:
-    """Calls a module with given parameter tensors in place of its own (like
-    ``torch.func.functional_call``, restricted to parameters and without its per-call overhead,
-    which matters at batch size 1 and small microbatches). Buffers stay the module's own."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.slots = []
-        canonical = {id(p): name for name, p in module.named_parameters()}
-        # every place that holds a parameter, tied ones included (an LM head reusing the embedding's
-        # weight within this stage reads the same version as the embedding)
-        for name, p in module.named_parameters(remove_duplicate=False):
-            owner, _, attr = name.rpartition(".")
-            self.slots.append((module.get_submodule(owner)._parameters, attr, canonical[id(p)]))
-
-    def __call__(self, params: Mapping[str, Tensor], inputs: tuple, structure: Structure | None = None) -> Any:
-        """``module`` on ``inputs`` (the leaves of a value of ``structure``, under the call convention
-        of :mod:`pipetrain.structure`) with ``params``."""
-        args, kwargs = (inputs, {}) if structure is None else arguments(structure.unflatten(inputs))
-        saved = [(table, attr, table[attr]) for table, attr, _ in self.slots]
-        try:
-            for table, attr, name in self.slots:
-                table[attr] = params[name]
-            return self.module(*args, **kwargs)
-        finally:
-            for table, attr, original in saved:
-                table[attr] = original
-
-
-class _ParamRef:
-    """A saved tensor that is (a view of) a parameter, resolved at backward time."""
-
-    __slots__ = ("name", "size", "stride", "offset")
-
-    def __init__(self, name: str, tensor: Tensor) -> None:
-        self.name = name
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
 
 
 @dataclass
@@ -229,7 +176,7 @@ class StageExecutor:
         self.versions = VersionStore({n: p.detach() if n in own_weights else p.detach().clone() for n, p in named.items()},
                                      recycle=not recompute)
         self.buffers = dict(module.named_buffers())
-        self.call = _Parameters(module)
+        self.call = Parameters(module)
         self.stochastic = is_stochastic(module)
         #: where the stage computes, and what arrives is moved to (see the ``device`` argument)
         self.device = torch.device(device) if device is not None else next(
@@ -246,7 +193,7 @@ class StageExecutor:
         #: require grad here, e.g. a mask built from a shape or a passed-on model input): the next
         #: stage's ``forward(constants=...)``, so that it neither computes nor sends gradients for them
         self.last_constants = 0
-        self._backward_params: Mapping[str, Tensor] | None = None
+        self.saved = SavedParameters()
         self._leaves: dict[int, dict[str, Tensor]] = {}
         self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
         self._fused = None
@@ -454,7 +401,7 @@ class StageExecutor:
         with self._autocast():
             if self.policy in _INCONSISTENT and torch.is_grad_enabled():
                 record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
-                with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
+                with self.saved.recording(record.storage):
                     output = self.call(leaves, inputs, record.structure)
                     if self.is_last:
                         loss = self._loss(output, target)
@@ -484,20 +431,6 @@ class StageExecutor:
         output, loss = self.recomputation.again(record.microbatch, record.rng, lambda: self._compute(record))
         record.roots = (self._scaled(loss, record),) if self.is_last else flatten(output)[0]
 
-    @staticmethod
-    def _pack(storage: dict[int, str]):
-        def pack(tensor: Tensor):
-            name = storage.get(tensor.untyped_storage().data_ptr())
-            return tensor if name is None else _ParamRef(name, tensor)
-
-        return pack
-
-    def _unpack(self, saved):
-        if isinstance(saved, _ParamRef):
-            current = self._backward_params[saved.name]
-            return current.as_strided(saved.size, saved.stride, saved.offset)
-        return saved
-
     # -- backward --------------------------------------------------------------------------------
 
     def _differentiable(self, record: _InFlight, grad_outputs: Sequence | None):
@@ -521,12 +454,8 @@ class StageExecutor:
         roots, grads = self._differentiable(record, grad_outputs)
         if not roots or not inputs:
             return [None] * len(inputs)
-        if self.policy in _INCONSISTENT:
-            self._backward_params = self.versions[version]
-        try:
+        with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
             return torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
-        finally:
-            self._backward_params = None
 
     def _input_targets(self, record: _InFlight) -> list[int]:
         return [i for i, x in enumerate(record.inputs) if isinstance(x, Tensor) and x.requires_grad]
@@ -668,20 +597,18 @@ class StageExecutor:
         self._hold(record)
         for x in inputs:
             x.grad = None
-        if self.policy in _INCONSISTENT:
-            self._backward_params = self.versions[version]
         hooks = []
         if (self._fused is not None and not weights_only and self.pending_samples == record.samples  # the first
                 and self.grad_scale == 1.0 and all(leaf.grad is None for leaf in record.leaves.values())
                 and self._fused.applies(self.versions, version, bool(self.in_flight), list(record.leaves))):
             hooks = self._fused.hook(record.leaves, self.versions[version], self.samples_seen)
         try:
-            if weights_only:  # W of a split backward: the input gradients are done, skip them
-                torch.autograd.backward(roots, grads, inputs=list(record.leaves.values()))
-            else:  # every leaf of the graph is an input or a weight (naming them costs a graph walk)
-                torch.autograd.backward(roots, grads)
+            with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
+                if weights_only:  # W of a split backward: the input gradients are done, skip them
+                    torch.autograd.backward(roots, grads, inputs=list(record.leaves.values()))
+                else:  # every leaf of the graph is an input or a weight (naming them costs a graph walk)
+                    torch.autograd.backward(roots, grads)
         finally:
-            self._backward_params = None
             for handle in hooks:
                 handle.remove()
         return [x.grad for x in inputs]
