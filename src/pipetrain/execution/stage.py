@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -40,6 +39,7 @@ from pipetrain.execution.device import to_device
 from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
 from pipetrain.execution.parameters import INCONSISTENT as _INCONSISTENT
 from pipetrain.execution.parameters import Parameters, SavedParameters
+from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, constants_of
 from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
 from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
 from pipetrain.execution.recompute import Recomputation, is_stochastic
@@ -50,7 +50,6 @@ from pipetrain.structure import Structure, append, flatten, split_last
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
 
-Gradients = tuple[Tensor | None, ...]
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,27 +76,6 @@ def located(error: StageError, rank: int, action: Action, step_of_unit: Callable
         f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
         stage=error.stage, step=step, microbatch=unit, rank=rank,
     )
-
-
-@dataclass
-class _InFlight:
-    """What a microbatch leaves on a stage between its forward and its backward."""
-
-    inputs: tuple  # the stage inputs' leaves (pipetrain.structure), as autograd leaves (or raw values)
-    roots: tuple[Tensor, ...]  # outputs (or the scaled loss) to differentiate
-    leaves: dict[str, Tensor]  # trainable parameters of the version the forward read
-    samples: int
-    version: int = 0
-    target: Any = None
-    loss_scale: float = 1.0
-    scale: float = 1.0  # float16: the loss scale stamped on this microbatch by stage 0
-    grad_outputs: tuple | None = None
-    storage: dict[int, str] = field(default_factory=dict)
-    leaf_set: Any = None  # all leaves of the version the forward read (the same object per version)
-    microbatch: int = 0
-    rng: Any = None  # recomputation: the random state the forward started from (None: a per-microbatch seed)
-    predicted: dict[str, Tensor] | None = None  # the tensors the optimizer's prediction wrote, if it made any
-    structure: Structure | None = None  # how the inputs' leaves make the value the stage is called with
 
 
 class StageExecutor:
@@ -183,7 +161,7 @@ class StageExecutor:
             (t.device for t in [*self.versions.latest.values(), *self.buffers.values()]), torch.device("cpu"))
         self.recomputation = Recomputation(module, self.device, self._microbatch_seed if self.stochastic else None,
                                            recompute)
-        self.in_flight: dict[int, _InFlight] = {}
+        self.in_flight = InFlightTable(stage)
         self._grads: dict[str, Tensor] | None = None  # see the grads property
         self._holder: tuple[dict, dict[str, Tensor]] | None = None  # (leaf set, its trainable leaves)
         self.pending_samples = 0
@@ -235,7 +213,7 @@ class StageExecutor:
                     sums[name] = leaf.grad
                     leaf.grad = None
 
-    def _hold(self, record: _InFlight) -> None:
+    def _hold(self, record: InFlight) -> None:
         """Put the running sums on the leaves of ``record``'s version (if not there already)."""
         if self._holder is not None and self._holder[0] is record.leaf_set:
             return
@@ -283,8 +261,7 @@ class StageExecutor:
         ``params`` replaces the weights read (e.g. predictions made earlier); by default the
         forward reads ``version``, extrapolated by the optimizer under the ``predict`` policy.
         """
-        if microbatch in self.in_flight:
-            raise PipetrainError(f"stage {self.stage}: microbatch {microbatch} is already in flight")
+        self.in_flight.check_new(microbatch)
         predicted = None
         if params is None and self.policy != "predict":
             leaves = self._leaves.get(version)
@@ -321,7 +298,7 @@ class StageExecutor:
         if isinstance(target, Tensor) and target.device != device:
             target = target.to(device, non_blocking=True)
         rng = self.recomputation.begin(microbatch)  # seeds a stage with dropout
-        record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
+        record = InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
                            scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted,
                            structure=structure, rng=rng)
         try:
@@ -339,11 +316,11 @@ class StageExecutor:
             self.last_loss = loss.detach()
             self.guard.check_loss(microbatch, self.last_loss, inputs, self.versions.latest)
             if not self.recompute:
-                record.roots = (self._scaled(loss, record),)
+                record.roots = (record.scaled(loss),)
             self.in_flight[microbatch] = record
             return (self.last_loss,)
         outputs, shape = flatten(output)
-        self.last_constants = self._constants(outputs, inputs)
+        self.last_constants = constants_of(outputs, inputs, self.recompute)
         if not self.recompute:
             record.roots = outputs
         self.in_flight[microbatch] = record
@@ -353,25 +330,6 @@ class StageExecutor:
         if self.scaler is not None:
             sent = append(sent, torch.tensor([scale], dtype=torch.float32, device=device))
         return sent
-
-    def _constants(self, outputs: tuple, inputs: tuple) -> int:
-        """:attr:`last_constants` of ``outputs``. A forward without a graph (recomputation) cannot
-        tell a new tensor that needs no gradient from one that does: there only the inputs it hands
-        on unchanged are known (a mask made by an earlier stage); it marks nothing else."""
-        passed = {id(x) for x in inputs if isinstance(x, Tensor) and not x.requires_grad} if self.recompute else None
-        mask = 0
-        for i, o in enumerate(outputs):
-            if (isinstance(o, Tensor) and not o.requires_grad and i < 62 and o.is_floating_point()
-                    and (passed is None or id(o) in passed)):
-                mask |= 1 << i
-        return mask
-
-    @staticmethod
-    def _scaled(loss: Tensor, record: _InFlight) -> Tensor:
-        """What the last stage differentiates: the loss times its share of the update's batch, and
-        under float16 times the loss scale (a power of two: the product is exact)."""
-        factor = record.loss_scale * record.scale
-        return loss * factor if factor != 1.0 else loss
 
     def _stamp(self, microbatch: int) -> float:
         """Stage 0: the scale of ``microbatch``'s update, fixed at the first forward of that update
@@ -392,7 +350,7 @@ class StageExecutor:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast)
 
-    def _compute(self, record: _InFlight) -> tuple[Any, Tensor | None]:
+    def _compute(self, record: InFlight) -> tuple[Any, Tensor | None]:
         """The stage's forward (and on the last stage the loss) of ``record`` on its leaves; when
         recording a graph under ``latest``/``predict``, with the hooks that let the backward read
         its own version."""
@@ -423,17 +381,17 @@ class StageExecutor:
         check_loss(self.stage, loss)
         return loss
 
-    def _recompute(self, record: _InFlight) -> None:
+    def _recompute(self, record: InFlight) -> None:
         """Run ``record``'s forward again (:class:`~pipetrain.execution.recompute.Recomputation`),
         recording the graph its backward needs. Nothing to do without recomputation or once done."""
         if record.roots or not self.recompute:
             return
         output, loss = self.recomputation.again(record.microbatch, record.rng, lambda: self._compute(record))
-        record.roots = (self._scaled(loss, record),) if self.is_last else flatten(output)[0]
+        record.roots = (record.scaled(loss),) if self.is_last else flatten(output)[0]
 
     # -- backward --------------------------------------------------------------------------------
 
-    def _differentiable(self, record: _InFlight, grad_outputs: Sequence | None):
+    def _differentiable(self, record: InFlight, grad_outputs: Sequence | None):
         """The outputs to differentiate and their gradients. An output that requires grad but got no
         gradient was used by the later stages in no differentiable way (a mask that only chose a
         causal kernel, a value passed on and never used): it adds nothing, as in one process."""
@@ -449,7 +407,7 @@ class StageExecutor:
                     grads.append(grad)
         return roots, grads
 
-    def _input_gradients(self, record: _InFlight, version: int, inputs: list[Tensor], grad_outputs):
+    def _input_gradients(self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs):
         """The I half of a split backward: gradients of ``inputs``, keeping the graph for W."""
         roots, grads = self._differentiable(record, grad_outputs)
         if not roots or not inputs:
@@ -457,24 +415,21 @@ class StageExecutor:
         with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
             return torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
 
-    def _input_targets(self, record: _InFlight) -> list[int]:
-        return [i for i, x in enumerate(record.inputs) if isinstance(x, Tensor) and x.requires_grad]
-
     def backward(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Full backward: returns gradients for the stage inputs (None where an input has none) and
         accumulates the weight gradients."""
-        record = self._pop(microbatch)
+        record = self.in_flight.take(microbatch)
         grad_outputs, flagged = self._arrived(record, grad_outputs)
-        positions = self._input_targets(record)
+        positions = record.input_positions()
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
         self._done(record)
-        grads = self._input_grads(record, positions, results)
+        grads = record.input_gradients(positions, results)
         if self.scaler is not None:
             self._test_overflow(record, flagged, grads, weights=True)
             grads = self._flagged(grads)
         return grads
 
-    def _arrived(self, record: _InFlight, grad_outputs: Sequence | None) -> tuple[Any, bool]:
+    def _arrived(self, record: InFlight, grad_outputs: Sequence | None) -> tuple[Any, bool]:
         """The gradients that arrived for ``record`` on this device and, under float16, the
         overflow flag after them (taken off); the update's scale must be the record's."""
         if grad_outputs is not None:
@@ -491,7 +446,7 @@ class StageExecutor:
         *grads, flag = grad_outputs
         return tuple(grads), bool(flag.item())
 
-    def _test_overflow(self, record: _InFlight, flagged: bool, grads: Sequence, weights: bool) -> None:
+    def _test_overflow(self, record: InFlight, flagged: bool, grads: Sequence, weights: bool) -> None:
         """float16: whether the update being accumulated overflowed, from the flag that arrived, the
         input gradients about to be sent and (``weights``) the weight gradients accumulated on the
         leaves of ``record``'s version. An overflow also puts an infinity in an accumulated weight
@@ -530,15 +485,15 @@ class StageExecutor:
 
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Input-gradient half of a split backward (I); the weight half (W) runs later."""
-        record = self._get(microbatch)
+        record = self.in_flight.record(microbatch)
         grad_outputs, flagged = self._arrived(record, grad_outputs)
         record.grad_outputs = grad_outputs
-        positions = self._input_targets(record)
+        positions = record.input_positions()
         if not positions:
-            grads = self._input_grads(record, positions, [])
+            grads = record.input_gradients(positions, [])
         else:
             results = self._input_gradients(record, version, [record.inputs[i] for i in positions], grad_outputs)
-            grads = self._input_grads(record, positions, results)
+            grads = record.input_gradients(positions, results)
         if self.scaler is not None:
             if flagged:
                 self._overflow = True  # recorded in the weight gradient by W
@@ -548,40 +503,20 @@ class StageExecutor:
 
     def backward_weight(self, microbatch: int, version: int) -> None:
         """Weight-gradient half of a split backward (W)."""
-        record = self._pop(microbatch)
+        record = self.in_flight.take(microbatch)
         self._backward_into(record, version, [], record.grad_outputs, weights_only=True)
         self._done(record)
         if self.scaler is not None:  # an overflow found only here reaches no earlier stage (docs/gpu.md)
             overflow, self._overflow = self._overflow, False
             self._test_overflow(record, overflow, (), weights=True)
 
-    def _done(self, record: _InFlight) -> None:
+    def _done(self, record: InFlight) -> None:
         """After a microbatch's backward: the tensors of its prediction are free for the next."""
         if record.predicted:
             self._predictions.append(record.predicted)
 
-    def _get(self, microbatch: int) -> _InFlight:
-        try:
-            return self.in_flight[microbatch]
-        except KeyError:
-            raise PipetrainError(
-                f"stage {self.stage}: backward of microbatch {microbatch}, whose forward has not run here"
-            ) from None
-
-    def _pop(self, microbatch: int) -> _InFlight:
-        record = self._get(microbatch)
-        del self.in_flight[microbatch]
-        return record
-
-    @staticmethod
-    def _input_grads(record: _InFlight, positions: list[int], grads: Sequence) -> Gradients:
-        out: list[Tensor | None] = [None] * len(record.inputs)
-        for position, grad in zip(positions, grads):
-            out[position] = grad
-        return tuple(out)
-
     def _backward_into(
-        self, record: _InFlight, version: int, inputs: list[Tensor], grad_outputs, weights_only: bool = False
+        self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs, weights_only: bool = False
     ) -> list:
         """Backward of ``record`` that adds its weight gradients to the accumulated ones inside
         autograd (each leaf's ``.grad`` holds the running sum, see :attr:`grads`), and returns the
@@ -712,7 +647,7 @@ class StageExecutor:
     def _awaits_recomputation(self, version: int) -> bool:
         """Whether a microbatch in flight will recompute its forward on ``version``'s tensors
         (``latest``: an update may supersede the version its forward read before its backward)."""
-        return self.recompute and any(r.version == version and not r.roots for r in self.in_flight.values())
+        return self.recompute and self.in_flight.awaits_recomputation(version)
 
     def release(self, version: int) -> None:
         """Drop ``version`` once no action reads it, with the autograd leaves cached for it (the
