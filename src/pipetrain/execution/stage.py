@@ -12,23 +12,13 @@ Mixed precision (``autocast=torch.bfloat16``): every forward (and the loss) runs
 the module's own (master) dtype, and activations and their gradients travel in the dtype autocast
 gives them.
 
-float16 (``scaler=LossScale(...)``, with ``autocast=torch.float16``): stage 0 stamps each
-microbatch with the scale of its update (the same for all microbatches of one update) and the
-stamp travels with the forward message (one more tensor after the outputs, taken off by the next
-stage); the last stage multiplies the loss by it, every stage divides its gradient by it at the
-update (exact: a power of two). Each backward tests the input gradients it sends and the weight
-gradients it accumulated, and the backward message carries one more tensor, an overflow flag (the
-flag that arrived, or this stage's own finding), so every earlier stage learns of an overflow
-before its own update of that microbatch. An update whose gradient overflowed, or that holds a
-flagged microbatch, is skipped (as under ``nonfinite="skip"``), and stage 0's scale halves; after
-``growth_interval`` clean updates it doubles. docs/gpu.md says which stages agree on a skip.
+float16 (``scaler=LossScale(...)``): :mod:`pipetrain.execution.scaling`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -43,10 +33,10 @@ from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, con
 from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
 from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
 from pipetrain.execution.recompute import Recomputation, is_stochastic
-from pipetrain.execution.scaling import LossScale
+from pipetrain.execution.scaling import LossScale, StageScale
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
-from pipetrain.structure import Structure, append, flatten, split_last
+from pipetrain.structure import Structure, flatten
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
 
@@ -142,12 +132,6 @@ class StageExecutor:
         self.autocast = autocast
         self.scaler = scaler
         self.units_per_update = units_per_update
-        self._stamps: dict[int, float] = {}  # stage 0: update -> the scale its microbatches carry
-        self._overflow = False  # float16: the update being accumulated overflowed (here or later)
-        self._pending_scale: float | None = None  # float16: the scale of the update being accumulated
-        #: float16: the updates (from 1) skipped because their gradient overflowed, and per update the scale used
-        self.overflow_skipped: list[int] = []
-        self.scales: list[float] = []
         named = dict(module.named_parameters())
         self.trainable = frozenset(n for n, p in named.items() if p.requires_grad)
         # recomputing microbatches may still read a released version (PB's latest): its buffers are not reused
@@ -159,6 +143,8 @@ class StageExecutor:
         #: where the stage computes, and what arrives is moved to (see the ``device`` argument)
         self.device = torch.device(device) if device is not None else next(
             (t.device for t in [*self.versions.latest.values(), *self.buffers.values()]), torch.device("cpu"))
+        #: float16: this stage's part in the loss scale (``None`` without one)
+        self.scaling = None if scaler is None else StageScale(stage, scaler, units_per_update, self.device)
         self.recomputation = Recomputation(module, self.device, self._microbatch_seed if self.stochastic else None,
                                            recompute)
         self.in_flight = InFlightTable(stage)
@@ -181,6 +167,16 @@ class StageExecutor:
 
             self._fused = UpdateInBackward(optimizer) if can_update_in_backward(optimizer) else None
         warm_up_autograd()
+
+    @property
+    def scales(self) -> list[float]:
+        """float16: the scale of each update so far."""
+        return [] if self.scaling is None else self.scaling.scales
+
+    @property
+    def overflow_skipped(self) -> list[int]:
+        """float16: the updates (from 1) skipped because their gradient overflowed."""
+        return [] if self.scaling is None else self.scaling.overflow_skipped
 
     @property
     def skipped(self) -> list[int]:
@@ -279,14 +275,8 @@ class StageExecutor:
             leaves = self._make_leaves(params)
         device = self.device  # a batch read on the CPU, or a message, comes to the stage's device
         scale = 1.0
-        if self.scaler is not None:
-            if stamp is not None:  # a replayed forward (checkpoint)
-                scale = stamp
-            elif self.stage == 0:
-                scale = self._stamp(microbatch)
-            else:  # the stamp stage 0 put after the outputs
-                inputs, carried = split_last(as_tuple(inputs))
-                scale = float(carried)
+        if self.scaling is not None:
+            inputs, scale = self.scaling.received(microbatch, inputs, stamp)
         inputs, structure = flatten(inputs)  # a tensor or a flat tuple: as it is, no structure
         inputs = to_device(inputs, device, non_blocking=True)
         if self.stage > 0:  # floating leaves take a gradient; non-floating ones (ids, masks) and constants none
@@ -327,20 +317,7 @@ class StageExecutor:
         sent: Any = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
         if shape is not None:
             sent = shape.unflatten(sent)
-        if self.scaler is not None:
-            sent = append(sent, torch.tensor([scale], dtype=torch.float32, device=device))
-        return sent
-
-    def _stamp(self, microbatch: int) -> float:
-        """Stage 0: the scale of ``microbatch``'s update, fixed at the first forward of that update
-        (so every microbatch of an update carries the same scale, wherever it is accumulated)."""
-        update = microbatch // self.units_per_update
-        scale = self._stamps.get(update)
-        if scale is None:
-            scale = self._stamps[update] = self.scaler.scale
-            for old in [u for u in self._stamps if u < update - 64]:
-                del self._stamps[old]
-        return scale
+        return sent if self.scaling is None else self.scaling.sent(sent, scale)
 
     def _microbatch_seed(self, microbatch: int) -> int:
         return (self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch
@@ -424,9 +401,9 @@ class StageExecutor:
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
         self._done(record)
         grads = record.input_gradients(positions, results)
-        if self.scaler is not None:
-            self._test_overflow(record, flagged, grads, weights=True)
-            grads = self._flagged(grads)
+        if self.scaling is not None:
+            self.scaling.test(record.leaves.values(), flagged, grads, weights=True)
+            grads = self.scaling.flagged(grads)
         return grads
 
     def _arrived(self, record: InFlight, grad_outputs: Sequence | None) -> tuple[Any, bool]:
@@ -434,54 +411,23 @@ class StageExecutor:
         overflow flag after them (taken off); the update's scale must be the record's."""
         if grad_outputs is not None:
             grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
-        if self.scaler is None:
+        if self.scaling is None:
             return grad_outputs, False
-        if self._pending_scale is None:
-            self._pending_scale = record.scale
-        elif self._pending_scale != record.scale:
-            raise PipetrainError(f"stage {self.stage}: microbatch {record.microbatch} carries loss scale {record.scale:g} "
-                                 f"but the update it joins has {self._pending_scale:g}")
-        if grad_outputs is None:  # the last stage
-            return None, False
-        *grads, flag = grad_outputs
-        return tuple(grads), bool(flag.item())
-
-    def _test_overflow(self, record: InFlight, flagged: bool, grads: Sequence, weights: bool) -> None:
-        """float16: whether the update being accumulated overflowed, from the flag that arrived, the
-        input gradients about to be sent and (``weights``) the weight gradients accumulated on the
-        leaves of ``record``'s version. An overflow also puts an infinity in an accumulated weight
-        gradient, so that a replica's SYNC (or a tied parameter's sum) carries it to the others."""
-        if self._overflow:
-            return
-        tested = [g for g in grads if isinstance(g, Tensor)]
-        if weights:
-            tested += [leaf.grad for leaf in record.leaves.values() if leaf.grad is not None]
-        if flagged or not all_finite(tested):  # one test, one host read
-            self._overflow = True
-            for leaf in record.leaves.values():
-                if leaf.grad is not None:
-                    leaf.grad.view(-1)[:1] = math.inf
-                    break
-
-    def _flagged(self, grads: Gradients) -> Gradients:
-        """The gradients to send back, with the overflow flag after them (not from stage 0)."""
-        if self.stage == 0:
-            return grads
-        return grads + (torch.tensor([1.0 if self._overflow else 0.0], dtype=torch.float32, device=self.device),)
+        return self.scaling.arrived(record.microbatch, record.scale, grad_outputs)
 
     @property
     def overflowed(self) -> bool:
         """float16: whether the update being accumulated has overflowed so far (found here, or
         flagged by a later stage)."""
-        return self._overflow
+        return self.scaling is not None and self.scaling.overflow
 
     def share_overflow(self, overflow: bool) -> None:
         """SYNC under float16: ``overflow`` says whether any replica's part of the update overflowed,
         so that every replica skips it. The infinity written into the gradient carries it too, but a
         stage without trainable weights has no gradient to carry it (and stage 0's replicas must
         agree: each moves its own copy of the scale)."""
-        if self.scaler is not None and overflow:
-            self._overflow = True
+        if self.scaling is not None and overflow:
+            self.scaling.overflow = True
 
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Input-gradient half of a split backward (I); the weight half (W) runs later."""
@@ -494,11 +440,11 @@ class StageExecutor:
         else:
             results = self._input_gradients(record, version, [record.inputs[i] for i in positions], grad_outputs)
             grads = record.input_gradients(positions, results)
-        if self.scaler is not None:
+        if self.scaling is not None:
             if flagged:
-                self._overflow = True  # recorded in the weight gradient by W
-            self._test_overflow(record, False, grads, weights=False)
-            grads = self._flagged(grads)
+                self.scaling.overflow = True  # recorded in the weight gradient by W
+            self.scaling.test(record.leaves.values(), False, grads, weights=False)
+            grads = self.scaling.flagged(grads)
         return grads
 
     def backward_weight(self, microbatch: int, version: int) -> None:
@@ -506,9 +452,9 @@ class StageExecutor:
         record = self.in_flight.take(microbatch)
         self._backward_into(record, version, [], record.grad_outputs, weights_only=True)
         self._done(record)
-        if self.scaler is not None:  # an overflow found only here reaches no earlier stage (docs/gpu.md)
-            overflow, self._overflow = self._overflow, False
-            self._test_overflow(record, overflow, (), weights=True)
+        if self.scaling is not None:  # an overflow found only here reaches no earlier stage (docs/gpu.md)
+            overflow, self.scaling.overflow = self.scaling.overflow, False
+            self.scaling.test(record.leaves.values(), overflow, (), weights=True)
 
     def _done(self, record: InFlight) -> None:
         """After a microbatch's backward: the tensors of its prediction are free for the next."""
@@ -572,19 +518,8 @@ class StageExecutor:
             if version != number:
                 self.release(version)
         unscale = 1.0
-        if self.scaler is not None:
-            overflow = self._overflow or not all_finite(list(grads.values()))
-            scale = self._pending_scale if self._pending_scale is not None else self._current_scale()
-            self._overflow, self._pending_scale = False, None
-            self.scales.append(scale)
-            if overflow:
-                self.overflow_skipped.append(number + 1)
-                if not self.scaler.dynamic:
-                    self.guard.check_skip_limit(self.overflow_skipped, number + 1, grads)
-            if self.stage == 0:
-                self.scaler.update(overflow, number + 1)
-            unscale = 1.0 / scale
-            skip = overflow
+        if self.scaling is not None:
+            skip, unscale = self.scaling.finish(number + 1, grads, self.guard.check_skip_limit)
         else:
             skip = self.guard.skips(number + 1, grads)
         if skip:
@@ -640,10 +575,6 @@ class StageExecutor:
             del self._leaves[number]
         return made
 
-    def _current_scale(self) -> float:
-        """The scale of an update with no backward here (nothing to unscale): stage 0's, else 1."""
-        return self.scaler.scale if self.stage == 0 else 1.0
-
     def _awaits_recomputation(self, version: int) -> bool:
         """Whether a microbatch in flight will recompute its forward on ``version``'s tensors
         (``latest``: an update may supersede the version its forward read before its backward)."""
@@ -693,11 +624,7 @@ class StageExecutor:
                 }
                 for k, r in self.in_flight.items()
             ],
-            "fp16": None if self.scaler is None else {
-                "scaler": self.scaler.state_dict(), "stamps": dict(self._stamps), "overflow": self._overflow,
-                "pending_scale": self._pending_scale, "overflow_skipped": list(self.overflow_skipped),
-                "scales": list(self.scales),
-            },
+            "fp16": None if self.scaling is None else self.scaling.state_dict(),
         }
 
     def restore(self, state: dict[str, Any]) -> list[tuple[int, Any, int]]:
@@ -715,11 +642,8 @@ class StageExecutor:
         self.grads = state["grads"]
         self.in_flight.clear()
         fp16 = state.get("fp16")
-        if self.scaler is not None and fp16 is not None:
-            self.scaler.load_state_dict(fp16["scaler"])
-            self._stamps = dict(fp16["stamps"])
-            self._overflow, self._pending_scale = fp16["overflow"], fp16["pending_scale"]
-            self.overflow_skipped, self.scales = list(fp16["overflow_skipped"]), list(fp16["scales"])
+        if self.scaling is not None and fp16 is not None:
+            self.scaling.load_state_dict(fp16)
         replayed = []
         for record in state["in_flight"]:
             params = None
