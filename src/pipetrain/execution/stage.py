@@ -644,24 +644,27 @@ class StageExecutor:
         fp16 = state.get("fp16")
         if self.scaling is not None and fp16 is not None:
             self.scaling.load_state_dict(fp16)
-        replayed = []
-        for record in state["in_flight"]:
-            params = None
-            if record["params"] is not None:
-                params = {**self.versions[record["version"]], **record["params"]}
-            inputs = record["inputs"]
-            if record.get("structure") is not None:
-                inputs = Structure.parse(record["structure"]).unflatten(inputs)
-            out = self.forward(
-                record["microbatch"], record["version"], inputs, target=record["target"],
-                samples=record["samples"], params=params,
-                loss_scale=record["loss_scale"], stamp=record.get("scale") if self.scaler is not None else None,
-                constants=record.get("constants", 0),
-            )
-            replayed.append((record["microbatch"], out, self.last_constants))
         with torch.no_grad():
             for name, buffer in self.buffers.items():
-                buffer.copy_(state["buffers"][name])  # replay must not count running statistics twice
+                buffer.copy_(state["buffers"][name])
+        replayed = []
+        # replayed on copies of the buffers: the running statistics already count these microbatches, and the
+        # graphs the replay records save no buffer that a later in-place write would invalidate for the backward
+        with self.recomputation.buffer_copies():
+            for record in state["in_flight"]:
+                params = None
+                if record["params"] is not None:
+                    params = {**self.versions[record["version"]], **record["params"]}
+                inputs = record["inputs"]
+                if record.get("structure") is not None:
+                    inputs = Structure.parse(record["structure"]).unflatten(inputs)
+                out = self.forward(
+                    record["microbatch"], record["version"], inputs, target=record["target"],
+                    samples=record["samples"], params=params,
+                    loss_scale=record["loss_scale"], stamp=record.get("scale") if self.scaler is not None else None,
+                    constants=record.get("constants", 0),
+                )
+                replayed.append((record["microbatch"], out, self.last_constants))
         return replayed
 
     # -- results ---------------------------------------------------------------------------------
