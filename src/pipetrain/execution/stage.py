@@ -25,11 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from pipetrain.errors import ModelError, PipetrainError, StageError
+from pipetrain.execution.accumulation import GradientSums
 from pipetrain.execution.device import to_device
 from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
 from pipetrain.execution.parameters import INCONSISTENT as _INCONSISTENT
 from pipetrain.execution.parameters import Parameters, SavedParameters
 from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, constants_of
+from pipetrain.execution.leaves import ForwardLeaves
 from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
 from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
 from pipetrain.execution.recompute import Recomputation, is_stochastic
@@ -148,8 +150,7 @@ class StageExecutor:
         self.recomputation = Recomputation(module, self.device, self._microbatch_seed if self.stochastic else None,
                                            recompute)
         self.in_flight = InFlightTable(stage)
-        self._grads: dict[str, Tensor] | None = None  # see the grads property
-        self._holder: tuple[dict, dict[str, Tensor]] | None = None  # (leaf set, its trainable leaves)
+        self.sums = GradientSums()  # see the grads property
         self.pending_samples = 0
         self.samples_seen = 0
         self.last_loss: Tensor | None = None
@@ -158,8 +159,7 @@ class StageExecutor:
         #: stage's ``forward(constants=...)``, so that it neither computes nor sends gradients for them
         self.last_constants = 0
         self.saved = SavedParameters()
-        self._leaves: dict[int, dict[str, Tensor]] = {}
-        self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
+        self.leaves = ForwardLeaves(self.trainable)
         self._fused = None
         if update_in_backward and units_per_update == 1 and optimizer is not None and self.scaler is None \
                 and nonfinite != "skip":
@@ -185,42 +185,13 @@ class StageExecutor:
 
     @property
     def grads(self) -> dict[str, Tensor] | None:
-        """The weight gradients accumulated since the last update (``None`` before a backward).
-
-        Between backwards of one version the running sums stay on that version's autograd
-        leaves (``.grad``), where the engine adds to them; reading this property takes them off."""
-        self._release_holder()
-        return self._grads
+        """The weight gradients accumulated since the last update (``None`` before a backward; see
+        :mod:`pipetrain.execution.accumulation`: reading this property takes them off the leaves)."""
+        return self.sums.take()
 
     @grads.setter
     def grads(self, value: dict[str, Tensor] | None) -> None:
-        holder, self._holder = self._holder, None
-        if holder is not None:
-            for leaf in holder[1].values():
-                leaf.grad = None
-        self._grads = value
-
-    def _release_holder(self) -> None:
-        holder, self._holder = self._holder, None
-        if holder is not None:
-            sums = self._grads
-            for name, leaf in holder[1].items():
-                if leaf.grad is not None:
-                    sums[name] = leaf.grad
-                    leaf.grad = None
-
-    def _hold(self, record: InFlight) -> None:
-        """Put the running sums on the leaves of ``record``'s version (if not there already)."""
-        if self._holder is not None and self._holder[0] is record.leaf_set:
-            return
-        self._release_holder()
-        sums = self._grads
-        for name, leaf in record.leaves.items():
-            leaf.grad = sums.pop(name, None)
-        self._holder = (record.leaf_set, record.leaves)
-
-    def _make_leaves(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return {n: t.detach().requires_grad_(n in self.trainable) for n, t in params.items()}
+        self.sums.replace(value)
 
     @property
     def is_last(self) -> bool:
@@ -259,20 +230,12 @@ class StageExecutor:
         """
         self.in_flight.check_new(microbatch)
         predicted = None
-        if params is None and self.policy != "predict":
-            leaves = self._leaves.get(version)
-            if leaves is None:  # one set of autograd leaves per version, shared by its microbatches
-                leaves = self._leaves[version] = self._make_leaves(self.versions[version])
+        if params is None and self.policy != "predict":  # one set of autograd leaves per version
+            leaves = self.leaves.of_version(self.versions, version)
+        elif params is None and self.optimizer is not None:
+            leaves, predicted = self.leaves.predicted(self.versions[version], self.optimizer, self.samples_seen)
         else:
-            if params is None:
-                params = self.versions[version]
-                if self.optimizer is not None:
-                    true = params
-                    # into the tensors of a prediction whose backward has run, when there is one
-                    params = self.optimizer.predict(true, self.samples_seen,
-                                                    out=self._predictions.pop() if self._predictions else None)
-                    predicted = {n: t for n, t in params.items() if t is not true[n]}
-            leaves = self._make_leaves(params)
+            leaves = self.leaves.make(params if params is not None else self.versions[version])
         device = self.device  # a batch read on the CPU, or a message, comes to the stage's device
         scale = 1.0
         if self.scaling is not None:
@@ -399,7 +362,7 @@ class StageExecutor:
         grad_outputs, flagged = self._arrived(record, grad_outputs)
         positions = record.input_positions()
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
-        self._done(record)
+        self.leaves.free(record.predicted)
         grads = record.input_gradients(positions, results)
         if self.scaling is not None:
             self.scaling.test(record.leaves.values(), flagged, grads, weights=True)
@@ -451,15 +414,10 @@ class StageExecutor:
         """Weight-gradient half of a split backward (W)."""
         record = self.in_flight.take(microbatch)
         self._backward_into(record, version, [], record.grad_outputs, weights_only=True)
-        self._done(record)
+        self.leaves.free(record.predicted)
         if self.scaling is not None:  # an overflow found only here reaches no earlier stage (docs/gpu.md)
             overflow, self.scaling.overflow = self.scaling.overflow, False
             self.scaling.test(record.leaves.values(), overflow, (), weights=True)
-
-    def _done(self, record: InFlight) -> None:
-        """After a microbatch's backward: the tensors of its prediction are free for the next."""
-        if record.predicted:
-            self._predictions.append(record.predicted)
 
     def _backward_into(
         self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs, weights_only: bool = False
@@ -470,12 +428,11 @@ class StageExecutor:
         while it is still in cache; adding them all afterwards took 15-20 % longer on a 1024-wide
         MLP. Same additions in the same order as summing afterwards, so bitwise the same."""
         self.pending_samples += record.samples
-        if self._grads is None:
-            self._grads = {}
+        self.sums.open()
         roots, grads = self._differentiable(record, grad_outputs)
         if not roots or not (inputs or record.leaves):
             return [None] * len(inputs)
-        self._hold(record)
+        self.sums.hold(record.leaf_set, record.leaves)
         for x in inputs:
             x.grad = None
         hooks = []
@@ -549,8 +506,7 @@ class StageExecutor:
         if number in release:
             self.release(number)
         made = versions.push(new)
-        if number in self._leaves and not versions.holds(number):  # the push dropped it (released before)
-            del self._leaves[number]
+        self.leaves.forget(versions, number)  # the push dropped it (released before)
         return made
 
     def _step_made_in_backward(self, release: Sequence[int]) -> int:
@@ -571,8 +527,7 @@ class StageExecutor:
         if number in release:
             self.release(number)
         made = versions.push(dict(current))
-        if number in self._leaves and not versions.holds(number):
-            del self._leaves[number]
+        self.leaves.forget(versions, number)
         return made
 
     def _awaits_recomputation(self, version: int) -> bool:
@@ -584,8 +539,7 @@ class StageExecutor:
         """Drop ``version`` once no action reads it, with the autograd leaves cached for it (the
         current version stays until the next update)."""
         self.versions.release(version)
-        if version in self._leaves and not self.versions.holds(version):
-            del self._leaves[version]
+        self.leaves.forget(self.versions, version)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -634,7 +588,7 @@ class StageExecutor:
         state's tensors come to this stage's device, wherever they were saved."""
         state = to_device(state, self.device)
         self.versions = VersionStore.from_state(state["versions"], state["current"], recycle=not self.recompute)
-        self._leaves.clear()
+        self.leaves.by_version.clear()
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         self.samples_seen = state["samples_seen"]
