@@ -7,10 +7,7 @@ Non-finite values (``nonfinite=``): :mod:`pipetrain.execution.nonfinite`.
 
 Activation recomputation (``recompute=True``): :mod:`pipetrain.execution.recompute`.
 
-Mixed precision (``autocast=torch.bfloat16``): every forward (and the loss) runs under
-``torch.autocast`` on the stage's device; weights, versions, gradients and optimizer state stay in
-the module's own (master) dtype, and activations and their gradients travel in the dtype autocast
-gives them.
+Mixed precision (``autocast=torch.bfloat16``): :mod:`pipetrain.execution.device`.
 
 float16 (``scaler=LossScale(...)``): :mod:`pipetrain.execution.scaling`.
 """
@@ -26,7 +23,8 @@ from torch import Tensor, nn
 
 from pipetrain.errors import ModelError, PipetrainError, StageError
 from pipetrain.execution.accumulation import GradientSums
-from pipetrain.execution.device import to_device
+from pipetrain.execution.device import autocast_on, to_device
+from pipetrain.execution.evaluation import evaluate_stage
 from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
 from pipetrain.execution.parameters import INCONSISTENT as _INCONSISTENT
 from pipetrain.execution.parameters import Parameters, SavedParameters
@@ -36,9 +34,10 @@ from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard,
 from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
 from pipetrain.execution.recompute import Recomputation, is_stochastic
 from pipetrain.execution.scaling import LossScale, StageScale
+from pipetrain.execution.snapshot import restore_stage, stage_snapshot
 from pipetrain.execution.versions import VersionStore
 from pipetrain.schedule.ir import Action, format_action
-from pipetrain.structure import Structure, flatten
+from pipetrain.structure import flatten
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
 
@@ -285,18 +284,13 @@ class StageExecutor:
     def _microbatch_seed(self, microbatch: int) -> int:
         return (self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch
 
-    def _autocast(self):
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
-
     def _compute(self, record: InFlight) -> tuple[Any, Tensor | None]:
         """The stage's forward (and on the last stage the loss) of ``record`` on its leaves; when
         recording a graph under ``latest``/``predict``, with the hooks that let the backward read
         its own version."""
         leaves, inputs, target = record.leaf_set, record.inputs, record.target
         loss = None
-        with self._autocast():
+        with autocast_on(self.device, self.autocast):
             if self.policy in _INCONSISTENT and torch.is_grad_enabled():
                 record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
                 with self.saved.recording(record.storage):
@@ -549,95 +543,22 @@ class StageExecutor:
         self.guard.check_weights(self.versions, consequence)
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: versions, optimizer, counters, accumulated
-        gradients, buffers, and the microbatches in flight (inputs and weights their forward read).
-        Weights that are not finite are refused: no checkpoint holds them."""
-        self.check_weights("no checkpoint was written")
-        predicted = self.policy == "predict"
-        return {
-            "versions": {v: dict(p) for v, p in self.versions.state().items()},
-            "current": self.versions.current,
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "samples_seen": self.samples_seen,
-            "pending_samples": self.pending_samples,
-            "grads": None if self.grads is None else {n: g.clone() for n, g in self.grads.items()},
-            "buffers": {n: b.clone() for n, b in self.buffers.items()},
-            "in_flight": [
-                {
-                    "microbatch": k,
-                    "version": r.version,
-                    "samples": r.samples,
-                    "inputs": tuple(x.detach() if isinstance(x, Tensor) else x for x in r.inputs),
-                    "structure": None if r.structure is None else r.structure.text,
-                    "constants": sum(1 << i for i, x in enumerate(r.inputs) if isinstance(x, Tensor)
-                                     and x.is_floating_point() and not x.requires_grad and i < 62),
-                    "target": r.target,
-                    "loss_scale": r.loss_scale,
-                    "scale": r.scale,
-                    "params": {n: t.detach() for n, t in r.leaves.items()} if predicted else None,
-                }
-                for k, r in self.in_flight.items()
-            ],
-            "fp16": None if self.scaling is None else self.scaling.state_dict(),
-        }
+        """Everything needed to continue exactly (:mod:`pipetrain.execution.snapshot`); weights that
+        are not finite are refused: no checkpoint holds them."""
+        return stage_snapshot(self)
 
     def restore(self, state: dict[str, Any]) -> list[tuple[int, Any, int]]:
         """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
         ``[(microbatch, outputs, constants)]`` in their original order (for the messages that
-        crossed; ``constants`` as :attr:`last_constants`). The
-        state's tensors come to this stage's device, wherever they were saved."""
-        state = to_device(state, self.device)
-        self.versions = VersionStore.from_state(state["versions"], state["current"], recycle=not self.recompute)
-        self.leaves.by_version.clear()
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.samples_seen = state["samples_seen"]
-        self.pending_samples = state["pending_samples"]
-        self.grads = state["grads"]
-        self.in_flight.clear()
-        fp16 = state.get("fp16")
-        if self.scaling is not None and fp16 is not None:
-            self.scaling.load_state_dict(fp16)
-        with torch.no_grad():
-            for name, buffer in self.buffers.items():
-                buffer.copy_(state["buffers"][name])
-        replayed = []
-        # replayed on copies of the buffers: the running statistics already count these microbatches, and the
-        # graphs the replay records save no buffer that a later in-place write would invalidate for the backward
-        with self.recomputation.buffer_copies():
-            for record in state["in_flight"]:
-                params = None
-                if record["params"] is not None:
-                    params = {**self.versions[record["version"]], **record["params"]}
-                inputs = record["inputs"]
-                if record.get("structure") is not None:
-                    inputs = Structure.parse(record["structure"]).unflatten(inputs)
-                out = self.forward(
-                    record["microbatch"], record["version"], inputs, target=record["target"],
-                    samples=record["samples"], params=params,
-                    loss_scale=record["loss_scale"], stamp=record.get("scale") if self.scaler is not None else None,
-                    constants=record.get("constants", 0),
-                )
-                replayed.append((record["microbatch"], out, self.last_constants))
-        return replayed
+        crossed; ``constants`` as :attr:`last_constants`). The state's tensors come to this stage's
+        device, wherever they were saved."""
+        return restore_stage(self, state)
 
     # -- results ---------------------------------------------------------------------------------
 
     def evaluate(self, inputs: Any) -> Any:
         """Forward-only pass on the current weights (module in eval mode), for held-out data."""
-        was_training = self.module.training
-        self.module.eval()
-        leaves, structure = flatten(inputs)
-        try:
-            with torch.no_grad(), self._autocast():
-                return self.call(self.versions.latest, to_device(leaves, self.device, non_blocking=True), structure)
-        except PipetrainError:
-            raise
-        except Exception as error:  # noqa: BLE001 - as in the forward of training
-            raise forward_failure(self.stage, error, leaves, self.module, structure=structure,
-                                  what="on held-out data") from None
-        finally:
-            self.module.train(was_training)
+        return evaluate_stage(self.stage, self.call, self.versions.latest, inputs, self.device, self.autocast)
 
     def write_back(self) -> None:
         """Copy the current version into the module's own parameters (for saving or inspection);
