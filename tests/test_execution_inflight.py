@@ -55,3 +55,26 @@ def test_the_outputs_that_need_no_gradient_are_marked_for_the_next_stage():
     assert constants_of((h, mask, ids, torch.zeros(1)), (x, mask), recomputed=False) == 0b1010
     # without a graph only an input handed on unchanged is known to need none
     assert constants_of((h.detach(), mask, torch.zeros(1)), (x, mask), recomputed=True) == 0b10
+
+
+def test_only_outputs_that_got_a_gradient_are_differentiated():
+    x = torch.ones(2, requires_grad=True)
+    used, unused, constant = x * 2, x * 3, torch.ones(2)
+    record = _record(roots=(used, unused, constant))
+    grad = torch.ones(2)
+    roots, grads = record.differentiable((grad, None, torch.ones(2)))
+    assert len(roots) == 1 and roots[0] is used and grads == [grad]
+    loss = (x * 4).sum()
+    assert _record(roots=(loss,)).differentiable(None) == ([loss], None)  # the last stage: its loss
+
+
+def test_a_forwards_floating_inputs_take_a_gradient_on_later_stages_unless_constant():
+    from pipetrain.execution.inflight import forward_inputs
+
+    x, mask, ids = torch.ones(2), torch.ones(2), torch.tensor([1])
+    leaves, structure = forward_inputs({"x": x, "mask": mask, "ids": ids}, torch.device("cpu"), True,
+                                       constants=0b010)
+    flat = structure.unflatten(leaves)  # dict leaves in key order: x, mask, ids
+    assert flat["x"].requires_grad and not flat["mask"].requires_grad and not flat["ids"].requires_grad
+    first, none = forward_inputs(x, torch.device("cpu"), False, 0)
+    assert none is None and first[0] is x and not first[0].requires_grad  # stage 0: as it is

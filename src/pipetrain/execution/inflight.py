@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
 from torch import Tensor
 
 from pipetrain.errors import PipetrainError
-from pipetrain.structure import Structure
+from pipetrain.execution.device import to_device
+from pipetrain.structure import Structure, flatten
 
-__all__ = ["InFlight", "InFlightTable", "Gradients", "constants_of"]
+__all__ = ["InFlight", "InFlightTable", "Gradients", "constants_of", "forward_inputs"]
 
 Gradients = tuple[Tensor | None, ...]
 
@@ -42,6 +44,22 @@ class InFlight:
         under float16 times the loss scale (a power of two: the product is exact)."""
         factor = self.loss_scale * self.scale
         return loss * factor if factor != 1.0 else loss
+
+    def differentiable(self, grad_outputs: Sequence | None) -> tuple[list[Tensor], list[Tensor] | None]:
+        """The roots to differentiate and their gradients (``grad_outputs`` ``None``: the loss). A
+        root that requires grad but got no gradient was used by the later stages in no
+        differentiable way (a mask that only chose a causal kernel, a value passed on and never
+        used): it adds nothing, as in one process."""
+        if grad_outputs is None:  # the last stage: the loss
+            return [r for r in self.roots if isinstance(r, Tensor) and r.requires_grad], None
+        roots, grads = [], []
+        for index, root in enumerate(self.roots):
+            if isinstance(root, Tensor) and root.requires_grad and index < len(grad_outputs):
+                grad = grad_outputs[index]
+                if grad is not None:
+                    roots.append(root)
+                    grads.append(grad)
+        return roots, grads
 
     def input_positions(self) -> list[int]:
         """The positions of the inputs that take a gradient."""
@@ -84,6 +102,22 @@ class InFlightTable(dict[int, InFlight]):
     def awaits_recomputation(self, version: int) -> bool:
         """Whether a microbatch in flight will recompute its forward on ``version``'s tensors."""
         return any(r.version == version and not r.roots for r in self.values())
+
+
+def forward_inputs(inputs: Any, device: torch.device, take_grad: bool, constants: int) -> tuple[tuple, Any]:
+    """The leaves of ``inputs`` (and their :class:`~pipetrain.structure.Structure`, ``None`` for a
+    tensor or a flat tuple) on ``device``; with ``take_grad`` (stages after the first) the floating
+    ones become autograd leaves, except those ``constants`` marks (bit ``i``: leaf ``i``) and
+    non-floating ones (ids, masks)."""
+    leaves, structure = flatten(inputs)
+    leaves = to_device(leaves, device, non_blocking=True)
+    if take_grad:
+        leaves = tuple(
+            x.detach().requires_grad_(True)
+            if isinstance(x, Tensor) and x.is_floating_point() and not (constants >> i) & 1 else x
+            for i, x in enumerate(leaves)
+        )
+    return leaves, structure
 
 
 def constants_of(outputs: tuple, inputs: tuple, recomputed: bool) -> int:

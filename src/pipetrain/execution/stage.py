@@ -21,22 +21,22 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import ModelError, PipetrainError, StageError
+from pipetrain.errors import PipetrainError
 from pipetrain.execution.accumulation import GradientSums
 from pipetrain.execution.device import autocast_on, to_device
 from pipetrain.execution.evaluation import evaluate_stage
-from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
+from pipetrain.execution.failures import computed_loss, forward_errors, located
 from pipetrain.execution.parameters import INCONSISTENT as _INCONSISTENT
 from pipetrain.execution.parameters import Parameters, SavedParameters
-from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, constants_of
+from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, constants_of, forward_inputs
 from pipetrain.execution.leaves import ForwardLeaves
 from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
 from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
 from pipetrain.execution.recompute import Recomputation, is_stochastic
 from pipetrain.execution.scaling import LossScale, StageScale
 from pipetrain.execution.snapshot import restore_stage, stage_snapshot
+from pipetrain.execution.update import updated_weights
 from pipetrain.execution.versions import VersionStore
-from pipetrain.schedule.ir import Action, format_action
 from pipetrain.structure import flatten
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
@@ -53,20 +53,6 @@ def warm_up_autograd() -> None:
 
 def as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
-
-
-def located(error: StageError, rank: int, action: Action, step_of_unit: Callable[[int], int]) -> StageError:
-    """``error`` raised by a stage executor (a NaN loss, the user's exception), reworded with the
-    update (step, counted from 1), the stage, the rank and the action; ``step_of_unit(k)`` is the
-    update (from 0) unit ``k`` belongs to."""
-    unit = error.microbatch if error.microbatch is not None else action.microbatch
-    step = error.step if error.step is not None else step_of_unit(unit) + 1
-    text, prefix = str(error), f"stage {error.stage}: "
-    detail = text[len(prefix):] if text.startswith(prefix) else text
-    return type(error)(
-        f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
-        stage=error.stage, step=step, microbatch=unit, rank=rank,
-    )
 
 
 class StageExecutor:
@@ -239,31 +225,16 @@ class StageExecutor:
         scale = 1.0
         if self.scaling is not None:
             inputs, scale = self.scaling.received(microbatch, inputs, stamp)
-        inputs, structure = flatten(inputs)  # a tensor or a flat tuple: as it is, no structure
-        inputs = to_device(inputs, device, non_blocking=True)
-        if self.stage > 0:  # floating leaves take a gradient; non-floating ones (ids, masks) and constants none
-            inputs = tuple(
-                x.detach().requires_grad_(True)
-                if isinstance(x, Tensor) and x.is_floating_point() and not (constants >> i) & 1 else x
-                for i, x in enumerate(inputs)
-            )
+        inputs, structure = forward_inputs(inputs, device, self.stage > 0, constants)
         if isinstance(target, Tensor) and target.device != device:
             target = target.to(device, non_blocking=True)
         rng = self.recomputation.begin(microbatch)  # seeds a stage with dropout
         record = InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
                            scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted,
                            structure=structure, rng=rng)
-        try:
+        with forward_errors(self.stage, inputs, self.module, structure=structure, target=target, microbatch=microbatch):
             with torch.no_grad() if self.recompute else contextlib.nullcontext():
                 output, loss = self._compute(record)
-        except ModelError as error:  # the loss's (it names what it was called on)
-            error.microbatch = microbatch
-            raise
-        except PipetrainError:
-            raise
-        except Exception as error:  # noqa: BLE001 - whatever the user's forward raises, named in one line
-            raise forward_failure(self.stage, error, inputs, self.module, structure=structure, target=target,
-                                  microbatch=microbatch) from None
         if self.is_last:
             self.last_loss = loss.detach()
             self.guard.check_loss(microbatch, self.last_loss, inputs, self.versions.latest)
@@ -288,32 +259,14 @@ class StageExecutor:
         """The stage's forward (and on the last stage the loss) of ``record`` on its leaves; when
         recording a graph under ``latest``/``predict``, with the hooks that let the backward read
         its own version."""
-        leaves, inputs, target = record.leaf_set, record.inputs, record.target
-        loss = None
-        with autocast_on(self.device, self.autocast):
-            if self.policy in _INCONSISTENT and torch.is_grad_enabled():
-                record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
-                with self.saved.recording(record.storage):
-                    output = self.call(leaves, inputs, record.structure)
-                    if self.is_last:
-                        loss = self._loss(output, target)
-            else:
-                output = self.call(leaves, inputs, record.structure)
-                if self.is_last:
-                    loss = self._loss(output, target)
+        hooks = contextlib.nullcontext()
+        if self.policy in _INCONSISTENT and torch.is_grad_enabled():
+            record.storage = {t.untyped_storage().data_ptr(): n for n, t in record.leaf_set.items()}
+            hooks = self.saved.recording(record.storage)
+        with autocast_on(self.device, self.autocast), hooks:
+            output = self.call(record.leaf_set, record.inputs, record.structure)
+            loss = computed_loss(self.stage, self.loss_fn, output, record.target) if self.is_last else None
         return output, loss
-
-    def _loss(self, output: Any, target: Any) -> Tensor:
-        """``loss_fn(output, target)``, one number, or a :class:`~pipetrain.errors.ModelError` that
-        says what the loss raised or returned."""
-        try:
-            loss = self.loss_fn(output, target)
-        except PipetrainError:
-            raise
-        except Exception as error:  # noqa: BLE001 - whatever the user's loss raises, named in one line
-            raise loss_failure(self.stage, error, output, target) from None
-        check_loss(self.stage, loss)
-        return loss
 
     def _recompute(self, record: InFlight) -> None:
         """Run ``record``'s forward again (:class:`~pipetrain.execution.recompute.Recomputation`),
@@ -326,20 +279,10 @@ class StageExecutor:
     # -- backward --------------------------------------------------------------------------------
 
     def _differentiable(self, record: InFlight, grad_outputs: Sequence | None):
-        """The outputs to differentiate and their gradients. An output that requires grad but got no
-        gradient was used by the later stages in no differentiable way (a mask that only chose a
-        causal kernel, a value passed on and never used): it adds nothing, as in one process."""
+        """The outputs to differentiate and their gradients (:meth:`InFlight.differentiable`), after
+        the forward runs again if it must."""
         self._recompute(record)
-        if grad_outputs is None:  # the last stage: the loss
-            return [r for r in record.roots if isinstance(r, Tensor) and r.requires_grad], None
-        roots, grads = [], []
-        for index, root in enumerate(record.roots):
-            if isinstance(root, Tensor) and root.requires_grad and index < len(grad_outputs):
-                grad = grad_outputs[index]
-                if grad is not None:
-                    roots.append(root)
-                    grads.append(grad)
-        return roots, grads
+        return record.differentiable(grad_outputs)
 
     def _input_gradients(self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs):
         """The I half of a split backward: gradients of ``inputs``, keeping the graph for W."""
@@ -457,71 +400,49 @@ class StageExecutor:
         (:meth:`VersionStore.spares`).
         """
         grads = self.grads or {}
-        versions = self.versions
-        current = versions.latest
-        number = versions.current
+        number = self.versions.current
         if self._fused is not None and self._fused.applied:
             return self._step_made_in_backward(release)
         # nothing reads the replaced version any more (its autograd leaves go with it), unless a
         # microbatch in flight will recompute its forward on it: then update in place
-        in_place = versions.releasing_current(release) and not self._awaits_recomputation(number)
-        for version in release:
-            if version != number:
-                self.release(version)
-        unscale = 1.0
+        in_place = self.versions.releasing_current(release) and not self._awaits_recomputation(number)
+        self._release_others(release, number)
         if self.scaling is not None:
             skip, unscale = self.scaling.finish(number + 1, grads, self.guard.check_skip_limit)
         else:
-            skip = self.guard.skips(number + 1, grads)
-        if skip:
-            if in_place:
-                new = current
-            else:  # a copy where the last stays held, so that both stay immutable (into spares, if any)
-                spares = versions.spares(current)
-                with torch.no_grad():
-                    new = {n: spares[n].copy_(t) if n in spares else t.clone() for n, t in current.items()}
-        elif self.optimizer is None:
-            new = dict(current)
-        else:
-            factor = self.grad_scale * unscale  # exact: the loss scale is a power of two
-            if factor != 1.0:  # the sums are this executor's own (dropped after the update)
-                for grad in grads.values():
-                    if grad is not None:
-                        grad.mul_(factor)
-            out: dict[str, Tensor] = {}
-            if in_place:  # nothing reads the replaced version any more: its tensors, unless shared
-                out = {n: current[n] for n in grads if versions.exclusive(number, n)}
-            if len(out) < len(grads):
-                out.update(versions.spares([n for n in grads if n not in out]))
-            new = self.optimizer.step(current, grads, self.samples_seen, out=out)
-        self.samples_seen += self.pending_samples
-        self.pending_samples = 0
-        self.grads = None
-        if number in release:
-            self.release(number)
-        made = versions.push(new)
-        self.leaves.forget(versions, number)  # the push dropped it (released before)
-        return made
+            skip, unscale = self.guard.skips(number + 1, grads), 1.0
+        # the factor is exact: the loss scale is a power of two
+        new = updated_weights(self.versions, grads, self.optimizer, skip=skip, in_place=in_place,
+                              factor=self.grad_scale * unscale, samples_seen=self.samples_seen)
+        return self._push(new, release, number)
 
     def _step_made_in_backward(self, release: Sequence[int]) -> int:
         """The bookkeeping of an update the backward made (:mod:`~pipetrain.execution.update_in_backward`):
         the current version's tensors hold the new weights, which become the next version."""
-        versions, number = self.versions, self.versions.current
-        if not versions.releasing_current(release):
+        number = self.versions.current
+        if not self.versions.releasing_current(release):
             raise PipetrainError(f"internal error: stage {self.stage} updated version {number} in place during the "
                                  f"backward, but the schedule keeps it; please report this with the command")
         self._fused.finish()
-        current = versions.latest
+        current = self.versions.latest
+        self._release_others(release, number)
+        return self._push(dict(current), release, number)
+
+    def _release_others(self, release: Sequence[int], number: int) -> None:
+        """Before update ``number + 1``: drop the versions it releases, other than the current."""
         for version in release:
             if version != number:
                 self.release(version)
+
+    def _push(self, new: dict[str, Tensor], release: Sequence[int], number: int) -> int:
+        """Make ``new`` the next version (after ``number``, dropped if released), the update done."""
         self.samples_seen += self.pending_samples
         self.pending_samples = 0
         self.grads = None
         if number in release:
             self.release(number)
-        made = versions.push(dict(current))
-        self.leaves.forget(versions, number)
+        made = self.versions.push(new)
+        self.leaves.forget(self.versions, number)  # the push dropped it (released before)
         return made
 
     def _awaits_recomputation(self, version: int) -> bool:
