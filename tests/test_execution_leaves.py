@@ -48,3 +48,14 @@ def test_a_prediction_writes_into_the_tensors_of_one_whose_backward_has_run():
     again, reused = leaves.predicted(weights, optimizer, 1)
     assert reused["w"] is predicted["w"] and torch.equal(again["w"], made["w"])
     leaves.free(None)  # nothing predicted: nothing to free
+
+
+def test_a_forward_reads_given_weights_a_prediction_or_the_shared_set():
+    versions, leaves = _store(), ForwardLeaves(frozenset({"w"}))
+    shared, none = leaves.read(versions, 0, None, False, None, 0)
+    assert none is None and shared is leaves.of_version(versions, 0)
+    given = {"w": torch.full((2, 2), 3.0), "frozen": torch.zeros(2)}
+    own, _ = leaves.read(versions, 0, given, True, SGD(lr=0.1), 0)
+    assert own["w"].data_ptr() == given["w"].data_ptr() and own["w"] is not shared["w"]
+    unpredicted, _ = leaves.read(versions, 0, None, True, None, 0)  # predict without an optimizer: its own set
+    assert unpredicted["w"] is not shared["w"] and torch.equal(unpredicted["w"], shared["w"])

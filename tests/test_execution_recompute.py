@@ -387,3 +387,12 @@ def test_only_a_dropout_that_drops_makes_a_stage_stochastic():
 
     assert is_stochastic(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
     assert not is_stochastic(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)))
+
+
+def test_each_stage_and_microbatch_of_a_run_has_a_seed_of_its_own():
+    from pipetrain.execution.recompute import microbatch_seed
+
+    seeds = {microbatch_seed(seed, stage, microbatch)
+             for seed in range(3) for stage in range(4) for microbatch in range(50)}
+    assert len(seeds) == 3 * 4 * 50
+    assert microbatch_seed(1, 2, 3) == (1 * 1_000_003 + 2) * 1_000_003 + 3

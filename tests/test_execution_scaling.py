@@ -98,3 +98,21 @@ def test_the_state_continues_where_it_was():
     again.load_state_dict(state)
     assert again.state_dict() == state and again.scaler.scale == 32.0 and again.pending == 32.0
     assert again.received(3, torch.ones(1), None)[1] == 32.0
+
+
+def test_the_backward_halves_send_the_flag_and_test_what_each_has():
+    leaf = torch.zeros(2, requires_grad=True)
+    leaf.grad = torch.tensor([math.inf, 0.0])
+    full = StageScale(1, LossScale(), 1, CPU)
+    assert torch.equal(full.sent_back([leaf], False, (None,))[1], torch.tensor([1.0]))  # the weights tested
+    split = StageScale(1, LossScale(), 1, CPU)
+    assert torch.equal(split.sent_back_by_input_half([leaf], False, (None,))[1], torch.tensor([0.0]))
+    split.tested_by_weight_half([leaf])
+    assert split.overflow
+    flagged = StageScale(1, LossScale(), 1, CPU)
+    assert torch.equal(flagged.sent_back_by_input_half([], True, ())[0], torch.tensor([1.0]))  # passed on at once
+    replica = StageScale(0, LossScale(), 1, CPU)
+    replica.share(False)
+    assert not replica.overflow
+    replica.share(True)
+    assert replica.overflow

@@ -107,8 +107,10 @@ class InFlightTable(dict[int, InFlight]):
 def forward_inputs(inputs: Any, device: torch.device, take_grad: bool, constants: int) -> tuple[tuple, Any]:
     """The leaves of ``inputs`` (and their :class:`~pipetrain.structure.Structure`, ``None`` for a
     tensor or a flat tuple) on ``device``; with ``take_grad`` (stages after the first) the floating
-    ones become autograd leaves, except those ``constants`` marks (bit ``i``: leaf ``i``) and
-    non-floating ones (ids, masks)."""
+    ones become autograd leaves, except non-floating ones (ids, masks) and those ``constants`` (the
+    previous stage's :func:`constants_of`, bit ``i``: leaf ``i``) marks: a float mask that needs no
+    gradient stays a plain tensor, so that the stage computes exactly what one process computes
+    (attention picks its kernel by whether the mask requires grad)."""
     leaves, structure = flatten(inputs)
     leaves = to_device(leaves, device, non_blocking=True)
     if take_grad:

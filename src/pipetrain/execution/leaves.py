@@ -22,6 +22,17 @@ class ForwardLeaves:
         self.by_version: dict[int, dict[str, Tensor]] = {}
         self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
 
+    def read(self, versions: VersionStore, version: int, params: Mapping[str, Tensor] | None, predict: bool,
+             optimizer: Any, samples_seen: int) -> tuple[dict[str, Tensor], dict[str, Tensor] | None]:
+        """The leaves a forward of ``version`` reads, and the tensors a prediction wrote for it (if
+        any): a set of their own for ``params`` when given, else (``predict``) for ``optimizer``'s
+        prediction of the version, else the version's shared set."""
+        if params is None and not predict:
+            return self.of_version(versions, version), None
+        if params is None and optimizer is not None:
+            return self.predicted(versions[version], optimizer, samples_seen)
+        return self.make(params if params is not None else versions[version]), None
+
     def make(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """A set of leaves of its own for ``params``."""
         return {n: t.detach().requires_grad_(n in self.trainable) for n, t in params.items()}

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["STOCHASTIC", "Recomputation", "is_stochastic", "rng_state", "set_rng_state"]
+__all__ = ["STOCHASTIC", "Recomputation", "is_stochastic", "microbatch_seed", "rng_state", "set_rng_state"]
 
 #: the modules that draw random numbers in training (a stage with one seeds each microbatch)
 STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -31,6 +31,11 @@ T = TypeVar("T")
 def is_stochastic(module: nn.Module) -> bool:
     """Whether ``module`` holds a dropout that drops anything."""
     return any(isinstance(m, STOCHASTIC) and m.p > 0 for m in module.modules())
+
+
+def microbatch_seed(seed: int, stage: int, microbatch: int) -> int:
+    """The seed of ``microbatch``'s forward on ``stage`` of a run seeded ``seed`` (a stage with dropout)."""
+    return (seed * 1_000_003 + stage) * 1_000_003 + microbatch
 
 
 def rng_state(device: torch.device) -> tuple:

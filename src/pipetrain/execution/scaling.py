@@ -26,7 +26,7 @@ from pipetrain.errors import ConfigError, NonFiniteError, PipetrainError
 from pipetrain.execution.nonfinite import all_finite
 from pipetrain.structure import append, split_last
 
-__all__ = ["LossScale", "StageScale", "DEFAULT_INIT", "DEFAULT_GROWTH", "MIN_SCALE", "check_power_of_two"]
+__all__ = ["LossScale", "StageScale", "as_tuple", "DEFAULT_INIT", "DEFAULT_GROWTH", "MIN_SCALE", "check_power_of_two"]
 
 #: the dynamic scale's first value (``--loss-scale-init``), as torch's GradScaler
 DEFAULT_INIT = 2.0 ** 16
@@ -35,6 +35,10 @@ DEFAULT_GROWTH = 2000
 #: a dynamic scale halved below this stops the run: float16's smallest subnormal; the gradient
 #: overflows float16 whatever the scale (use bf16)
 MIN_SCALE = 2.0 ** -24
+
+
+def as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
 
 
 def check_power_of_two(option: str, value: float) -> None:
@@ -119,7 +123,7 @@ class StageScale:
             return inputs, stamp
         if self.stage == 0:
             return inputs, self._stamp(microbatch)
-        inputs, carried = split_last(inputs if isinstance(inputs, tuple) else (inputs,))
+        inputs, carried = split_last(as_tuple(inputs))
         return inputs, float(carried)
 
     def _stamp(self, microbatch: int) -> float:
@@ -174,6 +178,34 @@ class StageScale:
         if self.stage == 0:
             return grads
         return grads + (torch.tensor([1.0 if self.overflow else 0.0], dtype=torch.float32, device=self.device),)
+
+    def sent_back(self, leaves: Iterable[Tensor], flagged: bool, grads: tuple) -> tuple:
+        """After a full backward: the update tested (the weight gradients on ``leaves`` too), and
+        the input gradients to send with the flag."""
+        self.test(leaves, flagged, grads, weights=True)
+        return self.flagged(grads)
+
+    def sent_back_by_input_half(self, leaves: Iterable[Tensor], flagged: bool, grads: tuple) -> tuple:
+        """After the I half of a split backward: a flag that arrived is kept (the W half records it
+        in the weight gradient), the input gradients tested and sent with the flag."""
+        if flagged:
+            self.overflow = True
+        self.test(leaves, False, grads, weights=False)
+        return self.flagged(grads)
+
+    def tested_by_weight_half(self, leaves: Iterable[Tensor]) -> None:
+        """After the W half: the weight gradients on ``leaves`` tested (an overflow found only
+        here reaches no earlier stage, docs/gpu.md)."""
+        overflow, self.overflow = self.overflow, False
+        self.test(leaves, overflow, (), weights=True)
+
+    def share(self, overflow: bool) -> None:
+        """SYNC: ``overflow`` says whether any replica's part of the update overflowed, so that every
+        replica skips it. The infinity written into the gradient carries it too, but a stage without
+        trainable weights has no gradient to carry it (and stage 0's replicas must agree: each moves
+        its own copy of the scale)."""
+        if overflow:
+            self.overflow = True
 
     def finish(self, step: int, grads: Mapping[str, Tensor],
                check_skip_limit: Callable[[list[int], int, Mapping[str, Tensor]], None]) -> tuple[bool, float]:

@@ -1,15 +1,14 @@
 """One stage replica at work: forward and backward of microbatches on the weight version an action
 names, gradient accumulation, and updates that make new versions.
 
-Versions and inconsistent backward (``latest``, ``predict``): :mod:`pipetrain.execution.parameters`.
-
-Non-finite values (``nonfinite=``): :mod:`pipetrain.execution.nonfinite`.
-
-Activation recomputation (``recompute=True``): :mod:`pipetrain.execution.recompute`.
-
-Mixed precision (``autocast=torch.bfloat16``): :mod:`pipetrain.execution.device`.
-
-float16 (``scaler=LossScale(...)``): :mod:`pipetrain.execution.scaling`.
+Each concern is a piece of its own that the executor composes: versions and inconsistent backward
+(``latest``, ``predict``) in :mod:`~pipetrain.execution.parameters` and
+:mod:`~pipetrain.execution.leaves`, the microbatches in flight in :mod:`~pipetrain.execution.inflight`,
+the gradient sums in :mod:`~pipetrain.execution.accumulation`, the update in
+:mod:`~pipetrain.execution.update`, non-finite values in :mod:`~pipetrain.execution.nonfinite`,
+recomputation in :mod:`~pipetrain.execution.recompute`, mixed precision in
+:mod:`~pipetrain.execution.device`, float16's loss scale in :mod:`~pipetrain.execution.scaling`,
+checkpoints in :mod:`~pipetrain.execution.snapshot`, held-out data in :mod:`~pipetrain.execution.evaluation`.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import PipetrainError
 from pipetrain.execution.accumulation import GradientSums
 from pipetrain.execution.device import autocast_on, to_device
 from pipetrain.execution.evaluation import evaluate_stage
@@ -32,15 +30,15 @@ from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, con
 from pipetrain.execution.leaves import ForwardLeaves
 from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
 from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
-from pipetrain.execution.recompute import Recomputation, is_stochastic
-from pipetrain.execution.scaling import LossScale, StageScale
+from pipetrain.execution.recompute import Recomputation, is_stochastic, microbatch_seed
+from pipetrain.execution.scaling import LossScale, StageScale, as_tuple
 from pipetrain.execution.snapshot import restore_stage, stage_snapshot
-from pipetrain.execution.update import updated_weights
+from pipetrain.execution.update import apply_update
+from pipetrain.execution.update_in_backward import fused_update
 from pipetrain.execution.versions import VersionStore
 from pipetrain.structure import flatten
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,10 +47,6 @@ def warm_up_autograd() -> None:
     second); pay that once when a stage is built, not inside the first timed backward."""
     x = torch.zeros(1, requires_grad=True)
     torch.autograd.grad(x * 2, (x,), (torch.ones(1),))
-
-
-def as_tuple(value: Any) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
 
 
 class StageExecutor:
@@ -68,14 +62,14 @@ class StageExecutor:
         grad_scale: factor applied to the accumulated gradient at each update (1 unless replicated
             stages update over different numbers of units, see :mod:`pipetrain.execution.data`).
         seed: base of the per-microbatch random seed used when the stage has dropout.
-        nonfinite: ``stop``, ``skip`` or ``off`` (see :data:`NONFINITE` and the module docstring).
+        nonfinite: ``stop``, ``skip`` or ``off`` (see :mod:`pipetrain.execution.nonfinite`).
         recompute: keep only the inputs of each microbatch and run its forward again in the
-            backward (see the module docstring): activation memory for time.
+            backward (:mod:`pipetrain.execution.recompute`): activation memory for time.
         autocast: ``torch.bfloat16`` to run forwards under ``torch.autocast``, with master weights in
             the module's dtype; ``None``: no autocast.
         device: where the stage computes (default: where its parameters or buffers are, else the
             CPU; give it for a stage without either, such as an activation function alone).
-        scaler: float16's loss scale (see the module docstring; ``None``: no loss scale, no
+        scaler: float16's loss scale (:mod:`pipetrain.execution.scaling`; ``None``: no loss scale, no
             stamp and no flag in the messages). Every stage of a run gets one or none.
         units_per_update: microbatches per update (stage 0 stamps one scale per update).
         own_weights: names of parameters that are this executor's alone (materialised for it from
@@ -132,8 +126,8 @@ class StageExecutor:
             (t.device for t in [*self.versions.latest.values(), *self.buffers.values()]), torch.device("cpu"))
         #: float16: this stage's part in the loss scale (``None`` without one)
         self.scaling = None if scaler is None else StageScale(stage, scaler, units_per_update, self.device)
-        self.recomputation = Recomputation(module, self.device, self._microbatch_seed if self.stochastic else None,
-                                           recompute)
+        seeds = functools.partial(microbatch_seed, seed, stage) if self.stochastic else None
+        self.recomputation = Recomputation(module, self.device, seeds, recompute)
         self.in_flight = InFlightTable(stage)
         self.sums = GradientSums()  # see the grads property
         self.pending_samples = 0
@@ -145,12 +139,8 @@ class StageExecutor:
         self.last_constants = 0
         self.saved = SavedParameters()
         self.leaves = ForwardLeaves(self.trainable)
-        self._fused = None
-        if update_in_backward and units_per_update == 1 and optimizer is not None and self.scaler is None \
-                and nonfinite != "skip":
-            from pipetrain.execution.update_in_backward import UpdateInBackward, can_update_in_backward
-
-            self._fused = UpdateInBackward(optimizer) if can_update_in_backward(optimizer) else None
+        wanted = update_in_backward and units_per_update == 1 and scaler is None and nonfinite != "skip"
+        self.fused = fused_update(optimizer, wanted)
         warm_up_autograd()
 
     @property
@@ -204,23 +194,16 @@ class StageExecutor:
         tensors, or any structure of them (:mod:`pipetrain.structure`), called under the boundary
         convention. The outputs come back as a tuple of tensors (a tensor ``t`` as ``(t,)``), or as
         the structure the stage returned; the backward's ``grad_outputs`` follow the outputs'
-        leaves, and the gradients it returns the inputs' leaves. Floating leaves of the inputs
-        take a gradient (on stages after the first) unless ``constants`` (the previous stage's
-        :attr:`last_constants`) marks them: a float mask that needs none stays a plain tensor, so
-        that the stage computes exactly what one process computes (attention picks its kernel by
-        whether the mask requires grad).
+        leaves, and the gradients it returns the inputs' leaves. ``constants`` (the previous
+        stage's :attr:`last_constants`) marks floating inputs that take no gradient
+        (:func:`~pipetrain.execution.inflight.forward_inputs`).
 
         ``params`` replaces the weights read (e.g. predictions made earlier); by default the
         forward reads ``version``, extrapolated by the optimizer under the ``predict`` policy.
         """
         self.in_flight.check_new(microbatch)
-        predicted = None
-        if params is None and self.policy != "predict":  # one set of autograd leaves per version
-            leaves = self.leaves.of_version(self.versions, version)
-        elif params is None and self.optimizer is not None:
-            leaves, predicted = self.leaves.predicted(self.versions[version], self.optimizer, self.samples_seen)
-        else:
-            leaves = self.leaves.make(params if params is not None else self.versions[version])
+        leaves, predicted = self.leaves.read(self.versions, version, params, self.policy == "predict", self.optimizer,
+                                             self.samples_seen)
         device = self.device  # a batch read on the CPU, or a message, comes to the stage's device
         scale = 1.0
         if self.scaling is not None:
@@ -238,22 +221,19 @@ class StageExecutor:
         if self.is_last:
             self.last_loss = loss.detach()
             self.guard.check_loss(microbatch, self.last_loss, inputs, self.versions.latest)
-            if not self.recompute:
-                record.roots = (record.scaled(loss),)
-            self.in_flight[microbatch] = record
-            return (self.last_loss,)
-        outputs, shape = flatten(output)
-        self.last_constants = constants_of(outputs, inputs, self.recompute)
-        if not self.recompute:
-            record.roots = outputs
+            outputs, shape = (), None
+        else:
+            outputs, shape = flatten(output)
+            self.last_constants = constants_of(outputs, inputs, self.recompute)
+        if not self.recompute:  # else its backward runs the forward again first
+            record.roots = (record.scaled(loss),) if self.is_last else outputs
         self.in_flight[microbatch] = record
+        if self.is_last:
+            return (self.last_loss,)
         sent: Any = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
         if shape is not None:
             sent = shape.unflatten(sent)
         return sent if self.scaling is None else self.scaling.sent(sent, scale)
-
-    def _microbatch_seed(self, microbatch: int) -> int:
-        return (self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch
 
     def _compute(self, record: InFlight) -> tuple[Any, Tensor | None]:
         """The stage's forward (and on the last stage the loss) of ``record`` on its leaves; when
@@ -268,25 +248,19 @@ class StageExecutor:
             loss = computed_loss(self.stage, self.loss_fn, output, record.target) if self.is_last else None
         return output, loss
 
-    def _recompute(self, record: InFlight) -> None:
-        """Run ``record``'s forward again (:class:`~pipetrain.execution.recompute.Recomputation`),
-        recording the graph its backward needs. Nothing to do without recomputation or once done."""
-        if record.roots or not self.recompute:
-            return
-        output, loss = self.recomputation.again(record.microbatch, record.rng, lambda: self._compute(record))
-        record.roots = (record.scaled(loss),) if self.is_last else flatten(output)[0]
+    def _recomputed(self, record: InFlight) -> InFlight:
+        """``record``, its forward run again (:class:`~pipetrain.execution.recompute.Recomputation`)
+        if it must, recording the graph its backward needs (without recomputation or once done: as it is)."""
+        if not record.roots and self.recompute:
+            output, loss = self.recomputation.again(record.microbatch, record.rng, lambda: self._compute(record))
+            record.roots = (record.scaled(loss),) if self.is_last else flatten(output)[0]
+        return record
 
     # -- backward --------------------------------------------------------------------------------
 
-    def _differentiable(self, record: InFlight, grad_outputs: Sequence | None):
-        """The outputs to differentiate and their gradients (:meth:`InFlight.differentiable`), after
-        the forward runs again if it must."""
-        self._recompute(record)
-        return record.differentiable(grad_outputs)
-
     def _input_gradients(self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs):
         """The I half of a split backward: gradients of ``inputs``, keeping the graph for W."""
-        roots, grads = self._differentiable(record, grad_outputs)
+        roots, grads = self._recomputed(record).differentiable(grad_outputs)
         if not roots or not inputs:
             return [None] * len(inputs)
         with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
@@ -301,10 +275,7 @@ class StageExecutor:
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
         self.leaves.free(record.predicted)
         grads = record.input_gradients(positions, results)
-        if self.scaling is not None:
-            self.scaling.test(record.leaves.values(), flagged, grads, weights=True)
-            grads = self.scaling.flagged(grads)
-        return grads
+        return grads if self.scaling is None else self.scaling.sent_back(record.leaves.values(), flagged, grads)
 
     def _arrived(self, record: InFlight, grad_outputs: Sequence | None) -> tuple[Any, bool]:
         """The gradients that arrived for ``record`` on this device and, under float16, the
@@ -317,17 +288,13 @@ class StageExecutor:
 
     @property
     def overflowed(self) -> bool:
-        """float16: whether the update being accumulated has overflowed so far (found here, or
-        flagged by a later stage)."""
+        """float16: whether the update being accumulated has overflowed so far (here or flagged later)."""
         return self.scaling is not None and self.scaling.overflow
 
     def share_overflow(self, overflow: bool) -> None:
-        """SYNC under float16: ``overflow`` says whether any replica's part of the update overflowed,
-        so that every replica skips it. The infinity written into the gradient carries it too, but a
-        stage without trainable weights has no gradient to carry it (and stage 0's replicas must
-        agree: each moves its own copy of the scale)."""
-        if self.scaling is not None and overflow:
-            self.scaling.overflow = True
+        """SYNC under float16: whether any replica's part of the update overflowed (:meth:`StageScale.share`)."""
+        if self.scaling is not None:
+            self.scaling.share(overflow)
 
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Input-gradient half of a split backward (I); the weight half (W) runs later."""
@@ -335,16 +302,11 @@ class StageExecutor:
         grad_outputs, flagged = self._arrived(record, grad_outputs)
         record.grad_outputs = grad_outputs
         positions = record.input_positions()
-        if not positions:
-            grads = record.input_gradients(positions, [])
-        else:
-            results = self._input_gradients(record, version, [record.inputs[i] for i in positions], grad_outputs)
-            grads = record.input_gradients(positions, results)
+        inputs = [record.inputs[i] for i in positions]
+        results = self._input_gradients(record, version, inputs, grad_outputs) if positions else []
+        grads = record.input_gradients(positions, results)
         if self.scaling is not None:
-            if flagged:
-                self.scaling.overflow = True  # recorded in the weight gradient by W
-            self.scaling.test(record.leaves.values(), False, grads, weights=False)
-            grads = self.scaling.flagged(grads)
+            grads = self.scaling.sent_back_by_input_half(record.leaves.values(), flagged, grads)
         return grads
 
     def backward_weight(self, microbatch: int, version: int) -> None:
@@ -352,31 +314,27 @@ class StageExecutor:
         record = self.in_flight.take(microbatch)
         self._backward_into(record, version, [], record.grad_outputs, weights_only=True)
         self.leaves.free(record.predicted)
-        if self.scaling is not None:  # an overflow found only here reaches no earlier stage (docs/gpu.md)
-            overflow, self.scaling.overflow = self.scaling.overflow, False
-            self.scaling.test(record.leaves.values(), overflow, (), weights=True)
+        if self.scaling is not None:
+            self.scaling.tested_by_weight_half(record.leaves.values())
 
     def _backward_into(
         self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs, weights_only: bool = False
     ) -> list:
         """Backward of ``record`` that adds its weight gradients to the accumulated ones inside
-        autograd (each leaf's ``.grad`` holds the running sum, see :attr:`grads`), and returns the
-        gradients of ``inputs``. The engine adds each layer's gradient right after computing it,
-        while it is still in cache; adding them all afterwards took 15-20 % longer on a 1024-wide
-        MLP. Same additions in the same order as summing afterwards, so bitwise the same."""
+        autograd (:mod:`pipetrain.execution.accumulation`), and returns the gradients of ``inputs``."""
         self.pending_samples += record.samples
         self.sums.open()
-        roots, grads = self._differentiable(record, grad_outputs)
+        roots, grads = self._recomputed(record).differentiable(grad_outputs)
         if not roots or not (inputs or record.leaves):
             return [None] * len(inputs)
         self.sums.hold(record.leaf_set, record.leaves)
         for x in inputs:
             x.grad = None
         hooks = []
-        if (self._fused is not None and not weights_only and self.pending_samples == record.samples  # the first
+        if (self.fused is not None and not weights_only and self.pending_samples == record.samples  # the first
                 and self.grad_scale == 1.0 and all(leaf.grad is None for leaf in record.leaves.values())
-                and self._fused.applies(self.versions, version, bool(self.in_flight), list(record.leaves))):
-            hooks = self._fused.hook(record.leaves, self.versions[version], self.samples_seen)
+                and self.fused.applies(self.versions, version, bool(self.in_flight), list(record.leaves))):
+            hooks = self.fused.hook(record.leaves, self.versions[version], self.samples_seen)
         try:
             with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
                 if weights_only:  # W of a split backward: the input gradients are done, skip them
@@ -399,56 +357,7 @@ class StageExecutor:
         own tensors when it is among them (in place), else into those of released versions
         (:meth:`VersionStore.spares`).
         """
-        grads = self.grads or {}
-        number = self.versions.current
-        if self._fused is not None and self._fused.applied:
-            return self._step_made_in_backward(release)
-        # nothing reads the replaced version any more (its autograd leaves go with it), unless a
-        # microbatch in flight will recompute its forward on it: then update in place
-        in_place = self.versions.releasing_current(release) and not self._awaits_recomputation(number)
-        self._release_others(release, number)
-        if self.scaling is not None:
-            skip, unscale = self.scaling.finish(number + 1, grads, self.guard.check_skip_limit)
-        else:
-            skip, unscale = self.guard.skips(number + 1, grads), 1.0
-        # the factor is exact: the loss scale is a power of two
-        new = updated_weights(self.versions, grads, self.optimizer, skip=skip, in_place=in_place,
-                              factor=self.grad_scale * unscale, samples_seen=self.samples_seen)
-        return self._push(new, release, number)
-
-    def _step_made_in_backward(self, release: Sequence[int]) -> int:
-        """The bookkeeping of an update the backward made (:mod:`~pipetrain.execution.update_in_backward`):
-        the current version's tensors hold the new weights, which become the next version."""
-        number = self.versions.current
-        if not self.versions.releasing_current(release):
-            raise PipetrainError(f"internal error: stage {self.stage} updated version {number} in place during the "
-                                 f"backward, but the schedule keeps it; please report this with the command")
-        self._fused.finish()
-        current = self.versions.latest
-        self._release_others(release, number)
-        return self._push(dict(current), release, number)
-
-    def _release_others(self, release: Sequence[int], number: int) -> None:
-        """Before update ``number + 1``: drop the versions it releases, other than the current."""
-        for version in release:
-            if version != number:
-                self.release(version)
-
-    def _push(self, new: dict[str, Tensor], release: Sequence[int], number: int) -> int:
-        """Make ``new`` the next version (after ``number``, dropped if released), the update done."""
-        self.samples_seen += self.pending_samples
-        self.pending_samples = 0
-        self.grads = None
-        if number in release:
-            self.release(number)
-        made = self.versions.push(new)
-        self.leaves.forget(self.versions, number)  # the push dropped it (released before)
-        return made
-
-    def _awaits_recomputation(self, version: int) -> bool:
-        """Whether a microbatch in flight will recompute its forward on ``version``'s tensors
-        (``latest``: an update may supersede the version its forward read before its backward)."""
-        return self.recompute and self.in_flight.awaits_recomputation(version)
+        return apply_update(self, release)
 
     def release(self, version: int) -> None:
         """Drop ``version`` once no action reads it, with the autograd leaves cached for it (the

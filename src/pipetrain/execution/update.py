@@ -10,14 +10,18 @@ when the last is released, else a copy, so that both stay immutable.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from pipetrain.errors import PipetrainError
 from pipetrain.execution.versions import VersionStore
 
-__all__ = ["updated_weights"]
+if TYPE_CHECKING:
+    from pipetrain.execution.stage import StageExecutor
+
+__all__ = ["updated_weights", "apply_update"]
 
 
 def updated_weights(versions: VersionStore, grads: Mapping[str, Tensor], optimizer: Any, *, skip: bool,
@@ -44,3 +48,46 @@ def updated_weights(versions: VersionStore, grads: Mapping[str, Tensor], optimiz
     if len(out) < len(grads):
         out.update(versions.spares([n for n in grads if n not in out]))
     return optimizer.step(current, grads, samples_seen, out=out)
+
+
+def apply_update(executor: StageExecutor, release: Sequence[int]) -> int:
+    """:meth:`StageExecutor.step`: the versions in ``release`` dropped before the update (so that it
+    writes into their tensors), the update made (or skipped, or the bookkeeping of one the backward
+    made, :mod:`~pipetrain.execution.update_in_backward`), the counters moved; the new version's number."""
+    grads = executor.grads or {}
+    versions, number = executor.versions, executor.versions.current
+    fused = executor.fused
+    if fused is not None and fused.applied:  # the current version's tensors hold the new weights
+        if not versions.releasing_current(release):
+            raise PipetrainError(f"internal error: stage {executor.stage} updated version {number} in place during "
+                                 f"the backward, but the schedule keeps it; please report this with the command")
+        fused.finish()
+        new = dict(versions.latest)
+        _release_others(executor, release, number)
+    else:
+        # nothing reads the replaced version any more (its autograd leaves go with it), unless a
+        # microbatch in flight will recompute its forward on it: then update in place
+        awaited = executor.recompute and executor.in_flight.awaits_recomputation(number)
+        in_place = versions.releasing_current(release) and not awaited
+        _release_others(executor, release, number)
+        if executor.scaling is not None:
+            skip, unscale = executor.scaling.finish(number + 1, grads, executor.guard.check_skip_limit)
+        else:
+            skip, unscale = executor.guard.skips(number + 1, grads), 1.0
+        new = updated_weights(versions, grads, executor.optimizer, skip=skip, in_place=in_place,
+                              factor=executor.grad_scale * unscale,  # exact: the loss scale is a power of two
+                              samples_seen=executor.samples_seen)
+    executor.samples_seen += executor.pending_samples
+    executor.pending_samples = 0
+    executor.grads = None
+    if number in release:
+        executor.release(number)
+    made = versions.push(new)
+    executor.leaves.forget(versions, number)  # the push dropped it (released before)
+    return made
+
+
+def _release_others(executor: StageExecutor, release: Sequence[int], number: int) -> None:
+    for version in release:
+        if version != number:
+            executor.release(version)
