@@ -113,3 +113,31 @@ def test_a_forward_that_raises_in_training_is_named_with_its_step_and_stage(capf
     assert err.endswith("error: step 3, stage 0 on rank 0 (0F2@v2): the forward raised ArithmeticError: a reading "
                         "of 1000 (latenets.py:10, in forward) in module '0' (Late)\n"), err
     assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_forward_errors_names_the_users_exception_and_gives_the_losss_its_microbatch():
+    from pipetrain.execution.failures import computed_loss, forward_errors
+
+    module = nn.Linear(3, 2)
+    x = torch.ones(4, 5)
+    with pytest.raises(ModelError, match=r"stage 1 cannot run on its input \(\(4, 5\) float32\) from stage 0") as caught:
+        with forward_errors(1, (x,), module, structure=None, target=None, microbatch=6):
+            module(x)
+    assert caught.value.microbatch == 6
+    with pytest.raises(ModelError, match=r"stage 1: the loss returned a \(4,\) tensor, not one number") as caught:
+        with forward_errors(1, (x,), module, structure=None, target=None, microbatch=3):
+            computed_loss(1, lambda output, target: output, torch.ones(4), None)
+    assert caught.value.microbatch == 3
+    assert computed_loss(0, lambda output, target: (output - target).sum(), torch.ones(2), torch.zeros(2)) == 2
+
+
+def test_located_adds_the_step_the_rank_and_the_action():
+    from pipetrain.errors import NonFiniteError
+    from pipetrain.execution.failures import located
+    from pipetrain.schedule.ir import Action, Kind
+
+    error = NonFiniteError("stage 2: the loss of microbatch 5 is nan", stage=2, microbatch=5)
+    action = Action(Kind.F, stage=2, microbatch=5)
+    moved = located(error, 3, action, lambda unit: unit // 2)
+    assert isinstance(moved, NonFiniteError) and (moved.step, moved.rank, moved.microbatch) == (3, 3, 5)
+    assert str(moved).startswith("step 3, stage 2 on rank 3 (") and str(moved).endswith("): the loss of microbatch 5 is nan")

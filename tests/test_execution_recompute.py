@@ -338,3 +338,61 @@ def test_a_recomputing_run_resumes_from_a_checkpoint_to_the_uninterrupted_parame
         for path in (config.save, again.save):
             state = torch.load(path)
             assert all(torch.equal(state[k], reference[k]) for k in reference), (config.schedule, path)
+
+
+# -- the recomputation on its own ------------------------------------------------------------------
+
+
+def test_a_forward_run_again_draws_the_same_random_numbers_and_leaves_the_callers_alone():
+    from pipetrain.execution.recompute import Recomputation
+
+    module = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    x = torch.randn(8, 4)
+    for seed in (None, lambda microbatch: 1000 + microbatch):  # from the random state, or seeded
+        recomputation = Recomputation(module, torch.device("cpu"), seed, enabled=True)
+        torch.manual_seed(5)
+        state = recomputation.begin(3)
+        assert (state is None) == (seed is not None)
+        first = module(x)
+        torch.manual_seed(6)
+        before = torch.get_rng_state()
+        again = recomputation.again(3, state, lambda: module(x))
+        assert torch.equal(first, again) and again.requires_grad
+        assert torch.equal(torch.get_rng_state(), before)
+    assert Recomputation(module, torch.device("cpu"), None, enabled=False).begin(0) is None  # nothing to keep
+
+
+def test_a_forward_run_again_writes_into_copies_of_the_buffers_even_when_it_raises():
+    from pipetrain.execution.recompute import Recomputation
+
+    norm = nn.BatchNorm1d(3)
+    recomputation = Recomputation(norm, torch.device("cpu"), None, enabled=True)
+    mean, count = norm.running_mean, norm.num_batches_tracked.clone()
+    with torch.no_grad():
+        recomputation.again(0, None, lambda: norm(torch.randn(4, 3) + 10))
+    assert norm.running_mean is mean and torch.equal(mean, torch.zeros(3))
+    assert torch.equal(norm.num_batches_tracked, count)
+
+    def fails():
+        norm(torch.randn(4, 3))
+        raise RuntimeError("the user's forward")
+
+    with pytest.raises(RuntimeError, match="the user's forward"):
+        recomputation.again(0, None, fails)
+    assert norm.running_mean is mean and torch.equal(mean, torch.zeros(3))
+
+
+def test_only_a_dropout_that_drops_makes_a_stage_stochastic():
+    from pipetrain.execution.recompute import is_stochastic
+
+    assert is_stochastic(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
+    assert not is_stochastic(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)))
+
+
+def test_each_stage_and_microbatch_of_a_run_has_a_seed_of_its_own():
+    from pipetrain.execution.recompute import microbatch_seed
+
+    seeds = {microbatch_seed(seed, stage, microbatch)
+             for seed in range(3) for stage in range(4) for microbatch in range(50)}
+    assert len(seeds) == 3 * 4 * 50
+    assert microbatch_seed(1, 2, 3) == (1 * 1_000_003 + 2) * 1_000_003 + 3

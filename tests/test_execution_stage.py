@@ -41,11 +41,11 @@ def test_backward_accumulates_exactly_what_separate_gradients_sum_to():
             expected[name] = grad if expected[name] is None else expected[name].add_(grad)
     assert executor.pending_samples == 15
     # between backwards the running sums stay on the version's autograd leaves ...
-    assert all(leaf.grad is not None for leaf in executor._leaves[0].values())
+    assert all(leaf.grad is not None for leaf in executor.leaves.by_version[0].values())
     for name, grad in expected.items():
         assert torch.equal(executor.grads[name], grad), name
     # ... and reading them takes them off
-    assert all(leaf.grad is None for leaf in executor._leaves[0].values())
+    assert all(leaf.grad is None for leaf in executor.leaves.by_version[0].values())
 
 
 @pytest.mark.parametrize("optimizer", [lambda: SGD(lr=0.1, momentum=0.9, weight_decay=0.01), lambda: Adam(lr=0.01)])

@@ -44,3 +44,18 @@ def test_an_update_of_several_microbatches_accumulates_as_before():
     after, _ = train(stage(), "sgd:lr=0.1,momentum=0.9", fused=False, microbatches=2)
     during, held = train(stage(), "sgd:lr=0.1,momentum=0.9", fused=True, microbatches=2)
     assert all(held) and all(torch.equal(after[name], during[name]) for name in after)
+
+
+def test_a_stage_updates_in_its_backward_only_when_wanted_and_its_optimizer_can():
+    from pipetrain.execution.update_in_backward import UpdateInBackward, fused_update
+    from pipetrain.optim import SGD
+
+    assert isinstance(fused_update(SGD(lr=0.1), wanted=True), UpdateInBackward)
+    assert fused_update(SGD(lr=0.1), wanted=False) is None
+    assert fused_update(None, wanted=True) is None  # no optimizer: no update
+
+    class Changed(SGD):
+        def step(self, *args, **kwargs):  # an optimizer whose step is not its per-parameter update
+            return super().step(*args, **kwargs)
+
+    assert fused_update(Changed(lr=0.1), wanted=True) is None

@@ -4,10 +4,16 @@ Nothing below the set-up names a device: a stage computes where its parameters a
 (:attr:`~pipetrain.execution.StageExecutor.device`) and moves what arrives (a batch read on the
 CPU, a message, labels, a checkpoint's tensors) there with :func:`to_device`; versions, gradients
 and optimizer state are made from the parameters, so they live there too.
+
+Mixed precision (``autocast=torch.bfloat16``): every forward (and the loss) runs under
+``torch.autocast`` on the stage's device (:func:`autocast_on`); weights, versions, gradients and
+optimizer state stay in the module's own (master) dtype, and activations and their gradients travel
+in the dtype autocast gives them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -17,7 +23,7 @@ from torch import Tensor
 from pipetrain.errors import ConfigError
 from pipetrain.structure import map_values
 
-__all__ = ["DEVICES", "resolve_device", "to_device"]
+__all__ = ["DEVICES", "resolve_device", "to_device", "autocast_on"]
 
 #: ``--device``: ``auto`` is CUDA when available, else the CPU
 DEVICES = ("auto", "cpu", "cuda")
@@ -55,3 +61,10 @@ def to_device(value: Any, device: torch.device, non_blocking: bool = False) -> A
         return t if t.device == device else t.to(device, non_blocking=non_blocking)
 
     return map_values(value, move)
+
+
+def autocast_on(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type; nothing when ``dtype`` is ``None``."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

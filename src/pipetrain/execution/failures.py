@@ -7,20 +7,23 @@ names that exception, its type and the file and line it came from: the inputs ar
 problem. When a PyTorch operation refuses its input (a shape, a dtype, a device), the message
 shows what the stage received, from where, and the module that failed. Either way it is a
 :class:`~pipetrain.errors.ModelError` that names the stage and the microbatch; the executor that
-runs the schedule adds the update and the rank (:func:`~pipetrain.execution.stage.located`).
+runs the schedule adds the update and the rank (:func:`located`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Callable, Iterator
 
 from torch import Tensor, nn
 
-from pipetrain.errors import ModelError
+from pipetrain.errors import ModelError, PipetrainError, StageError
+from pipetrain.schedule.ir import Action, format_action
 from pipetrain.structure import Structure, describe
 from pipetrain.usercode import raised_by_user, where
 
-__all__ = ["forward_failure", "loss_failure", "check_loss", "failing_module"]
+__all__ = ["forward_failure", "loss_failure", "check_loss", "failing_module", "forward_errors", "computed_loss",
+           "located"]
 
 
 def failing_module(error: BaseException, root: nn.Module) -> str:
@@ -98,3 +101,47 @@ def check_loss(stage: int, loss: Any, *, microbatch: int | None = None, what: st
         fix = "return a 0-dim tensor computed from the model's output, so that it can be differentiated"
     raise ModelError(_said(stage, what, "the loss", f"returned {got}, not one number: {fix}"),
                      stage=stage, microbatch=microbatch)
+
+
+@contextlib.contextmanager
+def forward_errors(stage: int, inputs: Any, module: nn.Module, *, structure: Structure | None, target: Any,
+                   microbatch: int) -> Iterator[None]:
+    """Meanwhile (``stage``'s forward of ``microbatch`` on ``inputs``), whatever the user's code raises
+    becomes one :func:`forward_failure`; the loss's :class:`ModelError` gets the microbatch."""
+    try:
+        yield
+    except ModelError as error:  # the loss's (it names what it was called on)
+        error.microbatch = microbatch
+        raise
+    except PipetrainError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the user's forward raises, named in one line
+        raise forward_failure(stage, error, inputs, module, structure=structure, target=target,
+                              microbatch=microbatch) from None
+
+
+def computed_loss(stage: int, loss_fn: Callable[[Any, Any], Any], output: Any, target: Any) -> Tensor:
+    """``loss_fn(output, target)``, one number, or a :class:`ModelError` that says what the loss
+    raised or returned."""
+    try:
+        loss = loss_fn(output, target)
+    except PipetrainError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the user's loss raises, named in one line
+        raise loss_failure(stage, error, output, target) from None
+    check_loss(stage, loss)
+    return loss
+
+
+def located(error: StageError, rank: int, action: Action, step_of_unit: Callable[[int], int]) -> StageError:
+    """``error`` raised by a stage executor (a NaN loss, the user's exception), reworded with the
+    update (step, counted from 1), the stage, the rank and the action; ``step_of_unit(k)`` is the
+    update (from 0) unit ``k`` belongs to."""
+    unit = error.microbatch if error.microbatch is not None else action.microbatch
+    step = error.step if error.step is not None else step_of_unit(unit) + 1
+    text, prefix = str(error), f"stage {error.stage}: "
+    detail = text[len(prefix):] if text.startswith(prefix) else text
+    return type(error)(
+        f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
+        stage=error.stage, step=step, microbatch=unit, rank=rank,
+    )

@@ -1,92 +1,44 @@
 """One stage replica at work: forward and backward of microbatches on the weight version an action
 names, gradient accumulation, and updates that make new versions.
 
-The module's structure is called with the parameters of the
-version the action reads, so several versions can be in use at once and none is ever modified
-(the original PipeDream broke on PyTorch >= 1.5 by updating weights that autograd had saved).
-Buffers (BatchNorm running statistics) are the module's own and are not versioned.
-
-Inconsistent backward (``latest`` and ``predict`` policies, Pipelined Backpropagation): the
-forward runs under saved-tensor hooks that record any saved tensor sharing storage with a
-parameter as a reference (name, size, stride, offset); when the backward runs, the reference is
-resolved against the version the backward action names. So the error propagates through the
-weights current at backward time while weight gradients use the activations stored at forward
-time, for every layer whose backward reads the parameter tensor itself or a view of it (Linear,
-Conv, embeddings, norm affine parameters, attention projections). A layer that saves a tensor
-*computed* from a parameter (e.g. weight normalisation's ``g * v / |v|``) keeps the forward-time
-value for that tensor.
-
-Non-finite values (``nonfinite=``), tested where it costs nothing on the way: the last stage tests
-each microbatch's loss (a number every executor reads anyway) and a NaN or infinite one stops the
-run (``stop``, the default; a non-finite gradient makes the weights non-finite, and so the next
-loss that goes through them); :meth:`StageExecutor.snapshot` and :meth:`StageExecutor.write_back`
-refuse weights that are not finite, so that no checkpoint and no saved model holds them. With
-``skip`` every update tests its gradient first (one pass over it and one read of the host, the
-price of skipping) and leaves the weights as they are when it is not finite: the update still
-makes a version, equal to the last, and the optimizer's state does not move. docs/optim.md says
-what ``skip`` means for each schedule.
-
-Activation recomputation (``recompute=True``): the forward runs without recording a graph and the
-stage keeps only its inputs (and the random state the forward started from); the backward first
-runs the forward again on the same autograd leaves the first forward read (the version its action
-named: weight stashing), with the same random numbers (dropout masks), and on copies of the
-module's buffers (a BatchNorm's running statistics count each microbatch once). The
-recomputed forward is the same arithmetic as the first, so its graph, and the gradients, are
-bitwise those of a run without recomputation. Under ``latest`` and ``predict`` the recomputation
-reads the forward's weights while the backward resolves parameters to the backward's version, as
-without recomputation; so the forward's weights must survive until the backward: an update never
-overwrites a version in place while a microbatch that read it waits for its recomputation, and
-:func:`pipetrain.schedule.memory_by_rank` counts such versions as held.
-
-Mixed precision (``autocast=torch.bfloat16``): every forward (and the loss) runs under
-``torch.autocast`` on the stage's device; weights, versions, gradients and optimizer state stay in
-the module's own (master) dtype, and activations and their gradients travel in the dtype autocast
-gives them.
-
-float16 (``scaler=LossScale(...)``, with ``autocast=torch.float16``): stage 0 stamps each
-microbatch with the scale of its update (the same for all microbatches of one update) and the
-stamp travels with the forward message (one more tensor after the outputs, taken off by the next
-stage); the last stage multiplies the loss by it, every stage divides its gradient by it at the
-update (exact: a power of two). Each backward tests the input gradients it sends and the weight
-gradients it accumulated, and the backward message carries one more tensor, an overflow flag (the
-flag that arrived, or this stage's own finding), so every earlier stage learns of an overflow
-before its own update of that microbatch. An update whose gradient overflowed, or that holds a
-flagged microbatch, is skipped (as under ``nonfinite="skip"``), and stage 0's scale halves; after
-``growth_interval`` clean updates it doubles. docs/gpu.md says which stages agree on a skip.
+Each concern is a piece of its own that the executor composes: versions and inconsistent backward
+(``latest``, ``predict``) in :mod:`~pipetrain.execution.parameters` and
+:mod:`~pipetrain.execution.leaves`, the microbatches in flight in :mod:`~pipetrain.execution.inflight`,
+the gradient sums in :mod:`~pipetrain.execution.accumulation`, the update in
+:mod:`~pipetrain.execution.update`, non-finite values in :mod:`~pipetrain.execution.nonfinite`,
+recomputation in :mod:`~pipetrain.execution.recompute`, mixed precision in
+:mod:`~pipetrain.execution.device`, float16's loss scale in :mod:`~pipetrain.execution.scaling`,
+checkpoints in :mod:`~pipetrain.execution.snapshot`, held-out data in :mod:`~pipetrain.execution.evaluation`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import ModelError, NonFiniteError, PipetrainError, StageError
-from pipetrain.execution.device import to_device
-from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
-from pipetrain.execution.scaling import LossScale
+from pipetrain.execution.accumulation import GradientSums
+from pipetrain.execution.device import autocast_on, to_device
+from pipetrain.execution.evaluation import evaluate_stage
+from pipetrain.execution.failures import computed_loss, forward_errors, located
+from pipetrain.execution.parameters import INCONSISTENT as _INCONSISTENT
+from pipetrain.execution.parameters import Parameters, SavedParameters
+from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, constants_of, forward_inputs
+from pipetrain.execution.leaves import ForwardLeaves
+from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
+from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
+from pipetrain.execution.recompute import Recomputation, is_stochastic, microbatch_seed
+from pipetrain.execution.scaling import LossScale, StageScale, as_tuple
+from pipetrain.execution.snapshot import restore_stage, stage_snapshot
+from pipetrain.execution.update import apply_update
+from pipetrain.execution.update_in_backward import fused_update
 from pipetrain.execution.versions import VersionStore
-from pipetrain.schedule.ir import Action, format_action
-from pipetrain.structure import Structure, append, arguments, flatten, split_last
+from pipetrain.structure import flatten
 
 __all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
-
-#: What a stage does with a NaN or infinite loss or gradient: ``stop`` the run (the default),
-#: ``skip`` the update (keep the weights), or ``off`` (no test; for measuring what the tests cost).
-NONFINITE = ("stop", "skip", "off")
-#: Under ``skip``, a stage that skips this many updates in a row stops the run: its weights (or
-#: the data) keep producing non-finite values, and the run would otherwise end with weights that
-#: no update has moved for a long time, as if it had succeeded.
-SKIP_LIMIT = 10
-
-Gradients = tuple[Tensor | None, ...]
-_INCONSISTENT = frozenset({"latest", "predict"})
-_STOCHASTIC = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,143 +47,6 @@ def warm_up_autograd() -> None:
     second); pay that once when a stage is built, not inside the first timed backward."""
     x = torch.zeros(1, requires_grad=True)
     torch.autograd.grad(x * 2, (x,), (torch.ones(1),))
-
-
-def as_tuple(value: Any) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every value of ``tensors`` is finite, with one read of the host (not one per
-    tensor): the sum of the tensors' sums is NaN or infinite when any value is. Finite values
-    beyond about 1e38 can overflow that sum too, so a failed test is confirmed tensor by tensor."""
-    if not tensors:
-        return True
-    total = torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum()
-    if math.isfinite(total.item()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _nonfinite_kind(tensor: Tensor) -> str | None:
-    """``"nan"``, ``"inf"`` (either sign) or ``None`` when every value is finite."""
-    if bool(torch.isnan(tensor).any()):
-        return "nan"
-    return None if bool(torch.isfinite(tensor).all()) else "inf"
-
-
-def _nonfinite_names(tensors: Mapping[str, Tensor]) -> str:
-    """``"2.weight (nan), 2.bias (inf)"``: the non-finite tensors, at most three named."""
-    bad = [(name, kind) for name, t in tensors.items() if (kind := _nonfinite_kind(t)) is not None]
-    text = ", ".join(f"{name} ({kind})" for name, kind in bad[:3])
-    return text + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-
-
-def _advice(skip: bool) -> str:
-    """What to change, appended to every non-finite message."""
-    text = (
-        "A loss or gradient that is not finite usually comes from a learning rate too large for the model "
-        "(lower lr in --optimizer) or from NaN or infinite values in the data"
-    )
-    if skip:
-        text += (
-            "; --on-nonfinite skip (on_nonfinite='skip') drops an update whose gradient is not finite "
-            "instead of stopping"
-        )
-    return text
-
-
-def located(error: StageError, rank: int, action: Action, step_of_unit: Callable[[int], int]) -> StageError:
-    """``error`` raised by a stage executor (a NaN loss, the user's exception), reworded with the
-    update (step, counted from 1), the stage, the rank and the action; ``step_of_unit(k)`` is the
-    update (from 0) unit ``k`` belongs to."""
-    unit = error.microbatch if error.microbatch is not None else action.microbatch
-    step = error.step if error.step is not None else step_of_unit(unit) + 1
-    text, prefix = str(error), f"stage {error.stage}: "
-    detail = text[len(prefix):] if text.startswith(prefix) else text
-    return type(error)(
-        f"step {step}, stage {error.stage} on rank {rank} ({format_action(action)}): {detail}",
-        stage=error.stage, step=step, microbatch=unit, rank=rank,
-    )
-
-
-def _rng_state(device: torch.device) -> tuple:
-    """The random state a forward on ``device`` draws from (the CPU's, and the GPU's on CUDA)."""
-    if device.type == "cuda":
-        return torch.get_rng_state(), torch.cuda.get_rng_state(device)
-    return (torch.get_rng_state(),)
-
-
-def _set_rng_state(device: torch.device, state: tuple) -> None:
-    torch.set_rng_state(state[0])
-    if len(state) > 1:
-        torch.cuda.set_rng_state(state[1], device)
-
-
-def _finite_loss(loss: Tensor) -> bool:
-    return math.isfinite(loss.item()) if loss.numel() == 1 else bool(torch.isfinite(loss).all())
-
-
-class _Parameters:
-    """Calls a module with given parameter tensors in place of its own (like
-    ``torch.func.functional_call``, restricted to parameters and without its per-call overhead,
-    which matters at batch size 1 and small microbatches). Buffers stay the module's own."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.slots = []
-        canonical = {id(p): name for name, p in module.named_parameters()}
-        # every place that holds a parameter, tied ones included (an LM head reusing the embedding's
-        # weight within this stage reads the same version as the embedding)
-        for name, p in module.named_parameters(remove_duplicate=False):
-            owner, _, attr = name.rpartition(".")
-            self.slots.append((module.get_submodule(owner)._parameters, attr, canonical[id(p)]))
-
-    def __call__(self, params: Mapping[str, Tensor], inputs: tuple, structure: Structure | None = None) -> Any:
-        """``module`` on ``inputs`` (the leaves of a value of ``structure``, under the call convention
-        of :mod:`pipetrain.structure`) with ``params``."""
-        args, kwargs = (inputs, {}) if structure is None else arguments(structure.unflatten(inputs))
-        saved = [(table, attr, table[attr]) for table, attr, _ in self.slots]
-        try:
-            for table, attr, name in self.slots:
-                table[attr] = params[name]
-            return self.module(*args, **kwargs)
-        finally:
-            for table, attr, original in saved:
-                table[attr] = original
-
-
-class _ParamRef:
-    """A saved tensor that is (a view of) a parameter, resolved at backward time."""
-
-    __slots__ = ("name", "size", "stride", "offset")
-
-    def __init__(self, name: str, tensor: Tensor) -> None:
-        self.name = name
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
-
-
-@dataclass
-class _InFlight:
-    """What a microbatch leaves on a stage between its forward and its backward."""
-
-    inputs: tuple  # the stage inputs' leaves (pipetrain.structure), as autograd leaves (or raw values)
-    roots: tuple[Tensor, ...]  # outputs (or the scaled loss) to differentiate
-    leaves: dict[str, Tensor]  # trainable parameters of the version the forward read
-    samples: int
-    version: int = 0
-    target: Any = None
-    loss_scale: float = 1.0
-    scale: float = 1.0  # float16: the loss scale stamped on this microbatch by stage 0
-    grad_outputs: tuple | None = None
-    storage: dict[int, str] = field(default_factory=dict)
-    leaf_set: Any = None  # all leaves of the version the forward read (the same object per version)
-    microbatch: int = 0
-    rng: Any = None  # recomputation: the random state the forward started from (None: a per-microbatch seed)
-    predicted: dict[str, Tensor] | None = None  # the tensors the optimizer's prediction wrote, if it made any
-    structure: Structure | None = None  # how the inputs' leaves make the value the stage is called with
 
 
 class StageExecutor:
@@ -247,14 +62,14 @@ class StageExecutor:
         grad_scale: factor applied to the accumulated gradient at each update (1 unless replicated
             stages update over different numbers of units, see :mod:`pipetrain.execution.data`).
         seed: base of the per-microbatch random seed used when the stage has dropout.
-        nonfinite: ``stop``, ``skip`` or ``off`` (see :data:`NONFINITE` and the module docstring).
+        nonfinite: ``stop``, ``skip`` or ``off`` (see :mod:`pipetrain.execution.nonfinite`).
         recompute: keep only the inputs of each microbatch and run its forward again in the
-            backward (see the module docstring): activation memory for time.
+            backward (:mod:`pipetrain.execution.recompute`): activation memory for time.
         autocast: ``torch.bfloat16`` to run forwards under ``torch.autocast``, with master weights in
             the module's dtype; ``None``: no autocast.
         device: where the stage computes (default: where its parameters or buffers are, else the
             CPU; give it for a stage without either, such as an activation function alone).
-        scaler: float16's loss scale (see the module docstring; ``None``: no loss scale, no
+        scaler: float16's loss scale (:mod:`pipetrain.execution.scaling`; ``None``: no loss scale, no
             stamp and no flag in the messages). Every stage of a run gets one or none.
         units_per_update: microbatches per update (stage 0 stamps one scale per update).
         own_weights: names of parameters that are this executor's alone (materialised for it from
@@ -285,11 +100,8 @@ class StageExecutor:
         own_weights: frozenset[str] = frozenset(),
         update_in_backward: bool = False,
     ) -> None:
-        if nonfinite not in NONFINITE:
-            raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {nonfinite!r}")
+        self.guard = NonFiniteGuard(stage, nonfinite)
         self.nonfinite = nonfinite
-        #: the updates (counted from 1) skipped because their gradient was not finite (``skip``)
-        self.skipped: list[int] = []
         self.stage = stage
         self.module = module
         self.optimizer = optimizer
@@ -301,29 +113,23 @@ class StageExecutor:
         self.autocast = autocast
         self.scaler = scaler
         self.units_per_update = units_per_update
-        self._stamps: dict[int, float] = {}  # stage 0: update -> the scale its microbatches carry
-        self._overflow = False  # float16: the update being accumulated overflowed (here or later)
-        self._pending_scale: float | None = None  # float16: the scale of the update being accumulated
-        #: float16: the updates (from 1) skipped because their gradient overflowed, and per update the scale used
-        self.overflow_skipped: list[int] = []
-        self.scales: list[float] = []
         named = dict(module.named_parameters())
         self.trainable = frozenset(n for n, p in named.items() if p.requires_grad)
         # recomputing microbatches may still read a released version (PB's latest): its buffers are not reused
         self.versions = VersionStore({n: p.detach() if n in own_weights else p.detach().clone() for n, p in named.items()},
                                      recycle=not recompute)
         self.buffers = dict(module.named_buffers())
-        # where each buffer lives (its module's table and name), for the forward run again
-        self._buffer_tables = [(module.get_submodule(owner)._buffers, attr)
-                               for owner, _, attr in (name.rpartition(".") for name in self.buffers)]
-        self.call = _Parameters(module)
-        self.stochastic = any(isinstance(m, _STOCHASTIC) and m.p > 0 for m in module.modules())
+        self.call = Parameters(module)
+        self.stochastic = is_stochastic(module)
         #: where the stage computes, and what arrives is moved to (see the ``device`` argument)
         self.device = torch.device(device) if device is not None else next(
             (t.device for t in [*self.versions.latest.values(), *self.buffers.values()]), torch.device("cpu"))
-        self.in_flight: dict[int, _InFlight] = {}
-        self._grads: dict[str, Tensor] | None = None  # see the grads property
-        self._holder: tuple[dict, dict[str, Tensor]] | None = None  # (leaf set, its trainable leaves)
+        #: float16: this stage's part in the loss scale (``None`` without one)
+        self.scaling = None if scaler is None else StageScale(stage, scaler, units_per_update, self.device)
+        seeds = functools.partial(microbatch_seed, seed, stage) if self.stochastic else None
+        self.recomputation = Recomputation(module, self.device, seeds, recompute)
+        self.in_flight = InFlightTable(stage)
+        self.sums = GradientSums()  # see the grads property
         self.pending_samples = 0
         self.samples_seen = 0
         self.last_loss: Tensor | None = None
@@ -331,55 +137,36 @@ class StageExecutor:
         #: require grad here, e.g. a mask built from a shape or a passed-on model input): the next
         #: stage's ``forward(constants=...)``, so that it neither computes nor sends gradients for them
         self.last_constants = 0
-        self._backward_params: Mapping[str, Tensor] | None = None
-        self._leaves: dict[int, dict[str, Tensor]] = {}
-        self._predictions: list[dict[str, Tensor]] = []  # tensors of predictions no forward reads any more
-        self._fused = None
-        if update_in_backward and units_per_update == 1 and optimizer is not None and self.scaler is None \
-                and nonfinite != "skip":
-            from pipetrain.execution.update_in_backward import UpdateInBackward, can_update_in_backward
-
-            self._fused = UpdateInBackward(optimizer) if can_update_in_backward(optimizer) else None
+        self.saved = SavedParameters()
+        self.leaves = ForwardLeaves(self.trainable)
+        wanted = update_in_backward and units_per_update == 1 and scaler is None and nonfinite != "skip"
+        self.fused = fused_update(optimizer, wanted)
         warm_up_autograd()
 
     @property
-    def grads(self) -> dict[str, Tensor] | None:
-        """The weight gradients accumulated since the last update (``None`` before a backward).
+    def scales(self) -> list[float]:
+        """float16: the scale of each update so far."""
+        return [] if self.scaling is None else self.scaling.scales
 
-        Between backwards of one version the running sums stay on that version's autograd
-        leaves (``.grad``), where the engine adds to them; reading this property takes them off."""
-        self._release_holder()
-        return self._grads
+    @property
+    def overflow_skipped(self) -> list[int]:
+        """float16: the updates (from 1) skipped because their gradient overflowed."""
+        return [] if self.scaling is None else self.scaling.overflow_skipped
+
+    @property
+    def skipped(self) -> list[int]:
+        """The updates (counted from 1) skipped because their gradient was not finite (``skip``)."""
+        return self.guard.skipped
+
+    @property
+    def grads(self) -> dict[str, Tensor] | None:
+        """The weight gradients accumulated since the last update (``None`` before a backward; see
+        :mod:`pipetrain.execution.accumulation`: reading this property takes them off the leaves)."""
+        return self.sums.take()
 
     @grads.setter
     def grads(self, value: dict[str, Tensor] | None) -> None:
-        holder, self._holder = self._holder, None
-        if holder is not None:
-            for leaf in holder[1].values():
-                leaf.grad = None
-        self._grads = value
-
-    def _release_holder(self) -> None:
-        holder, self._holder = self._holder, None
-        if holder is not None:
-            sums = self._grads
-            for name, leaf in holder[1].items():
-                if leaf.grad is not None:
-                    sums[name] = leaf.grad
-                    leaf.grad = None
-
-    def _hold(self, record: _InFlight) -> None:
-        """Put the running sums on the leaves of ``record``'s version (if not there already)."""
-        if self._holder is not None and self._holder[0] is record.leaf_set:
-            return
-        self._release_holder()
-        sums = self._grads
-        for name, leaf in record.leaves.items():
-            leaf.grad = sums.pop(name, None)
-        self._holder = (record.leaf_set, record.leaves)
-
-    def _make_leaves(self, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return {n: t.detach().requires_grad_(n in self.trainable) for n, t in params.items()}
+        self.sums.replace(value)
 
     @property
     def is_last(self) -> bool:
@@ -407,399 +194,154 @@ class StageExecutor:
         tensors, or any structure of them (:mod:`pipetrain.structure`), called under the boundary
         convention. The outputs come back as a tuple of tensors (a tensor ``t`` as ``(t,)``), or as
         the structure the stage returned; the backward's ``grad_outputs`` follow the outputs'
-        leaves, and the gradients it returns the inputs' leaves. Floating leaves of the inputs
-        take a gradient (on stages after the first) unless ``constants`` (the previous stage's
-        :attr:`last_constants`) marks them: a float mask that needs none stays a plain tensor, so
-        that the stage computes exactly what one process computes (attention picks its kernel by
-        whether the mask requires grad).
+        leaves, and the gradients it returns the inputs' leaves. ``constants`` (the previous
+        stage's :attr:`last_constants`) marks floating inputs that take no gradient
+        (:func:`~pipetrain.execution.inflight.forward_inputs`).
 
         ``params`` replaces the weights read (e.g. predictions made earlier); by default the
         forward reads ``version``, extrapolated by the optimizer under the ``predict`` policy.
         """
-        if microbatch in self.in_flight:
-            raise PipetrainError(f"stage {self.stage}: microbatch {microbatch} is already in flight")
-        predicted = None
-        if params is None and self.policy != "predict":
-            leaves = self._leaves.get(version)
-            if leaves is None:  # one set of autograd leaves per version, shared by its microbatches
-                leaves = self._leaves[version] = self._make_leaves(self.versions[version])
-        else:
-            if params is None:
-                params = self.versions[version]
-                if self.optimizer is not None:
-                    true = params
-                    # into the tensors of a prediction whose backward has run, when there is one
-                    params = self.optimizer.predict(true, self.samples_seen,
-                                                    out=self._predictions.pop() if self._predictions else None)
-                    predicted = {n: t for n, t in params.items() if t is not true[n]}
-            leaves = self._make_leaves(params)
+        self.in_flight.check_new(microbatch)
+        leaves, predicted = self.leaves.read(self.versions, version, params, self.policy == "predict", self.optimizer,
+                                             self.samples_seen)
         device = self.device  # a batch read on the CPU, or a message, comes to the stage's device
         scale = 1.0
-        if self.scaler is not None:
-            if stamp is not None:  # a replayed forward (checkpoint)
-                scale = stamp
-            elif self.stage == 0:
-                scale = self._stamp(microbatch)
-            else:  # the stamp stage 0 put after the outputs
-                inputs, carried = split_last(as_tuple(inputs))
-                scale = float(carried)
-        inputs, structure = flatten(inputs)  # a tensor or a flat tuple: as it is, no structure
-        inputs = to_device(inputs, device, non_blocking=True)
-        if self.stage > 0:  # floating leaves take a gradient; non-floating ones (ids, masks) and constants none
-            inputs = tuple(
-                x.detach().requires_grad_(True)
-                if isinstance(x, Tensor) and x.is_floating_point() and not (constants >> i) & 1 else x
-                for i, x in enumerate(inputs)
-            )
+        if self.scaling is not None:
+            inputs, scale = self.scaling.received(microbatch, inputs, stamp)
+        inputs, structure = forward_inputs(inputs, device, self.stage > 0, constants)
         if isinstance(target, Tensor) and target.device != device:
             target = target.to(device, non_blocking=True)
-        if self.stochastic:
-            torch.manual_seed(self._microbatch_seed(microbatch))
-        record = _InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
+        rng = self.recomputation.begin(microbatch)  # seeds a stage with dropout
+        record = InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
                            scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted,
-                           structure=structure)
-        if self.recompute and not self.stochastic:  # whatever random numbers the forward draws, replayed
-            record.rng = _rng_state(self.device)
-        try:
+                           structure=structure, rng=rng)
+        with forward_errors(self.stage, inputs, self.module, structure=structure, target=target, microbatch=microbatch):
             with torch.no_grad() if self.recompute else contextlib.nullcontext():
                 output, loss = self._compute(record)
-        except ModelError as error:  # the loss's (it names what it was called on)
-            error.microbatch = microbatch
-            raise
-        except PipetrainError:
-            raise
-        except Exception as error:  # noqa: BLE001 - whatever the user's forward raises, named in one line
-            raise forward_failure(self.stage, error, inputs, self.module, structure=structure, target=target,
-                                  microbatch=microbatch) from None
         if self.is_last:
             self.last_loss = loss.detach()
-            if self.nonfinite == "stop" and not _finite_loss(self.last_loss):
-                raise NonFiniteError(
-                    f"stage {self.stage}: the loss of microbatch {microbatch} is {_nonfinite_kind(self.last_loss)}"
-                    f"{self._nonfinite_origin(inputs)}; training stopped there. {_advice(skip=True)}",
-                    stage=self.stage, microbatch=microbatch,
-                )
-            if not self.recompute:
-                record.roots = (self._scaled(loss, record),)
-            self.in_flight[microbatch] = record
-            return (self.last_loss,)
-        outputs, shape = flatten(output)
-        self.last_constants = self._constants(outputs, inputs)
-        if not self.recompute:
-            record.roots = outputs
+            self.guard.check_loss(microbatch, self.last_loss, inputs, self.versions.latest)
+            outputs, shape = (), None
+        else:
+            outputs, shape = flatten(output)
+            self.last_constants = constants_of(outputs, inputs, self.recompute)
+        if not self.recompute:  # else its backward runs the forward again first
+            record.roots = (record.scaled(loss),) if self.is_last else outputs
         self.in_flight[microbatch] = record
+        if self.is_last:
+            return (self.last_loss,)
         sent: Any = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
         if shape is not None:
             sent = shape.unflatten(sent)
-        if self.scaler is not None:
-            sent = append(sent, torch.tensor([scale], dtype=torch.float32, device=device))
-        return sent
+        return sent if self.scaling is None else self.scaling.sent(sent, scale)
 
-    def _constants(self, outputs: tuple, inputs: tuple) -> int:
-        """:attr:`last_constants` of ``outputs``. A forward without a graph (recomputation) cannot
-        tell a new tensor that needs no gradient from one that does: there only the inputs it hands
-        on unchanged are known (a mask made by an earlier stage); it marks nothing else."""
-        passed = {id(x) for x in inputs if isinstance(x, Tensor) and not x.requires_grad} if self.recompute else None
-        mask = 0
-        for i, o in enumerate(outputs):
-            if (isinstance(o, Tensor) and not o.requires_grad and i < 62 and o.is_floating_point()
-                    and (passed is None or id(o) in passed)):
-                mask |= 1 << i
-        return mask
-
-    @staticmethod
-    def _scaled(loss: Tensor, record: _InFlight) -> Tensor:
-        """What the last stage differentiates: the loss times its share of the update's batch, and
-        under float16 times the loss scale (a power of two: the product is exact)."""
-        factor = record.loss_scale * record.scale
-        return loss * factor if factor != 1.0 else loss
-
-    def _stamp(self, microbatch: int) -> float:
-        """Stage 0: the scale of ``microbatch``'s update, fixed at the first forward of that update
-        (so every microbatch of an update carries the same scale, wherever it is accumulated)."""
-        update = microbatch // self.units_per_update
-        scale = self._stamps.get(update)
-        if scale is None:
-            scale = self._stamps[update] = self.scaler.scale
-            for old in [u for u in self._stamps if u < update - 64]:
-                del self._stamps[old]
-        return scale
-
-    def _microbatch_seed(self, microbatch: int) -> int:
-        return (self.seed * 1_000_003 + self.stage) * 1_000_003 + microbatch
-
-    def _autocast(self):
-        if self.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast)
-
-    def _compute(self, record: _InFlight) -> tuple[Any, Tensor | None]:
+    def _compute(self, record: InFlight) -> tuple[Any, Tensor | None]:
         """The stage's forward (and on the last stage the loss) of ``record`` on its leaves; when
         recording a graph under ``latest``/``predict``, with the hooks that let the backward read
         its own version."""
-        leaves, inputs, target = record.leaf_set, record.inputs, record.target
-        loss = None
-        with self._autocast():
-            if self.policy in _INCONSISTENT and torch.is_grad_enabled():
-                record.storage = {t.untyped_storage().data_ptr(): n for n, t in leaves.items()}
-                with torch.autograd.graph.saved_tensors_hooks(self._pack(record.storage), self._unpack):
-                    output = self.call(leaves, inputs, record.structure)
-                    if self.is_last:
-                        loss = self._loss(output, target)
-            else:
-                output = self.call(leaves, inputs, record.structure)
-                if self.is_last:
-                    loss = self._loss(output, target)
+        hooks = contextlib.nullcontext()
+        if self.policy in _INCONSISTENT and torch.is_grad_enabled():
+            record.storage = {t.untyped_storage().data_ptr(): n for n, t in record.leaf_set.items()}
+            hooks = self.saved.recording(record.storage)
+        with autocast_on(self.device, self.autocast), hooks:
+            output = self.call(record.leaf_set, record.inputs, record.structure)
+            loss = computed_loss(self.stage, self.loss_fn, output, record.target) if self.is_last else None
         return output, loss
 
-    def _loss(self, output: Any, target: Any) -> Tensor:
-        """``loss_fn(output, target)``, one number, or a :class:`~pipetrain.errors.ModelError` that
-        says what the loss raised or returned."""
-        try:
-            loss = self.loss_fn(output, target)
-        except PipetrainError:
-            raise
-        except Exception as error:  # noqa: BLE001 - whatever the user's loss raises, named in one line
-            raise loss_failure(self.stage, error, output, target) from None
-        check_loss(self.stage, loss)
-        return loss
-
-    def _recompute(self, record: _InFlight) -> None:
-        """Run ``record``'s forward again, recording the graph its backward needs: same leaves,
-        same random numbers, and the buffers as they were before (so that a BatchNorm's running
-        statistics are not updated twice). Nothing to do without recomputation or once done."""
-        if record.roots or not self.recompute:
-            return
-        # the forward again updates copies of the buffers, dropped afterwards (the graph may save them)
-        originals = [(table, attr, table[attr]) for table, attr in self._buffer_tables]
-        devices = [self.device] if self.device.type == "cuda" else []
-        try:
-            for table, attr, buffer in originals:
-                table[attr] = buffer.clone()
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                if record.rng is not None:
-                    _set_rng_state(self.device, record.rng)
-                elif self.stochastic:
-                    torch.manual_seed(self._microbatch_seed(record.microbatch))
-                output, loss = self._compute(record)
-        finally:
-            for table, attr, buffer in originals:
-                table[attr] = buffer
-        if self.is_last:
-            record.roots = (self._scaled(loss, record),)
-        else:
-            record.roots = flatten(output)[0]
-
-    def _nonfinite_origin(self, inputs: tuple) -> str:
-        """Where a non-finite loss came from, as far as this stage can tell (the error path only)."""
-        bad = [kind for x in inputs if isinstance(x, Tensor) and x.is_floating_point()
-               and (kind := _nonfinite_kind(x)) is not None]
-        if bad:
-            origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
-            return f" (its input from {origin} already holds {bad[0]})"
-        weights = self.versions.latest
-        if not all_finite(list(weights.values())):
-            return f" (the weights of this stage are not finite in {_nonfinite_names(weights)})"
-        return " (its input and weights are finite: its own computation overflowed)"
-
-    @staticmethod
-    def _pack(storage: dict[int, str]):
-        def pack(tensor: Tensor):
-            name = storage.get(tensor.untyped_storage().data_ptr())
-            return tensor if name is None else _ParamRef(name, tensor)
-
-        return pack
-
-    def _unpack(self, saved):
-        if isinstance(saved, _ParamRef):
-            current = self._backward_params[saved.name]
-            return current.as_strided(saved.size, saved.stride, saved.offset)
-        return saved
+    def _recomputed(self, record: InFlight) -> InFlight:
+        """``record``, its forward run again (:class:`~pipetrain.execution.recompute.Recomputation`)
+        if it must, recording the graph its backward needs (without recomputation or once done: as it is)."""
+        if not record.roots and self.recompute:
+            output, loss = self.recomputation.again(record.microbatch, record.rng, lambda: self._compute(record))
+            record.roots = (record.scaled(loss),) if self.is_last else flatten(output)[0]
+        return record
 
     # -- backward --------------------------------------------------------------------------------
 
-    def _differentiable(self, record: _InFlight, grad_outputs: Sequence | None):
-        """The outputs to differentiate and their gradients. An output that requires grad but got no
-        gradient was used by the later stages in no differentiable way (a mask that only chose a
-        causal kernel, a value passed on and never used): it adds nothing, as in one process."""
-        self._recompute(record)
-        if grad_outputs is None:  # the last stage: the loss
-            return [r for r in record.roots if isinstance(r, Tensor) and r.requires_grad], None
-        roots, grads = [], []
-        for index, root in enumerate(record.roots):
-            if isinstance(root, Tensor) and root.requires_grad and index < len(grad_outputs):
-                grad = grad_outputs[index]
-                if grad is not None:
-                    roots.append(root)
-                    grads.append(grad)
-        return roots, grads
-
-    def _input_gradients(self, record: _InFlight, version: int, inputs: list[Tensor], grad_outputs):
+    def _input_gradients(self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs):
         """The I half of a split backward: gradients of ``inputs``, keeping the graph for W."""
-        roots, grads = self._differentiable(record, grad_outputs)
+        roots, grads = self._recomputed(record).differentiable(grad_outputs)
         if not roots or not inputs:
             return [None] * len(inputs)
-        if self.policy in _INCONSISTENT:
-            self._backward_params = self.versions[version]
-        try:
+        with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
             return torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
-        finally:
-            self._backward_params = None
-
-    def _input_targets(self, record: _InFlight) -> list[int]:
-        return [i for i, x in enumerate(record.inputs) if isinstance(x, Tensor) and x.requires_grad]
 
     def backward(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Full backward: returns gradients for the stage inputs (None where an input has none) and
         accumulates the weight gradients."""
-        record = self._pop(microbatch)
+        record = self.in_flight.take(microbatch)
         grad_outputs, flagged = self._arrived(record, grad_outputs)
-        positions = self._input_targets(record)
+        positions = record.input_positions()
         results = self._backward_into(record, version, [record.inputs[i] for i in positions], grad_outputs)
-        self._done(record)
-        grads = self._input_grads(record, positions, results)
-        if self.scaler is not None:
-            self._test_overflow(record, flagged, grads, weights=True)
-            grads = self._flagged(grads)
-        return grads
+        self.leaves.free(record.predicted)
+        grads = record.input_gradients(positions, results)
+        return grads if self.scaling is None else self.scaling.sent_back(record.leaves.values(), flagged, grads)
 
-    def _arrived(self, record: _InFlight, grad_outputs: Sequence | None) -> tuple[Any, bool]:
+    def _arrived(self, record: InFlight, grad_outputs: Sequence | None) -> tuple[Any, bool]:
         """The gradients that arrived for ``record`` on this device and, under float16, the
         overflow flag after them (taken off); the update's scale must be the record's."""
         if grad_outputs is not None:
             grad_outputs = to_device(tuple(grad_outputs), self.device, non_blocking=True)
-        if self.scaler is None:
+        if self.scaling is None:
             return grad_outputs, False
-        if self._pending_scale is None:
-            self._pending_scale = record.scale
-        elif self._pending_scale != record.scale:
-            raise PipetrainError(f"stage {self.stage}: microbatch {record.microbatch} carries loss scale {record.scale:g} "
-                                 f"but the update it joins has {self._pending_scale:g}")
-        if grad_outputs is None:  # the last stage
-            return None, False
-        *grads, flag = grad_outputs
-        return tuple(grads), bool(flag.item())
-
-    def _test_overflow(self, record: _InFlight, flagged: bool, grads: Sequence, weights: bool) -> None:
-        """float16: whether the update being accumulated overflowed, from the flag that arrived, the
-        input gradients about to be sent and (``weights``) the weight gradients accumulated on the
-        leaves of ``record``'s version. An overflow also puts an infinity in an accumulated weight
-        gradient, so that a replica's SYNC (or a tied parameter's sum) carries it to the others."""
-        if self._overflow:
-            return
-        tested = [g for g in grads if isinstance(g, Tensor)]
-        if weights:
-            tested += [leaf.grad for leaf in record.leaves.values() if leaf.grad is not None]
-        if flagged or not all_finite(tested):  # one test, one host read
-            self._overflow = True
-            for leaf in record.leaves.values():
-                if leaf.grad is not None:
-                    leaf.grad.view(-1)[:1] = math.inf
-                    break
-
-    def _flagged(self, grads: Gradients) -> Gradients:
-        """The gradients to send back, with the overflow flag after them (not from stage 0)."""
-        if self.stage == 0:
-            return grads
-        return grads + (torch.tensor([1.0 if self._overflow else 0.0], dtype=torch.float32, device=self.device),)
+        return self.scaling.arrived(record.microbatch, record.scale, grad_outputs)
 
     @property
     def overflowed(self) -> bool:
-        """float16: whether the update being accumulated has overflowed so far (found here, or
-        flagged by a later stage)."""
-        return self._overflow
+        """float16: whether the update being accumulated has overflowed so far (here or flagged later)."""
+        return self.scaling is not None and self.scaling.overflow
 
     def share_overflow(self, overflow: bool) -> None:
-        """SYNC under float16: ``overflow`` says whether any replica's part of the update overflowed,
-        so that every replica skips it. The infinity written into the gradient carries it too, but a
-        stage without trainable weights has no gradient to carry it (and stage 0's replicas must
-        agree: each moves its own copy of the scale)."""
-        if self.scaler is not None and overflow:
-            self._overflow = True
+        """SYNC under float16: whether any replica's part of the update overflowed (:meth:`StageScale.share`)."""
+        if self.scaling is not None:
+            self.scaling.share(overflow)
 
     def backward_input(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Input-gradient half of a split backward (I); the weight half (W) runs later."""
-        record = self._get(microbatch)
+        record = self.in_flight.record(microbatch)
         grad_outputs, flagged = self._arrived(record, grad_outputs)
         record.grad_outputs = grad_outputs
-        positions = self._input_targets(record)
-        if not positions:
-            grads = self._input_grads(record, positions, [])
-        else:
-            results = self._input_gradients(record, version, [record.inputs[i] for i in positions], grad_outputs)
-            grads = self._input_grads(record, positions, results)
-        if self.scaler is not None:
-            if flagged:
-                self._overflow = True  # recorded in the weight gradient by W
-            self._test_overflow(record, False, grads, weights=False)
-            grads = self._flagged(grads)
+        positions = record.input_positions()
+        inputs = [record.inputs[i] for i in positions]
+        results = self._input_gradients(record, version, inputs, grad_outputs) if positions else []
+        grads = record.input_gradients(positions, results)
+        if self.scaling is not None:
+            grads = self.scaling.sent_back_by_input_half(record.leaves.values(), flagged, grads)
         return grads
 
     def backward_weight(self, microbatch: int, version: int) -> None:
         """Weight-gradient half of a split backward (W)."""
-        record = self._pop(microbatch)
+        record = self.in_flight.take(microbatch)
         self._backward_into(record, version, [], record.grad_outputs, weights_only=True)
-        self._done(record)
-        if self.scaler is not None:  # an overflow found only here reaches no earlier stage (docs/gpu.md)
-            overflow, self._overflow = self._overflow, False
-            self._test_overflow(record, overflow, (), weights=True)
-
-    def _done(self, record: _InFlight) -> None:
-        """After a microbatch's backward: the tensors of its prediction are free for the next."""
-        if record.predicted:
-            self._predictions.append(record.predicted)
-
-    def _get(self, microbatch: int) -> _InFlight:
-        try:
-            return self.in_flight[microbatch]
-        except KeyError:
-            raise PipetrainError(
-                f"stage {self.stage}: backward of microbatch {microbatch}, whose forward has not run here"
-            ) from None
-
-    def _pop(self, microbatch: int) -> _InFlight:
-        record = self._get(microbatch)
-        del self.in_flight[microbatch]
-        return record
-
-    @staticmethod
-    def _input_grads(record: _InFlight, positions: list[int], grads: Sequence) -> Gradients:
-        out: list[Tensor | None] = [None] * len(record.inputs)
-        for position, grad in zip(positions, grads):
-            out[position] = grad
-        return tuple(out)
+        self.leaves.free(record.predicted)
+        if self.scaling is not None:
+            self.scaling.tested_by_weight_half(record.leaves.values())
 
     def _backward_into(
-        self, record: _InFlight, version: int, inputs: list[Tensor], grad_outputs, weights_only: bool = False
+        self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs, weights_only: bool = False
     ) -> list:
         """Backward of ``record`` that adds its weight gradients to the accumulated ones inside
-        autograd (each leaf's ``.grad`` holds the running sum, see :attr:`grads`), and returns the
-        gradients of ``inputs``. The engine adds each layer's gradient right after computing it,
-        while it is still in cache; adding them all afterwards took 15-20 % longer on a 1024-wide
-        MLP. Same additions in the same order as summing afterwards, so bitwise the same."""
+        autograd (:mod:`pipetrain.execution.accumulation`), and returns the gradients of ``inputs``."""
         self.pending_samples += record.samples
-        if self._grads is None:
-            self._grads = {}
-        roots, grads = self._differentiable(record, grad_outputs)
+        self.sums.open()
+        roots, grads = self._recomputed(record).differentiable(grad_outputs)
         if not roots or not (inputs or record.leaves):
             return [None] * len(inputs)
-        self._hold(record)
+        self.sums.hold(record.leaf_set, record.leaves)
         for x in inputs:
             x.grad = None
-        if self.policy in _INCONSISTENT:
-            self._backward_params = self.versions[version]
         hooks = []
-        if (self._fused is not None and not weights_only and self.pending_samples == record.samples  # the first
+        if (self.fused is not None and not weights_only and self.pending_samples == record.samples  # the first
                 and self.grad_scale == 1.0 and all(leaf.grad is None for leaf in record.leaves.values())
-                and self._fused.applies(self.versions, version, bool(self.in_flight), list(record.leaves))):
-            hooks = self._fused.hook(record.leaves, self.versions[version], self.samples_seen)
+                and self.fused.applies(self.versions, version, bool(self.in_flight), list(record.leaves))):
+            hooks = self.fused.hook(record.leaves, self.versions[version], self.samples_seen)
         try:
-            if weights_only:  # W of a split backward: the input gradients are done, skip them
-                torch.autograd.backward(roots, grads, inputs=list(record.leaves.values()))
-            else:  # every leaf of the graph is an input or a weight (naming them costs a graph walk)
-                torch.autograd.backward(roots, grads)
+            with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
+                if weights_only:  # W of a split backward: the input gradients are done, skip them
+                    torch.autograd.backward(roots, grads, inputs=list(record.leaves.values()))
+                else:  # every leaf of the graph is an input or a weight (naming them costs a graph walk)
+                    torch.autograd.backward(roots, grads)
         finally:
-            self._backward_params = None
             for handle in hooks:
                 handle.remove()
         return [x.grad for x in inputs]
@@ -815,226 +357,38 @@ class StageExecutor:
         own tensors when it is among them (in place), else into those of released versions
         (:meth:`VersionStore.spares`).
         """
-        grads = self.grads or {}
-        versions = self.versions
-        current = versions.latest
-        number = versions.current
-        if self._fused is not None and self._fused.applied:
-            return self._step_made_in_backward(release)
-        # nothing reads the replaced version any more (its autograd leaves go with it), unless a
-        # microbatch in flight will recompute its forward on it: then update in place
-        in_place = versions.releasing_current(release) and not self._awaits_recomputation(number)
-        for version in release:
-            if version != number:
-                self.release(version)
-        unscale = 1.0
-        if self.scaler is not None:
-            overflow = self._overflow or not all_finite(list(grads.values()))
-            scale = self._pending_scale if self._pending_scale is not None else self._current_scale()
-            self._overflow, self._pending_scale = False, None
-            self.scales.append(scale)
-            if overflow:
-                self.overflow_skipped.append(number + 1)
-                if not self.scaler.dynamic:
-                    self._check_skip_limit(self.overflow_skipped, number + 1, grads)
-            if self.stage == 0:
-                self.scaler.update(overflow, number + 1)
-            unscale = 1.0 / scale
-            skip = overflow
-        else:
-            skip = self.nonfinite == "skip" and not all_finite(list(grads.values()))
-            if skip:
-                self.skipped.append(number + 1)
-                self._check_skip_limit(self.skipped, number + 1, grads)
-        if skip:
-            if in_place:
-                new = current
-            else:  # a copy where the last stays held, so that both stay immutable (into spares, if any)
-                spares = versions.spares(current)
-                with torch.no_grad():
-                    new = {n: spares[n].copy_(t) if n in spares else t.clone() for n, t in current.items()}
-        elif self.optimizer is None:
-            new = dict(current)
-        else:
-            factor = self.grad_scale * unscale  # exact: the loss scale is a power of two
-            if factor != 1.0:  # the sums are this executor's own (dropped after the update)
-                for grad in grads.values():
-                    if grad is not None:
-                        grad.mul_(factor)
-            out: dict[str, Tensor] = {}
-            if in_place:  # nothing reads the replaced version any more: its tensors, unless shared
-                out = {n: current[n] for n in grads if versions.exclusive(number, n)}
-            if len(out) < len(grads):
-                out.update(versions.spares([n for n in grads if n not in out]))
-            new = self.optimizer.step(current, grads, self.samples_seen, out=out)
-        self.samples_seen += self.pending_samples
-        self.pending_samples = 0
-        self.grads = None
-        if number in release:
-            self.release(number)
-        made = versions.push(new)
-        if number in self._leaves and not versions.holds(number):  # the push dropped it (released before)
-            del self._leaves[number]
-        return made
-
-    def _step_made_in_backward(self, release: Sequence[int]) -> int:
-        """The bookkeeping of an update the backward made (:mod:`~pipetrain.execution.update_in_backward`):
-        the current version's tensors hold the new weights, which become the next version."""
-        versions, number = self.versions, self.versions.current
-        if not versions.releasing_current(release):
-            raise PipetrainError(f"internal error: stage {self.stage} updated version {number} in place during the "
-                                 f"backward, but the schedule keeps it; please report this with the command")
-        self._fused.finish()
-        current = versions.latest
-        for version in release:
-            if version != number:
-                self.release(version)
-        self.samples_seen += self.pending_samples
-        self.pending_samples = 0
-        self.grads = None
-        if number in release:
-            self.release(number)
-        made = versions.push(dict(current))
-        if number in self._leaves and not versions.holds(number):
-            del self._leaves[number]
-        return made
-
-    def _current_scale(self) -> float:
-        """The scale of an update with no backward here (nothing to unscale): stage 0's, else 1."""
-        return self.scaler.scale if self.stage == 0 else 1.0
-
-    def _check_skip_limit(self, skipped: list[int], step: int, grads: Mapping[str, Tensor]) -> None:
-        """Stop after :data:`SKIP_LIMIT` skipped updates in a row (see its docstring)."""
-        if len(skipped) >= SKIP_LIMIT and skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
-            raise NonFiniteError(
-                f"stage {self.stage}: the gradients of updates {step - SKIP_LIMIT + 1} to {step} were all not "
-                f"finite (the last in {_nonfinite_names(grads)}) and all were skipped: the weights or the data "
-                f"keep producing NaN or infinite values; training stopped there. {_advice(skip=False)}",
-                stage=self.stage, step=step,
-            )
-
-    def _awaits_recomputation(self, version: int) -> bool:
-        """Whether a microbatch in flight will recompute its forward on ``version``'s tensors
-        (``latest``: an update may supersede the version its forward read before its backward)."""
-        return self.recompute and any(r.version == version and not r.roots for r in self.in_flight.values())
+        return apply_update(self, release)
 
     def release(self, version: int) -> None:
         """Drop ``version`` once no action reads it, with the autograd leaves cached for it (the
         current version stays until the next update)."""
         self.versions.release(version)
-        if version in self._leaves and not self.versions.holds(version):
-            del self._leaves[version]
+        self.leaves.forget(self.versions, version)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
     def check_weights(self, consequence: str) -> None:
         """Raise a :class:`~pipetrain.errors.NonFiniteError` if a weight version this stage holds is
-        not finite (one pass over each, for checkpoints and the end of a run; not with ``off``)."""
-        if self.nonfinite == "off":
-            return
-        for version in self.versions.held():
-            params = self.versions[version]
-            if not all_finite(list(params.values())):
-                raise NonFiniteError(
-                    f"stage {self.stage}: the weights after update {version} are not finite in "
-                    f"{_nonfinite_names(params)}; {consequence}. {_advice(skip=self.nonfinite == 'stop')}",
-                    stage=self.stage, step=version,
-                )
+        not finite (:meth:`NonFiniteGuard.check_weights`)."""
+        self.guard.check_weights(self.versions, consequence)
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: versions, optimizer, counters, accumulated
-        gradients, buffers, and the microbatches in flight (inputs and weights their forward read).
-        Weights that are not finite are refused: no checkpoint holds them."""
-        self.check_weights("no checkpoint was written")
-        predicted = self.policy == "predict"
-        return {
-            "versions": {v: dict(p) for v, p in self.versions.state().items()},
-            "current": self.versions.current,
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "samples_seen": self.samples_seen,
-            "pending_samples": self.pending_samples,
-            "grads": None if self.grads is None else {n: g.clone() for n, g in self.grads.items()},
-            "buffers": {n: b.clone() for n, b in self.buffers.items()},
-            "in_flight": [
-                {
-                    "microbatch": k,
-                    "version": r.version,
-                    "samples": r.samples,
-                    "inputs": tuple(x.detach() if isinstance(x, Tensor) else x for x in r.inputs),
-                    "structure": None if r.structure is None else r.structure.text,
-                    "constants": sum(1 << i for i, x in enumerate(r.inputs) if isinstance(x, Tensor)
-                                     and x.is_floating_point() and not x.requires_grad and i < 62),
-                    "target": r.target,
-                    "loss_scale": r.loss_scale,
-                    "scale": r.scale,
-                    "params": {n: t.detach() for n, t in r.leaves.items()} if predicted else None,
-                }
-                for k, r in self.in_flight.items()
-            ],
-            "fp16": None if self.scaler is None else {
-                "scaler": self.scaler.state_dict(), "stamps": dict(self._stamps), "overflow": self._overflow,
-                "pending_scale": self._pending_scale, "overflow_skipped": list(self.overflow_skipped),
-                "scales": list(self.scales),
-            },
-        }
+        """Everything needed to continue exactly (:mod:`pipetrain.execution.snapshot`); weights that
+        are not finite are refused: no checkpoint holds them."""
+        return stage_snapshot(self)
 
     def restore(self, state: dict[str, Any]) -> list[tuple[int, Any, int]]:
         """Load a :meth:`snapshot` and replay the forwards that were in flight; returns
         ``[(microbatch, outputs, constants)]`` in their original order (for the messages that
-        crossed; ``constants`` as :attr:`last_constants`). The
-        state's tensors come to this stage's device, wherever they were saved."""
-        state = to_device(state, self.device)
-        self.versions = VersionStore.from_state(state["versions"], state["current"], recycle=not self.recompute)
-        self._leaves.clear()
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.samples_seen = state["samples_seen"]
-        self.pending_samples = state["pending_samples"]
-        self.grads = state["grads"]
-        self.in_flight.clear()
-        fp16 = state.get("fp16")
-        if self.scaler is not None and fp16 is not None:
-            self.scaler.load_state_dict(fp16["scaler"])
-            self._stamps = dict(fp16["stamps"])
-            self._overflow, self._pending_scale = fp16["overflow"], fp16["pending_scale"]
-            self.overflow_skipped, self.scales = list(fp16["overflow_skipped"]), list(fp16["scales"])
-        replayed = []
-        for record in state["in_flight"]:
-            params = None
-            if record["params"] is not None:
-                params = {**self.versions[record["version"]], **record["params"]}
-            inputs = record["inputs"]
-            if record.get("structure") is not None:
-                inputs = Structure.parse(record["structure"]).unflatten(inputs)
-            out = self.forward(
-                record["microbatch"], record["version"], inputs, target=record["target"],
-                samples=record["samples"], params=params,
-                loss_scale=record["loss_scale"], stamp=record.get("scale") if self.scaler is not None else None,
-                constants=record.get("constants", 0),
-            )
-            replayed.append((record["microbatch"], out, self.last_constants))
-        with torch.no_grad():
-            for name, buffer in self.buffers.items():
-                buffer.copy_(state["buffers"][name])  # replay must not count running statistics twice
-        return replayed
+        crossed; ``constants`` as :attr:`last_constants`). The state's tensors come to this stage's
+        device, wherever they were saved."""
+        return restore_stage(self, state)
 
     # -- results ---------------------------------------------------------------------------------
 
     def evaluate(self, inputs: Any) -> Any:
         """Forward-only pass on the current weights (module in eval mode), for held-out data."""
-        was_training = self.module.training
-        self.module.eval()
-        leaves, structure = flatten(inputs)
-        try:
-            with torch.no_grad(), self._autocast():
-                return self.call(self.versions.latest, to_device(leaves, self.device, non_blocking=True), structure)
-        except PipetrainError:
-            raise
-        except Exception as error:  # noqa: BLE001 - as in the forward of training
-            raise forward_failure(self.stage, error, leaves, self.module, structure=structure,
-                                  what="on held-out data") from None
-        finally:
-            self.module.train(was_training)
+        return evaluate_stage(self.stage, self.call, self.versions.latest, inputs, self.device, self.autocast)
 
     def write_back(self) -> None:
         """Copy the current version into the module's own parameters (for saving or inspection);

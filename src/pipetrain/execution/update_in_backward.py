@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["UpdateInBackward", "can_update_in_backward"]
+__all__ = ["UpdateInBackward", "can_update_in_backward", "fused_update"]
 
 
 def can_update_in_backward(optimizer: Any) -> bool:
@@ -32,6 +32,12 @@ def can_update_in_backward(optimizer: Any) -> bool:
     from pipetrain.optim.base import StageOptimizer
 
     return isinstance(optimizer, StageOptimizer) and type(optimizer).step is StageOptimizer.step
+
+
+def fused_update(optimizer: Any, wanted: bool) -> UpdateInBackward | None:
+    """The hooks for a stage that may update in its backward (``wanted``: the caller knows nothing
+    else needs the whole gradient), when ``optimizer`` can; ``None`` otherwise."""
+    return UpdateInBackward(optimizer) if wanted and can_update_in_backward(optimizer) else None
 
 
 class UpdateInBackward:
