@@ -1,0 +1,132 @@
+"""One declaration per training option: a :class:`TrainConfig` field whose metadata says
+everything else about it, so that adding an option touches one place.
+
+From these declarations come the parser of `pipetrain train` (:func:`pipetrain.commands.train.add_arguments`),
+the keyword arguments of :class:`~pipetrain.Pipeline` and its ``fit`` (:mod:`pipetrain.pipeline`),
+the per-option checks (:func:`pipetrain.training.validate.check_config`) and the checkpoint
+fingerprint (:meth:`TrainConfig.fingerprint`). An error about an option names its field
+(:func:`pipetrain.errors.option`); the command line prints the field's flag, Python its keyword.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["Flag", "Option", "option", "declared", "flag_of", "keyword_of", "API_STAGES", "GROUPS",
+           "int_list", "name_list", "key_values"]
+
+#: The help screen's groups, in the order `pipetrain train --help` shows them.
+GROUPS = ("model and data", "pipeline", "training", "execution", "outputs")
+#: Where an option is a Python keyword: ``Pipeline(...)`` or ``Pipeline.fit(...)``.
+API_STAGES = ("pipeline", "fit")
+_UNSET: Any = dataclasses.MISSING
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag: its name and the argparse details (``type``, ``choices``, ``metavar``,
+    ``action``, ``nargs``, ``const``); its ``dest`` is the field's name unless given."""
+
+    name: str
+    help: str
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dest: str | None = None
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a :class:`TrainConfig` field is to the user (see :func:`option`)."""
+
+    help: str
+    group: str | None
+    flags: tuple[Flag, ...]
+    from_cli: Callable[[argparse.Namespace], Any] | None
+    check: Callable[[Any], None] | None
+    fingerprint: bool | Callable[[Any], bool]
+    api: str | None
+    keyword: str | None
+    api_default: Any
+
+
+def option(default: Any = _UNSET, *, help: str, group: str | None = None, flag: str | bool | None = None,
+           flag_help: str | None = None, flags: tuple[Flag, ...] | None = None,
+           from_cli: Callable[[argparse.Namespace], Any] | None = None, check: Callable[[Any], None] | None = None,
+           fingerprint: bool | Callable[[Any], bool] = False, api: str | None = None, keyword: str | None = None,
+           api_default: Any = _UNSET, default_factory: Callable[[], Any] | None = None, **details: Any) -> Any:
+    """A :class:`TrainConfig` field declared as an option.
+
+    ``help``: what it does (the field's documentation; also the flag's help unless ``flag_help``).
+    ``group``: its section of the help screen (one of :data:`GROUPS`; None for an option with no flag).
+    ``flag``: its command-line name (default ``--field-name``; False: none), with argparse's
+    ``details`` (``type=int``, ``choices=...``, ``metavar=...``, ``action=...``); ``flags``: several
+    flags instead, and ``from_cli(args)`` the value they give (default: the flag's own value).
+    ``check(value)``: raises a :class:`~pipetrain.errors.ConfigError` naming the option for a bad value.
+    ``fingerprint``: whether a checkpoint must agree on it to be resumed (or ``f(config)``: when).
+    ``api``: ``"pipeline"`` or ``"fit"``, where it is a Python keyword (named ``keyword``, default
+    the field's name; ``api_default`` where Python's default differs from the command line's).
+    """
+    if flags is None:
+        flags = () if flag is False else (Flag(flag or "", flag_help or help, details),)  # "" -> --field-name
+    elif details:
+        raise TypeError("give argparse details on each Flag of flags=")
+    if api is not None and api not in API_STAGES:
+        raise ValueError(f"api must be one of {API_STAGES}, not {api!r}")
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS}, not {group!r}")
+    meta = {"option": Option(help, group, flags, from_cli, check, fingerprint, api, keyword, api_default)}
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def declared(config_type: type) -> list[tuple[dataclasses.Field, Option]]:
+    """Every declared field of ``config_type`` with its :class:`Option`, in declaration order (the
+    flags' order on the help screen)."""
+    return [(field, field.metadata["option"]) for field in dataclasses.fields(config_type)
+            if "option" in field.metadata]
+
+
+def flag_name(field: dataclasses.Field, flag: Flag) -> str:
+    return flag.name or "--" + field.name.replace("_", "-")
+
+
+def flag_of(config_type: type) -> dict[str, str]:
+    """Field name -> the flag that sets it (its first), for the command line's error messages."""
+    return {field.name: flag_name(field, option.flags[0]) for field, option in declared(config_type) if option.flags}
+
+
+def keyword_of(config_type: type) -> dict[str, str]:
+    """Field name -> its Python keyword, for the Python API's error messages."""
+    return {field.name: option.keyword or field.name for field, option in declared(config_type) if option.api}
+
+
+# -- text values of flags (argparse types) -------------------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    """``2,2,1`` -> ``[2, 2, 1]``."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 2,2,1; got {text!r}") from None
+
+
+def name_list(text: str) -> list[str]:
+    """``a, b`` -> ``["a", "b"]``."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def key_values(text: str) -> dict:
+    """``k=v,...`` with values parsed as in specs (true/false/none, numbers, else strings)."""
+    from pipetrain.spec import parse_value
+
+    options = {}
+    for item in (part for part in text.split(",") if part.strip()):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise argparse.ArgumentTypeError(f"expected NAME=VALUE,..., e.g. use_cache=false; got {item!r}")
+        options[key.strip()] = parse_value(value)
+    return options

@@ -1,0 +1,67 @@
+"""The training options are declared once (pipetrain.training.config): the parser of
+`pipetrain train`, the fingerprint, the Python keywords and the checks are all built from there."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pipetrain.commands.train import add_arguments, config_from_args
+from pipetrain.training.config import TrainConfig
+from pipetrain.training.options import GROUPS, declared, flag_name
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser
+
+
+def test_every_field_is_declared_with_help_and_every_flag_has_a_group():
+    fields = dataclasses.fields(TrainConfig)
+    assert [f.name for f, _ in declared(TrainConfig)] == [f.name for f in fields]
+    for field, declaration in declared(TrainConfig):
+        assert declaration.help.strip(), field.name
+        if declaration.flags:
+            assert declaration.group in GROUPS, field.name
+            assert all(flag.help.strip() for flag in declaration.flags), field.name
+
+
+def test_the_parser_holds_exactly_the_declared_flags_in_their_groups():
+    parser = _parser()
+    shown = {option: group.title for group in parser._action_groups for action in group._group_actions
+             for option in action.option_strings}
+    expected = {flag_name(field, flag): declaration.group for field, declaration in declared(TrainConfig)
+                for flag in declaration.flags}
+    assert {k: v for k, v in shown.items() if k not in ("-h", "--help")} == expected
+
+
+def test_no_flags_give_the_declared_defaults():
+    config = config_from_args(_parser().parse_args([]))
+    assert config == dataclasses.replace(TrainConfig(), progress=config.progress)
+
+
+def test_flags_set_their_fields():
+    config = config_from_args(_parser().parse_args(
+        ["--batch-size", "8", "--balance", "2,1", "--no-shuffle", "--init-from", "weights", "--resume",
+         "--concrete-args", "use_cache=false"]))
+    assert (config.batch_size, config.balance, config.shuffle, config.meta, config.init, config.resume,
+            config.concrete_args) == (8, [2, 1], False, True, "weights", True, {"use_cache": False})
+    assert config_from_args(_parser().parse_args(["--init", "meta"])).init == "reset"
+    assert config_from_args(_parser().parse_args(["--init", "eager", "--init-from", "w"])).meta is False
+
+
+def test_the_fingerprint_holds_the_declared_fields_when_they_apply():
+    plain = TrainConfig().fingerprint()
+    assert {"model", "batch_size", "seed", "shuffle"} <= set(plain)
+    assert not {"keep", "max_restarts", "precision", "loss_scale", "holdout", "stage_costs"} & set(plain)
+    fp16 = TrainConfig(precision="fp16", holdout=0.1).fingerprint()
+    assert fp16["precision"] == "fp16" and fp16["loss_scale_init"] == 65536.0 and fp16["holdout"] == 0.1
+
+
+@pytest.mark.parametrize("argv", [["--translate-from-batch", "8", "--batch-size", "1"]])
+def test_translate_from_batch_rewrites_the_optimizer(argv):
+    config = config_from_args(_parser().parse_args(argv))
+    assert config.optimizer.startswith("sgd:") and config.optimizer != TrainConfig().optimizer
