@@ -65,3 +65,35 @@ def test_the_fingerprint_holds_the_declared_fields_when_they_apply():
 def test_translate_from_batch_rewrites_the_optimizer(argv):
     config = config_from_args(_parser().parse_args(argv))
     assert config.optimizer.startswith("sgd:") and config.optimizer != TrainConfig().optimizer
+
+
+def _keywords(stage: str) -> dict[str, dataclasses.Field]:
+    return {declaration.keyword or field.name: field for field, declaration in declared(TrainConfig)
+            if declaration.api == stage}
+
+
+@pytest.mark.parametrize("stage", ["pipeline", "fit"])
+def test_the_python_keywords_are_the_declared_ones(stage):
+    import inspect
+
+    from pipetrain import Pipeline
+
+    function = Pipeline.__init__ if stage == "pipeline" else Pipeline.fit
+    parameters = inspect.signature(function).parameters
+    own = {"pipeline": {"self", "model", "loss_fn", "optimizer_options"}, "fit": {"self", "data", "callbacks"}}[stage]
+    assert set(parameters) - own == set(_keywords(stage))
+    assert parameters["timeout" if stage == "pipeline" else "keep"].default == (60.0 if stage == "pipeline" else 2)
+
+
+def test_a_pipeline_keyword_reaches_the_config_and_an_unknown_one_is_refused():
+    from torch import nn
+
+    from pipetrain import Pipeline
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    pipe = Pipeline(model, balance=(2, 1), executor="emulate", timeout=5.0, receives="ahead", replicas=())
+    assert (pipe._config.timeout, pipe._config.receives, pipe._config.replicas) == (5.0, "ahead", None)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'timout'; did you mean 'timeout'"):
+        Pipeline(model, balance=[2, 1], executor="emulate", timout=5.0)
+    with pytest.raises(TypeError, match="fit\\(\\) got an unexpected keyword argument 'batchsize'"):
+        pipe.fit([], batchsize=4)

@@ -68,7 +68,7 @@ class TrainConfig:
         "digits", group=_DATA, fingerprint=True,
         help="digits, synthetic:features=N,classes=C,samples=K, or PKG.MOD:FACTORY (default digits)")
     test_data: str | None = option(
-        None, group=_DATA, api="fit", keyword="eval_data",
+        None, group=_DATA, api="fit", keyword="eval_data", api_type="Any",
         help="a separate held-out data spec (default: the data's own test split)")
     holdout: float | None = option(
         None, group=_DATA, type=float, metavar="FRACTION", fingerprint=lambda c: c.holdout is not None,
@@ -88,7 +88,7 @@ class TrainConfig:
                     "--seed, or from --init-from (default: eager, unless --init-from is given)",
                     {"choices": ["eager", "meta"], "default": None}),))
     init: str | None = option(
-        None, group=_DATA, from_cli=_init, api="pipeline",
+        None, group=_DATA, from_cli=_init, api="pipeline", api_type="str | Callable[[nn.Module, str], Any] | None",
         help="first values of a model built on meta: \"reset\", a weights directory (--init-from), or the "
              "description of the Python API's init function; None: the model's own values",
         flags=(Flag("--init-from", "start from the weights in DIR (written by --save DIR, or a HuggingFace "
@@ -103,10 +103,10 @@ class TrainConfig:
         help="number of pipeline stages (ranks for interleaved), cut as --balance-by says (default: as many as "
              "--balance, --split-at or --replicas give, else --workers, else 2)")
     balance: list[int] | None = option(
-        None, group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline",
+        None, group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[int] | None",
         help="modules per stage, e.g. 2,2,1 (default: --stages cut as --balance-by says)")
     split_at: list[str] | None = option(
-        None, group=_PIPELINE, type=name_list, fingerprint=True, api="pipeline",
+        None, group=_PIPELINE, type=name_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[str] | None",
         help="module names that start a new stage (default: --stages cut as --balance-by says)")
     balance_by: str = option(
         "auto", group=_PIPELINE, choices=["auto", "time", "params"],
@@ -115,7 +115,7 @@ class TrainConfig:
              "on asynchronous ones, with dropout or with tied weights (default auto)")
     leaf_modules: list[str] | None = option(
         None, group=_PIPELINE, type=name_list, metavar="NAMES", fingerprint=lambda c: bool(c.leaf_modules),
-        api="pipeline", api_default=(),
+        api="pipeline", api_default=(), api_type="Sequence[str | type]",
         help="modules a traced model calls whole, by qualified name or class name (e.g. "
              "blocks.0.attn or Attention); a stage cannot start inside them (default: none)")
     concrete_args: dict[str, Any] | None = option(
@@ -129,7 +129,7 @@ class TrainConfig:
              "(default: none)")
     replicas: list[int] | None = option(
         None, group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline",
-        help="replicas per stage, e.g. 2,1 (default: 1 each)")
+        from_api=lambda replicas: list(replicas) or None, api_type="Sequence[int] | None", help="replicas per stage, e.g. 2,1 (default: 1 each)")
     chunks: int = option(
         1, group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
         help="model chunks per rank (interleaved; default 1)")
@@ -142,7 +142,7 @@ class TrainConfig:
         help="microbatches per update (default 4; 1 for pipedream and pb)")
     # -- training ----------------------------------------------------------------------------
     batch_size: int = option(
-        32, group=_TRAINING, type=int, fingerprint=True, api="fit", api_default=None,
+        32, group=_TRAINING, type=int, fingerprint=True, api="fit", api_default=None, api_type="int | None",
         help="samples per optimizer update (default 32)")
     steps: int | None = option(
         None, group=_TRAINING, type=int, api="fit", help="optimizer updates (default: those of --epochs)")
@@ -151,7 +151,7 @@ class TrainConfig:
         help="passes over the training data (default 1 when --steps is absent)")
     optimizer: str = option(
         "sgd:lr=0.02,momentum=0.9", group=_TRAINING, fingerprint=True, from_cli=_optimizer,
-        api="pipeline", api_default="sgd:lr=0.01",
+        api="pipeline", api_default="sgd:lr=0.01", api_type="str | type | OptimizerFactory",
         help="sgd:lr=..,momentum=..,nesterov=..,weight_decay=.., adam:lr=..,betas=../.. or adamw:... "
              "(default sgd:lr=0.02,momentum=0.9)",
         flags=(Flag("--optimizer", "sgd:lr=..,momentum=..,nesterov=..,weight_decay=.., adam:lr=..,betas=../.. or "
@@ -159,7 +159,7 @@ class TrainConfig:
                Flag("--translate-from-batch", "treat --optimizer's lr and momentum as tuned for batch B and "
                     "translate them to --batch-size (default: no translation)", {"type": int, "metavar": "B"})))
     lr_schedule: str | None = option(
-        None, group=_TRAINING, fingerprint=True, api="pipeline", keyword="lr_scheduler",
+        None, group=_TRAINING, fingerprint=True, api="pipeline", keyword="lr_scheduler", api_type="str | Callable[[Any], Any] | None",
         help="constant, step:milestones=a/b,gamma=.., cosine:total=.., end:total=..,fraction=.., counted in "
              "samples (default: constant)")
     compensation: str = option(
@@ -189,7 +189,7 @@ class TrainConfig:
              "weights and optimizer state; fp16 with a loss scale every stage agrees on "
              "(docs/gpu.md) (default fp32)")
     loss_scale: str = option(
-        "dynamic", group=_TRAINING, metavar="dynamic|FLOAT", fingerprint=_fp16, api="pipeline",
+        "dynamic", group=_TRAINING, metavar="dynamic|FLOAT", fingerprint=_fp16, api="pipeline", from_api=str, api_type="str | float",
         help="--precision fp16: dynamic (halve on overflow, double after --loss-scale-growth clean "
              "updates) or a fixed power of two (default dynamic)")
     loss_scale_init: float = option(
@@ -275,7 +275,7 @@ class TrainConfig:
              "or --epochs): its pipeline drains where it ended and fills again, so the result is the "
              "run extended, not the uninterrupted longer run (the data line says so)")
     progress: bool = option(
-        True, group=_OUTPUTS, from_cli=_progress, api="fit", api_default=None,
+        True, group=_OUTPUTS, from_cli=_progress, api="fit", api_default=None, api_type="bool | None",
         help="a progress bar (the command line shows it on a terminal only; Python's default: on a terminal)",
         flags=(Flag("--no-progress", "no progress bar (it is shown only when stderr is a terminal)",
                     {"action": "store_true"}),))

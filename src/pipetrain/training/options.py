@@ -15,8 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Flag", "Option", "option", "declared", "flag_of", "keyword_of", "API_STAGES", "GROUPS",
-           "int_list", "name_list", "key_values"]
+__all__ = ["Flag", "Option", "option", "declared", "flag_of", "keyword_of", "api_values", "api_signature",
+           "API_STAGES", "GROUPS", "int_list", "name_list", "key_values"]
 
 #: The help screen's groups, in the order `pipetrain train --help` shows them.
 GROUPS = ("model and data", "pipeline", "training", "execution", "outputs")
@@ -49,13 +49,16 @@ class Option:
     api: str | None
     keyword: str | None
     api_default: Any
+    from_api: Callable[[Any], Any] | None
+    api_type: str | None
 
 
 def option(default: Any = _UNSET, *, help: str, group: str | None = None, flag: str | bool | None = None,
            flag_help: str | None = None, flags: tuple[Flag, ...] | None = None,
            from_cli: Callable[[argparse.Namespace], Any] | None = None, check: Callable[[Any], None] | None = None,
            fingerprint: bool | Callable[[Any], bool] = False, api: str | None = None, keyword: str | None = None,
-           api_default: Any = _UNSET, default_factory: Callable[[], Any] | None = None, **details: Any) -> Any:
+           api_default: Any = _UNSET, from_api: Callable[[Any], Any] | None = None, api_type: str | None = None,
+           default_factory: Callable[[], Any] | None = None, **details: Any) -> Any:
     """A :class:`TrainConfig` field declared as an option.
 
     ``help``: what it does (the field's documentation; also the flag's help unless ``flag_help``).
@@ -66,7 +69,9 @@ def option(default: Any = _UNSET, *, help: str, group: str | None = None, flag: 
     ``check(value)``: raises a :class:`~pipetrain.errors.ConfigError` naming the option for a bad value.
     ``fingerprint``: whether a checkpoint must agree on it to be resumed (or ``f(config)``: when).
     ``api``: ``"pipeline"`` or ``"fit"``, where it is a Python keyword (named ``keyword``, default
-    the field's name; ``api_default`` where Python's default differs from the command line's).
+    the field's name; ``api_default`` where Python's default differs from the command line's;
+    ``from_api(value)``: the field's value of what Python was given, such as a list of a tuple;
+    ``api_type``: what Python takes, where it is more than the field's type).
     """
     if flags is None:
         flags = () if flag is False else (Flag(flag or "", flag_help or help, details),)  # "" -> --field-name
@@ -76,7 +81,8 @@ def option(default: Any = _UNSET, *, help: str, group: str | None = None, flag: 
         raise ValueError(f"api must be one of {API_STAGES}, not {api!r}")
     if group is not None and group not in GROUPS:
         raise ValueError(f"group must be one of {GROUPS}, not {group!r}")
-    meta = {"option": Option(help, group, flags, from_cli, check, fingerprint, api, keyword, api_default)}
+    meta = {"option": Option(help, group, flags, from_cli, check, fingerprint, api, keyword, api_default,
+                             from_api, api_type)}
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -101,6 +107,49 @@ def flag_of(config_type: type) -> dict[str, str]:
 def keyword_of(config_type: type) -> dict[str, str]:
     """Field name -> its Python keyword, for the Python API's error messages."""
     return {field.name: option.keyword or field.name for field, option in declared(config_type) if option.api}
+
+
+def _keywords(config_type: type, stage: str) -> list[tuple[str, dataclasses.Field, Option]]:
+    return [(declaration.keyword or field.name, field, declaration) for field, declaration in declared(config_type)
+            if declaration.api == stage]
+
+
+def _api_default(field: dataclasses.Field, declaration: Option) -> Any:
+    if declaration.api_default is not _UNSET:
+        return declaration.api_default
+    return field.default_factory() if field.default is _UNSET else field.default
+
+
+def api_values(config_type: type, stage: str, given: dict[str, Any], caller: str) -> dict[str, Any]:
+    """Field name -> value of the keywords of ``stage`` (``"pipeline"`` or ``"fit"``) that
+    ``caller`` was given, each absent one at its Python default; ``from_api`` applied. An unknown
+    keyword is a TypeError, as Python's own, naming the closest keyword."""
+    import difflib
+
+    keywords = _keywords(config_type, stage)
+    known = {keyword for keyword, _, _ in keywords}
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else ""))
+    values = {}
+    for keyword, field, declaration in keywords:
+        value = given[keyword] if keyword in given else _api_default(field, declaration)
+        values[field.name] = declaration.from_api(value) if declaration.from_api and value is not None else value
+    return values
+
+
+def api_signature(config_type: type, stage: str, head: list, returns: Any, tail: list | None = None):
+    """The :class:`inspect.Signature` of a function taking ``head``'s parameters, the keywords of
+    ``stage`` and ``tail``'s: what ``help()`` and editors show of the keywords taken as ``**options``."""
+    import inspect
+
+    declared_keywords = [
+        inspect.Parameter(keyword, inspect.Parameter.KEYWORD_ONLY, default=_api_default(field, declaration),
+                          annotation=declaration.api_type or field.type)
+        for keyword, field, declaration in _keywords(config_type, stage)]
+    return inspect.Signature([*head, *declared_keywords, *(tail or [])], return_annotation=returns)
 
 
 # -- text values of flags (argparse types) -------------------------------------------------------
