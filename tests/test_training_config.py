@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from pipetrain.commands.train import add_arguments, config_from_args
 from pipetrain.training.config import TrainConfig
@@ -97,3 +98,63 @@ def test_a_pipeline_keyword_reaches_the_config_and_an_unknown_one_is_refused():
         Pipeline(model, balance=[2, 1], executor="emulate", timout=5.0)
     with pytest.raises(TypeError, match="fit\\(\\) got an unexpected keyword argument 'batchsize'"):
         pipe.fit([], batchsize=4)
+
+
+def _cli_error(*argv: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from pipetrain.cli import main; sys.exit(main(['train', *sys.argv[1:]]))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2, result.stderr
+    return result.stderr
+
+
+@pytest.mark.parametrize("field, value, flag, message", [
+    ("batch_size", 0, "--batch-size", "{} must be at least 1, got 0"),
+    ("timeout", -1.0, "--timeout", "{} must be greater than 0, got -1"),
+    ("replicas", [2, 0], "--replicas", "{} 2,0: every entry must be at least 1"),
+    ("holdout", 1.5, "--holdout", "{} must be a fraction between 0 and 1 (e.g. 0.2), got 1.5"),
+    ("receives", "later", "--receives", "unknown {} 'later'; choose one of auto, on-demand, ahead"),
+])
+def test_a_bad_value_names_the_field_in_python_and_the_flag_on_the_command_line(field, value, flag, message):
+    from pipetrain.errors import ConfigError
+    from pipetrain.training.validate import check_config
+
+    with pytest.raises(ConfigError) as raised:
+        check_config(dataclasses.replace(TrainConfig(), **{field: value}))
+    assert str(raised.value) == message.format(field) and raised.value.options == (field,)
+    if field in ("batch_size", "timeout"):  # the other values cannot be written as flags (argparse refuses them)
+        text = {"batch_size": "0", "timeout": "-1"}[field]
+        assert _cli_error(f"{flag}={text}") == f"pipetrain train: error: {message.format(flag)}\n"
+
+
+def test_the_python_api_names_its_keywords():
+    from torch import nn
+
+    from pipetrain import Pipeline
+    from pipetrain.errors import ConfigError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match="^unknown precision 'fp8'; choose one of fp32, bf16, fp16$"):
+        Pipeline(model, balance=[2, 1], executor="emulate", precision="fp8")
+    pipe = Pipeline(model, balance=[2, 1], executor="emulate")
+    with pytest.raises(ConfigError, match="^batch_size must be at least 1, got 0$"):
+        pipe.fit([(torch.zeros(4), 0)] * 4, batch_size=0)
+
+
+def test_every_check_names_the_option_it_checks():
+    from pipetrain.errors import ConfigError
+
+    for field, declaration in declared(TrainConfig):
+        if declaration.check is None:
+            continue
+        for bad in (-5, "no-such-choice", [-1]):
+            try:
+                declaration.check(field.name, bad)
+            except ConfigError as error:
+                assert error.options == (field.name,), (field.name, str(error))
+            except TypeError:  # a value of another type: argparse's type= or the API's annotation refuses it
+                pass

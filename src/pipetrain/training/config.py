@@ -9,7 +9,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pipetrain.training.options import Flag, declared, int_list, key_values, name_list, option
+from pipetrain.errors import ConfigError, name_options
+from pipetrain.errors import option as option_name
+from pipetrain.training.options import (Flag, at_least, declared, entries_at_least, flag_of, int_list, key_values,
+                                        keyword_of, name_list, one_of, option, whole_number)
 
 __all__ = ["TrainConfig"]
 
@@ -27,7 +30,6 @@ def _optimizer(args: argparse.Namespace) -> str:
     """``--optimizer``, translated by ``--translate-from-batch`` (docs/design.md 3.5)."""
     if not args.translate_from_batch:
         return args.optimizer
-    from pipetrain.errors import ConfigError
     from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
 
     spec = parse_optimizer_spec(args.optimizer)
@@ -46,6 +48,11 @@ def _optimizer(args: argparse.Namespace) -> str:
 
 def _progress(args: argparse.Namespace) -> bool:
     return not args.no_progress and not args.quiet and sys.stderr.isatty()
+
+
+def _fraction(field: str, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and 0 < value < 1):
+        raise ConfigError(f"{option_name(field)} must be a fraction between 0 and 1 (e.g. 0.2), got {value!r}")
 
 
 def _fp16(config: TrainConfig) -> bool:
@@ -71,11 +78,11 @@ class TrainConfig:
         None, group=_DATA, api="fit", keyword="eval_data", api_type="Any",
         help="a separate held-out data spec (default: the data's own test split)")
     holdout: float | None = option(
-        None, group=_DATA, type=float, metavar="FRACTION", fingerprint=lambda c: c.holdout is not None,
+        None, check=_fraction, group=_DATA, type=float, metavar="FRACTION", fingerprint=lambda c: c.holdout is not None,
         help="hold out this fraction of --data (a fixed split) for evaluation instead (default: none; "
              "a data factory without split= then has no held-out data)")
     data_workers: int | None = option(
-        None, group=_DATA, type=int, metavar="N",
+        None, check=whole_number(0, " (0 reads on the training thread)"), group=_DATA, type=int, metavar="N",
         help="DataLoader worker processes reading a plain Dataset ahead, 0 for the training thread "
              "(default 1; two-tensor and batch() data sets are read by index on a thread)")
     pin_memory: bool = option(
@@ -99,11 +106,11 @@ class TrainConfig:
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
         help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the plan's, else 1f1b)")
     stages: int | None = option(
-        None, group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
+        None, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
         help="number of pipeline stages (ranks for interleaved), cut as --balance-by says (default: as many as "
              "--balance, --split-at or --replicas give, else --workers, else 2)")
     balance: list[int] | None = option(
-        None, group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[int] | None",
+        None, check=entries_at_least(1), group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[int] | None",
         help="modules per stage, e.g. 2,2,1 (default: --stages cut as --balance-by says)")
     split_at: list[str] | None = option(
         None, group=_PIPELINE, type=name_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[str] | None",
@@ -128,26 +135,26 @@ class TrainConfig:
         help="a plan JSON from `pipetrain plan --out`: its stages, replicas, schedule and microbatches "
              "(default: none)")
     replicas: list[int] | None = option(
-        None, group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline",
+        None, check=entries_at_least(1), group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline",
         from_api=lambda replicas: list(replicas) or None, api_type="Sequence[int] | None", help="replicas per stage, e.g. 2,1 (default: 1 each)")
     chunks: int = option(
-        1, group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
+        1, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
         help="model chunks per rank (interleaved; default 1)")
     policy: str | None = option(
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
         help="weight-version policy replacing the schedule's: stash, vsync, latest, predict (default: the "
              "schedule's own; predict with --compensation lwp)")
     microbatches: int | None = option(
-        None, group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
+        None, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
         help="microbatches per update (default 4; 1 for pipedream and pb)")
     # -- training ----------------------------------------------------------------------------
     batch_size: int = option(
-        32, group=_TRAINING, type=int, fingerprint=True, api="fit", api_default=None, api_type="int | None",
+        32, check=at_least(1), group=_TRAINING, type=int, fingerprint=True, api="fit", api_default=None, api_type="int | None",
         help="samples per optimizer update (default 32)")
     steps: int | None = option(
-        None, group=_TRAINING, type=int, api="fit", help="optimizer updates (default: those of --epochs)")
+        None, check=at_least(1), group=_TRAINING, type=int, api="fit", help="optimizer updates (default: those of --epochs)")
     epochs: float | None = option(
-        None, group=_TRAINING, type=float, api="fit",
+        None, check=at_least(0, strict=True), group=_TRAINING, type=float, api="fit",
         help="passes over the training data (default 1 when --steps is absent)")
     optimizer: str = option(
         "sgd:lr=0.02,momentum=0.9", group=_TRAINING, fingerprint=True, from_cli=_optimizer,
@@ -205,34 +212,34 @@ class TrainConfig:
              "(less activation memory, about one more forward; same results); stage:0,2: on "
              "those stages only (default: the --plan's choice, else none)")
     on_nonfinite: str = option(
-        "stop", group=_TRAINING, choices=["stop", "skip"], api="pipeline",
+        "stop", check=one_of("stop", "skip", "off"), group=_TRAINING, choices=["stop", "skip"], api="pipeline",
         help="a NaN or infinite loss or gradient: stop the run naming the step and stage (default "
              "stop), or skip each update whose gradient is not finite (see docs/optim.md)")
     eval_every: int = option(
-        0, group=_TRAINING, type=int, api="fit",
+        0, check=at_least(0), group=_TRAINING, type=int, api="fit",
         help="evaluate on held-out data every K updates and at the end, printing each result "
              "(default 0: at the end only)")
     eval_samples: int | None = option(
-        None, group=_TRAINING, type=int, api="fit",
+        None, check=at_least(0), group=_TRAINING, type=int, api="fit",
         help="evaluate on the first N held-out samples only (default: all)")
     # -- execution ---------------------------------------------------------------------------
     executor: str = option(
         "distributed", group=_EXECUTION, choices=["distributed", "emulate"], api="pipeline",
         help="distributed (one process per stage replica) or emulate (one process) (default distributed)")
     workers: int | None = option(
-        None, group=_EXECUTION, type=int, help="worker processes (default: one per stage replica)")
+        None, check=at_least(1), group=_EXECUTION, type=int, help="worker processes (default: one per stage replica)")
     threads_per_worker: int = option(
-        1, group=_EXECUTION, type=int, api="pipeline",
+        1, check=at_least(1), group=_EXECUTION, type=int, api="pipeline",
         help="PyTorch threads of each worker process, and of the emulator (default 1)")
     receives: str = option(
         "auto", group=_EXECUTION, choices=["auto", "on-demand", "ahead"], api="pipeline",
         help="distributed: post each receive when it is reached (on-demand), keep every channel's "
              "next receive posted (ahead), or on-demand where provably deadlock-free (auto) (default auto)")
     timeout: float = option(
-        60.0, group=_EXECUTION, type=float, api="pipeline",
+        60.0, check=at_least(0, strict=True), group=_EXECUTION, type=float, api="pipeline",
         help="seconds any blocking wait may take, joining the run included (default 60)")
     max_restarts: int = option(
-        0, group=_EXECUTION, type=int, metavar="N", api="fit",
+        0, check=at_least(0), group=_EXECUTION, type=int, metavar="N", api="fit",
         help="start the workers again after a failure that is not a user error, up to N times; "
              "they resume from --checkpoint-dir (under torchrun use torchrun's own "
              "--max-restarts) (default 0)")
@@ -258,11 +265,11 @@ class TrainConfig:
              "complete checkpoint when it holds one (else start afresh, saying which): one command line "
              "for the first start and every restart (default: no checkpoints)")
     checkpoint_every: int = option(
-        0, group=_OUTPUTS, type=int, api="fit",
+        0, check=at_least(0), group=_OUTPUTS, type=int, api="fit",
         help="with --checkpoint-dir, checkpoint after every K updates, and after the last (default 0: "
              "about ten checkpoints per run, every ceil(steps / 10) updates)")
     keep: int = option(
-        2, group=_OUTPUTS, type=int, metavar="K", api="fit",
+        2, check=at_least(1), group=_OUTPUTS, type=int, metavar="K", api="fit",
         help="complete checkpoints kept in --checkpoint-dir, the newest (default 2)")
     resume: bool | str = option(
         False, group=_OUTPUTS, nargs="?", const=True, metavar="CHECKPOINT", api="fit",
@@ -296,3 +303,6 @@ class TrainConfig:
         return {field.name: getattr(self, field.name) for field, declaration in declared(TrainConfig)
                 if declaration.fingerprint is True
                 or (callable(declaration.fingerprint) and declaration.fingerprint(self))}
+
+
+name_options(flag_of(TrainConfig), keyword_of(TrainConfig))

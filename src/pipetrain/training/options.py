@@ -15,8 +15,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pipetrain.errors import ConfigError
+from pipetrain.errors import option as option_name
+
 __all__ = ["Flag", "Option", "option", "declared", "flag_of", "keyword_of", "api_values", "api_signature",
-           "API_STAGES", "GROUPS", "int_list", "name_list", "key_values"]
+           "declared_check",
+           "one_of", "at_least", "entries_at_least", "whole_number", "API_STAGES", "GROUPS", "int_list",
+           "name_list", "key_values"]
 
 #: The help screen's groups, in the order `pipetrain train --help` shows them.
 GROUPS = ("model and data", "pipeline", "training", "execution", "outputs")
@@ -44,7 +49,7 @@ class Option:
     group: str | None
     flags: tuple[Flag, ...]
     from_cli: Callable[[argparse.Namespace], Any] | None
-    check: Callable[[Any], None] | None
+    check: Callable[[str, Any], None] | None
     fingerprint: bool | Callable[[Any], bool]
     api: str | None
     keyword: str | None
@@ -55,7 +60,8 @@ class Option:
 
 def option(default: Any = _UNSET, *, help: str, group: str | None = None, flag: str | bool | None = None,
            flag_help: str | None = None, flags: tuple[Flag, ...] | None = None,
-           from_cli: Callable[[argparse.Namespace], Any] | None = None, check: Callable[[Any], None] | None = None,
+           from_cli: Callable[[argparse.Namespace], Any] | None = None,
+           check: Callable[[str, Any], None] | None = None,
            fingerprint: bool | Callable[[Any], bool] = False, api: str | None = None, keyword: str | None = None,
            api_default: Any = _UNSET, from_api: Callable[[Any], Any] | None = None, api_type: str | None = None,
            default_factory: Callable[[], Any] | None = None, **details: Any) -> Any:
@@ -66,7 +72,9 @@ def option(default: Any = _UNSET, *, help: str, group: str | None = None, flag: 
     ``flag``: its command-line name (default ``--field-name``; False: none), with argparse's
     ``details`` (``type=int``, ``choices=...``, ``metavar=...``, ``action=...``); ``flags``: several
     flags instead, and ``from_cli(args)`` the value they give (default: the flag's own value).
-    ``check(value)``: raises a :class:`~pipetrain.errors.ConfigError` naming the option for a bad value.
+    ``check(field, value)``: raises a :class:`~pipetrain.errors.ConfigError` naming the option
+    (:func:`pipetrain.errors.option`) for a bad value other than None (default: the flag's
+    ``choices``, where the flag's value is the field's; see :func:`one_of`, :func:`at_least`).
     ``fingerprint``: whether a checkpoint must agree on it to be resumed (or ``f(config)``: when).
     ``api``: ``"pipeline"`` or ``"fit"``, where it is a Python keyword (named ``keyword``, default
     the field's name; ``api_default`` where Python's default differs from the command line's;
@@ -77,6 +85,8 @@ def option(default: Any = _UNSET, *, help: str, group: str | None = None, flag: 
         flags = () if flag is False else (Flag(flag or "", flag_help or help, details),)  # "" -> --field-name
     elif details:
         raise TypeError("give argparse details on each Flag of flags=")
+    if check is None and from_cli is None and flags and "choices" in flags[0].details:
+        check = one_of(*flags[0].details["choices"])
     if api is not None and api not in API_STAGES:
         raise ValueError(f"api must be one of {API_STAGES}, not {api!r}")
     if group is not None and group not in GROUPS:
@@ -93,6 +103,12 @@ def declared(config_type: type) -> list[tuple[dataclasses.Field, Option]]:
     flags' order on the help screen)."""
     return [(field, field.metadata["option"]) for field in dataclasses.fields(config_type)
             if "option" in field.metadata]
+
+
+def declared_check(config_type: type, name: str) -> Callable[[str, Any], None]:
+    """The check declared with field ``name`` (one that accepts anything where none is)."""
+    check = next(d.check for f, d in declared(config_type) if f.name == name)
+    return check or (lambda field, value: None)
 
 
 def flag_name(field: dataclasses.Field, flag: Flag) -> str:
@@ -150,6 +166,46 @@ def api_signature(config_type: type, stage: str, head: list, returns: Any, tail:
                           annotation=declaration.api_type or field.type)
         for keyword, field, declaration in _keywords(config_type, stage)]
     return inspect.Signature([*head, *declared_keywords, *(tail or [])], return_annotation=returns)
+
+
+# -- checks of one value -------------------------------------------------------------------------
+
+
+def one_of(*choices: str) -> Callable[[str, Any], None]:
+    """The value must be one of ``choices``."""
+    def check(field: str, value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(f"unknown {option_name(field)} {value!r}; choose one of {', '.join(choices)}")
+
+    return check
+
+
+def at_least(low: float, *, strict: bool = False) -> Callable[[str, Any], None]:
+    """The value must be at least ``low`` (``strict``: greater than)."""
+    def check(field: str, value: Any) -> None:
+        if value < low or (strict and value == low):
+            raise ConfigError(f"{option_name(field)} must be {'greater than' if strict else 'at least'} {low:g}, "
+                              f"got {value:g}")
+
+    return check
+
+
+def entries_at_least(low: int) -> Callable[[str, Any], None]:
+    """Every entry of the list must be at least ``low``."""
+    def check(field: str, values: Any) -> None:
+        if any(v < low for v in values):
+            raise ConfigError(f"{option_name(field)} {','.join(map(str, values))}: every entry must be at least {low}")
+
+    return check
+
+
+def whole_number(low: int, meaning: str = "") -> Callable[[str, Any], None]:
+    """The value must be an integer (not a bool) of at least ``low``; ``meaning`` says what the lowest does."""
+    def check(field: str, value: Any) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"{option_name(field)} must be an integer >= {low}{meaning}, got {value!r}")
+
+    return check
 
 
 # -- text values of flags (argparse types) -------------------------------------------------------
