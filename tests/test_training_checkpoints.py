@@ -108,19 +108,21 @@ def test_the_default_period_is_a_tenth_of_the_run_and_fits_replicas():
 
 
 def test_checkpoint_options_are_checked_before_any_work(tmp_path):
+    from pipetrain.errors import naming_options_as
     from pipetrain.training.validate import check_config
 
-    with pytest.raises(ConfigError, match="--keep must be at least 1"):
-        check_config(TrainConfig(checkpoint_dir=str(tmp_path), keep=0))
-    with pytest.raises(ConfigError, match="--extend continues the run of a checkpoint: give --checkpoint-dir"):
-        check_config(TrainConfig(extend=True))
-    with pytest.raises(ConfigError, match="--max-restarts must be at least 0"):
-        check_config(TrainConfig(max_restarts=-1))
-    with pytest.raises(ConfigError, match="--max-restarts restarts the workers of the distributed runtime"):
-        check_config(TrainConfig(executor="emulate", max_restarts=1))
-    (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="--checkpoint-dir"):  # checked without --checkpoint-every too
-        check_config(TrainConfig(checkpoint_dir=str(tmp_path / "file")))
+    with naming_options_as("flag"):  # as `pipetrain train` says it
+        with pytest.raises(ConfigError, match="--keep must be at least 1"):
+            check_config(TrainConfig(checkpoint_dir=str(tmp_path), keep=0))
+        with pytest.raises(ConfigError, match="--extend continues the run of a checkpoint: give --checkpoint-dir"):
+            check_config(TrainConfig(extend=True))
+        with pytest.raises(ConfigError, match="--max-restarts must be at least 0"):
+            check_config(TrainConfig(max_restarts=-1))
+        with pytest.raises(ConfigError, match="--max-restarts restarts the workers of the distributed runtime"):
+            check_config(TrainConfig(executor="emulate", max_restarts=1))
+        (tmp_path / "file").write_text("")
+        with pytest.raises(ConfigError, match="--checkpoint-dir"):  # checked without --checkpoint-every too
+            check_config(TrainConfig(checkpoint_dir=str(tmp_path / "file")))
     assert json.loads(json.dumps(TrainConfig().fingerprint()))  # keep and max_restarts do not enter it
     assert "keep" not in TrainConfig().fingerprint() and "max_restarts" not in TrainConfig().fingerprint()
 

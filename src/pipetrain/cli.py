@@ -13,7 +13,7 @@ import importlib
 import sys
 from typing import Sequence
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import PipetrainError, naming_options_as
 
 __all__ = ["main"]
 
@@ -79,18 +79,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
-    try:
-        return int(module.run(args) or 0)
-    except PipetrainError as error:  # 2: bad input; 3: a lost or timed-out peer; 128+N: a worker killed by signal N
-        print(f"pipetrain {args.command}: error: {error}", file=sys.stderr)
-        return error.exit_status
-    except KeyboardInterrupt:
-        print(f"pipetrain {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly
-        import os
+    with naming_options_as("flag"):  # a message's options as flags, here and in the workers started
+        try:
+            return int(module.run(args) or 0)
+        except PipetrainError as error:  # 2: bad input; 3: a lost or timed-out peer; 128+N: a worker killed by signal N
+            print(f"pipetrain {args.command}: error: {error}", file=sys.stderr)
+            return error.exit_status
+        except KeyboardInterrupt:
+            print(f"pipetrain {args.command}: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly
+            import os
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

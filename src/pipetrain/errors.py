@@ -2,8 +2,67 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+from typing import Iterator, Mapping
+
 __all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "StageError", "NonFiniteError",
-           "ModelError", "DataWorkerLost"]
+           "ModelError", "DataWorkerLost", "option", "options_named", "name_options", "naming_options_as"]
+
+# -- options named in messages -----------------------------------------------------------------
+#
+# A message names an option by its field (``option("batch_size")``); it is written out when the
+# error is printed, as the command line calls the option (``--batch-size``) when the command line
+# runs (:func:`naming_options_as`, inherited by the worker processes it starts) and as the Python
+# API calls it (``batch_size``) otherwise. The names come from the options' declarations
+# (:mod:`pipetrain.training.options`), which hand them here (:func:`name_options`).
+
+_MARK = "\x1f"
+_FIELD = re.compile(_MARK + r"([A-Za-z_][A-Za-z0-9_]*)" + _MARK)
+_STYLE = "PIPETRAIN_OPTION_NAMES"  # flag or keyword: how this process and its workers name options
+_NAMES: dict[str, dict[str, str]] = {"flag": {}, "keyword": {}}
+
+
+def option(field: str) -> str:
+    """The option ``field`` in a message: ``--field-name`` on the command line, its keyword in Python."""
+    return f"{_MARK}{field}{_MARK}"
+
+
+def options_named(text: str) -> tuple[str, ...]:
+    """The fields a message names with :func:`option`, in order."""
+    return tuple(_FIELD.findall(text))
+
+
+def name_options(flags: Mapping[str, str], keywords: Mapping[str, str]) -> None:
+    """Declare what the command line (``flags``) and Python (``keywords``) call each field."""
+    _NAMES["flag"].update(flags)
+    _NAMES["keyword"].update(keywords)
+
+
+@contextlib.contextmanager
+def naming_options_as(style: str) -> Iterator[None]:
+    """Write the options of every message as ``style`` (``"flag"`` or ``"keyword"``) here and in the
+    processes started meanwhile."""
+    if style not in _NAMES:
+        raise ValueError(f"style must be flag or keyword, not {style!r}")
+    before = os.environ.get(_STYLE)
+    os.environ[_STYLE] = style
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_STYLE, None)
+        else:
+            os.environ[_STYLE] = before
+
+
+def _written(text: str) -> str:
+    style = os.environ.get(_STYLE, "keyword")
+    names = _NAMES.get(style, _NAMES["keyword"])
+    if style == "flag":
+        return _FIELD.sub(lambda m: names.get(m[1]) or "--" + m[1].replace("_", "-"), text)
+    return _FIELD.sub(lambda m: names.get(m[1]) or m[1], text)
 
 
 class PipetrainError(Exception):
@@ -15,6 +74,14 @@ class PipetrainError(Exception):
     """
 
     exit_status = 2
+
+    def __str__(self) -> str:
+        return _written(super().__str__())
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The fields of the options the message names (see :func:`option`)."""
+        return options_named(super().__str__())
 
 
 class ScheduleError(PipetrainError):

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from pipetrain.errors import ConfigError
 from pipetrain.training.config import TrainConfig
+from pipetrain.training.options import api_signature, api_values
 from pipetrain.training.parts import OptimizerFactory, RunParts, describe_data, describe_model
 from pipetrain.training.result import TrainResult
 
@@ -96,54 +97,26 @@ class Pipeline:
         self,
         model: nn.Module | Sequence[nn.Module],
         *,
-        stages: int | None = None,
-        balance: Sequence[int] | None = None,
-        split_at: Sequence[str] | None = None,
-        plan: str | None = None,
-        init: str | Callable[[nn.Module, str], Any] | None = None,
-        leaf_modules: Sequence[str | type] = (),
-        concrete_args: dict[str, Any] | None = None,
-        schedule: str | None = None,
-        microbatches: int | None = None,
-        replicas: Sequence[int] | None = None,
-        chunks: int = 1,
-        policy: str | None = None,
         loss_fn: Callable[[Any, Tensor], Tensor] | None = None,
-        optimizer: str | type | OptimizerFactory = "sgd:lr=0.01",
         optimizer_options: dict[str, Any] | None = None,
-        lr_scheduler: str | Callable[[Any], Any] | None = None,
-        compensation: str = "none",
-        executor: str = "distributed",
-        threads_per_worker: int = 1,
-        receives: str = "auto",
-        timeout: float = 60.0,
-        seed: int = 0,
-        on_nonfinite: str = "stop",
-        recompute: str | None = None,
-        precision: str = "fp32",
-        device: str = "auto",
-        loss_scale: str | float = "dynamic",
-        loss_scale_init: float = 65536.0,
-        loss_scale_growth: int = 2000,
+        **options: Any,
     ) -> None:
+        """``options``: the keywords declared ``api="pipeline"`` in
+        :class:`~pipetrain.training.config.TrainConfig` (the signature lists them)."""
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
         from pipetrain.stages import split_model
         from pipetrain.training.setup import apply_plan
 
         _check_model(model)
-        if executor not in _EXECUTORS:
-            raise ConfigError(f"unknown executor {executor!r}; choose one of {', '.join(_EXECUTORS)}")
-        spec, lr_schedule, factory = _optimizer_parts(optimizer, optimizer_options, lr_scheduler, compensation)
+        values = api_values(TrainConfig, "pipeline", options, "Pipeline()")
+        init, leaf_modules, concrete_args = values.pop("init"), values.pop("leaf_modules"), values.pop("concrete_args")
+        if values["executor"] not in _EXECUTORS:
+            raise ConfigError(f"unknown executor {values['executor']!r}; choose one of {', '.join(_EXECUTORS)}")
+        spec, lr_schedule, factory = _optimizer_parts(values.pop("optimizer"), optimizer_options,
+                                                      values.pop("lr_schedule"), values["compensation"])
         config = apply_plan(TrainConfig(
-            model=describe_model(model), data="", schedule=schedule, stages=stages,
-            balance=list(balance) if balance is not None else None,
-            split_at=list(split_at) if split_at is not None else None, plan=plan,
-            replicas=list(replicas) if replicas else None, chunks=chunks, policy=policy, microbatches=microbatches,
-            optimizer=spec, lr_schedule=lr_schedule, compensation=compensation, executor=executor,
-            threads_per_worker=threads_per_worker, receives=receives, timeout=timeout, seed=seed, dtype=None,
-            on_nonfinite=on_nonfinite, recompute=recompute, precision=precision, device=device,
-            loss_scale=str(loss_scale), loss_scale_init=loss_scale_init, loss_scale_growth=loss_scale_growth,
+            **values, model=describe_model(model), data="", optimizer=spec, lr_schedule=lr_schedule, dtype=None,
             progress=sys.stderr.isatty(), init=_describe_init(init),
         ))
         from pipetrain.training.validate import check_execution
@@ -217,31 +190,7 @@ class Pipeline:
 
     # -- training with fit ---------------------------------------------------------------------
 
-    def fit(
-        self,
-        data: Any,
-        *,
-        batch_size: int | None = None,
-        epochs: float | None = None,
-        steps: int | None = None,
-        eval_data: Any = None,
-        eval_every: int = 0,
-        eval_samples: int | None = None,
-        shuffle: bool = True,
-        callbacks: Iterable[Any] = (),
-        checkpoint_dir: str | None = None,
-        checkpoint_every: int = 0,
-        resume: bool | str = False,
-        keep: int = 2,
-        max_restarts: int = 0,
-        extend: bool = False,
-        progress: bool | None = None,
-        quiet: bool = False,
-        save: str | None = None,
-        report_json: str | None = None,
-        trace: str | None = None,
-        plot: str | None = None,
-    ) -> TrainResult:
+    def fit(self, data: Any, *, callbacks: Iterable[Any] = (), **options: Any) -> TrainResult:
         """Train on ``data`` (a map-style ``Dataset`` of ``(x, y)``, or a ``DataLoader``) for
         ``epochs`` passes or ``steps`` updates of ``batch_size`` samples (default one epoch, 32
         samples), evaluating on ``eval_data`` every ``eval_every`` updates and at the end.
@@ -273,19 +222,19 @@ class Pipeline:
         from pipetrain.training.train import train
 
         self._refuse_during_session("fit")
+        values = api_values(TrainConfig, "fit", options, "fit()")
+        eval_data, batch_size, progress = values.pop("test_data"), values.pop("batch_size"), values.pop("progress")
         loader = isinstance(data, torch.utils.data.DataLoader)
         if batch_size is None:
             batch_size = data.batch_size if loader else 32
             if batch_size is None:
                 raise ConfigError("the DataLoader has no batch_size (it has a batch_sampler): give fit(batch_size=B), "
                                   "the size of each of its batches")
+        shuffle = values.pop("shuffle") and not loader
         config = dataclasses.replace(
-            self._config, data=describe_data(data), test_data=None if eval_data is None else describe_data(eval_data),
-            batch_size=batch_size, epochs=epochs, steps=steps, eval_every=eval_every, eval_samples=eval_samples,
-            shuffle=shuffle and not loader, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
-            keep=keep, max_restarts=max_restarts, extend=extend,
-            progress=self._config.progress if progress is None else progress, quiet=quiet, save=save,
-            report_json=report_json, trace=trace, plot=plot,
+            self._config, **values, data=describe_data(data),
+            test_data=None if eval_data is None else describe_data(eval_data), batch_size=batch_size,
+            shuffle=shuffle, progress=self._config.progress if progress is None else progress,
         )
         parts = dataclasses.replace(self._parts, train_set=data if loader else _dataset(data, "data"),
                                     test_set=None if eval_data is None else _dataset(eval_data, "eval_data"))
@@ -382,6 +331,22 @@ class Pipeline:
     def _refuse_during_session(self, what: str) -> None:
         if self._session is not None:
             raise ConfigError(f"{what}() while a run begun with start() is under way: finish() it first")
+
+
+def _signatures() -> None:
+    """The keywords of ``Pipeline(...)`` and ``fit(...)`` as their signatures show them: those
+    declared in :class:`~pipetrain.training.config.TrainConfig`, after the ones of their own."""
+    import inspect
+
+    def own(function) -> list[inspect.Parameter]:
+        return [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
+
+    for function, stage in ((Pipeline.__init__, "pipeline"), (Pipeline.fit, "fit")):
+        function.__signature__ = api_signature(TrainConfig, stage, own(function),
+                                               inspect.signature(function).return_annotation)
+
+
+_signatures()
 
 
 class _Unread(torch.utils.data.Dataset):

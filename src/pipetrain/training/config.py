@@ -1,89 +1,308 @@
-"""The options of a training run, with the defaults of `pipetrain train` in one place."""
+"""The options of a training run, each declared once: its type and default, and in its metadata
+its flag and help on `pipetrain train`, its check, whether a checkpoint must agree on it, and
+where it is a Python keyword (see :mod:`pipetrain.training.options`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+import sys
+from dataclasses import dataclass
 from typing import Any
 
+from pipetrain.errors import ConfigError, name_options
+from pipetrain.errors import option as option_name
+from pipetrain.training.options import (Flag, at_least, declared, entries_at_least, flag_of, int_list, key_values,
+                                        keyword_of, name_list, one_of, option, whole_number)
+
 __all__ = ["TrainConfig"]
+
+
+def _meta(args: argparse.Namespace) -> bool:
+    """Whether the model is built on the meta device: ``--init meta``, or ``--init-from`` without ``--init eager``."""
+    return args.init == "meta" or (args.init is None and args.init_from is not None)
+
+
+def _init(args: argparse.Namespace) -> str | None:
+    return args.init_from or ("reset" if _meta(args) else None)
+
+
+def _optimizer(args: argparse.Namespace) -> str:
+    """``--optimizer``, translated by ``--translate-from-batch`` (docs/design.md 3.5)."""
+    if not args.translate_from_batch:
+        return args.optimizer
+    from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
+
+    spec = parse_optimizer_spec(args.optimizer)
+    if spec.name != "sgd":
+        raise ConfigError("--translate-from-batch translates SGD hyper-parameters; use an sgd:... --optimizer")
+    options = dict(spec.options)
+    if args.batch_size != 1:
+        raise ConfigError("--translate-from-batch translates to batch size 1: use it with --batch-size 1")
+    translated = translate_hyperparameters(
+        args.translate_from_batch, float(options.get("lr", 1e-3)), float(options.get("momentum", 0.0)),
+        float(options.get("weight_decay", 0.0)),
+    )
+    options.update(lr=translated.lr, momentum=translated.momentum)
+    return "sgd:" + ",".join(f"{k}={v}" for k, v in options.items())
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    return not args.no_progress and not args.quiet and sys.stderr.isatty()
+
+
+def _fraction(field: str, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and 0 < value < 1):
+        raise ConfigError(f"{option_name(field)} must be a fraction between 0 and 1 (e.g. 0.2), got {value!r}")
+
+
+def _fp16(config: TrainConfig) -> bool:
+    return config.precision == "fp16"
+
+
+_DATA, _PIPELINE, _TRAINING, _EXECUTION, _OUTPUTS = "model and data", "pipeline", "training", "execution", "outputs"
 
 
 @dataclass
 class TrainConfig:
     """Everything a training run needs to be reproduced (the `pipetrain train` options)."""
 
-    model: str = "mlp:depth=2,width=128"
-    data: str = "digits"
-    test_data: str | None = None
-    holdout: float | None = None  # fraction of --data held out for evaluation (default: none)
-    schedule: str | None = None  # None: the plan's, else 1f1b
-    stages: int | None = None
-    balance: list[int] | None = None
-    split_at: list[str] | None = None
-    plan: str | None = None
-    balance_by: str = "auto"  # --stages S balances: auto (time on synchronous schedules), time, params
-    stage_costs: dict[str, float] | None = None  # measured seconds per unit that cut the model (reused by workers)
-    leaf_modules: list[str] | None = None  # modules a traced model calls whole (names or class names)
-    concrete_args: dict[str, Any] | None = None  # values fixed for non-tensor forward arguments when tracing
-    replicas: list[int] | None = None
-    chunks: int = 1
-    policy: str | None = None
-    microbatches: int | None = None
-    batch_size: int = 32
-    steps: int | None = None
-    epochs: float | None = None
-    optimizer: str = "sgd:lr=0.02,momentum=0.9"
-    lr_schedule: str | None = None
-    compensation: str = "none"
-    executor: str = "distributed"
-    workers: int | None = None
-    threads_per_worker: int = 1
-    receives: str = "auto"  # runtime: when receives are posted (auto, on-demand, ahead)
-    timeout: float = 60.0
-    seed: int = 0
-    shuffle: bool = True
-    dtype: str = "float32"
-    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient: stop the run, or skip the update (docs/optim.md)
-    eval_every: int = 0
-    eval_samples: int | None = None  # held-out samples evaluated (default: all)
-    save: str | None = None
-    report_json: str | None = None
-    trace: str | None = None
-    plot: str | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool | str = False  # False: --checkpoint-dir's newest checkpoint if any; True: it must exist
-    keep: int = 2  # complete checkpoints kept (training.checkpoints.DEFAULT_KEEP)
-    extend: bool = False  # continue a finished asynchronous run for more updates (its pipeline drains at its end)
-    drain_at: tuple[int, ...] = ()  # updates after which the pipeline drains (--extend sets them from the checkpoint)
-    max_restarts: int = 0  # spawned workers: start them again this many times after a failure
-    progress: bool = True  # a progress bar (the command line shows it on a terminal only)
-    quiet: bool = False  # no lines before and during training (the chosen stages, --eval-every's results)
-    extra: dict[str, str] = field(default_factory=dict)
-    data_workers: int | None = None  # DataLoader worker processes for plain data sets (None: the default, 1)
-    pin_memory: bool = False  # page-locked batches (with an accelerator)
-    recompute: str | None = None  # none, stage (every stage keeps its inputs only, recomputes in the backward),
-    # stage:0,2 (those stages); None: the plan's choice, else none
-    precision: str = "fp32"  # fp32, bf16 or fp16 (autocast in each stage's forward, fp32 master weights)
-    loss_scale: str = "dynamic"  # fp16: dynamic (start at loss_scale_init, halve on overflow) or a fixed power of two
-    loss_scale_init: float = 65536.0  # fp16, dynamic: the first scale (execution.scaling.DEFAULT_INIT)
-    loss_scale_growth: int = 2000  # fp16, dynamic: clean updates after which the scale doubles
-    device: str = "auto"  # auto (CUDA when available), cpu or cuda: where every stage computes
-    meta: bool = False  # --init meta: the command line builds the model on the meta device (no values)
-    init: str | None = None  # first values of a model built on meta: "reset", a weights directory (--init-from),
-    # or the description of the Python API's init function; None: the model's own values
+    # -- model and data ----------------------------------------------------------------------
+    model: str = option(
+        "mlp:depth=2,width=128", group=_DATA, fingerprint=True,
+        help="built-in name (mlp, resmlp, resnet-gn, resnet-gn-skip, gpt) or PKG.MOD:FACTORY, "
+             "with optional :k=v,... (default mlp:depth=2,width=128)")
+    data: str = option(
+        "digits", group=_DATA, fingerprint=True,
+        help="digits, synthetic:features=N,classes=C,samples=K, or PKG.MOD:FACTORY (default digits)")
+    test_data: str | None = option(
+        None, group=_DATA, api="fit", keyword="eval_data", api_type="Any",
+        help="a separate held-out data spec (default: the data's own test split)")
+    holdout: float | None = option(
+        None, check=_fraction, group=_DATA, type=float, metavar="FRACTION", fingerprint=lambda c: c.holdout is not None,
+        help="hold out this fraction of --data (a fixed split) for evaluation instead (default: none; "
+             "a data factory without split= then has no held-out data)")
+    data_workers: int | None = option(
+        None, check=whole_number(0, " (0 reads on the training thread)"), group=_DATA, type=int, metavar="N",
+        help="DataLoader worker processes reading a plain Dataset ahead, 0 for the training thread "
+             "(default 1; two-tensor and batch() data sets are read by index on a thread)")
+    pin_memory: bool = option(
+        False, group=_DATA, action="store_true", help="page-locked batches, with an accelerator (default off)")
+    meta: bool = option(
+        False, group=_DATA, from_cli=_meta,
+        help="build the model on PyTorch's meta device (no values); set by --init meta",
+        flags=(Flag("--init", "meta: build the model on PyTorch's meta device (shapes, no memory); each worker "
+                    "materialises only its own stages, initialised by each module's reset_parameters() under "
+                    "--seed, or from --init-from (default: eager, unless --init-from is given)",
+                    {"choices": ["eager", "meta"], "default": None}),))
+    init: str | None = option(
+        None, group=_DATA, from_cli=_init, api="pipeline", api_type="str | Callable[[nn.Module, str], Any] | None",
+        help="first values of a model built on meta: \"reset\", a weights directory (--init-from), or the "
+             "description of the Python API's init function; None: the model's own values",
+        flags=(Flag("--init-from", "start from the weights in DIR (written by --save DIR, or a HuggingFace "
+                    "save_pretrained directory): each worker reads only its stages' tensors; implies --init meta "
+                    "unless --init eager (default: none)", {"metavar": "DIR"}),))
+    # -- pipeline ----------------------------------------------------------------------------
+    schedule: str | None = option(
+        None, group=_PIPELINE, fingerprint=True, api="pipeline",
+        help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the plan's, else 1f1b)")
+    stages: int | None = option(
+        None, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
+        help="number of pipeline stages (ranks for interleaved), cut as --balance-by says (default: as many as "
+             "--balance, --split-at or --replicas give, else --workers, else 2)")
+    balance: list[int] | None = option(
+        None, check=entries_at_least(1), group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[int] | None",
+        help="modules per stage, e.g. 2,2,1 (default: --stages cut as --balance-by says)")
+    split_at: list[str] | None = option(
+        None, group=_PIPELINE, type=name_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[str] | None",
+        help="module names that start a new stage (default: --stages cut as --balance-by says)")
+    balance_by: str = option(
+        "auto", group=_PIPELINE, choices=["auto", "time", "params"],
+        help="what --stages S balances: measured time (time), parameter count (params), or auto: "
+             "time on synchronous schedules, where the cut cannot change the result, parameter count "
+             "on asynchronous ones, with dropout or with tied weights (default auto)")
+    leaf_modules: list[str] | None = option(
+        None, group=_PIPELINE, type=name_list, metavar="NAMES", fingerprint=lambda c: bool(c.leaf_modules),
+        api="pipeline", api_default=(), api_type="Sequence[str | type]",
+        help="modules a traced model calls whole, by qualified name or class name (e.g. "
+             "blocks.0.attn or Attention); a stage cannot start inside them (default: none)")
+    concrete_args: dict[str, Any] | None = option(
+        None, group=_PIPELINE, type=key_values, metavar="K=V,...", fingerprint=lambda c: bool(c.concrete_args),
+        api="pipeline",
+        help="values fixed for non-tensor forward arguments when tracing, e.g. use_cache=false "
+             "(default: each argument's own default)")
+    plan: str | None = option(
+        None, group=_PIPELINE, api="pipeline",
+        help="a plan JSON from `pipetrain plan --out`: its stages, replicas, schedule and microbatches "
+             "(default: none)")
+    replicas: list[int] | None = option(
+        None, check=entries_at_least(1), group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline",
+        from_api=lambda replicas: list(replicas) or None, api_type="Sequence[int] | None", help="replicas per stage, e.g. 2,1 (default: 1 each)")
+    chunks: int = option(
+        1, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
+        help="model chunks per rank (interleaved; default 1)")
+    policy: str | None = option(
+        None, group=_PIPELINE, fingerprint=True, api="pipeline",
+        help="weight-version policy replacing the schedule's: stash, vsync, latest, predict (default: the "
+             "schedule's own; predict with --compensation lwp)")
+    microbatches: int | None = option(
+        None, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
+        help="microbatches per update (default 4; 1 for pipedream and pb)")
+    # -- training ----------------------------------------------------------------------------
+    batch_size: int = option(
+        32, check=at_least(1), group=_TRAINING, type=int, fingerprint=True, api="fit", api_default=None, api_type="int | None",
+        help="samples per optimizer update (default 32)")
+    steps: int | None = option(
+        None, check=at_least(1), group=_TRAINING, type=int, api="fit", help="optimizer updates (default: those of --epochs)")
+    epochs: float | None = option(
+        None, check=at_least(0, strict=True), group=_TRAINING, type=float, api="fit",
+        help="passes over the training data (default 1 when --steps is absent)")
+    optimizer: str = option(
+        "sgd:lr=0.02,momentum=0.9", group=_TRAINING, fingerprint=True, from_cli=_optimizer,
+        api="pipeline", api_default="sgd:lr=0.01", api_type="str | type | OptimizerFactory",
+        help="sgd:lr=..,momentum=..,nesterov=..,weight_decay=.., adam:lr=..,betas=../.. or adamw:... "
+             "(default sgd:lr=0.02,momentum=0.9)",
+        flags=(Flag("--optimizer", "sgd:lr=..,momentum=..,nesterov=..,weight_decay=.., adam:lr=..,betas=../.. or "
+                    "adamw:... (default sgd:lr=0.02,momentum=0.9)"),
+               Flag("--translate-from-batch", "treat --optimizer's lr and momentum as tuned for batch B and "
+                    "translate them to --batch-size (default: no translation)", {"type": int, "metavar": "B"})))
+    lr_schedule: str | None = option(
+        None, group=_TRAINING, fingerprint=True, api="pipeline", keyword="lr_scheduler", api_type="str | Callable[[Any], Any] | None",
+        help="constant, step:milestones=a/b,gamma=.., cosine:total=.., end:total=..,fraction=.., counted in "
+             "samples (default: constant)")
+    compensation: str = option(
+        "none", group=_TRAINING, fingerprint=True, api="pipeline",
+        help="none, sc, lwp, dlr (delay-scaled lr; dlrN: reference delay N), dts (delay time scaling: "
+             "lr and momentum; dtsN), dtsf (dts that follows --lr-schedule; dtsfN), dtt (dts at SGD's temperature "
+             "lr/(1-m); dttN) or a combination such as sc+lwp+dlr16 or sc+lwp+dts4, delays "
+             "from the schedule (default none)")
+    seed: int = option(
+        0, group=_TRAINING, type=int, fingerprint=True, api="pipeline",
+        help="seed of the model's initial weights, the data order and dropout (default 0)")
+    shuffle: bool = option(
+        True, group=_TRAINING, fingerprint=True, api="fit", from_cli=lambda args: not args.no_shuffle,
+        help="a fresh order of the samples each epoch; off: update t consumes samples tB..(t+1)B-1 in order",
+        flags=(Flag("--no-shuffle", "update t consumes samples tB..(t+1)B-1 in order", {"action": "store_true"}),))
+    dtype: str | None = option(
+        "float32", group=_TRAINING, choices=["float32", "float64"], fingerprint=True,
+        help="parameters and floating-point inputs (default float32)")
+    device: str = option(
+        "auto", group=_TRAINING, choices=["auto", "cpu", "cuda"], api="pipeline",
+        help="where the stages compute: cuda (each worker on GPU LOCAL_RANK, the emulator on one GPU), "
+             "cpu, or auto: CUDA when available (default auto)")
+    precision: str = option(
+        "fp32", group=_TRAINING, choices=["fp32", "bf16", "fp16"], api="pipeline",
+        fingerprint=lambda c: c.precision != "fp32",  # recompute: the same numbers
+        help="bf16 or fp16: each stage's forward under torch.autocast (also on CPU), float32 master "
+             "weights and optimizer state; fp16 with a loss scale every stage agrees on "
+             "(docs/gpu.md) (default fp32)")
+    loss_scale: str = option(
+        "dynamic", group=_TRAINING, metavar="dynamic|FLOAT", fingerprint=_fp16, api="pipeline", from_api=str, api_type="str | float",
+        help="--precision fp16: dynamic (halve on overflow, double after --loss-scale-growth clean "
+             "updates) or a fixed power of two (default dynamic)")
+    loss_scale_init: float = option(
+        65536.0, group=_TRAINING, type=float, metavar="FLOAT", fingerprint=_fp16, api="pipeline",
+        help="--precision fp16, dynamic scale: the first scale, a power of two (default 65536)")
+    loss_scale_growth: int = option(
+        2000, group=_TRAINING, type=int, metavar="N", fingerprint=_fp16, api="pipeline",
+        help="--precision fp16, dynamic scale: clean updates after which the scale doubles (default 2000)")
+    recompute: str | None = option(
+        None, group=_TRAINING, metavar="none|stage|stage:LIST", api="pipeline",
+        help="stage: keep only each stage's inputs between a forward and its backward and run the "
+             "forward again in the backward, on the same weight version and random numbers "
+             "(less activation memory, about one more forward; same results); stage:0,2: on "
+             "those stages only (default: the --plan's choice, else none)")
+    on_nonfinite: str = option(
+        "stop", check=one_of("stop", "skip", "off"), group=_TRAINING, choices=["stop", "skip"], api="pipeline",
+        help="a NaN or infinite loss or gradient: stop the run naming the step and stage (default "
+             "stop), or skip each update whose gradient is not finite (see docs/optim.md)")
+    eval_every: int = option(
+        0, check=at_least(0), group=_TRAINING, type=int, api="fit",
+        help="evaluate on held-out data every K updates and at the end, printing each result "
+             "(default 0: at the end only)")
+    eval_samples: int | None = option(
+        None, check=at_least(0), group=_TRAINING, type=int, api="fit",
+        help="evaluate on the first N held-out samples only (default: all)")
+    # -- execution ---------------------------------------------------------------------------
+    executor: str = option(
+        "distributed", group=_EXECUTION, choices=["distributed", "emulate"], api="pipeline",
+        help="distributed (one process per stage replica) or emulate (one process) (default distributed)")
+    workers: int | None = option(
+        None, check=at_least(1), group=_EXECUTION, type=int, help="worker processes (default: one per stage replica)")
+    threads_per_worker: int = option(
+        1, check=at_least(1), group=_EXECUTION, type=int, api="pipeline",
+        help="PyTorch threads of each worker process, and of the emulator (default 1)")
+    receives: str = option(
+        "auto", group=_EXECUTION, choices=["auto", "on-demand", "ahead"], api="pipeline",
+        help="distributed: post each receive when it is reached (on-demand), keep every channel's "
+             "next receive posted (ahead), or on-demand where provably deadlock-free (auto) (default auto)")
+    timeout: float = option(
+        60.0, check=at_least(0, strict=True), group=_EXECUTION, type=float, api="pipeline",
+        help="seconds any blocking wait may take, joining the run included (default 60)")
+    max_restarts: int = option(
+        0, check=at_least(0), group=_EXECUTION, type=int, metavar="N", api="fit",
+        help="start the workers again after a failure that is not a user error, up to N times; "
+             "they resume from --checkpoint-dir (under torchrun use torchrun's own "
+             "--max-restarts) (default 0)")
+    # -- outputs -----------------------------------------------------------------------------
+    save: str | None = option(
+        None, group=_OUTPUTS, api="fit",
+        help="write the trained weights under the unsplit model's names: into a directory "
+             "(a path without a .pt/.pth/.bin/.ckpt suffix) as safetensors shards, each worker its own "
+             "stages, with HuggingFace's index (from_pretrained reads it; pipetrain.load_weights too); or "
+             "into one torch.save file, gathered on rank 0 (default: not saved)")
+    report_json: str | None = option(
+        None, group=_OUTPUTS, api="fit",
+        help="write a JSON report: samples_per_s, final_loss, steps, ... (default: none)")
+    trace: str | None = option(
+        None, group=_OUTPUTS, api="fit",
+        help="write the measured per-action timeline as a Chrome/Perfetto trace (default: none)")
+    plot: str | None = option(
+        None, group=_OUTPUTS, api="fit",
+        help="draw the measured timeline next to the simulated one, PNG (default: none)")
+    checkpoint_dir: str | None = option(
+        None, group=_OUTPUTS, api="fit",
+        help="checkpoint the run into this directory, and resume from its newest "
+             "complete checkpoint when it holds one (else start afresh, saying which): one command line "
+             "for the first start and every restart (default: no checkpoints)")
+    checkpoint_every: int = option(
+        0, check=at_least(0), group=_OUTPUTS, type=int, api="fit",
+        help="with --checkpoint-dir, checkpoint after every K updates, and after the last (default 0: "
+             "about ten checkpoints per run, every ceil(steps / 10) updates)")
+    keep: int = option(
+        2, check=at_least(1), group=_OUTPUTS, type=int, metavar="K", api="fit",
+        help="complete checkpoints kept in --checkpoint-dir, the newest (default 2)")
+    resume: bool | str = option(
+        False, group=_OUTPUTS, nargs="?", const=True, metavar="CHECKPOINT", api="fit",
+        help="continue from the newest complete checkpoint in --checkpoint-dir, an error if there is "
+             "none, or from the named step directory, refused if it is incomplete or damaged "
+             "(default: --checkpoint-dir's newest if any, else start afresh)")
+    extend: bool = option(
+        False, group=_OUTPUTS, action="store_true", api="fit",
+        help="continue a finished (or interrupted) asynchronous run for more updates (a longer --steps "
+             "or --epochs): its pipeline drains where it ended and fills again, so the result is the "
+             "run extended, not the uninterrupted longer run (the data line says so)")
+    progress: bool = option(
+        True, group=_OUTPUTS, from_cli=_progress, api="fit", api_default=None, api_type="bool | None",
+        help="a progress bar (the command line shows it on a terminal only; Python's default: on a terminal)",
+        flags=(Flag("--no-progress", "no progress bar (it is shown only when stderr is a terminal)",
+                    {"action": "store_true"}),))
+    quiet: bool = option(
+        False, group=_OUTPUTS, action="store_true", api="fit",
+        help="print only the final line: not the chosen stages, nor --eval-every's results as they come")
+    # -- set by the run, not by the user --------------------------------------------------------
+    stage_costs: dict[str, float] | None = option(
+        None, flag=False, fingerprint=lambda c: bool(c.stage_costs),
+        help="measured seconds per unit that cut the model (reused by workers)")
+    extra: dict[str, str] = option(flag=False, default_factory=dict, help="free-form notes of the run")
+    drain_at: tuple[int, ...] = option(
+        (), flag=False, help="updates after which the pipeline drains (--extend sets them from the checkpoint)")
 
     def fingerprint(self) -> dict[str, object]:
-        """What a checkpoint must agree on to be resumed by this run."""
-        return {
-            "model": self.model, "data": self.data, "schedule": self.schedule, "stages": self.stages,
-            "balance": self.balance, "split_at": self.split_at, "replicas": self.replicas, "chunks": self.chunks,
-            "policy": self.policy, "microbatches": self.microbatches, "batch_size": self.batch_size,
-            "optimizer": self.optimizer, "lr_schedule": self.lr_schedule, "compensation": self.compensation,
-            "seed": self.seed, "shuffle": self.shuffle, "dtype": self.dtype,
-            **{key: value for key, value in (("leaf_modules", self.leaf_modules), ("concrete_args", self.concrete_args),
-                                             ("stage_costs", self.stage_costs)) if value},
-        } | ({"holdout": self.holdout} if self.holdout is not None else {}) | (  # which samples train
-            {"precision": self.precision} if self.precision != "fp32" else {}) | (  # recompute: the same numbers
-            {"loss_scale": self.loss_scale, "loss_scale_init": self.loss_scale_init,
-             "loss_scale_growth": self.loss_scale_growth} if self.precision == "fp16" else {})
+        """What a checkpoint must agree on to be resumed by this run: the options declared
+        ``fingerprint=`` (always, or when their condition holds)."""
+        return {field.name: getattr(self, field.name) for field, declaration in declared(TrainConfig)
+                if declaration.fingerprint is True
+                or (callable(declaration.fingerprint) and declaration.fingerprint(self))}
+
+
+name_options(flag_of(TrainConfig), keyword_of(TrainConfig))
