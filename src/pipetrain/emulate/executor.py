@@ -23,6 +23,7 @@ from pipetrain.execution.interpreter import Interpreter
 from pipetrain.execution.losses import UnitLosses
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.tied import TiedGradients
+from pipetrain.execution.timing import window_lengths
 from pipetrain.schedule.ir import Schedule, format_action
 
 __all__ = ["Emulator", "all_reduce_sum"]
@@ -55,8 +56,10 @@ class Emulator:
         self._ready: deque[int] = deque()
         self._queued = [False] * len(schedule.programs)
         self.mailboxes = Mailboxes(schedule, self.executors, self._wake, self.tied)
+        windows = window_lengths(schedule, data.layout.units_per_update)
         self.interpreters = [
-            Interpreter(schedule, rank, stages, data, data.layout, self.mailboxes.transport(rank), on_loss=self._unit_done)
+            Interpreter(schedule, rank, stages, data, data.layout, self.mailboxes.transport(rank),
+                        on_loss=self._unit_done, window=windows[rank])
             for rank, stages in enumerate(self.executors)
         ]
         for interpreter in self.interpreters:

@@ -95,6 +95,8 @@ class Interpreter:
             workers, whose exit status tells a supervisor to restart).
         explain: turns a RuntimeError of an action into the error to raise (None: raised as is).
         done: ``done(action)`` after each action (the runtime's status board).
+        window: how many actions are timed one by one (default: this rank's of
+            :func:`~pipetrain.execution.timing.window_lengths`, which the emulator computes once for all).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class Interpreter:
         faults: tuple[type[BaseException], ...] = (),
         explain: Callable[[int, Action, RuntimeError], BaseException] | None = None,
         done: Callable[[Action], None] | None = None,
+        window: int | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -127,7 +130,8 @@ class Interpreter:
         self.last_stage = schedule.num_stages - 1
         self.losses: MutableMapping[int, float] = UnitLosses()  # of the units whose last stage runs here
         last_first = schedule.stage_ranks[self.last_stage][0] == rank
-        window = window_lengths(schedule, layout.units_per_update)[rank]
+        if window is None:
+            window = window_lengths(schedule, layout.units_per_update)[rank]
         self.times = ActionTimes(self.program, self.last_stage if last_first else None, window)
         self.releases = version_release_points(self.program)
         self.local: dict[tuple, Any] = {}  # ("F" | "B", receiving stage, unit) -> what the next action takes

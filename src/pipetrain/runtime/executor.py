@@ -1,12 +1,14 @@
 """Running one rank's program over torch.distributed.
 
-The same stage executors as the emulator (:class:`~pipetrain.execution.StageExecutor`) do the
-arithmetic; this module moves tensors between ranks. Activations and gradients travel as
-point-to-point messages; the labels of a microbatch ride along with its activations to the last
-stage (one message per boundary, not two). All travel through a
-:class:`~pipetrain.runtime.p2p.Messenger`, one channel per receiving stage and direction, so
-messages of a channel arrive in the order the programs send them. SYNC all-reduces the accumulated
-gradients of a stage's replicas (a process group per replicated stage).
+The program runs on the emulator's interpreter (:class:`~pipetrain.execution.interpreter.Interpreter`:
+the same dispatch to the same stage executors) over :class:`~pipetrain.runtime.transport.DistributedTransport`,
+which moves tensors between ranks. Activations and gradients travel as point-to-point messages;
+the labels of a microbatch ride along with its activations to the last stage (one message per
+boundary, not two). All travel through a :class:`~pipetrain.runtime.p2p.Messenger`, one channel
+per receiving stage and direction, so messages of a channel arrive in the order the programs send
+them. SYNC all-reduces the accumulated gradients of a stage's replicas (a process group per
+replicated stage). This module adds what only a process of its own has: hooks (checkpoints,
+evaluation) at positions, the pauses where all ranks stop together, checkpoints and resuming.
 
 When receives are posted (``receives=``): ``"on-demand"`` posts each receive when the program
 reaches it and, once it arrived, waits for this rank's earlier sends, so transfers run while the
@@ -28,33 +30,27 @@ names the action this rank was waiting for and the last actions of every rank.
 from __future__ import annotations
 
 import time
-from collections import deque
+from bisect import bisect_right
 from typing import Any, Callable, MutableMapping
 
-import torch
 import torch.distributed as dist
 
-from pipetrain.errors import NonFiniteError, PipetrainError, StageError
+from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.data import UnitData, UnitLayout
-from pipetrain.execution.stage import StageExecutor, located
-from pipetrain.execution.tied import TiedGradients, gradient_of
+from pipetrain.execution.interpreter import Interpreter
+from pipetrain.execution.stage import StageExecutor
+from pipetrain.execution.tied import TiedGradients
 from pipetrain.execution.losses import UnitLosses
-from pipetrain.execution.timing import ActionTimes, window_lengths
-from pipetrain.execution.versions import version_release_points
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CommunicationError, DataWorkerLost
-from pipetrain.runtime.p2p import Messenger, RecvHandle
+from pipetrain.runtime.p2p import Messenger
+from pipetrain.runtime.transport import DistributedTransport
 from pipetrain.schedule.messages import Messages
-from pipetrain.runtime.sends import SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
-from pipetrain.structure import append, flatten, split_last
 
 __all__ = ["RankRunner", "sync_groups"]
 
-_F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
-_SEND_F, _RECV_F, _SEND_B, _RECV_B, _SYNC, _STEP = (
-    Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
-)
+_F = Kind.F
 
 
 def sync_groups(schedule: Schedule, tied: TiedGradients | None = None) -> dict[Any, Any]:
@@ -68,19 +64,6 @@ def sync_groups(schedule: Schedule, tied: TiedGradients | None = None) -> dict[A
         if len(ranks) > 1:
             groups[("tied", t)] = dist.new_group(ranks=ranks)
     return groups
-
-
-class _Waiting:
-    """What a rank is waiting for, described lazily for error messages and the status board."""
-
-    __slots__ = ("action", "peer")
-
-    def __init__(self, action: Action, peer: int | None) -> None:
-        self.action, self.peer = action, peer
-
-    def __str__(self) -> str:
-        text = format_action(self.action)
-        return f"{text} (from rank {self.peer})" if self.peer is not None else text
 
 
 class RankRunner:
@@ -126,128 +109,36 @@ class RankRunner:
         self.status = status
         self.program = schedule.programs[rank]
         self.last_stage = schedule.num_stages - 1
-        self.losses: MutableMapping[int, float] = UnitLosses()  # of the units whose last stage runs here
         self.evaluations: list[dict[str, float]] = []
         self.paused = 0.0  # seconds spent in hooks (evaluation, checkpoints), left out of timings
-        last_first = schedule.stage_ranks[self.last_stage][0] == rank
-        window = window_lengths(schedule, layout.units_per_update)[rank]
-        self.times = ActionTimes(self.program, self.last_stage if last_first else None, window)
-        self.starts, self.ends = self.times.starts, self.times.ends  # the window (all of a short program)
-        self._releases = version_release_points(self.program)
-        self._local: dict[tuple, Any] = {}
-        self._labels: dict[int, torch.Tensor] = {}  # labels of microbatches passing through this rank
-        self._constants: dict[tuple[int, int], int] = {}  # (stage, unit) -> inputs needing no gradient (nonzero)
         self._messages = Messages(schedule) if messages is None else messages
-        self._sends = SendLedger(schedule, rank, self._messages)
-        self._posted: dict[tuple[int, str], RecvHandle] = {}
-        self._queues: dict[tuple[int, str], deque] = {}
+        self.transport = DistributedTransport(schedule, rank, executors, messenger, groups, self._messages, tied)
+        self.interpreter = Interpreter(schedule, rank, executors, data, layout, self.transport, tensors_only=True,
+                                       faults=(CommunicationError, DataWorkerLost), explain=_runtime_error)
+        self.times = self.interpreter.times
+        self.starts, self.ends = self.times.starts, self.times.ends  # the window (all of a short program)
+        self._releases = self.interpreter.releases
         self.start = start
         if receives not in ("auto", "on-demand", "ahead"):
             raise PipetrainError(f"receives must be 'auto', 'on-demand' or 'ahead', not {receives!r}")
         self.receives = receives
-        self.on_demand = False
         self._pauses: list[list[int]] = []  # every rank's position of each cut where all pause
         self._resumed_cut: Any = None  # the cut a resumed run starts from (see restore)
-        self._next_pause = 0
         self.position = start  # the next action to run (see advance)
 
-    # -- receives posted ahead of need ----------------------------------------------------------
+    @property
+    def losses(self) -> MutableMapping[int, float]:
+        """The losses of the units whose last stage runs here."""
+        return self.interpreter.losses
 
-    def _plan_receives(self, start: int) -> None:
-        """Queue the receives of the program from ``start`` on per channel, in program order, and
-        post the first of each channel. The program is read as far as the receives posted need
-        (a long program is never listed whole): each channel's queue holds the receives read but
-        not yet posted."""
-        self._scan = start
-        self._left = self._receive_counts(start)
-        while any(left and channel not in self._queues for channel, left in self._left.items()):
-            self._scan_one()
-        for channel in list(self._queues):
-            self._post_next(channel)
+    @losses.setter
+    def losses(self, value: MutableMapping[int, float]) -> None:
+        self.interpreter.losses = value
 
-    def _channel(self, action: Action) -> tuple[int, str]:
-        return (self.schedule.peer_of(action), ("act" if action.kind is _RECV_F else "grad") + str(action.stage))
-
-    def _receive_counts(self, start: int) -> dict[tuple[int, str], int]:
-        """Per channel, the receives of the program at positions ``start`` on."""
-        from itertools import islice
-
-        from pipetrain.schedule.pattern import PeriodicProgram
-
-        program, counts = self.program, {}
-
-        def add(actions, times: int) -> None:
-            for action in actions:
-                kind = action.kind
-                if kind is _RECV_F or kind is _RECV_B:
-                    channel = self._channel(action)
-                    counts[channel] = counts.get(channel, 0) + times
-
-        if isinstance(program, PeriodicProgram):  # routing repeats with the period: count the pattern
-            add(program.head, 1)
-            add(program.body, program.copies)
-            add(program.tail, 1)
-            add(islice(program, start), -1)
-        else:
-            add(islice(program, start, None), 1)
-        return counts
-
-    def _scan_one(self) -> None:
-        action = self.program[self._scan]
-        self._scan += 1
-        kind = action.kind
-        if kind is _RECV_F or kind is _RECV_B:
-            channel = self._channel(action)
-            self._queues.setdefault(channel, deque()).append(action)
-            self._left[channel] -= 1
-
-    def _choose_receives(self, hooks: dict, pauses: list[list[int]]) -> None:
-        """On demand when asked, or under ``auto`` when the dry run proves it safe for this run:
-        from the start or the resumed cut, with these pauses. A hook that is not one of the pauses
-        (all ranks stopping together at a cut) could block this rank while a peer waits for it to
-        take a send: it keeps the receives posted ahead."""
-        if self.receives == "on-demand":
-            self.on_demand = True
-        elif self.receives == "auto":
-            wanted = set(hooks)
-            known = {pause[self.rank] for pause in pauses if pause[self.rank] in wanted}
-            self.on_demand = all(position in known for position in hooks) and on_demand_is_safe(
-                self.schedule, self._messages, pauses, start=self._resumed_cut
-            )
-        if not self.on_demand:
-            self._plan_receives(self.start)
-
-    def _post_next(self, channel: tuple[int, str]) -> None:
-        queue = self._queues[channel]
-        while not queue and self._left.get(channel, 0) > 0:
-            self._scan_one()
-        if queue:
-            action = queue.popleft()
-            self._posted[channel] = self.messenger.irecv(
-                channel[0], channel[1], what=_Waiting(action, channel[0]), expect_tag=action.microbatch
-            )
-
-    def _receive(self, channel: tuple[int, str], position: int):
-        if self.on_demand:
-            action = self.program[position]
-            handle = self.messenger.irecv(
-                channel[0], channel[1], what=_Waiting(action, channel[0]), expect_tag=action.microbatch
-            )
-            payload = handle.wait()
-            # after the receive: the first message of a channel needs the receiver's wait
-            self._sends.drain(self._upcoming())
-            return payload, handle
-        handle = self._posted.pop(channel)
-        payload = handle.wait()
-        self._post_next(channel)
-        self._sends.received(position, channel[0])
-        return payload, handle
-
-    # -- sending -----------------------------------------------------------------------------------
-
-    def _send(self, payload, peer: int, kind: str, microbatch: int, action: Action, position: int, info=()) -> None:
-        handle = self.messenger.isend(payload, peer, kind, tag=microbatch, info=info, what=_Waiting(action, None))
-        self._sends.sent(position, peer, handle)
+    @property
+    def on_demand(self) -> bool:
+        """Whether receives are posted when the program reaches them (see the module docstring)."""
+        return self.transport.on_demand
 
     # -- the program ---------------------------------------------------------------------------
 
@@ -280,110 +171,47 @@ class RankRunner:
         """Set up a run that :meth:`advance` executes piece by piece (arguments as for :meth:`run`;
         a caller that returns to its own code between pieces names every piece's end in
         ``pauses``, so that no send is waited for across one)."""
-        self._on_loss = on_loss
-        self._origin = time.perf_counter() if origin is None else origin
+        interpreter = self.interpreter
+        interpreter.on_loss = on_loss
+        interpreter.origin = time.perf_counter() if origin is None else origin
+        interpreter.done = self.status.done if self.status is not None else None
         self._hooks = at_positions or {}
+        self._hook_positions = sorted(self._hooks)
         self._pauses = pauses if hasattr(pauses, "pattern") else list(pauses or ())  # a long run's: a view
-        self._next_pause = 0
-        self._choose_receives(self._hooks, self._pauses)
-        self._pause_at = self._pauses[0][self.rank] if self._pauses else -1  # this rank's next pause
+        # this rank's next pause
+        self._pause_at = self.transport.begin(self.receives, self._hooks, self._pauses, self.start, self._resumed_cut)
         self.position = self.start
 
     def advance(self, stop: int | None = None) -> None:
         """Run the program from where it stands up to (not including) position ``stop`` (default:
-        its end)."""
-        schedule = self.schedule
-        executors = self.executors
-        last = self.last_stage
-        rank = self.rank
-        local = self._local
-        releases = self._releases
-        starts, ends = self.starts, self.ends
-        times = self.times
-        window, windowed = times.window, times.windowed
-        done = self.status.done if self.status is not None else None
+        its end). Hooks run before their position, and the pauses a rank passes are counted
+        before the action there runs (sends are waited for up to the next one)."""
+        interpreter, transport, hooks, marks = self.interpreter, self.transport, self._hooks, self._hook_positions
         clock = time.perf_counter
-        origin = self._origin
-        hooks = self._hooks
-        on_loss = self._on_loss
-        program = self.program
-        stop = len(program) if stop is None else stop
-        first_held = min(executors)  # the lowest stage on this rank
+        stop = len(self.program) if stop is None else stop
         pause_at = self._pause_at
-        for pc in range(self.position, stop):
+        pc = self.position
+        while pc < stop:
             if pc in hooks:  # evaluation or checkpoint: a pause that timings leave out
                 paused = clock()
                 hooks[pc]()
                 paused = clock() - paused
-                origin += paused
+                interpreter.origin += paused
                 self.paused += paused
             if pc == pause_at:
-                pause_at = self._pass_pauses(pc)
-            action = program[pc]
-            kind, stage, k, version, _ = action
-            began = clock() - origin
-            if pc < window:
-                starts[pc] = began
-            try:
-                if kind is _F:
-                    self._forward(action, executors[stage], on_loss)
-                elif kind is _B or kind is _I:
-                    executor = executors[stage]
-                    grad_out = None if stage == last else local.pop(("B", stage, k))
-                    if kind is _B:
-                        grads = executor.backward(k, version, grad_out)
-                    else:
-                        grads = executor.backward_input(k, version, grad_out)
-                    if stage > 0:
-                        local[("B", stage - 1, k)] = grads
-                    if stage == first_held or schedule.rank_of(stage - 1, k) != rank:
-                        self._labels.pop(k, None)
-                elif kind is _W:
-                    executors[stage].backward_weight(k, version)
-                elif kind is _SEND_F:
-                    payload = append(local.pop(("F", stage + 1, k)), self._labels[k])
-                    constants = self._constants.pop((stage + 1, k), 0)
-                    self._send(payload, schedule.peer_of(action), "act" + str(stage + 1), k, action, pc,
-                               info=(constants,) if constants else ())
-                elif kind is _SEND_B:
-                    grads = local.pop(("B", stage - 1, k))
-                    mask = sum(1 << i for i, g in enumerate(grads) if g is not None)
-                    present = tuple(g for g in grads if g is not None)
-                    self._send(present, schedule.peer_of(action), "grad" + str(stage - 1), k, action, pc,
-                               info=(mask,))
-                elif kind is _RECV_F:
-                    payload, handle = self._receive((schedule.peer_of(action), "act" + str(stage)), pc)
-                    local[("F", stage, k)], self._labels[k] = split_last(payload)
-                    if handle.info:
-                        self._constants[(stage, k)] = handle.info[0]
-                elif kind is _RECV_B:
-                    payload, handle = self._receive((schedule.peer_of(action), "grad" + str(stage)), pc)
-                    local[("B", stage, k)] = _unmask(payload, handle.info[0] if handle.info else None)
-                elif kind is _SYNC:
-                    self._all_reduce(stage)
-                elif kind is _STEP:
-                    if self.tied is not None:
-                        self._sum_tied(pc)
-                    executors[stage].step([v for s, v in releases.get(pc, ()) if s == stage])
-            except (CommunicationError, DataWorkerLost):  # a fault, its exit status kept
-                raise
-            except StageError as error:  # a NaN loss, the user's exception: with the step
-                raise located(error, rank, action, lambda k: self.layout.bounds(k)[0]) from None
-            except PipetrainError as error:
-                raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
-            except RuntimeError as error:
-                raise _runtime_error(rank, action, error) from None
-            for release_stage, release_version in releases.get(pc, ()):
-                executors[release_stage].release(release_version)
-            if done is not None:
-                done(action)
-            finished = clock() - origin
-            if pc < window:
-                ends[pc] = finished
-            if windowed:
-                times.record(action, began, finished)
+                pause_at = transport.pass_pauses(pc)
+            until = stop
+            following = bisect_right(marks, pc)  # the next hook
+            if following < len(marks) and marks[following] < until:
+                until = marks[following]
+            if pc < pause_at < until:
+                until = pause_at
+            reached = interpreter.run(pc, until)
+            if reached != until:  # never: this transport blocks until its message arrives
+                raise PipetrainError(f"rank {self.rank} stopped at position {reached} of its program before {until}")
+            pc = reached
         self.position = max(self.position, stop)
-        self._origin, self._pause_at = origin, pause_at
+        self._pause_at = pause_at
 
     def end(self) -> None:
         """After the last action: the hook at the program's end, then every send completed."""
@@ -391,20 +219,7 @@ class RankRunner:
             paused = time.perf_counter()
             self._hooks[len(self.program)]()
             self.paused += time.perf_counter() - paused
-        self._sends.drain()
-
-    def _upcoming(self) -> list[int] | None:
-        """Every rank's position of the next pause this rank has not passed (None: no more)."""
-        return self._pauses[self._next_pause] if self._next_pause < len(self._pauses) else None
-
-    def _pass_pauses(self, position: int) -> int:
-        """This rank has run its hooks at ``position``: the pauses there are behind it. Returns its
-        position of the next pause (-1 when none is left)."""
-        upcoming = self._upcoming()
-        while upcoming is not None and upcoming[self.rank] == position:
-            self._next_pause += 1
-            upcoming = self._upcoming()
-        return -1 if upcoming is None else upcoming[self.rank]
+        self.transport.drain()
 
     # -- evaluation ----------------------------------------------------------------------------
 
@@ -457,7 +272,7 @@ class RankRunner:
         return {
             "stages": stages,
             "losses": dict(self.losses),
-            "labels": dict(self._labels),
+            "labels": dict(self.interpreter.labels),
             "evaluations": list(self.evaluations),
             "rng": capture_rng(),
         }
@@ -507,7 +322,9 @@ class RankRunner:
         _check_in_flight(state, forwards, rank, cut.units // self.layout.units_per_update)
         self._resumed_cut = cut
         self.losses = UnitLosses(state["losses"])
-        self._labels = dict(state["labels"])
+        labels = self.interpreter.labels
+        labels.clear()
+        labels.update(state["labels"])
         self.evaluations = list(state.get("evaluations", []))
         restore_rng(state["rng"])
         crossing = {(program[p].stage, program[p].microbatch): (p, program[p]) for p in cut.crossing_sends[rank]}
@@ -519,13 +336,12 @@ class RankRunner:
                     continue
                 if schedule.rank_of(stage + 1, k) == rank:
                     if (stage + 1, k) in later_forwards:
-                        self._local[("F", stage + 1, k)] = out
+                        self.interpreter.local[("F", stage + 1, k)] = out
                         if constants:
-                            self._constants[(stage + 1, k)] = constants
+                            self.interpreter.constants[(stage + 1, k)] = constants
                 elif (stage, k) in crossing:
                     sent_at, action = crossing[(stage, k)]
-                    self._send(append(out, self._labels[k]), schedule.peer_of(action), "act" + str(stage + 1), k,
-                               action, sent_at, info=(constants,) if constants else ())
+                    self.transport.send_activations(action, sent_at, out, labels[k], constants)
         # versions kept only for the checkpoint (keep_for_cuts): the program released them before the cut
         released = self._released()
         for stage, version in {(action.stage, action.version) for action in forwards}:
@@ -533,83 +349,6 @@ class RankRunner:
             if (position if at is None else at) < position:
                 self.executors[stage].release(version)
         return position
-
-    def _forward(self, action: Action, executor: StageExecutor, on_loss) -> None:
-        kind, stage, k, version, _ = action
-        layout, local = self.layout, self._local
-        target = None
-        if stage == 0:
-            inputs, self._labels[k] = self.data.unit(k)
-        else:
-            inputs = local.pop(("F", stage, k))
-        if stage == self.last_stage:
-            target = self._labels[k]
-        _, start, stop = layout.bounds(k)
-        out = executor.forward(k, version, inputs, target=target, loss_scale=layout.loss_scale(k), samples=stop - start,
-                               constants=self._constants.pop((stage, k), 0) if stage else 0)
-        if stage != self.last_stage and executor.last_constants:
-            self._constants[(stage + 1, k)] = executor.last_constants
-        if stage == self.last_stage:
-            loss = float(out[0])
-            self.losses[k] = loss
-            if on_loss is not None:
-                on_loss(k, loss)
-        else:
-            for value in flatten(out)[0]:
-                if not isinstance(value, torch.Tensor):
-                    raise PipetrainError(
-                        f"stage {stage} returned a {type(value).__name__}; stages must pass tensors (alone, or in "
-                        "tuples, lists and dicts) to the next stage"
-                    )
-            local[("F", stage + 1, k)] = out
-
-    def _all_reduce(self, stage: int) -> None:
-        """SYNC: sum the accumulated gradients and sample counts of the stage's replicas (and under
-        float16 tell each whether any overflowed)."""
-        executor = self.executors[stage]
-        group = self.groups.get(stage)
-        if group is None:
-            return
-        names = sorted(executor.trainable)
-        params = executor.versions.latest
-        grads = executor.grads or {}
-        parts = [grads[n] if n in grads else torch.zeros_like(params[n]) for n in names]
-        flat = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0, device=executor.device)
-        # the samples, and under float16 how many replicas' parts of the update overflowed
-        counts = torch.tensor([executor.pending_samples, int(executor.overflowed)], dtype=torch.int64)
-        dist.all_reduce(flat, group=group)
-        dist.all_reduce(counts, group=group)
-        executor.share_overflow(bool(counts[1]))
-        total, offset = {}, 0
-        for name, part in zip(names, parts):
-            size = part.numel()
-            total[name] = flat[offset: offset + size].view_as(part)
-            offset += size
-        executor.grads = total
-        executor.pending_samples = int(counts[0])
-
-    def _sum_tied(self, position: int) -> None:
-        """Before a STEP: sum the gradients of the shared parameters due here. Each holder's part
-        is broadcast from its first replica's rank, and every rank adds the parts in stage order."""
-        tied, rank, first = self.tied, self.rank, self.schedule.stage_ranks
-        for t, _ in tied.due(rank, position):
-            group = self.groups.get(("tied", t))
-            holders = dict(tied.tied[t].holders)
-            mine = next(e for s, e in self.executors.items() if s in holders)
-            like = mine.versions.latest[holders[mine.stage]]
-
-            def part(stage: int, name: str, group: Any = group, like: torch.Tensor = like) -> torch.Tensor:
-                source = first[stage][0]
-                if source == rank:
-                    value = gradient_of(self.executors[stage], name).contiguous()
-                else:
-                    value = torch.empty_like(like)
-                if group is not None:
-                    dist.broadcast(value, src=source, group=group)
-                return value
-
-            tied.assign(t, tied.total(t, part), self.executors.values())
-
 
 def _check_in_flight(state: dict[str, Any], forwards: list[Action], rank: int, step: int) -> None:
     """Refuse a checkpoint whose forwards in flight are not those this run's program has at the
@@ -638,18 +377,6 @@ def _after(program, position: int):
     if isinstance(program, PeriodicProgram) and program.pattern is not None:
         return program[position: position + program.pattern.lag(program.rank)]
     return program[position:]
-
-
-def _unmask(payload, mask: int | None) -> tuple:
-    values = payload if isinstance(payload, tuple) else (payload,)
-    if mask is None:
-        return values
-    out, it = [], iter(values)
-    position = 0
-    while mask >> position:
-        out.append(next(it) if (mask >> position) & 1 else None)
-        position += 1
-    return tuple(out)
 
 
 def _runtime_error(rank: int, action: Action, error: RuntimeError) -> PipetrainError:
