@@ -26,3 +26,14 @@ def test_an_undeclared_field_is_written_from_its_name_and_survives_pickling():
     assert str(error) == "no_such_field is wrong" and error.options == ("no_such_field",)
     with naming_options_as("flag"):
         assert str(error) == "--no-such-field is wrong"
+
+
+def test_an_option_with_a_value_is_written_as_the_user_would_set_it():
+    import pipetrain.training.config  # noqa: F401
+
+    error = ConfigError(f"use {option('steps', 12)} or {option('balance', [2, 3])} or {option('schedule', '1f1b')}")
+    assert str(error) == "use steps=12 or balance=[2, 3] or schedule='1f1b'"
+    assert error.options == ("steps", "balance", "schedule")
+    with naming_options_as("flag"):
+        assert str(error) == "use --steps 12 or --balance 2,3 or --schedule 1f1b"
+

@@ -147,10 +147,10 @@ def config(model: str, **options) -> TrainConfig:
 def test_auto_times_synchronous_schedules_and_counts_parameters_on_asynchronous_ones(factory):
     run = prepare(config(factory, schedule="1f1b"))
     assert run.stage_choice.how == "measured time" and run.staged.balance == [2, 4]
-    assert run.config.stage_costs == run.stage_choice.unit_seconds
+    assert run.stage_costs == run.stage_choice.unit_seconds
     run = prepare(config(factory, schedule="pipedream"))
     assert run.stage_choice.how == "parameter count" and run.staged.balance == [3, 3]
-    assert "pipedream" in run.stage_choice.note and run.config.stage_costs is None
+    assert "pipedream" in run.stage_choice.note and run.stage_costs is None
     run = prepare(config(factory, schedule="pipedream", balance_by="time"))
     assert run.stage_choice.how == "measured time" and run.staged.balance == [2, 4]
     run = prepare(config(factory, schedule="1f1b", balance_by="params"))
@@ -171,10 +171,18 @@ def test_dropout_and_tied_weights_keep_the_parameter_count_under_auto(factory):
     assert run.stage_choice.how == "measured time" and [t.stages for t in run.staged.tied] == [(0, 1)]
 
 
-def test_given_stage_costs_cut_without_measuring_and_reach_the_report(factory, tmp_path, capsys):
+def test_given_stage_costs_cut_without_measuring_and_reach_the_report(factory, tmp_path, capsys, monkeypatch):
+    """The unit times a launcher hands its workers (beside the configuration, not in it) cut alike."""
+    from pipetrain.execution import balance
+    from pipetrain.training.emulated import train_emulated
+    from pipetrain.training.train import write_outputs
+
     costs = {"0": 1.0, "1": 1.0, "2": 1.0, "3": 1.0, "4": 5.0, "5": 1.0}
     report = tmp_path / "report.json"
-    train(config(factory, stage_costs=costs, report_json=str(report)))
+    monkeypatch.setattr(balance, "measure_unit_costs", lambda *a, **k: pytest.fail("timed although given the costs"))
+    run = prepare(config(factory, report_json=str(report)), stage_costs=costs)
+    assert run.stage_costs == costs and "stage_costs" not in vars(run.config)
+    write_outputs(run.config, train_emulated(run), run)
     out = capsys.readouterr().out
     assert "; stages balanced by measured time\ndata: " in out and "\nstage 0: " in out  # heading, data, stages
     assert "from 4" in out and "60.0 % of the measured time" in out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 __all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "StageError", "NonFiniteError",
            "ModelError", "DataWorkerLost", "option", "options_named", "name_options", "naming_options_as"]
@@ -18,20 +18,32 @@ __all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "S
 # API calls it (``batch_size``) otherwise. The names come from the options' declarations
 # (:mod:`pipetrain.training.options`), which hand them here (:func:`name_options`).
 
-_MARK = "\x1f"
-_FIELD = re.compile(_MARK + r"([A-Za-z_][A-Za-z0-9_]*)" + _MARK)
+_MARK, _VALUE = "\x1f", "\x1e"
+_FIELD = re.compile(_MARK + r"([A-Za-z_][A-Za-z0-9_]*)(?:" + _VALUE + "([^\x1e\x1f]*)" + _VALUE
+                    + "([^\x1e\x1f]*))?" + _MARK)
 _STYLE = "PIPETRAIN_OPTION_NAMES"  # flag or keyword: how this process and its workers name options
 _NAMES: dict[str, dict[str, str]] = {"flag": {}, "keyword": {}}
+_NO_VALUE = object()
 
 
-def option(field: str) -> str:
-    """The option ``field`` in a message: ``--field-name`` on the command line, its keyword in Python."""
-    return f"{_MARK}{field}{_MARK}"
+def option(field: str, value: Any = _NO_VALUE) -> str:
+    """The option ``field`` in a message: ``--field-name`` on the command line, its keyword in
+    Python. With ``value``, the option set to it, as the user would write it there:
+    ``--steps 12`` (a list comma-separated: ``--balance 2,3``) or ``steps=12``."""
+    if value is _NO_VALUE:
+        return f"{_MARK}{field}{_MARK}"
+    cli = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    python = repr(list(value) if isinstance(value, tuple) else value)
+    return f"{_MARK}{field}{_VALUE}{_clean(cli)}{_VALUE}{_clean(python)}{_MARK}"
+
+
+def _clean(text: str) -> str:
+    return text.replace(_MARK, "").replace(_VALUE, "")
 
 
 def options_named(text: str) -> tuple[str, ...]:
     """The fields a message names with :func:`option`, in order."""
-    return tuple(_FIELD.findall(text))
+    return tuple(match[1] for match in _FIELD.finditer(text))
 
 
 def name_options(flags: Mapping[str, str], keywords: Mapping[str, str]) -> None:
@@ -60,9 +72,16 @@ def naming_options_as(style: str) -> Iterator[None]:
 def _written(text: str) -> str:
     style = os.environ.get(_STYLE, "keyword")
     names = _NAMES.get(style, _NAMES["keyword"])
-    if style == "flag":
-        return _FIELD.sub(lambda m: names.get(m[1]) or "--" + m[1].replace("_", "-"), text)
-    return _FIELD.sub(lambda m: names.get(m[1]) or m[1], text)
+
+    def written(match: re.Match) -> str:
+        field, cli, python = match[1], match[2], match[3]
+        if style == "flag":
+            flag = names.get(field) or "--" + field.replace("_", "-")
+            return flag if cli is None else f"{flag} {cli}"
+        keyword = names.get(field) or field
+        return keyword if python is None else f"{keyword}={python}"
+
+    return _FIELD.sub(written, text)
 
 
 class PipetrainError(Exception):

@@ -101,6 +101,8 @@ class Checkpoints:
         self._lock = None  # rank 0's hold of the directory, when no launcher holds it for the run
         # what a resumed run must agree on, one key per option, so that a refusal names each difference
         self.meta = {**config.fingerprint(), "schedule": run.schedule.name, "workers": world_size}
+        if run.stage_costs:  # cut by measured time: a resumed run cuts by the same times
+            self.meta["stage_costs"] = run.stage_costs
         if run.drains:  # an extended run's (--extend): where its pipeline drained, checked apart
             self.meta["drains"] = list(run.drains)
         from pipetrain.training.recut import layout_of

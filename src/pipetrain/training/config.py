@@ -290,9 +290,6 @@ class TrainConfig:
         False, group=_OUTPUTS, action="store_true", api="fit",
         help="print only the final line: not the chosen stages, nor --eval-every's results as they come")
     # -- set by the run, not by the user --------------------------------------------------------
-    stage_costs: dict[str, float] | None = option(
-        None, flag=False, fingerprint=lambda c: bool(c.stage_costs),
-        help="measured seconds per unit that cut the model (reused by workers)")
     extra: dict[str, str] = option(flag=False, default_factory=dict, help="free-form notes of the run")
     drain_at: tuple[int, ...] = option(
         (), flag=False, help="updates after which the pipeline drains (--extend sets them from the checkpoint)")

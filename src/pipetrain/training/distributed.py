@@ -54,8 +54,8 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
 
             say(describe_run(run))
         workers = run.schedule.num_ranks
-        config = replace(config, stage_costs=run.config.stage_costs)  # the workers cut as measured here
-        result = launch(worker, (config,), nprocs=workers, threads_per_worker=config.threads_per_worker,
+        result = launch(worker, (config, run.stage_costs),  # the workers cut as measured here
+                        nprocs=workers, threads_per_worker=config.threads_per_worker,
                         timeout=None, restarts=config.max_restarts, env=env)
     if result.returncode != 0:
         raise WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
@@ -121,12 +121,13 @@ class WorkersFailed(PipetrainError):
         return (WorkersFailed, (str(self), self.code))
 
 
-def worker(config: TrainConfig) -> TrainResult | None:
-    """One worker's whole run of the command line's configuration; rank 0 returns the result."""
+def worker(config: TrainConfig, stage_costs: dict[str, float] | None = None) -> TrainResult | None:
+    """One worker's whole run of the command line's configuration; rank 0 returns the result.
+    ``stage_costs``: the unit times the launcher measured, so that every worker cuts as it did."""
     from pipetrain.training.setup import prepare
 
     env = join(config)
-    return run_worker(prepare(config), env)
+    return run_worker(prepare(config, stage_costs=stage_costs), env)
 
 
 def join(config: TrainConfig):

@@ -54,6 +54,7 @@ class Run:
     optimizer_factory: Any = None  # see RunParts.optimizer
     tied: TiedGradients | None = None  # where stages sharing a parameter sum its gradient (None: none shared)
     stage_choice: Any = None  # pipetrain.stages.StageChoice: how the stages were chosen, their sizes and times
+    stage_costs: dict[str, float] | None = None  # measured seconds per unit that cut the model by time (None: not by time)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this process's stages compute
     _cuts: dict = field(default_factory=dict, repr=False)  # step -> cut, see cut_after
     _messages: Any = field(default=None, repr=False)  # the schedule's schedule.messages.Messages
@@ -335,28 +336,27 @@ def _ties_fixed_by_any_cut(config: TrainConfig, model: nn.Module, pieces: int) -
 
 
 def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_set: Dataset, dtype: torch.dtype,
-         loss_fn: Callable[[Any, Tensor], Tensor], init: Any = None):
-    """The stages, the record of how they were chosen, and ``config`` with the measured unit times
-    (``stage_costs``) when the split balanced time, so that worker processes cut alike. A model
-    built on meta is timed one unit at a time, each materialised with ``init`` and freed."""
-    from dataclasses import replace
-
+         loss_fn: Callable[[Any, Tensor], Tensor], init: Any = None, costs: dict[str, float] | None = None):
+    """The stages, the record of how they were chosen, and the measured seconds per unit when the
+    split balanced time (None otherwise). ``costs``: unit times measured before (by the launcher,
+    so that worker processes cut alike; or by the run being resumed), used instead of timing. A
+    model built on meta is timed one unit at a time, each materialised with ``init`` and freed."""
     from pipetrain.execution.balance import split_by_time
     from pipetrain.stages import StageChoice, split_model, unit_names
 
     trace = dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
     if config.balance:
         staged = split_model(model, balance=config.balance, **trace)
-        return staged, StageChoice.of(staged, "--plan" if config.plan else "--balance", _names(model)), config
+        return staged, StageChoice.of(staged, "--plan" if config.plan else "--balance", _names(model)), None
     if config.split_at:
         staged = split_model(model, split_at=config.split_at, **trace)
-        return staged, StageChoice.of(staged, "--split-at", _names(model)), config
+        return staged, StageChoice.of(staged, "--split-at", _names(model)), None
     by, why = _balance_by(config, name, model, pieces)
     if by == "params" or pieces == 1:
         staged = split_model(model, stages=pieces, **trace)
         names = unit_names(model, pieces, **trace) if staged.balance is not None else None
-        return staged, StageChoice.of(staged, "parameter count", names, note=why), config
-    costs = config.stage_costs or _resumed_costs(config)
+        return staged, StageChoice.of(staged, "parameter count", names, note=why), None
+    costs = costs or _resumed_costs(config)
     inputs = target = None
     if costs is None:
         inputs, target = _first_microbatch(config, name, train_set, dtype)
@@ -370,7 +370,7 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
         )
     finally:
         torch.set_num_threads(threads)
-    return staged, choice, replace(config, stage_costs=choice.unit_seconds)
+    return staged, choice, choice.unit_seconds
 
 
 def _names(model: nn.Module) -> list[str] | None:
@@ -469,9 +469,11 @@ def _drains(config: TrainConfig, name: str, updates: int) -> tuple[tuple[int, ..
                            f"{at}, so this is not the uninterrupted {updates}-update run")
 
 
-def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
+def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: dict[str, float] | None = None) -> Run:
     """Build everything the run needs from ``config`` and its ``parts`` (deterministic); without
-    ``parts``, they are built from the configuration's specs (the command line)."""
+    ``parts``, they are built from the configuration's specs (the command line). ``stage_costs``:
+    seconds per unit measured before (the launcher's, handed to its workers), so that a split by
+    time cuts as it did there instead of timing again; the run's own are ``Run.stage_costs``."""
     from pipetrain.data import BatchSampler, LoaderBatches
     from pipetrain.data.batches import describe_reading, resolve_workers
     from pipetrain.models import refuse_batchnorm
@@ -517,13 +519,15 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         from pipetrain.stages import StageChoice
 
         choice = parts.stage_choice or StageChoice.of(staged, "the caller's cut", _names(model))
+        stage_costs = None
     else:
         if config.balance and config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
             raise ConfigError(
                 f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
                 f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
             )
-        staged, choice, config = _cut(config, model, name, pieces, train_set, dtype, parts.loss_fn, init)
+        staged, choice, stage_costs = _cut(config, model, name, pieces, train_set, dtype, parts.loss_fn, init,
+                                           stage_costs)
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
@@ -586,7 +590,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None) -> Run:
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
-        stage_choice=choice, device=device, recompute=recompute, init=init, meta=meta,
+        stage_choice=choice, stage_costs=stage_costs, device=device, recompute=recompute, init=init, meta=meta,
         data_note="; ".join(filter(None, [
             "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
             else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note, extension])),
