@@ -20,7 +20,7 @@ from pipetrain.execution.balance import measure_unit_costs, split_by_time
 from pipetrain.stages import StageChoice, split_model, unit_names
 from pipetrain.training import TrainConfig
 from pipetrain.training.setup import prepare
-from pipetrain.training.train import train
+from pipetrain.training.train import write_outputs
 
 WIDTH = 128
 
@@ -175,7 +175,6 @@ def test_given_stage_costs_cut_without_measuring_and_reach_the_report(factory, t
     """The unit times a launcher hands its workers (beside the configuration, not in it) cut alike."""
     from pipetrain.execution import balance
     from pipetrain.training.emulated import train_emulated
-    from pipetrain.training.train import write_outputs
 
     costs = {"0": 1.0, "1": 1.0, "2": 1.0, "3": 1.0, "4": 5.0, "5": 1.0}
     report = tmp_path / "report.json"
