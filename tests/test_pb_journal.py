@@ -77,8 +77,9 @@ def test_a_torn_last_line_is_trained_again_and_other_settings_are_refused(tmp_pa
     with pytest.raises(ConfigError, match=r"other settings \(epochs: 1\.0 there, 2\.0 here\)"):
         StudyJournal(tmp_path, _config(epochs=2.0)).done()
     (tmp_path / "runs.jsonl").write_text("not json\n")
-    with pytest.raises(ConfigError, match="not a journal of pipetrain pb"):
+    with pytest.raises(ConfigError, match="not a journal of pipetrain pb: give another folder, or delete it") as info:
         journal.done()
+    assert info.value.options == ("folder",)
 
 
 def test_a_reference_that_does_not_train_is_said_in_the_tables(in_one_go):

@@ -181,8 +181,9 @@ def _bn_module(tmp_path, monkeypatch):
 
 
 def test_bad_input_clear_messages(tmp_path, monkeypatch, capsys):
-    with pytest.raises(ConfigError, match="has only 4 top-level units"):
+    with pytest.raises(ConfigError, match=r"^stages=\[5\]: model .* has only 4 top-level units .*keep stages at 4 or fewer") as info:
         run_study(_config(stages=(4, 5)))
+    assert info.value.options == ("stages", "stages")
     spec = _bn_module(tmp_path, monkeypatch)
     with pytest.raises(PipetrainError, match="BatchNorm"):
         run_study(_config(model=spec, stages=(3,)))

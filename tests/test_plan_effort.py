@@ -42,11 +42,13 @@ def test_refusal_names_the_largest_size_and_the_cli_prints_one_line(capsys):
     message = str(info.value)
     largest = int(re.search(r"at most ([\d,]+) machines", message).group(1).replace(",", ""))
     assert 0 < largest < 10_000_000
-    assert "10,000,000 workers" in message and "--workers" in message
+    assert "10,000,000 workers" in message and "use fewer workers there (workers / topology)" in message
+    assert info.value.options == ("workers", "topology")
     code = main(["plan", str(VGG), "--workers", "10000000", "--no-baselines"])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and f"at most {largest:,} machines" in err
+    assert "use fewer workers there (--workers / --topology)" in err
 
 
 def test_a_long_table_shows_progress_a_short_one_does_not(capsys, monkeypatch):

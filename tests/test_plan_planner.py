@@ -72,8 +72,10 @@ def test_the_planner_recomputes_the_stages_that_would_not_fit_and_pays_their_for
     microbatch's activations: 335 to 410 bytes; the last, holding one microbatch anyway, keeps
     its activations. Each recomputing stage takes 2 x (1 + 2) s plus its forward of 2 s again."""
     profile = blocks()
-    with pytest.raises(PipetrainError, match=r"smallest memory limit that fits is 670 B .*--recompute auto"):
+    with pytest.raises(PipetrainError, match=r"smallest memory limit that fits is 670 B .*raise memory_limit to at "
+                       r"least that.*recompute their activations \(recompute=True\)") as info:
         make_plan(profile, Topology.flat(4), schedule="1f1b", microbatches=4, memory_limit=600)
+    assert info.value.options == ("memory_limit", "recompute")
     plan = make_plan(profile, Topology.flat(4), schedule="1f1b", microbatches=4, memory_limit=600, recompute=True)
     assert plan.replicas == [1, 1, 1, 1]
     assert [s.recompute for s in plan.stages] == [True, True, True, False]

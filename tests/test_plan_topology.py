@@ -27,8 +27,8 @@ def test_levels_innermost_first():
     (16, "4x4", "1e9,2e9,3e9", "3 bandwidths for a 2-level topology"),
     (16, "4xfour", None, "cannot read topology"),
     (16, "4x4", "fast", "cannot read bandwidth"),
-    (0, None, None, "--workers must be an integer >= 1"),
-    (None, None, None, "give --workers"),
+    (0, None, None, "^workers must be an integer >= 1"),
+    (None, None, None, "^give workers, the number of workers"),
     (4, None, "-1", "bandwidths must be positive"),
 ])
 def test_errors(workers, topology, bandwidth, match):

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, name_options, option
 from pipetrain.pb.study import RunResult, StudyConfig, run_key
 
 __all__ = ["StudyJournal", "JOURNAL_NAME"]
@@ -31,6 +31,7 @@ JOURNAL_NAME = "runs.jsonl"
 #: StudyConfig fields that choose which runs exist, not what each run computes
 _GRID = ("stages", "methods", "seeds", "lr_scales", "delay_scales", "workers")
 _FLOATS = ("test_accuracy", "test_loss", "train_accuracy", "final_train_loss")
+name_options({"folder": "--out"}, {})  # StudyJournal(folder): `pipetrain pb --out DIR`
 
 
 def _shared(config: StudyConfig) -> dict[str, Any]:
@@ -57,13 +58,13 @@ class StudyJournal:
         try:
             header = json.loads(lines[0])["study"]
         except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"{self.path} is not a journal of pipetrain pb: give another --out, or delete it") from None
+            raise ConfigError(f"{self.path} is not a journal of pipetrain pb: give another {option('folder')}, or delete it") from None
         if header != self.shared:
             differ = sorted(k for k in set(header) | set(self.shared) if header.get(k) != self.shared.get(k))
             raise ConfigError(
                 f"{self.path} holds the runs of a study with other settings ("
                 + ", ".join(f"{k}: {header.get(k)!r} there, {self.shared.get(k)!r} here" for k in differ)
-                + "): give another --out, or the same settings to resume it"
+                + f"): give another {option('folder')}, or the same settings to resume it"
             )
         runs: dict[tuple, RunResult] = {}
         for number, line in enumerate(lines[1:], start=2):

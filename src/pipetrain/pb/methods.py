@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.optim.compensation import DEFAULT_DLR_DELAY, DEFAULT_DTS_DELAY
 
 __all__ = ["Method", "parse_method", "parse_methods", "DEFAULT_METHODS"]
@@ -141,5 +141,5 @@ def parse_methods(text: str) -> list[Method]:
             if method not in methods:
                 methods.append(method)
     if not methods:
-        raise ConfigError("--methods is empty; give e.g. sgd,pb,pb+sc,pb+lwp,pb+sc+lwp")
+        raise ConfigError(f"{option('methods')} is empty; give e.g. sgd,pb,pb+sc,pb+lwp,pb+sc+lwp")
     return methods

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from pipetrain.data import BatchSampler, dataset_info, get_batch, load_dataset, load_train_test
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, name_options, option
 from pipetrain.models import build_model, refuse_batchnorm
 from pipetrain.optim import EndDecayLR, build_stage_optimizers, translate_hyperparameters
 from pipetrain.pb.engine import BatchedPB, NotBatchable
@@ -71,30 +71,36 @@ class StudyConfig:
         if not self.methods:
             raise ConfigError("give at least one method (e.g. sgd,pb,pb+sc,pb+lwp,pb+sc+lwp)")
         if any(s < 1 for s in self.stages):
-            raise ConfigError(f"--stages must be positive integers, got {list(self.stages)}")
+            raise ConfigError(f"{option('stages')} must be positive integers, got {list(self.stages)}")
         if not self.stages and any(m.pipelined for m in self.methods):
-            raise ConfigError("PB methods need --stages (e.g. --stages 4,8,16)")
+            raise ConfigError(f"PB methods need {option('stages')} (e.g. {option('stages', (4, 8, 16))})")
         if not self.seeds:
-            raise ConfigError("--seeds must be at least 1")
+            raise ConfigError(f"{option('seeds')} must hold at least one seed")
         if not self.epochs > 0:
-            raise ConfigError(f"--epochs must be positive, got {self.epochs}")
+            raise ConfigError(f"{option('epochs')} must be positive, got {self.epochs}")
         if any(not s > 0 for s in self.lr_scales):
-            raise ConfigError(f"--lr-scale values must be positive, got {list(self.lr_scales)}")
+            raise ConfigError(f"{option('lr_scales')} values must be positive, got {list(self.lr_scales)}")
         if any(s < 0 for s in self.delay_scales) or not self.delay_scales:
-            raise ConfigError(f"--delay-scale values must be >= 0, got {list(self.delay_scales)}")
+            raise ConfigError(f"{option('delay_scales')} values must be >= 0, got {list(self.delay_scales)}")
         if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ConfigError(f"--decay-fraction must lie in [0, 1], got {self.decay_fraction}")
+            raise ConfigError(f"{option('decay_fraction')} must lie in [0, 1], got {self.decay_fraction}")
         if self.dtype not in ("float32", "float64"):
-            raise ConfigError(f"--dtype must be float32 or float64, got {self.dtype!r}")
+            raise ConfigError(f"{option('dtype')} must be float32 or float64, got {self.dtype!r}")
         if self.max_runs < 0:
-            raise ConfigError(f"--max-runs must be >= 0 (0: automatic), got {self.max_runs}")
+            raise ConfigError(f"{option('max_runs')} must be >= 0 (0: automatic), got {self.max_runs}")
         if self.workers < 1:
-            raise ConfigError(f"--workers must be >= 1, got {self.workers}")
+            raise ConfigError(f"{option('workers')} must be >= 1, got {self.workers}")
         translate_hyperparameters(self.reference_batch, self.lr, self.momentum, self.weight_decay)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch.float64 if self.dtype == "float64" else torch.float32
+
+
+# the flags of `pipetrain pb` that are not the StudyConfig field's name; test_data is named under a key
+# of its own, study_test_data, since TrainConfig's test_data is the keyword eval_data
+name_options({"lr_scales": "--lr-scale", "delay_scales": "--delay-scale", "study_test_data": "--test-data"},
+             {"study_test_data": "test_data"})
 
 
 @dataclass(frozen=True)
@@ -253,7 +259,7 @@ def _load_data(config: StudyConfig) -> tuple[Dataset, Dataset]:
     if test is None:
         raise ConfigError(
             f"pipetrain pb measures test accuracy, but {config.data!r} has no test split (its factory has no "
-            "split= parameter): give --test-data SPEC"
+            f"split= parameter): give {option('study_test_data')} SPEC"
         )
     return train, test
 
@@ -278,9 +284,9 @@ def _check_model(config: StudyConfig, info) -> int:
     too_many = [s for s in config.stages if s > units] if pipelined else []
     if too_many:
         raise ConfigError(
-            f"--stages {','.join(map(str, too_many))}: model {config.model!r} has only {units} "
-            f"top-level units (blocks), and each stage needs at least one; use --stages {units} or "
-            f"fewer, or a deeper model (e.g. resmlp:depth={max(too_many) - 2} has {max(too_many)} units)"
+            f"{option('stages', too_many)}: model {config.model!r} has only {units} "
+            f"top-level units (blocks), and each stage needs at least one; keep {option('stages')} at {units} "
+            f"or fewer, or use a deeper model (e.g. resmlp:depth={max(too_many) - 2} has {max(too_many)} units)"
         )
     return units
 

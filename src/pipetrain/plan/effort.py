@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import PipetrainError, option
 
 __all__ = ["Effort", "STEP_SECONDS", "ELEMENT_SECONDS", "LIMIT_SECONDS", "LIMIT_BYTES"]
 
@@ -70,7 +70,7 @@ class Effort:
             f"{self.bytes / 1e9:,.1f} GB here ({self.machines:,} machine counts, "
             f"{self.elements:,} stage-range steps), more than the limits of "
             f"{LIMIT_SECONDS:.0f} s and {LIMIT_BYTES / 1e9:.0f} GB; this level can have at most "
-            f"{self.largest():,} machines: use fewer workers there (--workers / --topology)")
+            f"{self.largest():,} machines: use fewer workers there ({option('workers')} / {option('topology')})")
 
     def progress(self, enabled: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
         """A per-machine-count callback and a closer: a tqdm bar on a terminal, one line on

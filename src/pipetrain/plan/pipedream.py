@@ -53,7 +53,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.errors import ConfigError, PipetrainError, name_options, option
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import RECOMPUTES, check_schedule, format_bytes, stage_memory
 from pipetrain.plan.profile import Profile
@@ -72,6 +72,21 @@ _BAND_GROWTH = 1.5  # a banded solve found nothing within its bound: the next bo
 _BAND_PASSES = 8    # banded solves before the whole table
 _BAND_JUMP = 0.5    # a band this much of data parallelism's: solve that one (exact) instead
 _WINDOW_MACHINES = 64  # last levels with this many machines or more are solved in windows
+name_options({"memory_limit": "--memory"}, {})  # optimize(memory_limit=): `pipetrain plan --memory BYTES`
+
+
+class _Set:
+    """A value an option is set to where the command line and Python write it differently: ``option(field,
+    _Set("auto", True))`` is ``--recompute auto`` there (the value's str) and ``recompute=True`` here (its repr)."""
+
+    def __init__(self, cli: str, python: object) -> None:
+        self.cli, self.python = cli, python
+
+    def __str__(self) -> str:
+        return self.cli
+
+    def __repr__(self) -> str:
+        return repr(self.python)
 
 
 # --------------------------------------------------------------------------- cost formulas
@@ -843,8 +858,8 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
             raise PipetrainError(
                 f"the best plan over topology {topology.describe()} needs {format_bytes(worst)} "
                 f"per worker, more than the limit {format_bytes(memory_limit)}; memory-constrained "
-                "planning is exact for one-level topologies only: plan with a flat --bandwidth, "
-                "or raise --memory")
+                f"planning is exact for one-level topologies only: plan with a flat {option('bandwidth')}, "
+                f"or raise {option('memory_limit')}")
     total_params = float(cuts.params[-1])
     return Plan(method="pipedream", stages=stages, predicted_time_per_minibatch=best,
                 workers=topology.workers, schedule=schedule, microbatches=int(microbatches),
@@ -865,21 +880,21 @@ def _explain_infeasible(solver: _Solver, cuts: Cuts, topology: Topology, straigh
         if smallest is None:
             smallest = solver.smallest_memory()
         if math.isfinite(smallest):
-            also = ", or let stages recompute their activations (--recompute auto)" if (
+            also = f", or let stages recompute their activations ({option('recompute', _Set('auto', True))})" if (
                 not recompute and schedule in RECOMPUTES) else ""
             raise PipetrainError(
                 f"no plan over {topology.workers} workers fits in {format_bytes(memory_limit)} "
                 f"per worker with schedule {schedule}"
                 + (" with recomputation" if recompute else "") + "; the smallest memory limit that fits is "
-                f"{format_bytes(smallest)} ({smallest:.0f} bytes): raise --memory to at least "
+                f"{format_bytes(smallest)} ({smallest:.0f} bytes): raise {option('memory_limit')} to at least "
                 f"that, add workers, or pick a schedule that stashes less (2bw, 1f1b){also}")
     if straight and not fewer and topology.workers > layers:
         raise PipetrainError(
             f"a straight pipeline over {topology.workers} workers needs at least "
             f"{topology.workers} cut points, but the model has only {layers}: use fewer workers, "
-            "allow idle workers (--fewer-machines), or allow replication (drop --straight)")
+            f"allow idle workers ({option('fewer_machines')}), or allow replication (drop {option('straight')})")
     raise PipetrainError(f"no plan fits {topology.describe()} with these options; "
-                         "try allowing idle workers (--fewer-machines)")
+                         f"try allowing idle workers ({option('fewer_machines')})")
 
 
 def _describe(solver: _Solver, flat: list) -> list[Stage]:

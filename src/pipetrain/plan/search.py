@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from pipetrain.errors import PipetrainError, ScheduleError
+from pipetrain.errors import PipetrainError, ScheduleError, option
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import SCHEDULES, check_schedule, format_bytes
 from pipetrain.plan.pipedream import optimize
@@ -158,7 +158,7 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
                 f"no schedule ({', '.join(names)}) with any microbatch count "
                 f"({', '.join(map(str, counts))}) fits in {format_bytes(memory_limit)} per "
                 f"worker; the smallest memory limit that fits is {format_bytes(min(options))} "
-                f"({min(options):.0f} bytes): raise --memory to at least that or add workers")
+                f"({min(options):.0f} bytes): raise {option('memory_limit')} to at least that or add workers")
         first = next((t["error"] for t in tried if "error" in t), "no candidate")
         raise PipetrainError(f"no schedule and microbatch count gives a plan: {first}")
     _, plan, sim = best

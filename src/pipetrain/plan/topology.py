@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = ["Topology", "DEFAULT_BANDWIDTH"]
 
@@ -58,7 +58,7 @@ class Topology:
               bandwidth: str | None = None) -> "Topology":
         """Build from ``--workers N --topology AxB --bandwidth b1,b2`` (innermost level first)."""
         if workers is not None and (int(workers) != workers or workers < 1):
-            raise ConfigError(f"--workers must be an integer >= 1, got {workers}")
+            raise ConfigError(f"{option('workers')} must be an integer >= 1, got {workers}")
         if topology:
             try:
                 machines = tuple(int(part) for part in topology.lower().split("x"))
@@ -70,11 +70,11 @@ class Topology:
             if workers is not None and math.prod(machines) != workers:
                 raise ConfigError(
                     f"topology {topology} has {math.prod(machines)} workers "
-                    f"({' * '.join(map(str, machines))}) but --workers is {workers}; make the "
+                    f"({' * '.join(map(str, machines))}) but {option('workers')} is {workers}; make the "
                     "product of the level sizes equal the worker count")
         else:
             if workers is None:
-                raise ConfigError("give --workers N (and optionally --topology AxB)")
+                raise ConfigError(f"give {option('workers')}, the number of workers (and optionally {option('topology', 'AxB')})")
             machines = (int(workers),)
         if bandwidth:
             try:
