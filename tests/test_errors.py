@@ -36,4 +36,8 @@ def test_an_option_with_a_value_is_written_as_the_user_would_set_it():
     assert error.options == ("steps", "balance", "schedule")
     with naming_options_as("flag"):
         assert str(error) == "use --steps 12 or --balance 2,3 or --schedule 1f1b"
+    where_they_differ = ConfigError(f"try {option('recompute', True, cli='auto')}")
+    assert str(where_they_differ) == "try recompute=True"
+    with naming_options_as("flag"):
+        assert str(where_they_differ) == "try --recompute auto"
 

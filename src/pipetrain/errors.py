@@ -26,13 +26,15 @@ _NAMES: dict[str, dict[str, str]] = {"flag": {}, "keyword": {}}
 _NO_VALUE = object()
 
 
-def option(field: str, value: Any = _NO_VALUE) -> str:
+def option(field: str, value: Any = _NO_VALUE, *, cli: str | None = None) -> str:
     """The option ``field`` in a message: ``--field-name`` on the command line, its keyword in
     Python. With ``value``, the option set to it, as the user would write it there:
-    ``--steps 12`` (a list comma-separated: ``--balance 2,3``) or ``steps=12``."""
+    ``--steps 12`` (a list comma-separated: ``--balance 2,3``) or ``steps=12``; ``cli``: the
+    command line's text of the value where it differs (``--recompute auto`` for ``recompute=True``)."""
     if value is _NO_VALUE:
         return f"{_MARK}{field}{_MARK}"
-    cli = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    if cli is None:
+        cli = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
     python = repr(list(value) if isinstance(value, tuple) else value)
     return f"{_MARK}{field}{_VALUE}{_clean(cli)}{_VALUE}{_clean(python)}{_MARK}"
 

@@ -75,20 +75,6 @@ _WINDOW_MACHINES = 64  # last levels with this many machines or more are solved 
 name_options({"memory_limit": "--memory"}, {})  # optimize(memory_limit=): `pipetrain plan --memory BYTES`
 
 
-class _Set:
-    """A value an option is set to where the command line and Python write it differently: ``option(field,
-    _Set("auto", True))`` is ``--recompute auto`` there (the value's str) and ``recompute=True`` here (its repr)."""
-
-    def __init__(self, cli: str, python: object) -> None:
-        self.cli, self.python = cli, python
-
-    def __str__(self) -> str:
-        return self.cli
-
-    def __repr__(self) -> str:
-        return repr(self.python)
-
-
 # --------------------------------------------------------------------------- cost formulas
 
 def _stage_time(model: str, seg, pseg, m, bandwidth: float, within: float = 1.0,
@@ -880,7 +866,7 @@ def _explain_infeasible(solver: _Solver, cuts: Cuts, topology: Topology, straigh
         if smallest is None:
             smallest = solver.smallest_memory()
         if math.isfinite(smallest):
-            also = f", or let stages recompute their activations ({option('recompute', _Set('auto', True))})" if (
+            also = f", or let stages recompute their activations ({option('recompute', True, cli='auto')})" if (
                 not recompute and schedule in RECOMPUTES) else ""
             raise PipetrainError(
                 f"no plan over {topology.workers} workers fits in {format_bytes(memory_limit)} "
