@@ -178,10 +178,10 @@ def test_where_held_out_data_comes_from_is_said(tmp_path, monkeypatch):
     assert (len(split.train), len(split.test)) == (719, 718) and split.info == DataInfo((64,), 10)
     other = load_data(f"{name}:make:samples=10", test_data="digits:split=test")
     assert len(other.test) == 360 and other.note == "held out: --test-data digits:split=test (360 samples)"
-    with pytest.raises(ConfigError, match="either --test-data or --holdout"):
+    with pytest.raises(ConfigError, match="either eval_data or holdout"):
         load_data("digits", test_data="digits", holdout=0.2)
     for bad in (0, 1, 1.5, -0.1, "x"):
-        with pytest.raises(ConfigError, match="--holdout must be a fraction"):
+        with pytest.raises(ConfigError, match="holdout must be a fraction"):
             load_data("digits", holdout=bad)
 
 

@@ -121,9 +121,9 @@ def test_a_data_factory_may_return_a_dataloader():
     assert data.info == DataInfo((1, 8, 8), 4)
     assert data.note == "held out: the test split of test_data_augmented:crop_flip_loader:workers=0 (96 samples)"
     assert describe_reading(data.train, None) == "from the DataLoader, on the training thread"
-    with pytest.raises(ConfigError, match="--holdout cuts a Dataset"):
+    with pytest.raises(ConfigError, match="holdout cuts a Dataset"):
         load_data("test_data_augmented:crop_flip_loader", holdout=0.2)
-    with pytest.raises(ConfigError, match="give --batch-size 12"):
+    with pytest.raises(ConfigError, match="give batch_size=12"):
         from pipetrain.training.setup import prepare
 
         prepare(TrainConfig(**{**BASE, "data": "test_data_augmented:crop_flip_loader", "batch_size": 8}))

@@ -127,7 +127,7 @@ def test_a_failing_getitem_is_one_message_naming_the_update(workers):
 def test_worker_counts():
     assert resolve_workers(None) == 1 and resolve_workers(0) == 0 and resolve_workers(3) == 3
     for bad in (-1, 1.5, True, "2"):
-        with pytest.raises(ConfigError, match="--data-workers must be an integer >= 0"):
+        with pytest.raises(ConfigError, match="data_workers must be an integer >= 0"):
             resolve_workers(bad)
     assert describe_reading(Augmented(), 0) == "on the training thread (--data-workers 0)"
     assert describe_reading(TensorDataset(torch.zeros(2, 1), torch.zeros(2)), 4).startswith("by index")

@@ -122,7 +122,7 @@ def test_late_requests_are_kept_and_earlier_ones_refused():
 
 def test_batch_sizes_must_agree():
     data = TensorDataset(torch.zeros(8, 1), torch.zeros(8, dtype=torch.long))
-    with pytest.raises(ConfigError, match="batch_size is 4 but the run's batch size is 8: give --batch-size 4"):
+    with pytest.raises(ConfigError, match="batch_size is 4 but the run's batch size is 8: give batch_size=4"):
         LoaderBatches(DataLoader(data, batch_size=4), batch_size=8)
 
     class Growing(torch.utils.data.Sampler):

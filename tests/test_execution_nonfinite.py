@@ -68,7 +68,7 @@ def test_weights_that_are_not_finite_are_refused_in_any_held_version_unless_off(
     versions.push({"w": torch.ones(2)})
     NonFiniteGuard(0, "stop").check_weights(VersionStore({"w": torch.ones(2)}), "no checkpoint was written")
     with pytest.raises(NonFiniteError, match=r"stage 3: the weights after update 1 are not finite in w \(inf\); "
-                                             r"no checkpoint was written\. .*--on-nonfinite skip") as caught:
+                                             r"no checkpoint was written\. .*on_nonfinite='skip' drops") as caught:
         NonFiniteGuard(3, "stop").check_weights(versions, "no checkpoint was written")
     assert caught.value.step == 1
     with pytest.raises(NonFiniteError, match=r"written\. A loss or gradient[^;]*$"):  # skip's advice is not repeated

@@ -111,7 +111,7 @@ def test_the_forms_of_recompute_and_their_errors(capsys, tmp_path):
     for bad in ("stages", "stage:", "stage:a", "stage:-1", "all"):
         with pytest.raises(ConfigError, match="write none, stage \\(every stage\\) or stage:LIST"):
             parse_recompute(bad)
-    with pytest.raises(ConfigError, match="--recompute stage:1,4 names stage 4, but the schedule has 4 stages"):
+    with pytest.raises(ConfigError, match="recompute='stage:1,4' names stage 4, but the schedule has 4 stages"):
         recompute_stages("stage:1,4", 4)
     import json
 

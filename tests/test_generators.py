@@ -148,16 +148,16 @@ def test_interleaved_places_chunks_round_robin():
 @pytest.mark.parametrize(
     "name, kwargs, message",
     [
-        ("2bw", dict(stages=4, microbatches=3), r"m >= S.*--microbatches 4 or more"),
-        ("interleaved", dict(stages=4, microbatches=6, chunks=2), r"multiple of --stages \(4\).*4 or 8"),
+        ("2bw", dict(stages=4, microbatches=3), r"m >= S.*microbatches=4 or more"),
+        ("interleaved", dict(stages=4, microbatches=6, chunks=2), r"multiple of stages \(4\).*microbatches=4 or microbatches=8"),
         ("1f1b", dict(stages=2, microbatches=8, replicas=[2, 1, 1]), "one count per stage"),
-        ("pipedream", dict(stages=2, microbatches=7, replicas=[2, 1]), "--microbatches 8"),
-        ("1f1b", dict(stages=2, microbatches=3, replicas=[2, 1]), "--microbatches 4"),
-        ("pb", dict(stages=2, microbatches=4, replicas=[2, 1]), "drop --replicas"),
+        ("pipedream", dict(stages=2, microbatches=7, replicas=[2, 1]), "microbatches=8"),
+        ("1f1b", dict(stages=2, microbatches=3, replicas=[2, 1]), "microbatches=4"),
+        ("pb", dict(stages=2, microbatches=4, replicas=[2, 1]), "drop replicas"),
         ("zb-h1", dict(stages=2, microbatches=4, replicas=[2, 1]), "does not support replicated"),
         ("gpipe", dict(stages=0, microbatches=4), "stages must be a positive integer"),
         ("gpipe", dict(stages=2, microbatches=4, chunks=2), "interleaved schedule only"),
-        ("pipedream", dict(stages=2, microbatches=4, steps=2), "drop --steps"),
+        ("pipedream", dict(stages=2, microbatches=4, steps=2), "drop steps"),
         ("pipedrem", dict(stages=2, microbatches=4), "did you mean pipedream"),
     ],
 )

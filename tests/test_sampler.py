@@ -82,10 +82,11 @@ def test_batch_larger_than_data_spans_epochs():
     assert sampler.indices(1).tolist() == [1, 2, 0, 1, 2, 0, 1]
 
 
-@pytest.mark.parametrize("kwargs, word", [({"batch_size": 0}, "batch-size"), ({"batch_size": 2, "seed": -1}, "seed")])
+@pytest.mark.parametrize("kwargs, word", [({"batch_size": 0}, "batch_size"), ({"batch_size": 2, "seed": -1}, "seed")])
 def test_bad_arguments(kwargs, word):
-    with pytest.raises(ConfigError, match=word):
+    with pytest.raises(ConfigError, match=word) as raised:
         BatchSampler(10, **kwargs)
+    assert raised.value.options == (word,)
     with pytest.raises(ConfigError, match="empty"):
         BatchSampler(0, 1)
 

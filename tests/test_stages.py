@@ -111,21 +111,21 @@ def test_bad_balance(balance, words):
 def test_more_stages_than_modules():
     with pytest.raises(ConfigError) as info:
         split_model(model(), stages=6)
-    assert "5 top-level modules" in str(info.value) and "--stages 5 or fewer" in str(info.value)
+    assert "5 top-level modules" in str(info.value) and "stages=5 or fewer" in str(info.value)
 
 
 def test_non_sequential_is_traced():
     with pytest.raises(ConfigError) as info:
         split_model(nn.Linear(3, 3), stages=2)
-    assert "--stages 1 or fewer" in str(info.value)
-    with pytest.raises(ConfigError, match="--split-at NAME"):
+    assert "stages=1 or fewer" in str(info.value)
+    with pytest.raises(ConfigError, match=r"split_at \(the modules that start a stage\)"):
         split_model(nn.Linear(3, 3))
 
 
 def test_stages_disagreeing_with_balance_and_no_instruction():
     with pytest.raises(ConfigError, match="disagrees"):
         split_model(model(), stages=3, balance=[2, 3])
-    with pytest.raises(ConfigError, match="--stages S"):
+    with pytest.raises(ConfigError, match=r"stages \(a stage count\)"):
         split_model(model())
 
 
@@ -153,7 +153,7 @@ def test_list_of_modules_is_the_stages():
     assert staged.model_keys == ["0.weight", "0.bias", "2.weight", "2.bias"]
     merged = staged.merge_state_dict([s.state_dict() for s in stages])
     nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).load_state_dict(merged, strict=True)
-    with pytest.raises(ConfigError, match="--stages 3"):
+    with pytest.raises(ConfigError, match="stages=3"):
         split_model(stages, stages=2)
 
 

@@ -360,7 +360,7 @@ def test_split_errors_inside_leaves_and_unused_modules():
         split_model(model, split_at=["unused"])
     with pytest.raises(ConfigError, match="4 pipeline units"):
         split_model(model, stages=5)
-    with pytest.raises(ConfigError, match="--balance counts the top-level modules"):
+    with pytest.raises(ConfigError, match="balance counts the top-level modules"):
         split_model(model, balance=[1, 1])
     with pytest.raises(ConfigError, match="only one of"):
         split_model(model, split_at=["b"], plan=[["a"], ["b"]])
@@ -414,7 +414,7 @@ def test_untraceable_root_suggests_stage_modules():
 
 
 def test_a_single_layer_cannot_be_split():
-    with pytest.raises(ConfigError, match="1 pipeline units|--stages 1 or fewer"):
+    with pytest.raises(ConfigError, match="1 pipeline units|stages=1 or fewer"):
         split_model(nn.Linear(3, 3), stages=2)
     assert len(split_model(nn.Linear(3, 3), stages=1)) == 1
 
@@ -474,15 +474,20 @@ def test_units_of_an_encoder_are_its_layers_with_or_without_a_mask():
     with pytest.raises(ConfigError) as info:
         split_model(Encoded(), stages=4, leaf_modules=["encoder"])
     message = str(info.value)
-    assert "3 pipeline units (embed, encoder, head)" in message and "--stages 3 or fewer" in message
+    assert "3 pipeline units (embed, encoder, head)" in message and "stages=3 or fewer" in message
     assert "inside" not in message  # no advice that the other errors contradict
 
 
-def test_leaf_advice_names_the_flag():
+def test_leaf_advice_names_the_option():
+    from pipetrain.errors import naming_options_as
+
     with pytest.raises(ConfigError) as info:
         split_model(Outer(), stages=2)
-    assert "--leaf-modules inner" in str(info.value) and "cannot be cut inside" in str(info.value)
-    with pytest.raises(ConfigError, match=r"made one by leaf_modules / --leaf-modules"):
+    assert "leaf_modules=['inner']" in str(info.value) and "cannot be cut inside" in str(info.value)
+    assert "leaf_modules" in info.value.options
+    with naming_options_as("flag"):
+        assert "--leaf-modules inner" in str(info.value)
+    with pytest.raises(ConfigError, match=r"made one by leaf_modules\)"):
         split_model(Outer(), split_at=["inner.l"], leaf_modules=["inner"])
 
 
@@ -497,7 +502,7 @@ def test_pipeline_takes_leaf_modules_and_concrete_args():
         def forward(self, x, scale=1.0):
             return self.b(self.inner(self.a(x)) * scale)
 
-    with pytest.raises(ConfigError, match="--leaf-modules inner"):
+    with pytest.raises(ConfigError, match=r"leaf_modules=\['inner'\]"):
         Pipeline(Scaled(), executor="emulate", stages=2)
     model = Scaled()
     pipe = Pipeline(model, executor="emulate", split_at=["b"], leaf_modules=["inner"], concrete_args={"scale": 2.0},

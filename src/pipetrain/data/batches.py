@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipetrain.data.info import reads_by_index
 from pipetrain.data.updates import UpdateBatches, raise_failed
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = ["DatasetBatches", "DEFAULT_WORKERS", "resolve_workers", "describe_reading", "group_size"]
 
@@ -44,7 +44,8 @@ def resolve_workers(workers: int | None) -> int:
     if workers is None:
         return DEFAULT_WORKERS
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
-        raise ConfigError(f"--data-workers must be an integer >= 0 (0 reads on the training thread), got {workers!r}")
+        raise ConfigError(f"{option('data_workers')} must be an integer >= 0 (0 reads on the training thread), "
+                          f"got {workers!r}")
     return workers
 
 

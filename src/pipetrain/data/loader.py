@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from pipetrain.data.seeding import data_seed, seeded
 from pipetrain.data.info import DataReadError
-from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.errors import ConfigError, PipetrainError, option
 from pipetrain.spec import describe_exception
 from pipetrain.structure import cast_floating, first_tensor
 
@@ -96,7 +96,7 @@ class LoaderBatches:
             if self.batch_size is not None and self.batch_size != batch_size:
                 raise ConfigError(
                     f"the DataLoader's batch_size is {self.batch_size} but the run's batch size is {batch_size}: "
-                    f"give --batch-size {self.batch_size} (one loader batch is one update)"
+                    f"give {option('batch_size', self.batch_size)} (one loader batch is one update)"
                 )
             self.batch_size = batch_size
         self.epoch = 0  # the epoch being read

@@ -52,7 +52,7 @@ def lost_data_worker(error: BaseException, rank: int | None = None):
     """The :class:`~pipetrain.runtime.errors.DataWorkerLost` that ``error`` (torch's RuntimeError
     for a DataLoader worker that died) stands for, or None for any other error. torch raises it
     from its SIGCHLD handler wherever the training thread is, or where the batch is taken."""
-    from pipetrain.errors import DataWorkerLost
+    from pipetrain.errors import DataWorkerLost, option
 
     found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
     if found is None:
@@ -64,7 +64,8 @@ def lost_data_worker(error: BaseException, rank: int | None = None):
     oom = " (the kernel's out-of-memory killer sends SIGKILL: check the machine's memory)" if number == 9 else ""
     whose = f"rank {rank}: " if rank is not None else ""
     return DataWorkerLost(f"{whose}the DataLoader worker process (pid {pids.strip()}) reading its batches {how}{oom}; "
-                          "a fault, not bad data (--max-restarts N starts the workers again, to resume from --checkpoint-dir)", number)
+                          f"a fault, not bad data ({option('max_restarts')} starts the workers again, to resume from "
+                          f"{option('checkpoint_dir')})", number)
 
 
 class BatchPrefetcher:

@@ -13,7 +13,7 @@ from pipetrain.data.digits import load_digits
 from pipetrain.data.info import DataInfo, check_sample, dataset_info, read_sample
 from pipetrain.data.synthetic import load_synthetic
 from pipetrain.data.text import load_text
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.spec import Spec, call_factory, parse_spec, resolve_factory
 
 __all__ = ["DATASETS", "RunData", "load_data", "load_dataset", "load_train_test", "split_indices"]
@@ -90,7 +90,7 @@ def _accepts_split(factory: Callable[..., Any]) -> bool:
 
 def _check_holdout(holdout: float | None) -> None:
     if holdout is not None and not (isinstance(holdout, (int, float)) and 0 < holdout < 1):
-        raise ConfigError(f"--holdout must be a fraction between 0 and 1 (e.g. 0.2), got {holdout!r}")
+        raise ConfigError(f"{option('holdout')} must be a fraction between 0 and 1 (e.g. 0.2), got {holdout!r}")
 
 
 def _has_split(spec: Spec) -> bool:
@@ -159,7 +159,7 @@ def load_data(
     _refuse_split_option(spec, overrides)
     _check_holdout(holdout)
     if test_data is not None and holdout is not None:
-        raise ConfigError("give either --test-data or --holdout, not both")
+        raise ConfigError(f"give either {option('test_data')} or {option('holdout')}, not both")
     own_split = _has_split(spec)
     train, first = _load(spec, {**overrides, "split": "train"} if own_split else overrides)
     if test_data is not None:
@@ -169,8 +169,8 @@ def load_data(
     elif holdout is not None:
         if isinstance(train, DataLoader):
             raise ConfigError(
-                f"--holdout cuts a Dataset, but {spec.label} returns a DataLoader: give the factory a split= "
-                "parameter or use --test-data"
+                f"{option('holdout')} cuts a Dataset, but {spec.label} returns a DataLoader: give the factory a "
+                f"split= parameter or use {option('test_data')}"
             )
         kept, held = split_indices(len(train), holdout)  # type: ignore[arg-type]
         first = first if kept[0] == 0 else None

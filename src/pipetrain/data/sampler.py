@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = ["BatchSampler", "epoch_seed"]
 
@@ -49,9 +49,9 @@ class BatchSampler:
         if num_samples < 1:
             raise ConfigError("the data set is empty: nothing to sample")
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"--batch-size must be a positive integer, got {batch_size!r}")
+            raise ConfigError(f"{option('batch_size')} must be a positive integer, got {batch_size!r}")
         if not isinstance(seed, int) or not 0 <= seed < 2**32:
-            raise ConfigError(f"--seed must be an integer in [0, 2**32), got {seed!r}")
+            raise ConfigError(f"{option('seed')} must be an integer in [0, 2**32), got {seed!r}")
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.seed = seed
@@ -72,7 +72,7 @@ class BatchSampler:
     def steps_for_epochs(self, epochs: float) -> int:
         """Updates needed to consume ``epochs`` passes over the data: ``ceil(epochs * N / B)``."""
         if epochs <= 0:
-            raise ConfigError(f"--epochs must be positive, got {epochs}")
+            raise ConfigError(f"{option('epochs')} must be positive, got {epochs}")
         return math.ceil(epochs * self.num_samples / self.batch_size - 1e-9)
 
     def position(self, step: int) -> tuple[int, int]:
@@ -138,7 +138,7 @@ class BatchSampler:
             if state.get(key) != getattr(self, key):
                 raise ConfigError(
                     f"cannot resume: the checkpoint was taken with {key}={state.get(key)!r} but "
-                    f"this run has {key}={getattr(self, key)!r}; use the same data, --batch-size, "
-                    f"--seed and shuffle setting as the original run"
+                    f"this run has {key}={getattr(self, key)!r}; use the same data, {option('batch_size')}, "
+                    f"{option('seed')} and {option('shuffle')} setting as the original run"
                 )
         return int(state["step"])

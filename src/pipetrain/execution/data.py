@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.data.prefetch import BatchPrefetcher
 from pipetrain.structure import rows
 
@@ -34,7 +34,7 @@ class UnitLayout:
         if self.batch_size < self.units_per_update:
             raise ConfigError(
                 f"a batch of {self.batch_size} samples cannot be split into {self.units_per_update} microbatches; "
-                f"use --batch-size {self.units_per_update} or more, or fewer --microbatches"
+                f"use {option('batch_size', self.units_per_update)} or more, or fewer {option('microbatches')}"
             )
 
     def bounds(self, unit: int) -> tuple[int, int, int]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.structure import map_values
 
 __all__ = ["DEVICES", "resolve_device", "to_device", "autocast_on"]
@@ -34,13 +34,14 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
     the environment's ``LOCAL_RANK``, as torchrun and pipetrain's launcher set it, else the
     current GPU). ``--device cuda`` where CUDA is not available is a :class:`ConfigError`."""
     if name not in DEVICES:
-        raise ConfigError(f"unknown --device {name!r}; choose one of {', '.join(DEVICES)}")
+        raise ConfigError(f"unknown {option('device')} {name!r}; choose one of {', '.join(DEVICES)}")
     if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError(
-            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False: no GPU, no driver, or "
-            "a CPU-only PyTorch); use --device cpu, or --device auto to take a GPU only where there is one"
+            f"{option('device', 'cuda')}: CUDA is not available here (torch.cuda.is_available() is False: no GPU, "
+            f"no driver, or a CPU-only PyTorch); use {option('device', 'cpu')}, or {option('device', 'auto')} to "
+            "take a GPU only where there is one"
         )
     if local_rank is None:
         local = os.environ.get("LOCAL_RANK")

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from pipetrain.errors import NonFiniteError, PipetrainError
+from pipetrain.errors import NonFiniteError, PipetrainError, option
 from pipetrain.execution.versions import VersionStore
 
 __all__ = ["NONFINITE", "SKIP_LIMIT", "NonFiniteGuard", "all_finite", "nonfinite_kind", "nonfinite_names",
@@ -69,13 +69,10 @@ def advice(skip: bool) -> str:
     """What to change, appended to every non-finite message."""
     text = (
         "A loss or gradient that is not finite usually comes from a learning rate too large for the model "
-        "(lower lr in --optimizer) or from NaN or infinite values in the data"
+        f"(lower lr in {option('optimizer')}) or from NaN or infinite values in the data"
     )
     if skip:
-        text += (
-            "; --on-nonfinite skip (on_nonfinite='skip') drops an update whose gradient is not finite "
-            "instead of stopping"
-        )
+        text += f"; {option('on_nonfinite', 'skip')} drops an update whose gradient is not finite instead of stopping"
     return text
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from pipetrain.errors import ConfigError, NonFiniteError, PipetrainError
+from pipetrain.errors import ConfigError, NonFiniteError, PipetrainError, option
 from pipetrain.execution.nonfinite import all_finite
 from pipetrain.structure import append, split_last
 
@@ -41,11 +41,12 @@ def as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
-def check_power_of_two(option: str, value: float) -> None:
-    """Scales are powers of two, so that removing one from a float32 gradient is exact."""
+def check_power_of_two(named: str, value: float) -> None:
+    """Scales are powers of two, so that removing one from a float32 gradient is exact; ``named``: the
+    option in the message (:func:`pipetrain.errors.option`)."""
     if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
             and math.frexp(value)[0] == 0.5):
-        raise ConfigError(f"{option} must be a power of two such as 65536 or 1024 (removing it from the gradient "
+        raise ConfigError(f"{named} must be a power of two such as 65536 or 1024 (removing it from the gradient "
                           f"is then exact), not {value!r}")
 
 
@@ -79,7 +80,8 @@ class LossScale:
                 raise NonFiniteError(
                     f"stage 0: update {step} overflowed float16 with a loss scale of {self.scale * 2:g}, the "
                     "smallest there is: the gradient is not finite whatever the scale; training stopped there. Use "
-                    "--precision bf16 (float32's range) or lower lr in --optimizer", stage=0, step=step)
+                    f"{option('precision', 'bf16')} (float32's range) or lower lr in {option('optimizer')}",
+                    stage=0, step=step)
         else:
             self.clean += 1
             if self.clean >= self.growth_interval:

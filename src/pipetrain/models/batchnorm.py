@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = ["find_batchnorm", "refuse_batchnorm"]
 
@@ -30,6 +30,7 @@ def refuse_batchnorm(module: nn.Module, context: str = "Pipelined Backpropagatio
         raise ConfigError(
             f"{context} trains with batch size 1, but the model has {len(names)} BatchNorm "
             f"layer(s) in training mode ({shown}), which need statistics across samples; use "
-            f"GroupNorm or LayerNorm instead (e.g. --model resmlp:norm=group or resnet-gn), or "
+            f"GroupNorm or LayerNorm instead (e.g. {option('model', 'resmlp:norm=group')} or "
+            f"{option('model', 'resnet-gn')}), or "
             f"put the BatchNorm layers in eval mode"
         )

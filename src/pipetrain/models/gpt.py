@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.models.common import check_int
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "gpt"]
@@ -145,7 +145,7 @@ def gpt(
     if len(shape) != 1:
         raise ConfigError(
             f"model gpt reads sequences of token ids, one sample of shape (T,); the data's samples "
-            f"have shape {shape} (use --data text:... or a data set of int64 token sequences)"
+            f"have shape {shape} (use {option('data', 'text:...')} or a data set of int64 token sequences)"
         )
     block_size = check_int("gpt", "block_size", shape[0] if block_size is None else block_size, 1)
     if n_embd % n_head:

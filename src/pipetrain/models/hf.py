@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.models.loss import CrossEntropy
 
 __all__ = ["bart", "bert_mlm", "bert_units", "declare_units", "gpt2", "gpt2_units", "t5"]
@@ -136,7 +136,7 @@ def _length(input_shape: Sequence[int], seq2seq: bool = False) -> int:
         takes = ("an encoder-decoder takes token ids of shape (T,) per sample (x = {'input_ids': ..., "
                  "'decoder_input_ids': ...}), got samples whose first tensor has shape" if seq2seq else
                  "the HuggingFace language models take token ids of shape (T,) per sample, got samples of shape")
-        advice = "" if seq2seq else ": use a text data set such as --data text"
+        advice = "" if seq2seq else f": use a text data set such as {option('data', 'text')}"
         raise ConfigError(f"{takes} {tuple(input_shape)}{advice}")
     return int(input_shape[0])
 

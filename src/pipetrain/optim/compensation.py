@@ -61,7 +61,7 @@ import math
 import re
 from typing import Iterable
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = [
     "COMPENSATIONS",
@@ -136,7 +136,7 @@ def refuse_other_than_sgd(name: str, optimizer: str) -> None:
         what = "rate-following delay time scaling" if name == "dtsf" else "delay time scaling"
         raise ConfigError(
             f"{what} ({name}) scales the momentum of momentum SGD, not of {optimizer!r}; use "
-            f"--optimizer sgd:momentum=... with {name}, or dlr (the delay-scaled learning rate) with Adam"
+            f"{option('optimizer', 'sgd:momentum=...')} with {name}, or dlr (the delay-scaled learning rate) with Adam"
         )
 
 

@@ -6,7 +6,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.optim.compensation import (delay_lr_factor, parse_compensation, parse_dlr_delay, parse_dts_delay,
                                           parse_dtsf_delay, parse_dtt_delay, refuse_other_than_sgd,
                                           temperature_settings, time_scaled_settings)
@@ -156,7 +156,7 @@ def build_stage_optimizer(
         if parsed.name != "sgd":
             raise ConfigError(
                 f"spike compensation is defined for momentum SGD only, not {parsed.name!r}; use "
-                "--optimizer sgd:momentum=... with sc, or lwp alone with Adam (it predicts along "
+                f"{option('optimizer', 'sgd:momentum=...')} with sc, or lwp alone with Adam (it predicts along "
                 "the Adam step)"
             )
         kwargs["sc_delay"] = stage_delay if sc_delay is None else sc_delay

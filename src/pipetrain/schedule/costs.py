@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from pipetrain.errors import ScheduleError
+from pipetrain.errors import ScheduleError, option
 
 __all__ = ["Costs", "StageCosts", "parse_costs", "load_costs"]
 
@@ -118,15 +118,16 @@ def parse_costs(text: str) -> Costs:
         key = _ALIASES.get(key.strip(), key.strip())
         if not sep or key not in _PER_STAGE + _SCALAR:
             raise ScheduleError(
-                f"--costs: cannot read {item.strip()!r}; write NAME=NUMBER pairs separated by commas with NAME one of "
-                f"{', '.join(_PER_STAGE + _SCALAR)}, e.g. --costs F=1,B=2,W=1 (per-stage lists go in --costs-file)"
+                f"{option('costs')}: cannot read {item.strip()!r}; write NAME=NUMBER pairs separated by commas with "
+                f"NAME one of {', '.join(_PER_STAGE + _SCALAR)}, e.g. {option('costs', 'F=1,B=2,W=1')} (per-stage "
+                f"lists go in {option('costs_file')})"
             )
         try:
             number = float(raw)
         except ValueError:
-            raise ScheduleError(f"--costs: {key} must be a number, got {raw.strip()!r}") from None
+            raise ScheduleError(f"{option('costs')}: {key} must be a number, got {raw.strip()!r}") from None
         if number < 0 or math.isnan(number):
-            raise ScheduleError(f"--costs: {key} must be non-negative, got {raw.strip()}")
+            raise ScheduleError(f"{option('costs')}: {key} must be non-negative, got {raw.strip()}")
         setattr(costs, key, number)
     return costs
 

@@ -15,7 +15,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.schedule.messages import Messages
 from pipetrain.schedule.ir import Kind, Schedule
 
@@ -101,7 +101,7 @@ def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut
         if first < units <= last:
             raise ConfigError(
                 f"cannot stop after {units} units: the replicas of stage {stage} update together over units "
-                f"{first}..{last}; choose another --checkpoint-every or --eval-every"
+                f"{first}..{last}; choose another {option('checkpoint_every')} or {option('eval_every')}"
             )
     positions = [_positions(program, [units])[0] for program in schedule.programs]
     messages = Messages(schedule) if messages is None else messages
@@ -121,18 +121,18 @@ def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut
                     if kind is Kind.SEND_B:
                         raise ConfigError(
                             f"cannot checkpoint after {units} units: the gradient of microbatch {k} sent by rank {rank} "
-                            f"would still be in flight; choose another --checkpoint-every"
+                            f"would still be in flight; choose another {option('checkpoint_every')}"
                         )
                     crossing_sends[rank].append(position)
                 elif not before and received < positions[peer]:
                     raise ConfigError(
                         f"cannot checkpoint after {units} units: rank {peer} receives {kind.value} of microbatch {k} "
-                        f"before its cut, but rank {rank} sends it after its own; choose another --checkpoint-every"
+                        f"before its cut, but rank {rank} sends it after its own; choose another {option('checkpoint_every')}"
                     )
         if inputs_done:
             raise ConfigError(
                 f"cannot checkpoint after {units} units: rank {rank} has run the I but not the W of "
-                f"{sorted(inputs_done)}; choose a --checkpoint-every that ends on a step"
+                f"{sorted(inputs_done)}; choose a {option('checkpoint_every')} that ends on a step"
             )
     return Cut(units, positions, crossing_sends)
 

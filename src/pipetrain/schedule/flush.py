@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-from pipetrain.errors import ScheduleError
+from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule.ir import Action, Kind, Schedule
 from pipetrain.schedule.params import check_positive, normalise_replicas
 from pipetrain.schedule.stream import one_forward_one_backward, stage_placement, warmup_depths
@@ -64,15 +64,15 @@ def flushing_programs(
 
 
 def _check(stages: int, microbatches: int, steps: int, replicas: Sequence[int] | None, name: str) -> list[int]:
-    check_positive("stages", stages, "--stages")
-    check_positive("microbatches", microbatches, "--microbatches")
-    check_positive("steps", steps, "--steps")
+    check_positive("stages", stages)
+    check_positive("microbatches", microbatches)
+    check_positive("steps", steps)
     counts = normalise_replicas(stages, replicas, name)
     for stage, count in enumerate(counts):
         if microbatches % count:
             raise ScheduleError(
                 f"{name}: stage {stage} has {count} replicas, so the microbatches of a step ({microbatches}) must "
-                f"divide evenly among them; use --microbatches {_multiple_at_least(microbatches, counts)}"
+                f"divide evenly among them; use {option('microbatches', _multiple_at_least(microbatches, counts))}"
             )
     return counts
 
@@ -109,7 +109,7 @@ def zb_h1(stages: int, microbatches: int, steps: int = 1, replicas: Sequence[int
     ``m(F+B+W) + (S-1)(F+B-W)``, B being the input-gradient time.
     """
     if replicas is not None and any(r != 1 for r in replicas):
-        raise ScheduleError("zb-h1 does not support replicated stages; use 1f1b or pipedream with --replicas")
+        raise ScheduleError(f"zb-h1 does not support replicated stages; use 1f1b or pipedream with {option('replicas')}")
     counts = _check(stages, microbatches, steps, None, "zb-h1")
     lags = list(range(stages))
     programs, placement = flushing_programs(

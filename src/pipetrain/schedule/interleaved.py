@@ -15,7 +15,7 @@ of P. With v = 1 this is exactly 1f1b.
 
 from __future__ import annotations
 
-from pipetrain.errors import ScheduleError
+from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule.flush import one_f_one_b, update_actions
 from pipetrain.schedule.ir import Action, Kind, Schedule
 from pipetrain.schedule.params import check_positive
@@ -25,12 +25,13 @@ __all__ = ["interleaved"]
 
 def interleaved(stages: int, microbatches: int, steps: int = 1, chunks: int = 2, replicas=None) -> Schedule:
     """Interleaved 1F1B over ``stages`` ranks with ``chunks`` model chunks each (S*v virtual stages)."""
-    check_positive("stages", stages, "--stages")
-    check_positive("microbatches", microbatches, "--microbatches")
-    check_positive("steps", steps, "--steps")
-    check_positive("chunks", chunks, "--chunks")
+    check_positive("stages", stages)
+    check_positive("microbatches", microbatches)
+    check_positive("steps", steps)
+    check_positive("chunks", chunks)
     if replicas is not None and any(r != 1 for r in replicas):
-        raise ScheduleError("interleaved does not support replicated stages; use 1f1b or pipedream with --replicas")
+        raise ScheduleError(
+            f"interleaved does not support replicated stages; use 1f1b or pipedream with {option('replicas')}")
     if chunks == 1:
         schedule = one_f_one_b(stages, microbatches, steps)
         schedule.name = "interleaved"
@@ -38,10 +39,10 @@ def interleaved(stages: int, microbatches: int, steps: int = 1, chunks: int = 2,
     ranks = stages
     if microbatches % ranks:
         lower = (microbatches // ranks) * ranks
-        options = [str(v) for v in (lower, lower + ranks) if v > 0]
+        fixes = [option("microbatches", v) for v in (lower, lower + ranks) if v > 0]
         raise ScheduleError(
-            f"interleaved runs microbatches in groups of one per rank, so --microbatches must be a multiple of "
-            f"--stages ({ranks}); got {microbatches}: use --microbatches {' or '.join(options)}"
+            f"interleaved runs microbatches in groups of one per rank, so {option('microbatches')} must be a "
+            f"multiple of {option('stages')} ({ranks}); got {microbatches}: use {' or '.join(fixes)}"
         )
     total = microbatches * chunks
     new = tuple.__new__

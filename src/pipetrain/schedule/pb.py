@@ -16,7 +16,7 @@ backward reads the weights current at backward time (version n), as PB hardware 
 
 from __future__ import annotations
 
-from pipetrain.errors import ScheduleError
+from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule.ir import Schedule
 from pipetrain.schedule.params import check_positive
 from pipetrain.schedule.pipedream import asynchronous_programs
@@ -31,10 +31,10 @@ def pb_delays(stages: int) -> list[int]:
 
 def pb(stages: int, microbatches: int, update_every: int = 1, replicas=None) -> Schedule:
     """Pipelined Backpropagation over ``microbatches`` samples (or microbatches), each an update."""
-    check_positive("stages", stages, "--stages")
-    check_positive("microbatches", microbatches, "--microbatches")
-    check_positive("update_every", update_every, "--update-every")
+    check_positive("stages", stages)
+    check_positive("microbatches", microbatches)
+    check_positive("update_every", update_every)
     if replicas is not None and any(r != 1 for r in replicas):
-        raise ScheduleError("pb does not replicate stages (every layer is its own stage); drop --replicas")
+        raise ScheduleError(f"pb does not replicate stages (every layer is its own stage); drop {option('replicas')}")
     programs, placement = asynchronous_programs(microbatches, [1] * stages, pb_delays(stages), update_every)
     return Schedule(programs, placement, name="pb", policy="latest", microbatches=microbatches, steps=1)

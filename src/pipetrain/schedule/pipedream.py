@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from pipetrain.errors import ScheduleError
+from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule.flush import update_actions
 from pipetrain.schedule.ir import Action, Schedule
 from pipetrain.schedule.params import check_positive, normalise_replicas
@@ -56,7 +56,7 @@ def _check_divisible(total: int, counts: Sequence[int], what: str, name: str) ->
         fixed = max(step, -(-total // step) * step)
         raise ScheduleError(
             f"{name}: with replicas {list(counts)} the {what} ({total}) must divide evenly among every stage's "
-            f"replicas (a multiple of {step}), so that replicas update together; use --microbatches {fixed}"
+            f"replicas (a multiple of {step}), so that replicas update together; use {option('microbatches', fixed)}"
         )
 
 
@@ -70,9 +70,9 @@ def pipedream(
 
     Each minibatch is its own update (or every ``update_every`` minibatches per replica).
     """
-    check_positive("stages", stages, "--stages")
-    check_positive("microbatches", microbatches, "--microbatches")
-    check_positive("update_every", update_every, "--update-every")
+    check_positive("stages", stages)
+    check_positive("microbatches", microbatches)
+    check_positive("update_every", update_every)
     counts = normalise_replicas(stages, replicas, "pipedream")
     _check_divisible(microbatches, counts, "minibatches", "pipedream")
     programs, placement = asynchronous_programs(microbatches, counts, warmup_depths(counts), update_every)
@@ -82,14 +82,15 @@ def pipedream(
 def two_bw(stages: int, microbatches: int, steps: int = 1, replicas: Sequence[int] | None = None) -> Schedule:
     """PipeDream-2BW: 1F1B without flushes over batches of ``microbatches`` (m >= S), one update per
     batch; batch t reads version ``max(0, t-1)`` (double-buffered weights)."""
-    check_positive("stages", stages, "--stages")
-    check_positive("microbatches", microbatches, "--microbatches")
-    check_positive("steps", steps, "--steps")
+    check_positive("stages", stages)
+    check_positive("microbatches", microbatches)
+    check_positive("steps", steps)
     counts = normalise_replicas(stages, replicas, "2bw")
     if microbatches < stages:
         raise ScheduleError(
             f"2bw needs at least as many microbatches per batch as stages (m >= S) so that the version a batch "
-            f"reads exists when it starts; got m = {microbatches} < S = {stages}: use --microbatches {stages} or more"
+            f"reads exists when it starts; got m = {microbatches} < S = {stages}: use {option('microbatches', stages)} "
+            f"or more"
         )
     _check_divisible(microbatches, counts, "microbatches of a batch", "2bw")
     placement = stage_placement(counts)

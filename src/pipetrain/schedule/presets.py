@@ -21,7 +21,7 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Sequence
 
-from pipetrain.errors import ScheduleError
+from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.flush import gpipe, one_f_one_b, zb_h1
 from pipetrain.schedule.interleaved import interleaved
@@ -95,7 +95,7 @@ def _check_size(name: str, stages: int, microbatches: int, steps: int, chunks: i
         f"{max(most_stages, 0):,} stages fit with {microbatches:,} microbatches"
         + (f", or {most_microbatches:,} microbatches with {stages:,} stages"
            if most_microbatches else "")
-        + ": lower --stages or --microbatches")
+        + f": lower {option('stages')} or {option('microbatches')}")
 
 
 def _largest(fits: Callable[[int], bool], guess: int) -> int:
@@ -148,13 +148,13 @@ def order(
     """The compute-only order of a named schedule (versions unassigned, no communication)."""
     name = resolve_name(name)
     if chunks != 1 and name != "interleaved":
-        raise ScheduleError(f"--chunks applies to the interleaved schedule only, not to {name}")
+        raise ScheduleError(f"{option('chunks')} applies to the interleaved schedule only, not to {name}")
     if update_every != 1 and name not in ("pipedream", "pb"):
-        raise ScheduleError(f"--update-every applies to pipedream and pb only; {name} updates once per step")
+        raise ScheduleError(f"{option('update_every')} applies to pipedream and pb only; {name} updates once per step")
     if name in ("pipedream", "pb") and steps != 1:
         raise ScheduleError(
-            f"{name} has no steps: every pipeline unit is its own update, so --microbatches counts all of them; "
-            "drop --steps"
+            f"{name} has no steps: every pipeline unit is its own update, so {option('microbatches')} counts all of "
+            f"them; drop {option('steps')}"
         )
     _check_size(name, stages, microbatches, steps, chunks, replicas)
     makers: dict[str, Callable[[], Schedule]] = {

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Collection
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = ["RECOMPUTE", "parse_recompute", "recompute_stages", "format_recompute"]
 
@@ -36,7 +36,7 @@ def parse_recompute(text: str) -> bool | frozenset[int]:
             stages = []
         if stages and all(s >= 0 for s in stages):
             return frozenset(stages)
-    raise ConfigError(f"unknown --recompute {text!r}; write {_FORMS}")
+    raise ConfigError(f"unknown {option('recompute')} {text!r}; write {_FORMS}")
 
 
 def recompute_stages(value: bool | str | Collection[int] | None, num_stages: int) -> frozenset[int]:
@@ -53,7 +53,8 @@ def recompute_stages(value: bool | str | Collection[int] | None, num_stages: int
     beyond = sorted(s for s in stages if not 0 <= s < num_stages)
     if beyond:
         raise ConfigError(
-            f"--recompute {format_recompute(stages, None)} names stage {', '.join(map(str, beyond))}, but the schedule "
+            f"{option('recompute', format_recompute(stages, None))} names stage {', '.join(map(str, beyond))}, "
+            f"but the schedule "
             f"has {num_stages} stages (0 to {num_stages - 1}); name stages of this run"
         )
     return stages

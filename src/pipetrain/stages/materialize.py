@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = ["Init", "assign", "load_weights", "has_meta", "materialize", "first_names", "resolve_init", "seed_for"]
 
@@ -213,9 +213,9 @@ def materialize(model: nn.Module, part: nn.Module, init: Init | None, *, seed: i
             shown = [k for k, v in state.items() if id(v) in old][:3]
             raise ConfigError(
                 f"the model is built on the meta device (no values, e.g. {shown}) and nothing says how to "
-                f"initialise it: give init='reset' (each module's reset_parameters()), init=function(module, name) "
-                f"or init=DIR (weights written by --save DIR or save_pretrained); on the command line --init meta "
-                f"or --init-from DIR"
+                f"initialise it: give {option('init', 'reset')} (each module's reset_parameters()), "
+                f"{option('init')} set to a weights directory (written by {option('save')} or save_pretrained), or "
+                f"in Python init=function(module, name)"
             )
         return done
     stored = _stored_values(init.weights, model, tensors) if init.kind == "weights" else {}
@@ -322,7 +322,8 @@ def _module_inits(model: nn.Module, init: Init, seed: int, own: set[int], target
             owner = left[0].rpartition(".")[0]
             kind = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
             raise ConfigError(
-                f"init='reset' cannot give {left[0]!r} values: its module ({owner or 'the model'}, {kind}) and the "
+                f"{option('init', 'reset')} cannot give {left[0]!r} values: its module ({owner or 'the model'}, {kind}) and the "
                 f"modules around it have no reset_parameters()" + (f" ({len(left) - 1} more such tensors)" if len(left) > 1 else "")
-                + "; give it one, or pass init=function(module, name) or init=DIR (weights from --save DIR)"
+                + f"; give it one, or set {option('init')} to a weights directory (written by {option('save')}), "
+                "or in Python pass init=function(module, name)"
             )

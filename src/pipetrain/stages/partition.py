@@ -11,7 +11,7 @@ from typing import Sequence
 
 from torch import nn
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = ["balance_by_params", "check_balance", "check_stages", "parameter_counts", "partition_min_max"]
 
@@ -25,18 +25,18 @@ def check_balance(balance: Sequence[int], num_modules: int) -> list[int]:
     """``balance`` as a list of ints, or a ConfigError explaining what a balance must be."""
     balance = list(balance)
     if not balance:
-        raise ConfigError("--balance is empty: give one module count per stage, e.g. --balance 2,2,1")
+        raise ConfigError(f"{option('balance')} is empty: give one module count per stage, e.g. {option('balance', [2, 2, 1])}")
     for count in balance:
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ConfigError(
-                f"--balance {','.join(map(str, balance))}: every entry is the number of "
+                f"{option('balance', balance)}: every entry is the number of "
                 f"consecutive modules of one stage and must be a positive integer, got {count!r}"
             )
     if sum(balance) != num_modules:
         raise ConfigError(
-            f"--balance {','.join(map(str, balance))} adds up to {sum(balance)} but the model has "
+            f"{option('balance', balance)} adds up to {sum(balance)} but the model has "
             f"{num_modules} top-level modules; the entries must add up to {num_modules} "
-            f"(or give --stages S to balance by parameter count)"
+            f"(or give {option('stages')}, a stage count, to balance by parameter count)"
         )
     return balance
 
@@ -112,10 +112,10 @@ def balance_by_params(model: nn.Sequential | Sequence[nn.Module], stages: int) -
 def check_stages(stages: int, n: int) -> None:
     """Refuse a stage count that is not a positive integer or exceeds the ``n`` top-level modules."""
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise ConfigError(f"--stages must be a positive integer, got {stages!r}")
+        raise ConfigError(f"{option('stages')} must be a positive integer, got {stages!r}")
     if stages > n:
         raise ConfigError(
             f"cannot split a model of {n} top-level modules into {stages} stages: every stage needs "
-            f"at least one module, so use --stages {n} or fewer (or a deeper model, e.g. "
+            f"at least one module, so use {option('stages', n)} or fewer (or a deeper model, e.g. "
             f"mlp:depth=... / resmlp:depth=...)"
         )

@@ -34,7 +34,7 @@ from typing import Mapping, Sequence, Union
 import torch
 from torch import fx, nn
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.stages.nodes import ModulePositions, is_compute, is_recomputable
 from pipetrain.stages.partition import partition_min_max
 
@@ -78,7 +78,7 @@ def why_whole(model: nn.Module, name: str) -> str:
     kind = type(module).__name__
     if type(module).__module__.startswith("torch.nn") and not isinstance(module, _CONTAINERS):
         return f"a torch.nn layer ({kind})"
-    return f"a leaf module ({kind}, made one by leaf_modules / --leaf-modules)"
+    return f"a leaf module ({kind}, made one by {option('leaf_modules')})"
 
 
 def resolve_module(model: nn.Module, name: str, positions: ModulePositions, what: str = "split point") -> str:
@@ -366,7 +366,7 @@ def starts_by_weight(
 ) -> tuple[list[int], list[str]]:
     """Cut at unit starts into ``stages`` stages minimising the largest stage's summed weight."""
     if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
-        raise ConfigError(f"--stages must be a positive integer, got {stages!r}")
+        raise ConfigError(f"{option('stages')} must be a positive integer, got {stages!r}")
     first_compute = _first_compute(nodes)
     cuts = [u for u in units[1:] if positions.first[u] > first_compute]
     if stages - 1 > len(cuts):
@@ -377,7 +377,7 @@ def starts_by_weight(
         raise ConfigError(
             f"cannot split the model into {stages} stages by {what}: it has {len(cuts) + 1} "
             f"pipeline units ({', '.join(units[:10])}{' ...' if len(units) > 10 else ''}), and "
-            f"{further}; use --stages {len(cuts) + 1} or fewer"
+            f"{further}; use {option('stages', len(cuts) + 1)} or fewer"
         )
     bounds = [0, *[positions.first[u] for u in cuts], len(nodes)]
     segments = [sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])]

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.stages.cut import cut_graph
 from pipetrain.stages.nodes import ModulePositions, positioned_nodes
 from pipetrain.stages.partition import balance_by_params, check_balance, check_stages, partition_min_max
@@ -96,16 +96,16 @@ def _balance_from_names(children: Sequence[str], names: Sequence[str]) -> list[i
     for name in names:
         if name not in position:
             raise ConfigError(
-                f"--split-at {name!r}: the model has no top-level module of that name"
+                f"{option('split_at')} {name!r}: the model has no top-level module of that name"
                 + _did_you_mean(name, children)
                 + f" (top-level modules: {', '.join(children[:12])}"
                 + (" ...)" if len(children) > 12 else ")")
             )
         cuts.append(position[name])
     if cuts != sorted(set(cuts)):
-        raise ConfigError(f"--split-at names must be distinct and in model order, got {','.join(names)}")
+        raise ConfigError(f"{option('split_at')} names must be distinct and in model order, got {option('split_at', names)}")
     if cuts and cuts[0] == 0:
-        raise ConfigError(f"--split-at {names[0]!r} is the first module: stage 0 would be empty")
+        raise ConfigError(f"{option('split_at')} {names[0]!r} is the first module: stage 0 would be empty")
     bounds = [0, *cuts, len(children)]
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
@@ -158,18 +158,20 @@ def split_model(
     if isinstance(model, (list, tuple)):
         if (stages is not None and stages != len(model)) or balance is not None or split_at or plan or costs:
             raise ConfigError(
-                f"the model is given as {len(model)} stage modules; drop --balance/--split-at/--plan "
-                f"and use --stages {len(model)} (or leave it out)"
+                f"the model is given as {len(model)} stage modules; drop {option('balance')}/{option('split_at')}/"
+                f"{option('plan')} and use {option('stages', len(model))} (or leave it out)"
             )
         return from_stages(model)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"cannot split a {type(model).__name__}: give an nn.Module or a list of stage modules")
-    given = [name for name, value in (("--balance", balance), ("--split-at", split_at), ("--plan", plan))
-             if value is not None and (value or name != "--split-at")]
+    given = [option(name) for name, value in (("balance", balance), ("split_at", split_at), ("plan", plan))
+             if value is not None and (value or name != "split_at")]
     if len(given) > 1:
-        raise ConfigError(f"give only one of --balance, --split-at and --plan, not {' and '.join(given)}")
+        raise ConfigError(f"give only one of {option('balance')}, {option('split_at')} and {option('plan')}, "
+                          f"not {' and '.join(given)}")
     if costs is not None and (given or stages is None):
-        raise ConfigError("costs only guide an automatic split: give them with --stages S (and no split points)")
+        raise ConfigError(f"costs only guide an automatic split: give them with {option('stages')} (and no split "
+                          f"points)")
     if split_at is not None and isinstance(split_at, str):
         split_at = [n for n in split_at.split(",") if n]
     declared = declared_units(model)
@@ -177,8 +179,9 @@ def split_model(
         if plan is not None or leaf_modules or concrete_args:
             raise ConfigError(
                 f"{type(model).__name__} declares its pipeline units (pipeline_units), which are cut as they are: "
-                f"use --stages, --balance or --split-at with unit names ({', '.join(n for n, _ in declared[:8])}"
-                f"{' ...' if len(declared) > 8 else ''}), without --plan, --leaf-modules or --concrete-args"
+                f"use {option('stages')}, {option('balance')} or {option('split_at')} with unit names "
+                f"({', '.join(n for n, _ in declared[:8])}{' ...' if len(declared) > 8 else ''}), without "
+                f"{option('plan')}, {option('leaf_modules')} or {option('concrete_args')}"
             )
         return _split_units(declared, model, stages, balance, split_at, costs)
     traced = not isinstance(model, nn.Sequential) or plan is not None or bool(leaf_modules) or bool(concrete_args)
@@ -186,8 +189,8 @@ def split_model(
     if traced:
         if balance is not None:
             raise ConfigError(
-                f"--balance counts the top-level modules of an nn.Sequential; {type(model).__name__} "
-                f"is cut by tracing: use --stages S, --split-at NAMES or --plan"
+                f"{option('balance')} counts the top-level modules of an nn.Sequential; {type(model).__name__} "
+                f"is cut by tracing: use {option('stages')}, {option('split_at')} or {option('plan')}"
             )
         return _split_traced(model, stages, split_at, plan, costs, leaf_modules, concrete_args)
     return _split_units(list(model.named_children()), model, stages, balance, split_at, costs)
@@ -240,8 +243,8 @@ def _split_units(
         balance = check_balance(balance, n)
         if stages is not None and stages != len(balance):
             raise ConfigError(
-                f"--stages {stages} disagrees with the {len(balance)} stages of "
-                f"{'--split-at' if split_at else '--balance'}; drop one of them"
+                f"{option('stages', stages)} disagrees with the {len(balance)} stages of "
+                f"{option('split_at' if split_at else 'balance')}; drop one of them"
             )
     elif stages is not None:
         if costs is None:
@@ -253,7 +256,8 @@ def _split_units(
             balance = partition_min_max([int(round(w * 1e9 / total)) if total else 0 for w in weights], stages)
     else:
         raise ConfigError(
-            "say how to cut the model: --stages S, --balance a,b,..., --split-at NAME,... or --plan"
+            f"say how to cut the model: {option('stages')} (a stage count), {option('balance')} (modules per "
+            f"stage), {option('split_at')} (the modules that start a stage) or {option('plan')}"
         )
     parts: list[nn.Module] = []
     start = 0
@@ -278,10 +282,10 @@ def _split_traced(
     positions = ModulePositions.of(nodes)
     if plan is not None:
         starts, names = starts_from_plan(model, nodes, positions, plan)
-        what = "--plan"
+        what = option("plan")
     elif split_at:
         starts, names = starts_from_split_at(model, nodes, positions, split_at)
-        what = "--split-at"
+        what = option("split_at")
     elif stages is not None:
         weights = parameter_weights(model, nodes) if costs is None else cost_weights(model, nodes, positions, costs)
         units = (None if costs is None else cost_units(model, positions, costs)) or pipeline_units(
@@ -292,10 +296,11 @@ def _split_traced(
         )
         what = ""
     else:
-        raise ConfigError("say how to cut the model: --stages S, --split-at NAME,... or --plan")
+        raise ConfigError(f"say how to cut the model: {option('stages')} (a stage count), {option('split_at')} (the "
+                          f"modules that start a stage) or {option('plan')}")
     if what and stages is not None and stages != len(starts) + 1:
         raise ConfigError(
-            f"--stages {stages} disagrees with the {len(starts) + 1} stages of {what}; drop one of them"
+            f"{option('stages', stages)} disagrees with the {len(starts) + 1} stages of {what}; drop one of them"
         )
     parts, boundaries = cut_graph(traced, model, starts)
     key_map, model_keys, aliases, unused = _key_maps(parts, model, allow_unused=True)

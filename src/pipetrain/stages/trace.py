@@ -30,7 +30,7 @@ from torch import fx, nn
 from torch.nn import functional as F
 from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
 
-from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.errors import ConfigError, PipetrainError, option
 from pipetrain.stages.nodes import recomputed
 
 __all__ = ["default_concrete_args", "resolve_leaf_modules", "trace_model"]
@@ -211,8 +211,8 @@ def _failure(model: nn.Module, tracer: _Tracer, error: Exception) -> str:
         return (
             f"{head}: the call that failed is in module {inner!r} "
             f"({type(model.get_submodule(inner)).__name__}.forward){where}: {detail}. "
-            f"Make that module a leaf, called as a whole (--leaf-modules {inner}, or "
-            f"split_model(..., leaf_modules=[{inner!r}]); its class name works too): a leaf cannot "
+            f"Make that module a leaf, called as a whole ({option('leaf_modules', [inner])}; its class name "
+            f"works too): a leaf cannot "
             f"be cut inside, so choose split points outside it"
             + (f", e.g. {', '.join(around)}" if around else "")
             + "; or return a list of stage modules from your model factory"
