@@ -312,7 +312,8 @@ def test_tensors_saved_without_data_are_refused_saying_where_they_are(tmp_path):
         open_checkpoint(path).load(stage_file(0))
     text = str(caught.value)
     assert "stage-0.pt holds tensors without data, on PyTorch's 'meta' device (weights/0.weight, weights/0.bias)" in text
-    assert "Resume from another checkpoint, or start afresh with another --checkpoint-dir" in text
+    assert "Resume from another checkpoint, or start afresh with another checkpoint_dir" in text
+    assert caught.value.options == ("checkpoint_dir",)
 
 
 def _rename_record(step: Path, name: str, data: bytes | None = None) -> None:

@@ -22,7 +22,8 @@ def test_a_second_run_is_refused_naming_the_first_and_its_own_run_is_not(tmp_pat
         DirectoryLock(tmp_path / "ck", run="run B").acquire()
     text = str(refused.value)
     assert text.startswith(f"checkpoint directory {tmp_path / 'ck'} is in use by another run (pid {os.getpid()} on ")
-    assert text.endswith("; let it finish, or give this run another --checkpoint-dir") and "\n" not in text
+    assert text.endswith("; let it finish, or give this run another checkpoint_dir") and "\n" not in text
+    assert refused.value.options == ("checkpoint_dir",)
     assert DirectoryLock(tmp_path / "ck", run="run A").acquire() == ""  # a worker of run A: held for it
     first.release()
     assert not (tmp_path / "ck").exists()  # made by the lock, left empty: removed

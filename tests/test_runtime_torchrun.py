@@ -109,6 +109,8 @@ def test_max_restarts_is_torchruns_own_under_torchrun(monkeypatch):
     for key, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
                            TORCHELASTIC_RUN_ID="job").items():
         monkeypatch.setenv(key, value)
-    with pytest.raises(ConfigError, match="under torchrun give torchrun its own --max-restarts"):
+    own = r"^max_restarts restarts the workers that pipetrain itself starts; under torchrun give torchrun its own"
+    with pytest.raises(ConfigError, match=own + r" limit \(torchrun's max-restarts option") as refused:
         refuse_restarts_here(TrainConfig(max_restarts=1))
+    assert refused.value.options == ("max_restarts", "checkpoint_dir")
     refuse_restarts_here(TrainConfig())

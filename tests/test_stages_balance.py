@@ -157,8 +157,9 @@ def test_auto_times_synchronous_schedules_and_counts_parameters_on_asynchronous_
     assert run.stage_choice.how == "parameter count" and run.staged.balance == [3, 3]
     run = prepare(config(factory, split_at=["4"]))
     assert run.stage_choice.how == "--split-at" and run.stage_choice.starts == [None, "4"]
-    with pytest.raises(ConfigError, match="--balance-by"):
+    with pytest.raises(ConfigError, match="unknown balance_by 'speed'") as refused:
         prepare(config(factory, balance_by="speed"))
+    assert refused.value.options == ("balance_by",)
 
 
 def test_dropout_and_tied_weights_keep_the_parameter_count_under_auto(factory):

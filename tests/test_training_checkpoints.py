@@ -89,7 +89,7 @@ def test_every_schedule_resumes_to_the_uninterrupted_parameters(tmp_path):
     assert [step for step, _ in list_checkpoints(tmp_path / "pb")] == [28, 30]
     assert (tmp_path / "shorter.txt").read_text() == (
         f"checkpoint {tmp_path / 'pb' / 'step-000030'} is at step 30, past the end of this run (20 steps): resume "
-        "with --steps 30 or more, or start afresh with another --checkpoint-dir")
+        "with steps=30 or more, or start afresh with another checkpoint_dir")
     text = (tmp_path / "longer.txt").read_text()
     assert "the checkpoint of step 9 holds microbatches [] of stage 0 in flight, where this run's program has [9, 10]" in text
     assert "a run of another length" in text
@@ -186,10 +186,10 @@ def test_extend_continues_a_finished_asynchronous_run_and_says_so(tmp_path, opti
     result = launch(_each, (runs,), nprocs=2, timeout=300, quiet=True)
     assert result.returncode == 0, result.message
     refused = (tmp_path / "refused.txt").read_text()
-    assert "a run of another length" in refused and "--extend (fit(extend=True))" in refused
+    assert "a run of another length (steps / epochs)" in refused and "by turning on extend, which drains" in refused
     assert (tmp_path / "without.txt").read_text() == (
-        f"checkpoint {tmp_path / 'ck' / 'step-000010'} is of a run extended with --extend (its pipeline drained "
-        "after update 6): resume it with --extend too")
+        f"checkpoint {tmp_path / 'ck' / 'step-000010'} is of a run extended with extend (its pipeline drained "
+        "after update 6): to resume it, turn on extend too")
     data = json.loads((tmp_path / "extended.json").read_text())["data"]
     assert data.endswith(f"; extends the run of {tmp_path / 'ck' / 'step-000006'}: its pipeline drained after update "
                          "6, so this is not the uninterrupted 10-update run"), data

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.errors import ConfigError, PipetrainError, option
 from pipetrain.paths import WEIGHTS_INDEX as INDEX
 from pipetrain.paths import WEIGHTS_SINGLE as SINGLE
 from pipetrain.paths import is_weights_dir
@@ -172,8 +172,8 @@ class WeightsDir:
             files = self._read_index()
         else:
             raise ConfigError(
-                f"weights {str(path)!r}: no such directory; give a directory written by --save DIR (or a "
-                f"HuggingFace save_pretrained directory) holding {INDEX} or {SINGLE}"
+                f"weights {str(path)!r}: no such directory; give a directory written by {option('save', 'DIR')} "
+                f"(or a HuggingFace save_pretrained directory) holding {INDEX} or {SINGLE}"
             )
         self.file_of: dict[str, str] = {}
         for name, keys in files.items():
@@ -188,7 +188,7 @@ class WeightsDir:
                 return {SINGLE: None}
             raise ConfigError(
                 f"weights directory {str(self.root)!r} holds neither {INDEX} nor {SINGLE}: it was not written by "
-                f"--save DIR or save_pretrained (a directory of .pt files is not a weights directory)"
+                f"{option('save', 'DIR')} or save_pretrained (a directory of .pt files is not a weights directory)"
             )
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]

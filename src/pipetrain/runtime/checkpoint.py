@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, Iterable, Mapping
 
 import torch
 
+from pipetrain.errors import option
 from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError, CheckpointPeerError
 
 __all__ = [
@@ -386,7 +387,7 @@ class Checkpoint:
                 f"checkpoint {self.path}: {name} holds tensors without data, on PyTorch's 'meta' device ({shown}), "
                 "which cannot be mapped onto this run's device or any other: it was written from weights that were "
                 "never materialised (a model built under torch.device('meta')). Resume from another checkpoint, or "
-                "start afresh with another --checkpoint-dir"
+                f"start afresh with another {option('checkpoint_dir')}"
             )
         return state
 

@@ -35,14 +35,14 @@ from typing import Any, Callable, MutableMapping
 
 import torch.distributed as dist
 
-from pipetrain.errors import NonFiniteError, PipetrainError
+from pipetrain.errors import NonFiniteError, PipetrainError, option
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.interpreter import Interpreter
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.tied import TiedGradients
 from pipetrain.execution.losses import UnitLosses
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
-from pipetrain.runtime.errors import CommunicationError, DataWorkerLost
+from pipetrain.runtime.errors import CheckpointMismatchError, CommunicationError, DataWorkerLost
 from pipetrain.runtime.p2p import Messenger
 from pipetrain.runtime.transport import DistributedTransport
 from pipetrain.schedule.messages import Messages
@@ -354,8 +354,6 @@ def _check_in_flight(state: dict[str, Any], forwards: list[Action], rank: int, s
     """Refuse a checkpoint whose forwards in flight are not those this run's program has at the
     cut: it was written by a run of another length, whose programs end differently (an
     asynchronous schedule drains its pipeline at the end)."""
-    from pipetrain.runtime.errors import CheckpointMismatchError
-
     for stage, saved in state["stages"].items():
         held = sorted(record["microbatch"] for record in saved["in_flight"])
         expected = sorted(action.microbatch for action in forwards if action.stage == stage)
@@ -363,9 +361,9 @@ def _check_in_flight(state: dict[str, Any], forwards: list[Action], rank: int, s
             raise CheckpointMismatchError(
                 f"rank {rank}: the checkpoint of step {step} holds microbatches {held} of stage {stage} in "
                 f"flight, where this run's program has {expected}: it was written by a run of another length "
-                "(--steps / --epochs), whose pipeline drains at a different point; resume with the length it was "
-                "written with, or continue that run for more updates with --extend (fit(extend=True)), which drains "
-                "the pipeline where that run ended"
+                f"({option('steps')} / {option('epochs')}), whose pipeline drains at a different point; resume with "
+                f"the length it was written with, or continue that run for more updates by turning on "
+                f"{option('extend')}, which drains the pipeline where that run ended"
             )
 
 

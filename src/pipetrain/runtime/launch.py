@@ -125,7 +125,7 @@ def init_distributed(backend: str = "gloo", timeout: float = 300.0) -> DistEnv:
         return env
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise LaunchError("backend 'nccl' needs CUDA GPUs; use --backend gloo on CPU")
+            raise LaunchError("backend 'nccl' needs CUDA GPUs; use backend='gloo' on CPU")
         torch.cuda.set_device(env.local_rank)
     elif backend != "gloo":
         raise LaunchError(f"unknown backend {backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")

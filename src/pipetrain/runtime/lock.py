@@ -27,6 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from pipetrain.errors import option
 from pipetrain.runtime.errors import CheckpointError
 
 __all__ = ["LOCK", "RUN_ID", "DirectoryLock", "run_identity", "new_run_identity"]
@@ -137,7 +138,7 @@ class DirectoryLock:
     def _refusal(self, holder: dict[str, Any]) -> str:
         who = _describe(holder) if holder else "a run that is starting (its identity is not written yet)"
         return (f"checkpoint directory {self.directory} is in use by another run ({who}); let it finish, or give "
-                "this run another --checkpoint-dir")
+                f"this run another {option('checkpoint_dir')}")
 
 
 def _command() -> str:

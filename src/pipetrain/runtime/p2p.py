@@ -10,7 +10,7 @@ from typing import Any, Protocol, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import PipetrainError, option
 from pipetrain.runtime import wire
 from pipetrain.structure import Structure, flatten
 from pipetrain.runtime.errors import (
@@ -225,7 +225,7 @@ class Messenger:
             exc = PeerTimeoutError(
                 f"rank {self.rank} timed out after {timeout:g} s waiting for {what}: {other} "
                 "hangs, is slower than the timeout, or its program never reaches the matching "
-                "action (raise --timeout only if it is merely slow)"
+                f"action (raise {option('timeout')} only if it is merely slow)"
             )
         elif "closed" in low or "reset" in low or "broken pipe" in low or "connection" in low:
             exc = PeerLostError(

@@ -29,6 +29,7 @@ import time
 import uuid
 from typing import Any
 
+from pipetrain.errors import option
 from pipetrain.runtime.errors import JoinError
 
 __all__ = ["GENERATION", "generation", "run_store", "agree", "loopback_listener", "loopback_interface",
@@ -70,7 +71,7 @@ def agree(store: Any, rank: int, world_size: int, timeout: float) -> str:
                 raise JoinError(
                     f"rank 0 waited {time.monotonic() - started:.1f} s for the other workers to join; rank(s) "
                     f"{', '.join(map(str, waiting))} did not come (not started, or dead); check that every worker "
-                    "started, or raise --timeout if they start this late"
+                    f"started, or raise {option('timeout')} if they start this late"
                 )
             time.sleep(_POLL)
         # cleared, not deleted: a rank that found the key a moment ago reads it next, and a get of a
@@ -91,7 +92,7 @@ def agree(store: Any, rank: int, world_size: int, timeout: float) -> str:
             raise JoinError(
                 f"rank {rank} waited {time.monotonic() - started:.1f} s for rank 0 to start the run"
                 + ("" if registered is None else " (it named a start that never began: a dead one's?)")
-                + "; check that every worker started, or raise --timeout if they start this late"
+                + f"; check that every worker started, or raise {option('timeout')} if they start this late"
             )
         time.sleep(_POLL)
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import PipetrainError, option
 
 __all__ = ["LaunchResult", "run_workers", "describe_exit", "EXIT_USER_ERROR", "EXIT_PEER_FAILURE",
            "restartable"]
@@ -91,7 +91,7 @@ def run_workers(
     if nprocs < 1:
         raise PipetrainError(f"need at least one worker, got {nprocs}")
     if threads_per_worker < 1:
-        raise PipetrainError(f"--threads-per-worker must be at least 1, got {threads_per_worker}")
+        raise PipetrainError(f"{option('threads_per_worker')} must be at least 1, got {threads_per_worker}")
 
     def say(text: str) -> None:
         if not quiet:

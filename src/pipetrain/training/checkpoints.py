@@ -19,7 +19,7 @@ import itertools
 import math
 from typing import Any
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 
 __all__ = ["Checkpoints", "Resumed", "DEFAULT_KEEP", "DEFAULT_CHECKPOINTS", "checkpoint_period", "rank_file", "chain",
            "claim_directory"]
@@ -91,9 +91,10 @@ class Checkpoints:
         config = run.config
         self.directory = config.checkpoint_dir
         if config.checkpoint_every and not self.directory:
-            raise ConfigError("--checkpoint-every needs --checkpoint-dir DIR")
+            raise ConfigError(f"{option('checkpoint_every')} needs {option('checkpoint_dir', 'DIR')}")
         if config.resume is True and not self.directory:
-            raise ConfigError("--resume needs --checkpoint-dir DIR (or name a checkpoint: --resume DIR/step-N)")
+            raise ConfigError(f"{option('resume')} needs {option('checkpoint_dir', 'DIR')} (or name a checkpoint: "
+                              f"{option('resume', 'DIR/step-N')})")
         self.every = checkpoint_period(run)
         self.keep = config.keep
         self.serial = next(_runs)
@@ -193,8 +194,8 @@ class Checkpoints:
             if checkpoint.step > run.updates:
                 raise ConfigError(
                     f"checkpoint {checkpoint.path} is at step {checkpoint.step}, past the end of this run "
-                    f"({run.updates} steps): resume with --steps {checkpoint.step} or more, or start afresh "
-                    "with another --checkpoint-dir"
+                    f"({run.updates} steps): resume with {option('steps', checkpoint.step)} or more, or start "
+                    f"afresh with another {option('checkpoint_dir')}"
                 )
             self._check_drains(checkpoint)
             where = "the end" if checkpoint.step == run.updates else f"step {checkpoint.step} of {run.updates}"
@@ -211,13 +212,13 @@ class Checkpoints:
         old = int(checkpoint.meta.get("updates", checkpoint.step))
         if config.extend and old > run.updates:
             raise ConfigError(
-                f"--extend continues a run for more updates, and checkpoint {checkpoint.path} is of a run of {old} "
-                f"updates, more than this one's {run.updates}: give --steps {old} or more"
+                f"{option('extend')} continues a run for more updates, and checkpoint {checkpoint.path} is of a run "
+                f"of {old} updates, more than this one's {run.updates}: give {option('steps', old)} or more"
             )
         if drained and not config.extend and list(run.drains) != drained:
             raise ConfigError(
-                f"checkpoint {checkpoint.path} is of a run extended with --extend (its pipeline drained after update "
-                f"{', '.join(map(str, drained))}): resume it with --extend too"
+                f"checkpoint {checkpoint.path} is of a run extended with {option('extend')} (its pipeline drained "
+                f"after update {', '.join(map(str, drained))}): to resume it, turn on {option('extend')} too"
             )
         expected = drained + ([old] if config.extend and old < run.updates else [])
         if config.extend and list(run.drains) != expected and run.schedule.is_asynchronous():

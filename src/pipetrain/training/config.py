@@ -34,10 +34,12 @@ def _optimizer(args: argparse.Namespace) -> str:
 
     spec = parse_optimizer_spec(args.optimizer)
     if spec.name != "sgd":
-        raise ConfigError("--translate-from-batch translates SGD hyper-parameters; use an sgd:... --optimizer")
+        raise ConfigError(f"{option_name('translate_from_batch')} translates SGD hyper-parameters; give an sgd:... "
+                          f"{option_name('optimizer')}")
     options = dict(spec.options)
     if args.batch_size != 1:
-        raise ConfigError("--translate-from-batch translates to batch size 1: use it with --batch-size 1")
+        raise ConfigError(f"{option_name('translate_from_batch')} translates to batch size 1: use it with "
+                          f"{option_name('batch_size', 1)}")
     translated = translate_hyperparameters(
         args.translate_from_batch, float(options.get("lr", 1e-3)), float(options.get("momentum", 0.0)),
         float(options.get("weight_decay", 0.0)),

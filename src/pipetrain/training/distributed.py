@@ -28,7 +28,7 @@ import time
 from dataclasses import replace
 from typing import Any, Iterator
 
-from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.errors import ConfigError, PipetrainError, option
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.result import TrainResult, loss_scale_report, scale_payload
 
@@ -105,8 +105,9 @@ def refuse_restarts_here(config: TrainConfig) -> None:
     env = detect()
     if config.max_restarts and env is not None and env.launcher != "pipetrain":
         raise ConfigError(
-            "--max-restarts (max_restarts=) restarts the workers that pipetrain itself starts; under torchrun "
-            "give torchrun its own --max-restarts (a restarted run resumes from --checkpoint-dir by itself)"
+            f"{option('max_restarts')} restarts the workers that pipetrain itself starts; under torchrun give "
+            f"torchrun its own limit (torchrun's max-restarts option; a restarted run resumes from "
+            f"{option('checkpoint_dir')} by itself)"
         )
 
 
@@ -159,7 +160,8 @@ class RankSetup:
                 f"{env.world_size} workers were started but the {schedule.name} schedule with "
                 f"{len(run.staged.stages)} stages"
                 f"{' and replicas ' + str(schedule.replicas) if any(r > 1 for r in schedule.replicas) else ''} "
-                f"uses {schedule.num_ranks}; start {schedule.num_ranks} workers or change --stages/--replicas"
+                f"uses {schedule.num_ranks}; start {schedule.num_ranks} workers or change {option('stages')}/"
+                f"{option('replicas')}"
             )
         self.run, self.env, self.rank = run, env, env.rank
         rank = env.rank

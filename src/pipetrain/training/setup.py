@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.schedule.drains import drained
@@ -219,7 +219,8 @@ class Run:
 def _stage_count(config: TrainConfig, name: str) -> int:
     if config.replicas:
         if config.stages is not None and config.stages != len(config.replicas):
-            raise ConfigError(f"--replicas gives {len(config.replicas)} stages but --stages is {config.stages}")
+            raise ConfigError(f"{option('replicas', config.replicas)} gives {len(config.replicas)} stages but "
+                              f"{option('stages', config.stages)}")
         stages = len(config.replicas)
     elif config.stages is not None:
         stages = config.stages
@@ -234,9 +235,9 @@ def _stage_count(config: TrainConfig, name: str) -> int:
     workers = (sum(config.replicas) if config.replicas else stages)
     if config.workers is not None and config.workers != workers:
         raise ConfigError(
-            f"--workers {config.workers} does not match the plan: {stages} stages"
+            f"{option('workers', config.workers)} does not match the plan: {stages} stages"
             + (f" with replicas {config.replicas}" if config.replicas else "")
-            + f" use {workers} workers; change --workers or --stages/--replicas"
+            + f" use {workers} workers; change {option('workers')} or {option('stages')}/{option('replicas')}"
         )
     return stages
 
@@ -272,7 +273,7 @@ def plan_recompute(plan: dict) -> str:
 def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: int) -> None:
     """Refuse --eval-every/--checkpoint-every values whose pauses would split an update that the
     replicas of a stage make together (asynchronous schedules with replicas)."""
-    every = {"--eval-every": config.eval_every, "--checkpoint-every": config.checkpoint_every}
+    every = {"eval_every": config.eval_every, "checkpoint_every": config.checkpoint_every}
     if not any(every.values()) or all(len(ranks) < 2 for ranks in schedule.stage_ranks):
         return
     from pipetrain.schedule.cuts import split_counts
@@ -282,12 +283,12 @@ def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: 
     def fits(period: int) -> bool:
         return all(step * units not in split for step in range(period, updates, period))
 
-    for flag, period in every.items():
+    for name, period in every.items():
         if period and not fits(period):
             better = next(p for p in range(period + 1, updates + 1) if fits(p))
             raise ConfigError(
-                f"{flag} {period} would pause the run in the middle of an update that the replicas of a stage "
-                f"make together (replicas {list(schedule.replicas)}); use for example {flag} {better}"
+                f"{option(name, period)} would pause the run in the middle of an update that the replicas of a "
+                f"stage make together (replicas {list(schedule.replicas)}); use for example {option(name, better)}"
             )
 
 
@@ -309,7 +310,7 @@ def _balance_by(config: TrainConfig, name: str, model: nn.Module, pieces: int) -
     set by the cut (unless only the first and the last unit use them). There it keeps the
     deterministic parameter count, so that two runs (or the emulator and the runtime) cut alike."""
     if config.balance_by not in BALANCE_BY:
-        raise ConfigError(f"unknown --balance-by {config.balance_by!r}; choose auto, time or params")
+        raise ConfigError(f"unknown {option('balance_by')} {config.balance_by!r}; choose auto, time or params")
     if config.balance_by != "auto":
         return config.balance_by, ""
     if name in ASYNCHRONOUS:
@@ -490,9 +491,9 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
     if config.executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
     if config.dtype is not None and config.dtype not in _DTYPES:
-        raise ConfigError(f"unknown --dtype {config.dtype!r}; choose float32 or float64")
+        raise ConfigError(f"unknown {option('dtype')} {config.dtype!r}; choose float32 or float64")
     if config.batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {config.batch_size}")
+        raise ConfigError(f"{option('batch_size')} must be at least 1, got {config.batch_size}")
     stages = _stage_count(config, name)
 
     resolve_workers(config.data_workers)  # a bad data_workers fails before the data loads
@@ -507,13 +508,14 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
         model = model.to(_DTYPES[config.dtype])
     dtype = _DTYPES[config.dtype] if config.dtype is not None else _model_dtype(model)
     if config.precision != "fp32" and dtype != torch.float32:
-        raise ConfigError(f"--precision {config.precision} autocasts a float32 model (its master weights), not a "
-                          f"{str(dtype).replace('torch.', '')} one: use a float32 model or --precision fp32")
+        raise ConfigError(f"{option('precision', config.precision)} autocasts a float32 model (its master weights), "
+                          f"not a {str(dtype).replace('torch.', '')} one: use a float32 model or "
+                          f"{option('precision', 'fp32')}")
     init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
 
     pieces = stages * (config.chunks if name == "interleaved" else 1)
     if config.chunks != 1 and name != "interleaved":
-        raise ConfigError(f"--chunks applies to the interleaved schedule only, not to {name}")
+        raise ConfigError(f"{option('chunks')} applies to the interleaved schedule only, not to {name}")
     if parts.staged is not None:
         staged = parts.staged
         from pipetrain.stages import StageChoice
@@ -537,20 +539,21 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
     asynchronous = name in ASYNCHRONOUS and name != "2bw"
     units = _units_per_update(config, name)
     if units < 1:
-        raise ConfigError(f"--microbatches must be at least 1, got {units}")
+        raise ConfigError(f"{option('microbatches')} must be at least 1, got {units}")
     layout = UnitLayout(config.batch_size, units)
     if isinstance(train_set, DataLoader):
         sampler = LoaderBatches(train_set, seed=config.seed, dtype=dtype, batch_size=config.batch_size)
     else:
         sampler = BatchSampler(train_set, config.batch_size, seed=config.seed, shuffle=config.shuffle)
     if config.steps is not None and config.epochs is not None:
-        raise ConfigError("give either --steps or --epochs, not both")
+        raise ConfigError(f"give either {option('steps')} or {option('epochs')}, not both")
     if config.steps is not None:
         updates = config.steps
     else:
         updates = sampler.steps_for_epochs(config.epochs if config.epochs is not None else 1.0)
     if updates < 1:
-        raise ConfigError(f"the run must make at least one update; got {updates} (--steps / --epochs)")
+        raise ConfigError(f"the run must make at least one update; got {updates} ({option('steps')} / "
+                          f"{option('epochs')})")
 
     compensation = (config.compensation or "none").replace(" ", "")
     policy = config.policy
@@ -564,7 +567,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
             fixed = -(-updates * units // group) * group // units
             raise ConfigError(
                 f"with replicas {config.replicas} the {name} units ({updates} steps x {units}) must divide evenly "
-                f"among the replicas of every stage (a multiple of {group}); use --steps {fixed}"
+                f"among the replicas of every stage (a multiple of {group}); use {option('steps', fixed)}"
             )
 
     def schedule_of(count: int) -> Schedule:
@@ -623,9 +626,10 @@ def _initialiser(model: nn.Module, init: Any):
         check_against(resolved.weights, model)
     elif not meta:
         raise ConfigError(
-            f"init={init if isinstance(init, str) else resolved.describe()!r} gives the first values of a model built on "
-            f"the meta device, but this model has values already: build it under torch.device('meta') (on the "
-            f"command line --init meta), or drop init to train it as it is"
+            f"{option('init', init if isinstance(init, str) else resolved.describe())} gives the first values of a "
+            f"model built on the meta device, but this model has values already: build it under "
+            f"torch.device('meta') (on the command line: `pipetrain train --init meta`), or drop {option('init')} to "
+            f"train it as it is"
         )
     return resolved, meta
 
@@ -641,9 +645,9 @@ def _check_batch_size(config: TrainConfig, train_set: Any) -> None:
         return
     if config.batch_size > samples:
         raise ConfigError(
-            f"--batch-size {config.batch_size} is more than the {samples} training samples: every update would read "
-            f"the data {config.batch_size / samples:.3g} times over, holding each sample more than once; use "
-            f"--batch-size {samples} or less, or more data"
+            f"{option('batch_size', config.batch_size)} is more than the {samples} training samples: every update "
+            f"would read the data {config.batch_size / samples:.3g} times over, holding each sample more than once; "
+            f"use {option('batch_size', samples)} or less, or more data"
         )
 
 

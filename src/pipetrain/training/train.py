@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
-from pipetrain.errors import PipetrainError
+from pipetrain.errors import PipetrainError, option
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
 from pipetrain.training.result import TrainResult
@@ -38,7 +38,8 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
         if config.checkpoint_dir or config.resume or config.checkpoint_every:
             from pipetrain.errors import ConfigError
 
-            raise ConfigError("checkpoints are written by the distributed runtime: use --executor distributed")
+            raise ConfigError(f"checkpoints are written by the distributed runtime: use "
+                              f"{option('executor', 'distributed')}")
         import torch
 
         from pipetrain.training.emulated import train_emulated
@@ -85,39 +86,40 @@ def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None
         if not is_weights_dir(config.save):
             from pipetrain.training.outputs import save_state_dict
 
-            with _writing("--save", config.save, _weights_kept(config, result)):
+            with _writing("save", config.save, _weights_kept(config, result)):
                 save_state_dict(run.model.state_dict() if state_dict is None else state_dict, config.save)
         elif config.executor == "emulate":
             from pipetrain.training.outputs import weight_writers, write_rank_shard, write_weights_index
 
             modules = dict(enumerate(run.staged.stages))
-            with _writing("--save", config.save, _weights_kept(config, result)):
+            with _writing("save", config.save, _weights_kept(config, result)):
                 write_weights_index(run, [write_rank_shard(run, rank, modules) for rank in weight_writers(run)])
     if config.report_json:
-        with _writing("--report-json", config.report_json):
+        with _writing("report_json", config.report_json):
             result.write_report(config.report_json)
     if config.trace and result.timeline is not None:
         from pipetrain.schedule.trace import write_trace
         from pipetrain.training.timelines import simulated_counterpart
 
-        with _writing("--trace", config.trace):
+        with _writing("trace", config.trace):
             write_trace(config.trace, result.timeline, simulated_counterpart(result.timeline),
                         names=[f"{result.schedule} measured", f"{result.schedule} simulated"])
     if config.plot and result.timeline is not None:
         from pipetrain.training.timelines import plot_measured_and_simulated
 
-        with _writing("--plot", config.plot):
+        with _writing("plot", config.plot):
             plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})",
                                         units_per_update=result.extra.get("units_per_update", 1))
 
 
 @contextlib.contextmanager
-def _writing(option: str, path: str, then: str = "") -> Iterator[None]:
-    """An output's ``OSError`` as one line: ``cannot write --save PATH: No space left on device``."""
+def _writing(field: str, path: str, then: str = "") -> Iterator[None]:
+    """An output's ``OSError`` as one line: ``cannot write --save PATH: No space left on device``
+    (``field``: the option that names the output)."""
     try:
         yield
     except OSError as error:
-        raise PipetrainError(f"cannot write {option} {path}: {error.strerror or error}{then}") from None
+        raise PipetrainError(f"cannot write {option(field, path)}: {error.strerror or error}{then}") from None
 
 
 def _weights_kept(config: TrainConfig, result: TrainResult) -> str:
@@ -129,7 +131,7 @@ def _weights_kept(config: TrainConfig, result: TrainResult) -> str:
         try:
             open_checkpoint(last, verify=False)
             return (f"; the trained weights are kept in the run's last checkpoint, {last}: the same command, run "
-                    "again with space free, resumes there and writes --save")
+                    f"again with space free, resumes there and writes {option('save')}")
         except CheckpointError:
             pass
     return "; the trained weights were not written anywhere else"

@@ -95,8 +95,8 @@ def check_execution(config: TrainConfig) -> None:
     if config.precision == "fp16":
         loss_scale_of(config)
     if config.precision != "fp32" and config.dtype == "float64":
-        raise ConfigError(f"{option('precision')} {config.precision} keeps float32 master weights: drop "
-                          f"{option('dtype')} float64")
+        raise ConfigError(f"{option('precision', config.precision)} keeps float32 master weights: drop "
+                          f"{option('dtype', 'float64')}")
 
 
 def loss_scale_of(config: TrainConfig):
@@ -197,24 +197,24 @@ def _check_init(config: TrainConfig) -> None:
     if os.path.isfile(path) and path.endswith(".safetensors"):
         return
     if not os.path.isdir(path):
-        raise ConfigError(f"{option('init')} {path!r}: no such directory; name a directory written by "
-                          f"{option('save')} DIR or save_pretrained")
+        raise ConfigError(f"{option('init', path)}: no such directory; name a directory written by "
+                          f"{option('save', 'DIR')} or save_pretrained")
     if not any(os.path.isfile(os.path.join(path, name)) for name in (WEIGHTS_INDEX, WEIGHTS_SINGLE)):
-        raise ConfigError(f"{option('init')} {path!r} holds neither {WEIGHTS_INDEX} nor {WEIGHTS_SINGLE}: it is not "
-                          f"a weights directory (written by {option('save')} DIR or save_pretrained)")
+        raise ConfigError(f"{option('init', path)} holds neither {WEIGHTS_INDEX} nor {WEIGHTS_SINGLE}: it is not "
+                          f"a weights directory (written by {option('save', 'DIR')} or save_pretrained)")
 
 
 def _check_checkpoints(config: TrainConfig) -> None:
     if config.executor == "emulate" and (config.checkpoint_dir or config.resume or config.checkpoint_every):
-        raise ConfigError(f"checkpoints are written by the distributed runtime: use {option('executor')} distributed")
+        raise ConfigError(f"checkpoints are written by the distributed runtime: use {option('executor', 'distributed')}")
     if config.checkpoint_every and not config.checkpoint_dir:
-        raise ConfigError(f"{option('checkpoint_every')} needs {option('checkpoint_dir')} DIR")
+        raise ConfigError(f"{option('checkpoint_every')} needs {option('checkpoint_dir', 'DIR')}")
     if config.resume is True and not config.checkpoint_dir:
-        raise ConfigError(f"{option('resume')} needs {option('checkpoint_dir')} DIR (or name a checkpoint: "
-                          f"{option('resume')} DIR/step-N)")
+        raise ConfigError(f"{option('resume')} needs {option('checkpoint_dir', 'DIR')} (or name a checkpoint: "
+                          f"{option('resume', 'DIR/step-N')})")
     if config.extend and not (config.checkpoint_dir or config.resume):
-        raise ConfigError(f"{option('extend')} continues the run of a checkpoint: give {option('checkpoint_dir')} DIR "
-                          f"(or {option('resume')} DIR/step-N)")
+        raise ConfigError(f"{option('extend')} continues the run of a checkpoint: give "
+                          f"{option('checkpoint_dir', 'DIR')} (or {option('resume', 'DIR/step-N')})")
     if config.max_restarts and config.executor == "emulate":
         raise ConfigError(f"{option('max_restarts')} restarts the workers of the distributed runtime: use "
-                          f"{option('executor')} distributed")
+                          f"{option('executor', 'distributed')}")
