@@ -143,7 +143,7 @@ def test_skip_keeps_the_weights_and_the_optimizer_state_of_an_update_whose_gradi
 
 def test_skip_stops_after_too_many_updates_in_a_row():
     from pipetrain.errors import NonFiniteError
-    from pipetrain.execution.stage import SKIP_LIMIT
+    from pipetrain.execution.nonfinite import SKIP_LIMIT
 
     executor = StageExecutor(0, _module(), SGD(lr=0.1), nonfinite="skip")
     (x, _), = _batches(1)
@@ -172,7 +172,7 @@ def test_write_back_refuses_weights_that_are_not_finite():
 
 
 def test_all_finite_reads_once_and_is_not_fooled_by_an_overflowing_sum():
-    from pipetrain.execution.stage import all_finite
+    from pipetrain.execution.nonfinite import all_finite
 
     big = torch.full((4,), 3e38)
     assert all_finite([big, big])  # the sum overflows to inf, every value is finite

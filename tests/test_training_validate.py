@@ -15,7 +15,7 @@ from pipetrain.training.validate import BALANCE_BY, DATA_NAMES, EXECUTORS, MODEL
 
 def test_the_names_known_without_pytorch_are_those_of_the_registries():
     from pipetrain.data import DATASETS
-    from pipetrain.execution.stage import NONFINITE as executor_modes
+    from pipetrain.execution.nonfinite import NONFINITE as executor_modes
     from pipetrain.models import MODELS
     from pipetrain.training.setup import BALANCE_BY as setup_balance_by
     from pipetrain.training.setup import EXECUTORS as setup_executors

@@ -122,7 +122,7 @@ class StageError(PipetrainError):
 
     ``stage`` is where it was seen; ``step`` the update (counted from 1) when known, else
     ``microbatch`` names the unit (the executor that runs the schedule knows which update that
-    unit belongs to and says so in the message it re-raises, :func:`pipetrain.execution.stage.located`).
+    unit belongs to and says so in the message it re-raises, :func:`pipetrain.execution.failures.located`).
     """
 
     def __init__(self, message: str, *, stage: int | None = None, step: int | None = None,

@@ -131,7 +131,7 @@ class Pipeline:
             count = None if config.balance or config.split_at else (config.stages or 2) * pieces_per_rank
             self.staged = split_model(model, stages=count, balance=config.balance, split_at=config.split_at,
                                       leaf_modules=leaf_modules, concrete_args=concrete_args)
-            how = ("--plan" if config.plan else f"balance={config.balance}" if config.balance
+            how = (f"plan={config.plan!r}" if config.plan else f"balance={config.balance}" if config.balance
                    else f"split_at={config.split_at}" if config.split_at else "parameter count")
         self.model = model
         self._config = dataclasses.replace(

@@ -24,7 +24,8 @@ import torch
 from pipetrain.errors import PipetrainError, StageError
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.losses import UnitLosses
-from pipetrain.execution.stage import StageExecutor, located
+from pipetrain.execution.failures import located
+from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action

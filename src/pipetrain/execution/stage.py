@@ -23,22 +23,21 @@ from torch import Tensor, nn
 from pipetrain.execution.accumulation import GradientSums
 from pipetrain.execution.device import autocast_on, to_device
 from pipetrain.execution.evaluation import evaluate_stage
-from pipetrain.execution.failures import computed_loss, forward_errors, located
+from pipetrain.execution.failures import computed_loss, forward_errors
 from pipetrain.execution.parameters import INCONSISTENT as _INCONSISTENT
 from pipetrain.execution.parameters import Parameters, SavedParameters
 from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, constants_of, forward_inputs
 from pipetrain.execution.leaves import ForwardLeaves
-from pipetrain.execution.nonfinite import NONFINITE, SKIP_LIMIT, NonFiniteGuard, all_finite
-from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC  # noqa: F401 - training.setup reads it here
+from pipetrain.execution.nonfinite import NonFiniteGuard
 from pipetrain.execution.recompute import Recomputation, is_stochastic, microbatch_seed
-from pipetrain.execution.scaling import LossScale, StageScale, as_tuple
+from pipetrain.execution.scaling import LossScale, StageScale
 from pipetrain.execution.snapshot import restore_stage, stage_snapshot
 from pipetrain.execution.update import apply_update
 from pipetrain.execution.update_in_backward import fused_update
 from pipetrain.execution.versions import VersionStore
 from pipetrain.structure import flatten
 
-__all__ = ["StageExecutor", "Gradients", "as_tuple", "NONFINITE", "SKIP_LIMIT", "all_finite", "located"]
+__all__ = ["StageExecutor"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -315,7 +315,7 @@ def _balance_by(config: TrainConfig, name: str, model: nn.Module, pieces: int) -
         return config.balance_by, ""
     if name in ASYNCHRONOUS:
         return "params", f"{name}: the cut sets each stage's delay; --balance-by time to time it"
-    from pipetrain.execution.stage import _STOCHASTIC
+    from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC
 
     if any(isinstance(m, _STOCHASTIC) and m.p > 0 and m.training for m in model.modules()):
         return "params", "dropout masks depend on the cut; --balance-by time to time it"

@@ -26,7 +26,7 @@ __all__ = ["check_config", "check_execution", "read_plan", "DEVICES", "BALANCE_B
 MODEL_NAMES = ("gpt", "mlp", "resmlp", "resnet-gn", "resnet-gn-skip")
 DATA_NAMES = ("digits", "synthetic", "text")
 EXECUTORS = ("distributed", "emulate")
-#: ``pipetrain.execution.stage.NONFINITE`` (a test keeps them equal)
+#: ``pipetrain.execution.nonfinite.NONFINITE`` (a test keeps them equal)
 NONFINITE = ("stop", "skip", "off")
 #: ``pipetrain.training.setup.BALANCE_BY`` (a test keeps them equal)
 BALANCE_BY = ("auto", "time", "params")
