@@ -15,6 +15,7 @@ from torch import nn
 
 import api_script
 from pipetrain import Pipeline, PipetrainError
+from pipetrain.errors import ConfigError
 from pipetrain.training.callbacks import Callback
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "api_script.py")
@@ -233,6 +234,15 @@ def test_the_heading_says_how_pipeline_cut_the_model():
     pipe = Pipeline([nn.Linear(4, 8), nn.Linear(8, 2)], executor="emulate", microbatches=1)
     pipe.start(steps=1, batch_size=2)
     assert pipe._run.stage_choice.heading() == "stages given by stage modules"
+
+
+def test_a_stage_count_beside_a_given_cut_must_agree_with_it():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(ConfigError, match=r"^stages=3 disagrees with the 2 stages of balance; drop one of them$"):
+        Pipeline(model, stages=3, balance=[2, 1], executor="emulate")
+    with pytest.raises(ConfigError, match=r"^stages=3 disagrees with the 2 stages of split_at; drop one of them$"):
+        Pipeline(model, stages=3, split_at=["2"], executor="emulate")
+    assert len(Pipeline(model, stages=2, balance=[2, 1], executor="emulate").staged.stages) == 2
 
 
 def test_the_emulator_gives_the_callers_thread_count_back():

@@ -128,7 +128,10 @@ class Pipeline:
             self.staged = split_model(list(model))
             how = "stage modules"
         else:
-            count = None if config.balance or config.split_at else (config.stages or 2) * pieces_per_rank
+            if config.stages is not None:  # beside balance or split_at it must agree with them
+                count = config.stages * pieces_per_rank
+            else:
+                count = None if config.balance or config.split_at else 2 * pieces_per_rank
             self.staged = split_model(model, stages=count, balance=config.balance, split_at=config.split_at,
                                       leaf_modules=leaf_modules, concrete_args=concrete_args)
             how = (f"plan={config.plan!r}" if config.plan else f"balance={config.balance}" if config.balance
