@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -80,6 +81,23 @@ def test_gpt2_units_cut_and_saved_weights_load_into_the_hf_class():
     fresh = transformers.GPT2LMHeadModel(model.config)
     fresh.load_state_dict(merged, strict=True)
     assert fresh.lm_head.weight is fresh.transformer.wte.weight
+
+
+def test_a_gpt2_built_by_the_user_is_told_how_to_cut_it_and_trains_that_way():
+    from pipetrain.errors import ConfigError
+    from pipetrain.models import CrossEntropy
+    from pipetrain.models.hf import declare_units, gpt2_units
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=20,
+                                                                 n_positions=8))
+    with pytest.raises(ConfigError, match=r"For this HuggingFace model, declare its blocks as the units instead of "
+                                          r"tracing: pipetrain\.models\.hf\.declare_units\(model, gpt2_units\(model\)"):
+        split_model(model, stages=2)
+    declare_units(model, gpt2_units(model), loss=CrossEntropy(shift=1))
+    ids = torch.randint(0, 20, (16, 8), generator=torch.Generator().manual_seed(0))
+    result = Pipeline(model, stages=2, executor="emulate").fit([(row, row) for row in ids], batch_size=8, steps=1,
+                                                                progress=False, quiet=True)
+    assert result.updates == 1 and result.stages == 2 and math.isfinite(result.final_loss)
 
 
 def plain_hf_training(model, batches, microbatches):

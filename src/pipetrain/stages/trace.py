@@ -223,8 +223,24 @@ def _failure(model: nn.Module, tracer: _Tracer, error: Exception) -> str:
         f"Return a list of stage modules from your model factory (each called as stage(*inputs)), "
         f"or an nn.Sequential of its parts"
         + (f" (its top-level modules are {', '.join(children)})" if children else "")
-        + "; non-tensor forward arguments can be fixed with concrete_args"
+        + "; non-tensor forward arguments can be fixed with concrete_args" + _hf_hint(model)
     )
+
+
+#: HuggingFace classes whose blocks pipetrain.models declares (named here as text: stages sit below models)
+_HF_UNITS = {"GPT2LMHeadModel": "pipetrain.models.hf.gpt2_units", "BertForMaskedLM": "pipetrain.models.hf.bert_units",
+             "T5ForConditionalGeneration": "pipetrain.models.hf_seq2seq.t5_units",
+             "BartForConditionalGeneration": "pipetrain.models.hf_seq2seq.bart_units"}
+
+
+def _hf_hint(model: nn.Module) -> str:
+    """For a HuggingFace model whose forward does not trace: how to cut it at its blocks instead."""
+    units = _HF_UNITS.get(type(model).__name__)
+    if units is None or not type(model).__module__.startswith("transformers."):
+        return ""
+    return (f". For this HuggingFace model, declare its blocks as the units instead of tracing: "
+            f"pipetrain.models.hf.declare_units(model, {units.rpartition('.')[2]}(model), loss=...) with "
+            f"{units} (docs/models.md)")
 
 
 def trace_model(
