@@ -129,7 +129,11 @@ def test_worker_counts():
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ConfigError, match="data_workers must be an integer >= 0"):
             resolve_workers(bad)
-    assert describe_reading(Augmented(), 0) == "on the training thread (--data-workers 0)"
+    assert describe_reading(Augmented(), 0) == "on the training thread (data_workers=0)"
+    from pipetrain.errors import naming_options_as
+
+    with naming_options_as("flag"):  # the command line's data line names the flag
+        assert describe_reading(Augmented(), 0) == "on the training thread (--data-workers 0)"
     assert describe_reading(TensorDataset(torch.zeros(2, 1), torch.zeros(2)), 4).startswith("by index")
 
 

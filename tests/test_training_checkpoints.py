@@ -107,6 +107,19 @@ def test_the_default_period_is_a_tenth_of_the_run_and_fits_replicas():
     assert period(schedule="pipedream", stages=2, replicas=[2, 1], steps=30, checkpoint_dir="d") == 4
 
 
+def test_a_restart_without_checkpoints_says_it_trains_again_naming_the_option_as_the_user_does(capsys):
+    from pipetrain.errors import naming_options_as
+    from pipetrain.training.checkpoints import Checkpoints
+
+    run = prepare(TrainConfig(**dict(BASE, schedule="1f1b", stages=2, quiet=False)))
+    assert Checkpoints(run, 0, 2).resume_point(restart=1) is None
+    with naming_options_as("flag"):
+        assert Checkpoints(run, 0, 2).resume_point(restart=2) is None
+    assert capsys.readouterr().out.splitlines() == [
+        "restart 1 without checkpoint_dir: training again from step 0",
+        "restart 2 without --checkpoint-dir: training again from step 0"]
+
+
 def test_checkpoint_options_are_checked_before_any_work(tmp_path):
     from pipetrain.errors import naming_options_as
     from pipetrain.training.validate import check_config

@@ -8,7 +8,8 @@ import re
 from typing import Any, Iterator, Mapping
 
 __all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "StageError", "NonFiniteError",
-           "ModelError", "DataWorkerLost", "option", "options_named", "name_options", "naming_options_as"]
+           "ModelError", "DataWorkerLost", "option", "options_named", "name_options", "naming_options_as",
+           "written"]
 
 # -- options named in messages -----------------------------------------------------------------
 #
@@ -71,7 +72,9 @@ def naming_options_as(style: str) -> Iterator[None]:
             os.environ[_STYLE] = before
 
 
-def _written(text: str) -> str:
+def written(text: str) -> str:
+    """``text`` with the options it names (:func:`option`) written as this process names them: for
+    a line that is printed rather than raised (a :class:`PipetrainError` writes its own)."""
     style = os.environ.get(_STYLE, "keyword")
     names = _NAMES.get(style, _NAMES["keyword"])
 
@@ -97,7 +100,7 @@ class PipetrainError(Exception):
     exit_status = 2
 
     def __str__(self) -> str:
-        return _written(super().__str__())
+        return written(super().__str__())
 
     @property
     def options(self) -> tuple[str, ...]:

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipetrain.data.info import reads_by_index
 from pipetrain.data.updates import UpdateBatches, raise_failed
-from pipetrain.errors import ConfigError, option
+from pipetrain.errors import ConfigError, option, written
 
 __all__ = ["DatasetBatches", "DEFAULT_WORKERS", "resolve_workers", "describe_reading", "group_size"]
 
@@ -80,7 +80,7 @@ def describe_reading(dataset: Dataset, workers: int | None) -> str:
     workers = resolve_workers(workers)
     if workers:
         return f"sample by sample in {workers} DataLoader worker process{'es' * (workers > 1)}"
-    return "on the training thread (--data-workers 0)"
+    return written(f"on the training thread ({option('data_workers', 0)})")
 
 
 class DatasetBatches:

@@ -19,7 +19,7 @@ import itertools
 import math
 from typing import Any
 
-from pipetrain.errors import ConfigError, option
+from pipetrain.errors import ConfigError, option, written
 
 __all__ = ["Checkpoints", "Resumed", "DEFAULT_KEEP", "DEFAULT_CHECKPOINTS", "checkpoint_period", "rank_file", "chain",
            "claim_directory"]
@@ -119,7 +119,7 @@ class Checkpoints:
         named = self.run.config.resume
         if not named and not self.directory:
             if restart and self.rank == 0:
-                self._say(f"restart {restart} without --checkpoint-dir: training again from step 0")
+                self._say(written(f"restart {restart} without {option('checkpoint_dir')}: training again from step 0"))
             return None
         path = self._claim_and_choose() if self.rank == 0 else None
         if self.world_size > 1:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from pipetrain.errors import ConfigError, option
+from pipetrain.errors import ConfigError, option, written
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.schedule.drains import drained
@@ -314,14 +314,14 @@ def _balance_by(config: TrainConfig, name: str, model: nn.Module, pieces: int) -
     if config.balance_by != "auto":
         return config.balance_by, ""
     if name in ASYNCHRONOUS:
-        return "params", f"{name}: the cut sets each stage's delay; --balance-by time to time it"
+        return "params", written(f"{name}: the cut sets each stage's delay; {option('balance_by', 'time')} to time it")
     from pipetrain.execution.recompute import STOCHASTIC as _STOCHASTIC
 
     if any(isinstance(m, _STOCHASTIC) and m.p > 0 and m.training for m in model.modules()):
-        return "params", "dropout masks depend on the cut; --balance-by time to time it"
+        return "params", written(f"dropout masks depend on the cut; {option('balance_by', 'time')} to time it")
     params = [p for _, p in model.named_parameters(remove_duplicate=False)]
     if len({id(p) for p in params}) < len(params) and not _ties_fixed_by_any_cut(config, model, pieces):
-        return "params", "tied weights add in an order set by the cut; --balance-by time to time it"
+        return "params", written(f"tied weights add in an order set by the cut; {option('balance_by', 'time')} to time it")
     return "time", ""
 
 
