@@ -42,6 +42,15 @@ def test_an_option_with_a_value_is_written_as_the_user_would_set_it():
         assert str(where_they_differ) == "try --recompute auto"
 
 
+
+def test_an_option_the_command_line_sets_with_another_flag_is_written_as_each_side_sets_it():
+    import pipetrain.training.config  # noqa: F401
+
+    error = ConfigError(f"{option('init', 'reset', cli_field='meta', cli='meta')} cannot give it values")
+    assert str(error) == "init='reset' cannot give it values" and error.options == ("init",)
+    with naming_options_as("flag"):
+        assert str(error) == "--init meta cannot give it values"
+
 def _flags_in_raises_below_the_command_line() -> list[str]:
     """``file:line --flag`` for every flag a raise statement below the command line writes as text
     (a whole command line quoted as an example, ``pipetrain <command> ...``, may name its flags)."""

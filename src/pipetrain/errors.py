@@ -19,29 +19,33 @@ __all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "S
 # API calls it (``batch_size``) otherwise. The names come from the options' declarations
 # (:mod:`pipetrain.training.options`), which hand them here (:func:`name_options`).
 
-_MARK, _VALUE = "\x1f", "\x1e"
-_FIELD = re.compile(_MARK + r"([A-Za-z_][A-Za-z0-9_]*)(?:" + _VALUE + "([^\x1e\x1f]*)" + _VALUE
-                    + "([^\x1e\x1f]*))?" + _MARK)
+_MARK, _VALUE, _CLI = "\x1f", "\x1e", "\x1d"
+_NAME = r"([A-Za-z_][A-Za-z0-9_]*)"
+_FIELD = re.compile(_MARK + _NAME + "(?:" + _CLI + _NAME + ")?(?:" + _VALUE + "([^\x1d\x1e\x1f]*)" + _VALUE
+                    + "([^\x1d\x1e\x1f]*))?" + _MARK)
 _STYLE = "PIPETRAIN_OPTION_NAMES"  # flag or keyword: how this process and its workers name options
 _NAMES: dict[str, dict[str, str]] = {"flag": {}, "keyword": {}}
 _NO_VALUE = object()
 
 
-def option(field: str, value: Any = _NO_VALUE, *, cli: str | None = None) -> str:
+def option(field: str, value: Any = _NO_VALUE, *, cli: str | None = None, cli_field: str | None = None) -> str:
     """The option ``field`` in a message: ``--field-name`` on the command line, its keyword in
     Python. With ``value``, the option set to it, as the user would write it there:
-    ``--steps 12`` (a list comma-separated: ``--balance 2,3``) or ``steps=12``; ``cli``: the
-    command line's text of the value where it differs (``--recompute auto`` for ``recompute=True``)."""
+    ``--steps 12`` (a list comma-separated: ``--balance 2,3``) or ``steps=12``. Where the command
+    line says it otherwise: ``cli``, its text of the value (``--recompute auto`` for
+    ``recompute=True``), and ``cli_field``, the field whose flag it uses (``init='reset'`` is
+    ``--init meta``: ``option("init", "reset", cli_field="meta", cli="meta")``)."""
+    head = field if cli_field is None else f"{field}{_CLI}{cli_field}"
     if value is _NO_VALUE:
-        return f"{_MARK}{field}{_MARK}"
+        return f"{_MARK}{head}{_MARK}"
     if cli is None:
         cli = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
     python = repr(list(value) if isinstance(value, tuple) else value)
-    return f"{_MARK}{field}{_VALUE}{_clean(cli)}{_VALUE}{_clean(python)}{_MARK}"
+    return f"{_MARK}{head}{_VALUE}{_clean(cli)}{_VALUE}{_clean(python)}{_MARK}"
 
 
 def _clean(text: str) -> str:
-    return text.replace(_MARK, "").replace(_VALUE, "")
+    return text.replace(_MARK, "").replace(_VALUE, "").replace(_CLI, "")
 
 
 def options_named(text: str) -> tuple[str, ...]:
@@ -78,15 +82,15 @@ def written(text: str) -> str:
     style = os.environ.get(_STYLE, "keyword")
     names = _NAMES.get(style, _NAMES["keyword"])
 
-    def written(match: re.Match) -> str:
-        field, cli, python = match[1], match[2], match[3]
+    def one(match: re.Match) -> str:
+        field, cli_field, cli, python = match[1], match[2] or match[1], match[3], match[4]
         if style == "flag":
-            flag = names.get(field) or "--" + field.replace("_", "-")
+            flag = names.get(cli_field) or "--" + cli_field.replace("_", "-")
             return flag if cli is None else f"{flag} {cli}"
         keyword = names.get(field) or field
         return keyword if python is None else f"{keyword}={python}"
 
-    return _FIELD.sub(written, text)
+    return _FIELD.sub(one, text)
 
 
 class PipetrainError(Exception):

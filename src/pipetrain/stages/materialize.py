@@ -42,6 +42,9 @@ from pipetrain.errors import ConfigError, option
 
 __all__ = ["Init", "assign", "load_weights", "has_meta", "materialize", "first_names", "resolve_init", "seed_for"]
 
+#: init="reset" in a message: `--init meta` on the command line (it implies the reset)
+_RESET = option("init", "reset", cli_field="meta", cli="meta")
+
 #: torch.nn modules whose constructor initialises them through a private method
 _PRIVATE_RESETS = {nn.MultiheadAttention: "_reset_parameters"}
 
@@ -213,7 +216,7 @@ def materialize(model: nn.Module, part: nn.Module, init: Init | None, *, seed: i
             shown = [k for k, v in state.items() if id(v) in old][:3]
             raise ConfigError(
                 f"the model is built on the meta device (no values, e.g. {shown}) and nothing says how to "
-                f"initialise it: give {option('init', 'reset')} (each module's reset_parameters()), "
+                f"initialise it: give {_RESET} (each module's reset_parameters()), "
                 f"{option('init')} set to a weights directory (written by {option('save')} or save_pretrained), or "
                 f"in Python init=function(module, name)"
             )
@@ -322,7 +325,7 @@ def _module_inits(model: nn.Module, init: Init, seed: int, own: set[int], target
             owner = left[0].rpartition(".")[0]
             kind = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
             raise ConfigError(
-                f"{option('init', 'reset')} cannot give {left[0]!r} values: its module ({owner or 'the model'}, {kind}) and the "
+                f"{_RESET} cannot give {left[0]!r} values: its module ({owner or 'the model'}, {kind}) and the "
                 f"modules around it have no reset_parameters()" + (f" ({len(left) - 1} more such tensors)" if len(left) > 1 else "")
                 + f"; give it one, or set {option('init')} to a weights directory (written by {option('save')}), "
                 "or in Python pass init=function(module, name)"
