@@ -89,12 +89,7 @@ class Checkpoints:
     def __init__(self, run, rank: int, world_size: int, callbacks: Any = None) -> None:
         self.run, self.rank, self.world_size, self.callbacks = run, rank, world_size, callbacks
         config = run.config
-        self.directory = config.checkpoint_dir
-        if config.checkpoint_every and not self.directory:
-            raise ConfigError(f"{option('checkpoint_every')} needs {option('checkpoint_dir', 'DIR')}")
-        if config.resume is True and not self.directory:
-            raise ConfigError(f"{option('resume')} needs {option('checkpoint_dir', 'DIR')} (or name a checkpoint: "
-                              f"{option('resume', 'DIR/step-N')})")
+        self.directory = config.checkpoint_dir  # its options were checked with the rest (training.validate)
         self.every = checkpoint_period(run)
         self.keep = config.keep
         self.serial = next(_runs)
