@@ -42,7 +42,6 @@ def test_an_option_with_a_value_is_written_as_the_user_would_set_it():
         assert str(where_they_differ) == "try --recompute auto"
 
 
-
 def test_an_option_the_command_line_sets_with_another_flag_is_written_as_each_side_sets_it():
     import pipetrain.training.config  # noqa: F401
 
@@ -51,27 +50,36 @@ def test_an_option_the_command_line_sets_with_another_flag_is_written_as_each_si
     with naming_options_as("flag"):
         assert str(error) == "--init meta cannot give it values"
 
+
+def _raises(below_the_command_line: bool = False):
+    """``(module path, raise statement)`` for every raise of the package (``below_the_command_line``:
+    not in commands/ or cli.py)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "src" / "pipetrain"
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if below_the_command_line and (relative.parts[0] == "commands" or relative.name == "cli.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                yield relative, node
+
+
 def _flags_in_raises_below_the_command_line() -> list[str]:
     """``file:line --flag`` for every flag a raise statement below the command line writes as text
     (a whole command line quoted as an example, ``pipetrain <command> ...``, may name its flags)."""
     import ast
-    import pathlib
     import re
 
     flag = re.compile(r"--[a-z][a-z0-9-]+")
     example = re.compile(r"`pipetrain [^`]*`|pipetrain [a-z]+ [^;,)]*")
-    root = pathlib.Path(__file__).resolve().parents[1] / "src" / "pipetrain"
     found = []
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if relative.parts[0] == "commands" or relative.name == "cli.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Raise) and node.exc is not None):
-                continue
-            text = "".join(sub.value for sub in ast.walk(node.exc)
-                           if isinstance(sub, ast.Constant) and isinstance(sub.value, str))
-            found += [f"{relative}:{node.lineno} {name}" for name in flag.findall(example.sub("", text))]
+    for relative, node in _raises(below_the_command_line=True):
+        text = "".join(sub.value for sub in ast.walk(node.exc)
+                       if isinstance(sub, ast.Constant) and isinstance(sub.value, str))
+        found += [f"{relative}:{node.lineno} {name}" for name in flag.findall(example.sub("", text))]
     return found
 
 
@@ -85,25 +93,18 @@ def test_only_pipetrain_errors_carry_option_marks():
     print its marks."""
     import ast
     import importlib
-    import pathlib
 
     import pipetrain.errors as errors
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "src" / "pipetrain"
     wrong = []
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        module = None
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
-                continue
-            if not any(isinstance(sub, ast.Call) and getattr(sub.func, "id", None) == "option"
-                       for sub in ast.walk(node.exc)):
-                continue
-            module = module or importlib.import_module(
-                "pipetrain." + ".".join(relative.with_suffix("").parts).removesuffix(".__init__"))
-            name = getattr(node.exc.func, "id", None) or getattr(node.exc.func, "attr", None)
-            kind = getattr(module, name, None) or getattr(errors, name, None)
-            if not (isinstance(kind, type) and issubclass(kind, errors.PipetrainError)):
-                wrong.append(f"{relative}:{node.lineno} {name}")
+    for relative, node in _raises():
+        if not isinstance(node.exc, ast.Call) or not any(
+                isinstance(sub, ast.Call) and getattr(sub.func, "id", None) == "option" for sub in ast.walk(node.exc)):
+            continue
+        module = importlib.import_module(
+            "pipetrain." + ".".join(relative.with_suffix("").parts).removesuffix(".__init__"))
+        name = getattr(node.exc.func, "id", None) or getattr(node.exc.func, "attr", None)
+        kind = getattr(module, name, None) or getattr(errors, name, None)
+        if not (isinstance(kind, type) and issubclass(kind, errors.PipetrainError)):
+            wrong.append(f"{relative}:{node.lineno} {name}")
     assert wrong == []
