@@ -55,24 +55,25 @@ __all__ = ["LoaderBatches", "loader_info"]
 def loader_info(loader: DataLoader, where: str = "the DataLoader") -> DataInfo:
     """What the model needs to know of a DataLoader's data: :func:`~pipetrain.data.info.dataset_info`
     of its (map-style) data set, one sample read; an ``IterableDataset`` must declare
-    ``num_classes``, and gives the input shape of its first sample."""
-    from pipetrain.data.info import DataInfo, check_sample, dataset_info
+    ``num_classes`` when its targets are class labels (others have none), and gives the input shape
+    of its first sample."""
+    from pipetrain.data.info import DataInfo, check_sample, class_labels, dataset_info
 
     dataset = loader.dataset
     if not isinstance(dataset, IterableDataset):
         return dataset_info(dataset)
     num_classes = getattr(dataset, "num_classes", None)
-    if num_classes is None:
-        raise ConfigError(
-            f"{where} reads an IterableDataset ({type(dataset).__name__}): give it a num_classes attribute, "
-            "the class count the model is built for"
-        )
     with seeded(0):
         first = next(iter(dataset), None)
     if first is None:
         raise ConfigError(f"{where}'s IterableDataset yielded no sample")
-    x, _ = check_sample(first, where)
-    return DataInfo(tuple(int(s) for s in first_tensor(x).shape), int(num_classes))
+    x, y = check_sample(first, where)
+    if num_classes is None and class_labels(y):
+        raise ConfigError(
+            f"{where} reads an IterableDataset ({type(dataset).__name__}) of class labels: give it a num_classes "
+            "attribute, the class count the model is built for"
+        )
+    return DataInfo(tuple(int(s) for s in first_tensor(x).shape), None if num_classes is None else int(num_classes))
 
 
 class LoaderBatches:
@@ -222,14 +223,13 @@ class LoaderBatches:
                 + (f" of length {len(raw)}" if isinstance(raw, (tuple, list)) else "")
             )
         x, y = raw
-        if not isinstance(y, torch.Tensor) or y.dim() == 0:
+        first = first_tensor(y)
+        if first is None or first.dim() == 0:
             raise ConfigError(
-                f"the targets of a DataLoader batch must be a tensor with a batch dimension, got {type(y).__name__}"
+                f"the targets of a DataLoader batch must be a tensor with a batch dimension (or a tuple, list or "
+                f"dict of them), got {type(y).__name__}" + ("" if first is None else " of 0-d tensors")
             )
-        x = cast_floating(x, self.dtype)
-        if not y.dtype.is_floating_point and not y.dtype.is_complex and y.dtype != torch.bool:
-            y = y.to(torch.int64)
-        return x, y
+        return cast_floating(x, self.dtype), y  # the targets as the loader made them
 
     def _next_full(self) -> tuple[Any, torch.Tensor]:
         while True:
@@ -238,7 +238,7 @@ class LoaderBatches:
                 self._end_epoch()
                 continue
             x, y = self._pair(raw)
-            samples = int(y.shape[0])
+            samples = int(first_tensor(y).shape[0])
             if self.batch_size is None:
                 self.batch_size = samples
             if samples == self.batch_size:

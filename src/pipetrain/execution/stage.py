@@ -208,8 +208,8 @@ class StageExecutor:
         if self.scaling is not None:
             inputs, scale = self.scaling.received(microbatch, inputs, stamp)
         inputs, structure = forward_inputs(inputs, device, self.stage > 0, constants)
-        if isinstance(target, Tensor) and target.device != device:
-            target = target.to(device, non_blocking=True)
+        if target is not None:  # a tensor, or the user's structure of them, on the stage's device
+            target = to_device(target, device, non_blocking=True)
         rng = self.recomputation.begin(microbatch)  # seeds a stage with dropout
         record = InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
                            scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted,

@@ -13,7 +13,7 @@ from pipetrain.structure import cast_floating
 from pipetrain.training.setup import Run
 
 __all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses", "say", "describe_run",
-           "evaluation_line", "weight_writers", "rank_weights", "write_rank_shard", "write_weights_index"]
+           "evaluation_line", "metrics_text", "weight_writers", "rank_weights", "write_rank_shard", "write_weights_index"]
 
 
 class HeldOut:
@@ -221,8 +221,14 @@ def describe_run(run: Run) -> str:
     return f"{head}; {choice.heading()}{data}\n" + "\n".join(lines)
 
 
-def evaluation_line(entry: dict[str, float], updates: int) -> str:
+def evaluation_line(entry: dict[str, Any], updates: int) -> str:
     """``after  90 of 450 updates: test loss 0.7416, test accuracy 77.50 %``."""
     width = len(str(updates))
-    return (f"after {int(entry['step']):>{width}} of {updates} updates: test loss {entry['loss']:.4f}, "
-            f"test accuracy {100 * entry['accuracy']:.2f} %")
+    return f"after {int(entry['step']):>{width}} of {updates} updates: {metrics_text(entry)}"
+
+
+def metrics_text(entry: dict[str, Any]) -> str:
+    """``test loss 0.7416, test accuracy 77.50 %``; the accuracy only where there is one (a
+    classifier's, not a regression's)."""
+    text = f"test loss {entry['loss']:.4f}"
+    return text if entry.get("accuracy") is None else text + f", test accuracy {100 * entry['accuracy']:.2f} %"

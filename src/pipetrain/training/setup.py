@@ -394,7 +394,7 @@ def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype:
         if isinstance(train_set, DataLoader):  # a microbatch's worth of its samples times the stages alike
             if isinstance(train_set.dataset, IterableDataset):
                 x, y = next(iter(train_set))
-                x, y = rows(x, start, stop), y[start:stop]
+                x, y = rows(x, start, stop), rows(y, start, stop)
             else:
                 x, y = get_batch(train_set.dataset, range(start, min(stop, len(train_set.dataset))))
         else:
