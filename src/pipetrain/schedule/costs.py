@@ -2,9 +2,13 @@
 
 Per stage: forward ``F``, input-gradient backward ``B`` and weight-gradient backward ``W`` (a full
 backward costs ``B + W``; give ``W = 0`` when the backward is not split), optimizer ``step`` and
-gradient all-reduce ``sync`` among replicas. Per message: ``latency + bytes / bandwidth``, where
-``bytes`` is the stage's output activation size (the gradient that flows back has the same size),
-and ``send`` seconds of sender time.
+gradient all-reduce ``sync`` among replicas. Per message: ``latency + bytes / bandwidth`` in
+flight, where ``bytes`` is the stage's output activation size (the gradient that flows back has
+the same size); the sender is busy ``send + bytes * send_per_byte`` (packing it, handing it to the
+transport: on a CPU whose core the rank has to itself that work is not overlapped with compute)
+and the receiver ``recv + bytes * recv_per_byte`` once it has arrived. ``overhead``: the runner's
+own time before every action (the interpreter between actions). ``pipetrain calibrate`` measures
+the scalar ones on the machine and transport it runs on (:mod:`pipetrain.runtime.calibrate`).
 
 A value may be one number (every stage) or a list: one entry per stage, or for interleaved
 schedules one per rank (each of the rank's v chunks then costs 1/v of it) or one per chunk.
@@ -15,18 +19,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 from pipetrain.errors import ScheduleError, option
 
-__all__ = ["Costs", "StageCosts", "parse_costs", "load_costs"]
+__all__ = ["Costs", "StageCosts", "parse_costs", "load_costs", "machine_facts"]
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
 _PER_STAGE = ("F", "B", "W", "step", "sync", "bytes")
-_SCALAR = ("latency", "bandwidth", "send")
+_SCALAR = ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "overhead")
+#: what a calibration file says about where it was measured (not costs): checked, not charged
+_ABOUT = ("measured_on",)
 _ALIASES = {
     "forward": "F",
     "backward": "B",
@@ -50,6 +59,12 @@ class Costs:
     latency: float = 0.0
     bandwidth: float = math.inf
     send: float = 0.0
+    send_per_byte: float = 0.0
+    recv: float = 0.0
+    recv_per_byte: float = 0.0
+    overhead: float = 0.0
+    #: where a calibration measured these (machine, torch, transport), None for given costs
+    measured_on: dict | None = None
 
     def resolve(self, num_stages: int, num_positions: int, chunks: int) -> "StageCosts":
         """Per-stage arrays for a schedule of ``num_stages`` (virtual) stages over ``num_positions``
@@ -67,14 +82,18 @@ class Costs:
             step=values["step"],
             sync=values["sync"],
             transfer=transfer,
-            send=float(self.send),
+            sending=[self.send + b * self.send_per_byte for b in values["bytes"]],
+            receiving=[self.recv + b * self.recv_per_byte for b in values["bytes"]],
+            overhead=float(self.overhead),
         )
 
 
 @dataclass
 class StageCosts:
     """Resolved per-(virtual-)stage costs; ``transfer[s]`` is the time a message crossing the
-    boundary after stage s spends in flight (either direction)."""
+    boundary after stage s spends in flight (either direction), ``sending[s]`` and ``receiving[s]``
+    the time its sender and its receiver are busy with it; ``overhead`` the runner's time before
+    every action."""
 
     forward: list[float]
     backward: list[float]
@@ -82,11 +101,15 @@ class StageCosts:
     step: list[float]
     sync: list[float]
     transfer: list[float]
-    send: float = 0.0
+    sending: list[float] = field(default_factory=list)
+    receiving: list[float] = field(default_factory=list)
+    overhead: float = 0.0
     full_backward: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.full_backward = [b + w for b, w in zip(self.backward, self.weight)]
+        self.sending = self.sending or [0.0] * len(self.transfer)
+        self.receiving = self.receiving or [0.0] * len(self.transfer)
 
 
 def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int) -> list[float]:
@@ -109,7 +132,7 @@ def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chu
 
 
 def parse_costs(text: str) -> Costs:
-    """Parse ``F=1,B=2,W=1[,latency=..,bandwidth=..,bytes=..,step=..,sync=..,send=..]``."""
+    """Parse ``F=1,B=2,W=1[,latency=..,bandwidth=..,bytes=..,step=..,sync=..,send=..,overhead=..]``."""
     costs = Costs()
     if not text.strip():
         return costs
@@ -146,6 +169,12 @@ def load_costs(path: str) -> Costs:
     costs = Costs()
     for raw_key, value in data.items():
         key = _ALIASES.get(raw_key, raw_key)
+        if key in _ABOUT:
+            if not isinstance(value, dict) or not all(isinstance(v, (str, int)) for v in value.values()):
+                raise ScheduleError(f"costs file {path!r}: {raw_key} must be an object of names and values, "
+                                    f"got {value!r}")
+            costs.measured_on = dict(value)
+            continue
         if key not in _PER_STAGE + _SCALAR:
             raise ScheduleError(
                 f"costs file {path!r}: unknown key {raw_key!r}; use {', '.join(_PER_STAGE + _SCALAR)}"
@@ -157,4 +186,42 @@ def load_costs(path: str) -> Costs:
             kind = "a number or a list of numbers" if key in _PER_STAGE else "a number"
             raise ScheduleError(f"costs file {path!r}: {raw_key} must be {kind}, got {value!r}")
         setattr(costs, key, value)
+    if costs.measured_on is not None:
+        _warn_if_elsewhere(path, costs.measured_on)
     return costs
+
+
+def machine_facts() -> dict[str, str | int]:
+    """What a calibration says about where it ran: host, processor, cores and torch's version
+    (read without importing torch)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        version = "none"
+    return {"host": platform.node(), "processor": _processor(), "cores": os.cpu_count() or 0, "torch": version}
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _warn_if_elsewhere(path: str, measured_on: dict) -> None:
+    """A calibration is used where it was not measured with a warning that names both (its
+    figures may not hold here)."""
+    here = machine_facts()
+    differ = [key for key in ("host", "processor", "cores", "torch")
+              if key in measured_on and str(measured_on[key]) != str(here[key])]
+    if differ:
+        warnings.warn(
+            f"costs file {path!r} was measured on {', '.join(f'{k} {measured_on[k]}' for k in differ)}; this is "
+            f"{', '.join(f'{k} {here[k]}' for k in differ)}: its figures may not hold here (run pipetrain calibrate "
+            f"again)", stacklevel=2)
