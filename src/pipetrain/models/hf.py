@@ -6,9 +6,17 @@ module declares that as the model's ``pipeline_units`` (see
 :func:`pipetrain.stages.split.declared_units`): small modules holding the HF model's *own*
 submodules, so that cutting, training and ``--save`` work on the HF model itself and its state
 dict (``StagedModel.merge_state_dict``, or the model after training) loads back into the HF class
-with ``strict=True``. Without attention masks (every sequence of a batch full length) the units
-compute bit for bit what the HF model computes (tested): GPT-2's attention is causal, BERT's
-bidirectional.
+with ``strict=True``.
+
+A batch's ``x`` is what a user of HF passes: the token ids alone, or a dict of HF's argument names,
+``{"input_ids", "attention_mask"}`` (1 for tokens, 0 for padding, as a tokenizer's ``padding=True``
+gives it; BERT's also ``"token_type_ids"``). With a dict, the embeddings hand the blocks
+``{"hidden", "attention_mask"}``, the raw mask (integer or bool: no gradient) travelling beside the
+hidden states; each block builds its attention mask from it with HF's own
+``create_causal_mask`` (GPT-2) / ``create_bidirectional_mask`` (BERT), as the HF model builds it once
+for all its blocks, so no float mask crosses a stage. Any other ``x`` is refused naming the forms
+taken. The units compute bit for bit what the HF model computes, with and without padding (tested;
+under eager attention as GPT-2 computes with ``use_cache=False``).
 
 The output head of both reuses the input embedding's weight (tied weights): cut into stages, the
 first and the last stage hold it, and the synchronous schedules sum its gradient
@@ -52,7 +60,7 @@ _GPT2_KEYS = ("input_ids", "attention_mask")
 _BERT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
 
-def lm_inputs(x: Any, keys: Sequence[str], model: str) -> dict[str, torch.Tensor]:
+def _lm_inputs(x: Any, keys: Sequence[str], model: str) -> dict[str, torch.Tensor]:
     """A batch's ``x`` as HF's keyword arguments: token ids alone, or a dict of the names in ``keys``
     (what HF's tokenizer gives and the model's ``forward`` takes); anything else is refused naming both."""
     forms = (f"{model}'s units take x as token ids (a tensor (B, T)) or a dict of HF's arguments "
@@ -90,6 +98,11 @@ def _state(inputs: dict[str, torch.Tensor], hidden: torch.Tensor, x: Any) -> Any
     return {"hidden": hidden, **({"attention_mask": inputs["attention_mask"]} if "attention_mask" in inputs else {})}
 
 
+def _hidden(state: Any) -> torch.Tensor:
+    """The hidden states a unit was handed, alone or in ``{"hidden", "attention_mask"}``."""
+    return state["hidden"] if isinstance(state, dict) else state
+
+
 class Block(nn.Module):
     """One HF transformer block (no cache), on the hidden states alone or on ``{"hidden",
     "attention_mask"}``: it builds its attention mask from the raw one with HF's own helper, so no
@@ -102,15 +115,11 @@ class Block(nn.Module):
         self.config, self.causal = config, causal
 
     def forward(self, state: Any) -> Any:
-        hidden = state["hidden"] if isinstance(state, dict) else state
+        hidden = _hidden(state)
         raw = state.get("attention_mask") if isinstance(state, dict) else None
         out = self.block(hidden, attention_mask=_attention_mask(self.config, hidden, raw, self.causal))
         out = out[0] if isinstance(out, tuple) else out
         return {**state, "hidden": out} if isinstance(state, dict) else out
-
-
-def _hidden(state: Any) -> torch.Tensor:
-    return state["hidden"] if isinstance(state, dict) else state
 
 
 class GPT2Embeddings(nn.Module):
@@ -122,7 +131,7 @@ class GPT2Embeddings(nn.Module):
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
     def forward(self, x: Any) -> Any:
-        inputs = lm_inputs(x, _GPT2_KEYS, "GPT-2")
+        inputs = _lm_inputs(x, _GPT2_KEYS, "GPT-2")
         input_ids = inputs["input_ids"]
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
         return _state(inputs, self.drop(self.wte(input_ids) + self.wpe(positions)), x)
@@ -148,7 +157,7 @@ class BertEmbeddings(nn.Module):
         self.embeddings = embeddings
 
     def forward(self, x: Any) -> Any:
-        inputs = lm_inputs(x, _BERT_KEYS, "BERT")
+        inputs = _lm_inputs(x, _BERT_KEYS, "BERT")
         hidden = self.embeddings(input_ids=inputs["input_ids"], token_type_ids=inputs.get("token_type_ids"))
         return _state(inputs, hidden, x)
 
