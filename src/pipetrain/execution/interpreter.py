@@ -201,8 +201,9 @@ class Interpreter:
                 raise
             except StageError as error:  # a NaN loss, the user's exception: with the step
                 raise located(error, rank, action, lambda k: layout.bounds(k)[0]) from None
-            except PipetrainError as error:
-                raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
+            except PipetrainError as error:  # located, of its own class (a model's ConfigError stays one)
+                error.args = (f"rank {rank}, action {format_action(action)}: {Exception.__str__(error)}",)
+                raise error from None
             except RuntimeError as error:
                 if self.explain is None:
                     raise
