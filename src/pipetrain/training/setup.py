@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from pipetrain.errors import ConfigError, option, written
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
+from pipetrain.execution.failures import StageNames
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
@@ -178,6 +179,7 @@ class Run:
             units_per_update=self.layout.units_per_update,
             own_weights=own,
             update_in_backward=self._updates_in_backward(stage),
+            names=StageNames.of(self.schedule),
         )
 
     def _updates_in_backward(self, stage: int) -> bool:
