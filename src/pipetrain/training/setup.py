@@ -359,7 +359,7 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
         staged = split_model(model, stages=pieces, **trace)
         names = unit_names(model, pieces, **trace) if staged.balance is not None else None
         return staged, StageChoice.of(staged, "parameter count", names, note=why), None
-    costs = costs or _resumed_costs(config)
+    costs = costs or _resumed_costs(config, model, trace)
     inputs = target = None
     if costs is None:
         inputs, target = _first_microbatch(config, name, train_set, dtype)
@@ -442,11 +442,32 @@ def _resumed(config: TrainConfig):
         return None
 
 
-def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
+def _resumed_costs(config: TrainConfig, model: nn.Module, trace: dict[str, Any]) -> dict[str, float] | None:
     """The unit times of the run being resumed (its checkpoint's fingerprint), so that it is cut
-    as before."""
+    as before; a checkpoint of another model is refused as such (its times name other modules)."""
+    from pipetrain.runtime.checkpoint import MANIFEST
+    from pipetrain.runtime.errors import CheckpointMismatchError
+    from pipetrain.stages.balance import cost_order
+
     checkpoint = _resumed(config)
-    return None if checkpoint is None else checkpoint.meta.get("stage_costs")
+    costs = None if checkpoint is None else checkpoint.meta.get("stage_costs")
+    if not costs:
+        return None
+    saved, tell = checkpoint.meta.get("model"), f"its {MANIFEST} names the model under \"model\""
+    if saved is not None and saved != config.model:
+        differs = f"written by a run of {option('model', saved)}, not {option('model', config.model)} ({tell})"
+    else:
+        try:
+            cost_order(model, costs, trace)
+            return costs
+        except ConfigError:
+            timed = ", ".join(list(costs)[:4]) + (", ..." if len(costs) > 4 else "")
+            differs = (f"its run timed the modules {timed} to cut the model (its {MANIFEST} lists them under "
+                       f"\"stage_costs\"), which are not this model's: the model changed since it was written")
+    raise CheckpointMismatchError(
+        f"checkpoint {checkpoint.path} is of another model: {differs}; resume it with the model it was written "
+        f"for, or start afresh with another {option('checkpoint_dir')}"
+    )
 
 
 def _drains(config: TrainConfig, name: str, updates: int) -> tuple[tuple[int, ...], str]:
