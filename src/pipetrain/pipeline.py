@@ -207,8 +207,9 @@ class Pipeline:
         ``callbacks``: :class:`~pipetrain.training.callbacks.Callback` objects (or functions
         ``f(step, loss)``), called where the information is. Checkpoints (``checkpoint_dir``,
         ``checkpoint_every``, ``resume``, ``keep``) and the outputs (``save``: the unsplit ``state_dict``
-        in one file, or with a path without a file suffix a weights directory written stage by stage,
-        see :mod:`pipetrain.weights`,
+        in one file, ``torch.save``'s (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) or safetensors'
+        (``.safetensors``), or with a path without a suffix a weights directory written stage by stage,
+        see :mod:`pipetrain.weights`; another suffix is refused,
         ``report_json``, ``trace``, ``plot``) are those of ``pipetrain train``; so are the lines
         printed before and during training (the chosen stages, each evaluation), which ``quiet``
         leaves out, and the progress bar (default: on a terminal). Returns the

@@ -14,7 +14,7 @@ import json
 import os
 
 from pipetrain.errors import ConfigError, option
-from pipetrain.paths import IMAGE, JSON, WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, is_weights_dir
+from pipetrain.paths import IMAGE, JSON, WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, check_save, is_weights_dir
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.options import declared, declared_check, one_of
 
@@ -56,6 +56,8 @@ def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = 
     if rank is None:
         rank = int(os.environ.get("RANK", "0") or 0)
     _check_init(config)
+    if config.save:
+        check_save(config.save, option("save"))
     sharded = bool(config.save) and is_weights_dir(config.save)  # every rank writes a shard of a directory
     files = {option("save"): None if sharded else config.save, option("report_json"): config.report_json,
              option("trace"): config.trace, option("plot"): config.plot}
