@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from pipetrain.errors import ConfigError, option, written
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.execution.failures import StageNames
+from pipetrain.runtime.errors import CheckpointMismatchError
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
@@ -446,7 +447,6 @@ def _resumed_costs(config: TrainConfig, model: nn.Module, trace: dict[str, Any])
     """The unit times of the run being resumed (its checkpoint's fingerprint), so that it is cut
     as before; a checkpoint of another model is refused as such (its times name other modules)."""
     from pipetrain.runtime.checkpoint import MANIFEST
-    from pipetrain.runtime.errors import CheckpointMismatchError
     from pipetrain.stages.balance import cost_order
 
     checkpoint = _resumed(config)
