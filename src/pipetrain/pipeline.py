@@ -491,11 +491,13 @@ def _optimizer_parts(
 
 
 def _try_optimizer(cls: type, options: dict[str, Any]) -> None:
-    """Build ``cls(**options)`` over one stand-in parameter, so that options it does not take are
-    refused here rather than at each stage's first update."""
+    """Build ``cls(**options)`` over one stand-in parameter, so that options it does not take (a
+    ``TypeError``) or values it refuses (a ``ValueError``: ``lr=-1``) are refused here rather than at
+    each stage's first update. What depends on the parameters' device (``fused=True``) is left to
+    the run, which builds it on the stages' own."""
     try:
         cls([nn.Parameter(torch.zeros(1))], **options)
-    except Exception as error:  # noqa: BLE001 - whatever the optimizer says of its arguments, in one line
+    except (TypeError, ValueError) as error:
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ConfigError(f"optimizer {cls.__name__} does not take optimizer_options={options!r}: "
                           f"{type(error).__name__}: {first}") from None

@@ -26,8 +26,8 @@ from pipetrain.schedule.ir import Action, Schedule, format_action
 from pipetrain.structure import Structure, describe
 from pipetrain.usercode import raised_by_user, where
 
-__all__ = ["StageNames", "PLAIN", "forward_failure", "loss_failure", "check_loss", "failing_module", "forward_errors", "computed_loss",
-           "located"]
+__all__ = ["StageNames", "PLAIN", "forward_failure", "loss_failure", "check_loss", "failing_module", "forward_errors",
+           "computed_loss", "located"]
 
 
 @dataclass(frozen=True)
