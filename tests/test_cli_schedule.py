@@ -129,3 +129,13 @@ def test_memory_with_some_stages_recomputing(capsys):
     assert "(+4 inputs kept)" in out and "with recomputation (stage)" in out
     code, out, err = run(capsys, "schedule", "1f1b", "--stages", "4", "--recompute", "stage:4")
     assert code == 2 and "--recompute stage:4 names stage 4, but the schedule has 4 stages" in err
+
+
+def test_chunks_on_a_schedule_without_model_chunks_is_refused_as_train_refuses_it(capsys):
+    words = "error: --chunks applies to the interleaved schedule only, not to 1f1b\n"
+    code, out, err = run(capsys, "schedule", "1f1b", "--chunks", "3")
+    assert code == 2 and out == "" and err == "pipetrain schedule: " + words, err
+    code, _, err = run(capsys, "train", "--schedule", "1f1b", "--chunks", "3", "--steps", "1", "--executor", "emulate")
+    assert code == 2 and err.endswith("pipetrain train: " + words), err
+    code, out, _ = run(capsys, "schedule", "--compare", "1f1b,interleaved", "--chunks", "3")  # interleaved's
+    assert code == 0 and "interleaved" in out

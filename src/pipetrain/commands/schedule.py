@@ -63,7 +63,7 @@ def _generate(name: str, args: argparse.Namespace, *, comparing: bool = False):
     from pipetrain.schedule import ASYNCHRONOUS, build, resolve_name
 
     name = resolve_name(name)
-    chunks = args.chunks if name == "interleaved" else 1
+    chunks = args.chunks if name == "interleaved" or not comparing else 1  # build refuses chunks elsewhere
     if comparing and name == "interleaved" and chunks == 1:
         chunks = 2
     microbatches, steps = args.microbatches, args.steps

@@ -24,7 +24,7 @@ import torch
 from pipetrain.errors import PipetrainError, StageError
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.losses import UnitLosses
-from pipetrain.execution.failures import located
+from pipetrain.execution.failures import StageNames, located
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
@@ -117,6 +117,7 @@ class Interpreter:
         window: int | None = None,
     ) -> None:
         self.schedule = schedule
+        self.names = StageNames.of(schedule)  # of a failing stage, in the user's terms
         self.rank = rank
         self.program = schedule.programs[rank]
         self.executors = executors
@@ -200,7 +201,7 @@ class Interpreter:
             except self.faults:
                 raise
             except StageError as error:  # a NaN loss, the user's exception: with the step
-                raise located(error, rank, action, lambda k: layout.bounds(k)[0]) from None
+                raise located(error, rank, action, lambda k: layout.bounds(k)[0], self.names) from None
             except PipetrainError as error:  # located, of its own class (a model's ConfigError stays one)
                 error.args = (f"rank {rank}, action {format_action(action)}: {Exception.__str__(error)}",)
                 raise error from None

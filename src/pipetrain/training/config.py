@@ -249,9 +249,10 @@ class TrainConfig:
     save: str | None = option(
         None, group=_OUTPUTS, api="fit",
         help="write the trained weights under the unsplit model's names: into a directory "
-             "(a path without a .pt/.pth/.bin/.ckpt suffix) as safetensors shards, each worker its own "
+             "(a path without a suffix) as safetensors shards, each worker its own "
              "stages, with HuggingFace's index (from_pretrained reads it; pipetrain.load_weights too); or "
-             "into one torch.save file, gathered on rank 0 (default: not saved)")
+             "into one file gathered on rank 0: torch.save's (.pt, .pth, .bin, .ckpt) or safetensors' "
+             "(.safetensors); another suffix is refused (default: not saved)")
     report_json: str | None = option(
         None, group=_OUTPUTS, api="fit",
         help="write a JSON report: samples_per_s, final_loss, steps, ... (default: none)")

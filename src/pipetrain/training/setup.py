@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from pipetrain.errors import ConfigError, option, written
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
+from pipetrain.execution.failures import StageNames
+from pipetrain.runtime.errors import CheckpointMismatchError
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
@@ -178,6 +180,7 @@ class Run:
             units_per_update=self.layout.units_per_update,
             own_weights=own,
             update_in_backward=self._updates_in_backward(stage),
+            names=StageNames.of(self.schedule),
         )
 
     def _updates_in_backward(self, stage: int) -> bool:
@@ -357,7 +360,7 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
         staged = split_model(model, stages=pieces, **trace)
         names = unit_names(model, pieces, **trace) if staged.balance is not None else None
         return staged, StageChoice.of(staged, "parameter count", names, note=why), None
-    costs = costs or _resumed_costs(config)
+    costs = costs or _resumed_costs(config, model, trace)
     inputs = target = None
     if costs is None:
         inputs, target = _first_microbatch(config, name, train_set, dtype)
@@ -440,11 +443,31 @@ def _resumed(config: TrainConfig):
         return None
 
 
-def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
+def _resumed_costs(config: TrainConfig, model: nn.Module, trace: dict[str, Any]) -> dict[str, float] | None:
     """The unit times of the run being resumed (its checkpoint's fingerprint), so that it is cut
-    as before."""
+    as before; a checkpoint of another model is refused as such (its times name other modules)."""
+    from pipetrain.runtime.checkpoint import MANIFEST
+    from pipetrain.stages.balance import cost_order
+
     checkpoint = _resumed(config)
-    return None if checkpoint is None else checkpoint.meta.get("stage_costs")
+    costs = None if checkpoint is None else checkpoint.meta.get("stage_costs")
+    if not costs:
+        return None
+    saved, tell = checkpoint.meta.get("model"), f"its {MANIFEST} names the model under \"model\""
+    if saved is not None and saved != config.model:
+        differs = f"written by a run of {option('model', saved)}, not {option('model', config.model)} ({tell})"
+    else:
+        try:
+            cost_order(model, costs, trace)
+            return costs
+        except ConfigError:
+            timed = ", ".join(list(costs)[:4]) + (", ..." if len(costs) > 4 else "")
+            differs = (f"its run timed the modules {timed} to cut the model (its {MANIFEST} lists them under "
+                       f"\"stage_costs\"), which are not this model's: the model changed since it was written")
+    raise CheckpointMismatchError(
+        f"checkpoint {checkpoint.path} is of another model: {differs}; resume it with the model it was written "
+        f"for, or start afresh with another {option('checkpoint_dir')}"
+    )
 
 
 def _drains(config: TrainConfig, name: str, updates: int) -> tuple[tuple[int, ...], str]:
