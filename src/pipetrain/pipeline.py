@@ -55,7 +55,8 @@ class Pipeline:
             (``save=DIR``'s or HuggingFace's ``save_pretrained``'s: each rank reads its own tensors).
             A directory also starts an eagerly built model from its weights. See docs/models.md.
     Schedule:
-        schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb (docs/design.md section 3).
+        schedule: gpipe, 1f1b, interleaved, zb-h1, bfs, interleaved-zb, dualpipev, pipedream, 2bw or pb
+            (docs/design.md section 3), or torch's name of one (``"Interleaved1F1B"``, ...).
         microbatches: units per update (microbatches per step; pipedream/pb: minibatches or
             samples accumulated per update, default 1); ``replicas``, ``chunks``, ``policy`` as for
             :func:`pipetrain.schedule.build`.
@@ -105,6 +106,7 @@ class Pipeline:
         :class:`~pipetrain.training.config.TrainConfig` (the signature lists them)."""
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
+        from pipetrain.schedule.presets import chunks_of
         from pipetrain.stages import split_model
         from pipetrain.training.setup import apply_plan
 
@@ -123,7 +125,7 @@ class Pipeline:
 
         check_execution(config)
         self.schedule_name = resolve_name(config.schedule)
-        pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1
+        pieces_per_rank = chunks_of(self.schedule_name, config.chunks)
         if isinstance(model, (list, tuple)):
             self.staged = split_model(list(model))
             how = "stage modules"

@@ -51,12 +51,14 @@ class Costs:
     bandwidth: float = math.inf
     send: float = 0.0
 
-    def resolve(self, num_stages: int, num_positions: int, chunks: int) -> "StageCosts":
+    def resolve(self, num_stages: int, num_positions: int, chunks: int,
+                owners: Sequence[int] | None = None) -> "StageCosts":
         """Per-stage arrays for a schedule of ``num_stages`` (virtual) stages over ``num_positions``
-        pipeline positions with ``chunks`` chunks per rank."""
+        pipeline positions with ``chunks`` chunks per rank; ``owners[stage]``: the position (rank)
+        holding a chunk (default: looped, ``stage % num_positions``; a V places them otherwise)."""
         values = {}
         for name in _PER_STAGE:
-            values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks)
+            values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks, owners)
         if self.bandwidth <= 0:
             raise ScheduleError(f"bandwidth must be positive, got {self.bandwidth}")
         transfer = [self.latency + b / self.bandwidth if b else self.latency for b in values["bytes"]]
@@ -89,7 +91,8 @@ class StageCosts:
         self.full_backward = [b + w for b, w in zip(self.backward, self.weight)]
 
 
-def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int) -> list[float]:
+def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int,
+            owners: Sequence[int] | None = None) -> list[float]:
     if isinstance(value, (int, float)):
         values = [float(value)] * num_stages
         per_position = chunks > 1 and name not in ("bytes",)
@@ -101,7 +104,7 @@ def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chu
         return values
     if chunks > 1 and len(values) == num_positions:
         scale = 1.0 if name == "bytes" else 1.0 / chunks
-        return [values[s % num_positions] * scale for s in range(num_stages)]
+        return [values[owners[s] if owners else s % num_positions] * scale for s in range(num_stages)]
     if len(values) == 1:
         return _expand(name, values[0], num_stages, num_positions, chunks)
     wanted = f"{num_stages}" if chunks == 1 else f"{num_positions} (one per rank) or {num_stages} (one per chunk)"

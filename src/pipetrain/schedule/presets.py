@@ -7,13 +7,21 @@ gpipe          all forwards, then all backwards                 flush       ever
 1f1b           warm-up S-1-s, then one forward / one backward   flush       every step
 interleaved    1F1B over v model chunks per rank (Megatron)     flush       every step
 zb-h1          1F1B with the backward split into I and W        flush       every step
+bfs            looped breadth-first: all microbatches chunk     flush       every step
+               by chunk, v chunks per rank (torch's LoopedBFS)
+interleaved-zb ZB1P: interleaved with I and W split, W lagging  flush       every step
+               r backwards on rank r (InterleavedZeroBubble)
+dualpipev      DeepSeek's DualPipeV: 2 stages per rank in a V,  flush       every step
+               forward and backward paired in one action
 pipedream      1F1B with NOAM warm-up, update per minibatch     stash       never
 2bw            1F1B over batches of m >= S, update per batch    2bw         never
 pb             tick order, warm-up 2(S-1-s), update per sample  latest      never
 =============  ===============================================  ==========  ============
 
 :func:`build` makes the order, assigns versions (any policy of :mod:`~pipetrain.schedule.versions`
-may replace the preset's) and adds communication.
+may replace the preset's) and adds communication. torch's names, as torchtitan's
+``--parallelism.pipeline_parallel_schedule`` takes them (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+InterleavedZeroBubble, DualPipeV; in any case, as torch reads them), name the same schedules.
 """
 
 from __future__ import annotations
@@ -23,21 +31,35 @@ from typing import Callable, Sequence
 
 from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule._gc import gc_paused
+from pipetrain.schedule.bfs import looped_bfs
+from pipetrain.schedule.dualpipe import dualpipe_v
 from pipetrain.schedule.flush import gpipe, one_f_one_b, zb_h1
 from pipetrain.schedule.interleaved import interleaved
+from pipetrain.schedule.interleaved_zb import interleaved_zero_bubble
 from pipetrain.schedule.ir import Schedule
 from pipetrain.schedule.lower import add_communication
 from pipetrain.schedule.pb import pb
 from pipetrain.schedule.pipedream import pipedream, two_bw
 from pipetrain.schedule.versions import POLICIES, assign_versions
 
-__all__ = ["SCHEDULES", "ASYNCHRONOUS", "build", "order", "resolve_name", "estimated_seconds",
-           "LIMIT_SECONDS"]
+__all__ = ["SCHEDULES", "ASYNCHRONOUS", "LOOPED", "V_SHAPED", "build", "order", "resolve_name", "chunks_of",
+           "estimated_seconds", "LIMIT_SECONDS"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw", "pb")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "bfs", "interleaved-zb", "dualpipev", "pipedream", "2bw",
+             "pb")
 #: Schedules that never flush: each of their pipeline units is its own update (2bw: each batch).
 ASYNCHRONOUS = frozenset({"pipedream", "2bw", "pb"})
-_ALIASES = {"pipedream-flush": "1f1b", "1F1B": "1f1b", "zbh1": "zb-h1", "zb": "zb-h1", "pipedream-2bw": "2bw"}
+#: Schedules whose ranks hold ``chunks`` model chunks each, chunk c of rank r being stage c * P + r.
+LOOPED = frozenset({"interleaved", "bfs", "interleaved-zb"})
+#: Schedules whose ranks hold two stages each in a V (rank r: stages r and 2P - 1 - r).
+V_SHAPED = frozenset({"dualpipev"})
+_ALIASES = {"pipedream-flush": "1f1b", "1F1B": "1f1b", "zbh1": "zb-h1", "zb": "zb-h1", "pipedream-2bw": "2bw",
+            "looped-bfs": "bfs", "zb1p": "interleaved-zb", "dualpipe-v": "dualpipev",
+            # torch's names (torch.distributed.pipelining.schedules.get_schedule_class, torchtitan's
+            # --parallelism.pipeline_parallel_schedule), which torch reads in any case
+            "GPipe": "gpipe", "Interleaved1F1B": "interleaved", "LoopedBFS": "bfs",
+            "InterleavedZeroBubble": "interleaved-zb", "DualPipeV": "dualpipev"}
+_FOLDED = {alias.lower(): name for alias, name in _ALIASES.items()}
 
 # What `pipetrain schedule` costs on the project's 2-core box under load (benchmarks/RESULTS.md,
 # section 1): per compute action through generation, versions, communication, validation,
@@ -52,14 +74,28 @@ def resolve_name(name: str) -> str:
     name = _ALIASES.get(name, name)
     if name in SCHEDULES:
         return name
-    close = difflib.get_close_matches(name, SCHEDULES, n=2, cutoff=0.4)
+    folded = _FOLDED.get(name.lower())
+    if folded is not None and folded in SCHEDULES:
+        return folded
+    known = [*SCHEDULES, *(alias for alias, target in _ALIASES.items() if target in SCHEDULES)]
+    lowered = {candidate.lower(): candidate for candidate in known}
+    close = [lowered[c] for c in difflib.get_close_matches(name.lower(), list(lowered), n=2, cutoff=0.4)]
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     raise ScheduleError(f"unknown schedule {name!r}{hint}; choose one of {', '.join(SCHEDULES)}")
 
 
+def chunks_of(name: str, chunks: int = 1) -> int:
+    """Model chunks per rank that schedule ``name`` runs with ``chunks`` asked for: ``chunks`` for
+    the looped schedules, 2 for the V-shaped ones, else 1."""
+    name = resolve_name(name)
+    if name in LOOPED:
+        return chunks
+    return 2 if name in V_SHAPED else 1
+
+
 def _actions_per_cell(name: str, chunks: int) -> int:
-    """Compute actions per (stage, microbatch, step): forward and backward (zb-h1: and W)."""
-    return (3 if name == "zb-h1" else 2) * (chunks if name == "interleaved" else 1)
+    """Compute actions per (stage, microbatch, step): forward and backward (split: and W)."""
+    return (3 if name in ("zb-h1", "interleaved-zb") else 2) * chunks_of(name, chunks)
 
 
 def estimated_seconds(name: str, stages: int, microbatches: int, steps: int = 1, chunks: int = 1,
@@ -147,8 +183,10 @@ def order(
 ) -> Schedule:
     """The compute-only order of a named schedule (versions unassigned, no communication)."""
     name = resolve_name(name)
-    if chunks != 1 and name != "interleaved":
-        raise ScheduleError(f"{option('chunks')} applies to the interleaved schedule only, not to {name}")
+    if chunks != 1 and name not in LOOPED and not (name in V_SHAPED and chunks == 2):
+        looped = ", ".join(sorted(LOOPED))
+        raise ScheduleError(f"{option('chunks')} applies to the looped schedules ({looped}) only, not to {name}"
+                            + (" (which always holds 2 stages per rank)" if name in V_SHAPED else ""))
     if update_every != 1 and name not in ("pipedream", "pb"):
         raise ScheduleError(f"{option('update_every')} applies to pipedream and pb only; {name} updates once per step")
     if name in ("pipedream", "pb") and steps != 1:
@@ -162,6 +200,9 @@ def order(
         "1f1b": lambda: one_f_one_b(stages, microbatches, steps, replicas),
         "interleaved": lambda: interleaved(stages, microbatches, steps, chunks, replicas),
         "zb-h1": lambda: zb_h1(stages, microbatches, steps, replicas),
+        "bfs": lambda: looped_bfs(stages, microbatches, steps, chunks, replicas),
+        "interleaved-zb": lambda: interleaved_zero_bubble(stages, microbatches, steps, chunks, replicas),
+        "dualpipev": lambda: dualpipe_v(stages, microbatches, steps, replicas),
         "pipedream": lambda: pipedream(stages, microbatches, replicas, update_every),
         "2bw": lambda: two_bw(stages, microbatches, steps, replicas),
         "pb": lambda: pb(stages, microbatches, update_every, replicas),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Collection
 
-from pipetrain.schedule.ir import Kind, Schedule
+from pipetrain.schedule.ir import Kind, Schedule, halves
 from pipetrain.schedule.memory import memory_by_rank
 from pipetrain.schedule.recompute import format_recompute, recompute_stages
 from pipetrain.schedule.timeline import Timeline, positions
@@ -25,7 +25,7 @@ def versions_read(schedule: Schedule) -> list[list[tuple[int | None, int | None]
     backward = [[None] * total for _ in range(schedule.num_stages)]
     F, B, I = Kind.F, Kind.B, Kind.I
     for program in schedule.programs:
-        for kind, stage, k, version, _ in program:
+        for kind, stage, k, version, _ in (half for action in program for half in halves(action)):
             if kind is F:
                 if k < total:
                     forward[stage][k] = version

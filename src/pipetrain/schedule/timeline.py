@@ -22,7 +22,7 @@ from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 
 __all__ = ["Timeline", "simulate", "dry_run", "positions"]
 
-_COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
+_COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB)
 
 
 @dataclass
@@ -71,13 +71,14 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Tim
 
 def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
     if not isinstance(costs, StageCosts):
-        costs = (costs or Costs()).resolve(schedule.num_stages, len(positions(schedule)), schedule.chunks)
+        owners = [ranks[0] for ranks in schedule.stage_ranks] if schedule.chunks > 1 else None
+        costs = (costs or Costs()).resolve(schedule.num_stages, len(positions(schedule)), schedule.chunks, owners)
     programs = schedule.programs
     stage_ranks = schedule.stage_ranks
     num_stages = schedule.num_stages
     forward, backward, weight = costs.forward, costs.backward, costs.weight
     full, step, sync_cost, transfer, send = costs.full_backward, costs.step, costs.sync, costs.transfer, costs.send
-    F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+    F, B, I, W, FB = Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB
     SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
         Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
     )
@@ -125,6 +126,12 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                 st[pc] = t
                 t += weight[stage]
                 work += weight[stage]
+            elif kind is FB:  # the halves one after the other, as a CPU runs them (docs/design.md 2)
+                half = action[4]
+                cost = forward[stage] + (full[half[1]] if half[0] is B else backward[half[1]])
+                st[pc] = t
+                t += cost
+                work += cost
             elif kind is SEND_F or kind is SEND_B:
                 st[pc] = t
                 t += send

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from pipetrain.errors import ConfigError, option, written
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
+from pipetrain.schedule.presets import LOOPED, chunks_of
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
 from pipetrain.training.config import TrainConfig
@@ -230,8 +231,9 @@ def _stage_count(config: TrainConfig, name: str) -> int:
         stages = len(config.split_at) + 1
     else:
         stages = config.workers or 2
-    if name == "interleaved" and config.balance and len(config.balance) != stages * config.chunks:
-        stages = len(config.balance) // max(config.chunks, 1)
+    per_rank = chunks_of(name, config.chunks)
+    if per_rank > 1 and config.balance and len(config.balance) != stages * per_rank:
+        stages = len(config.balance) // max(per_rank, 1)
     workers = (sum(config.replicas) if config.replicas else stages)
     if config.workers is not None and config.workers != workers:
         raise ConfigError(
@@ -513,9 +515,11 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
                           f"{option('precision', 'fp32')}")
     init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
 
-    pieces = stages * (config.chunks if name == "interleaved" else 1)
-    if config.chunks != 1 and name != "interleaved":
-        raise ConfigError(f"{option('chunks')} applies to the interleaved schedule only, not to {name}")
+    per_rank = chunks_of(name, config.chunks)
+    pieces = stages * per_rank
+    if config.chunks != 1 and config.chunks != per_rank:
+        raise ConfigError(f"{option('chunks')} applies to the looped schedules ({', '.join(sorted(LOOPED))}) only, "
+                          f"not to {name}")
     if parts.staged is not None:
         staged = parts.staged
         from pipetrain.stages import StageChoice
@@ -533,7 +537,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
-            + (f" ({stages} ranks x {config.chunks} chunks)" if name == "interleaved" else "")
+            + (f" ({stages} ranks x {per_rank} chunks)" if per_rank > 1 else "")
         )
 
     asynchronous = name in ASYNCHRONOUS and name != "2bw"
