@@ -77,9 +77,10 @@ def resolve_name(name: str) -> str:
     folded = _FOLDED.get(name.lower())
     if folded is not None and folded in SCHEDULES:
         return folded
-    known = [*SCHEDULES, *(alias for alias, target in _ALIASES.items() if target in SCHEDULES)]
-    lowered = {candidate.lower(): candidate for candidate in known}
-    close = [lowered[c] for c in difflib.get_close_matches(name.lower(), list(lowered), n=2, cutoff=0.4)]
+    known = {**{alias.lower(): target for alias, target in _ALIASES.items() if target in SCHEDULES},
+             **{schedule: schedule for schedule in SCHEDULES}}  # written as users may -> the schedule it names
+    close = list(dict.fromkeys(known[c] for c in difflib.get_close_matches(name.lower(), list(known), n=3,
+                                                                           cutoff=0.4)))[:2]
     hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     raise ScheduleError(f"unknown schedule {name!r}{hint}; choose one of {', '.join(SCHEDULES)}")
 
