@@ -76,6 +76,23 @@ def test_synchronous_schedules_equal_plain_training(name, stages, optimizer):
         assert_same(model, expected, bitwise=(m == 1))
 
 
+@pytest.mark.parametrize("name", ["bfs", "interleaved-zb", "dualpipev"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_schedules_from_torch_equal_plain_training(name, stages):
+    """Two model chunks per rank (looped, or dualpipev's V with its paired F and B)."""
+    spec, reference = OPTIMIZERS["adam"]
+    for m in (1, 2 * stages, 2 * stages + 2):
+        if name == "dualpipev" and m < 2 * stages:
+            continue
+        batches = make_batches()
+        expected = plain_training(make_model(), batches, reference)
+        model = make_model()
+        pipe = Pipeline(model, executor="emulate", balance=balance_for(2 * stages), schedule=name, microbatches=m,
+                        optimizer=spec, chunks=1 if name == "dualpipev" else 2)
+        pipe.train(batches)
+        assert_same(model, expected, bitwise=(m == 1))
+
+
 def test_float32_agreement_and_save_keys():
     batches = make_batches(dtype=torch.float32)
     expected = plain_training(make_model(dtype=torch.float32), batches, OPTIMIZERS["sgd"][1])

@@ -3,6 +3,7 @@ train in the emulator bitwise as plain training that sums the same microbatch gr
 order; what pipetrain writes, torch's runtime reads; what cannot run is refused by row and cell."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from pipetrain.execution import StageExecutor, UnitData, UnitLayout
 from pipetrain.optim import SGD
 from pipetrain.schedule import Kind, build, check, simulate, strip_communication, torch_csv
 from pipetrain.schedule.ir import halves
+from pipetrain.training import TrainConfig
+from pipetrain.training.setup import prepare
 
 LR = 0.1
 SIZE = 12  # samples per batch
@@ -171,3 +174,38 @@ def test_refusals_name_the_row_and_cell(tmp_path, text, where, what):
     assert where in message and what in message and "\n" not in message
     assert message.startswith(str(path))
 
+
+
+#: Written in torch's format by pipetrain, run by torch's runtime and by pipetrain's (2 ranks, gloo).
+RUNTIME_CASES = [("interleaved", {"chunks": 2}), ("dualpipev", {})]
+
+
+def test_torchs_runtime_runs_pipetrains_schedules_to_pipetrains_parameters(tmp_path):
+    """Bitwise: pipetrain scales each microbatch's loss by its share of the batch (1/4) before the
+    backward, torch divides the summed gradient by 4 after it; both exact for a power of two. The
+    stage arithmetic, the order of the gradient sums and SGD's update are the same."""
+    from pipetrain.runtime.launch import launch
+    from torch_runtime_worker import run_pipetrain, run_torch
+
+    base = dict(model="mlp:depth=5,width=16", data="synthetic:features=8,classes=3,samples=96", batch_size=8,
+                steps=3, microbatches=4, optimizer="sgd:lr=0.05", progress=False, timeout=60.0, stages=2,
+                executor="distributed")
+    configs, cases = [], []
+    for name, extra in RUNTIME_CASES:
+        config = TrainConfig(schedule=name, save=str(tmp_path / f"{name}-pipetrain.pt"), **base, **extra)
+        configs.append(config)
+        written = str(tmp_path / f"{name}.csv")
+        torch_csv.dump(build(name, 2, 4, chunks=extra.get("chunks", 1)), written)
+        cases.append((config, written, str(tmp_path / f"{name}-torch.pt")))
+    result = launch(run_pipetrain, (configs,), nprocs=2, timeout=240, quiet=True)
+    assert result.returncode == 0, result.message
+    result = launch(run_torch, (cases, 0.05), nprocs=2, timeout=240, quiet=True)
+    assert result.returncode == 0, result.message
+    for config, _, out in cases:
+        ours = torch.load(config.save)
+        theirs = {**torch.load(f"{out}.0"), **torch.load(f"{out}.1")}
+        assert theirs.keys() == ours.keys()
+        for key in ours:
+            assert torch.equal(theirs[key], ours[key]), (config.schedule, key)
+        first = prepare(dataclasses.replace(config, executor="emulate", save=None)).model.state_dict()
+        assert all(not torch.equal(first[key], ours[key]) for key in ours)  # every parameter trained
