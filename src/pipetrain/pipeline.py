@@ -105,8 +105,9 @@ class Pipeline:
         :class:`~pipetrain.training.config.TrainConfig` (the signature lists them)."""
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
+        from pipetrain.schedule.presets import chunks_per_rank
         from pipetrain.stages import split_model
-        from pipetrain.training.setup import apply_plan
+        from pipetrain.training.setup import apply_plan, ranks_of_balance
 
         _check_model(model)
         values = api_values(TrainConfig, "pipeline", options, "Pipeline()")
@@ -123,7 +124,11 @@ class Pipeline:
 
         check_execution(config)
         self.schedule_name = resolve_name(config.schedule)
-        pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1
+        if config.stages is None and config.balance and not config.replicas:
+            ranks = ranks_of_balance(config, self.schedule_name, len(config.balance))
+        else:
+            ranks = config.stages or 2
+        pieces_per_rank = chunks_per_rank(self.schedule_name, ranks, config.microbatches or 1, config.chunks)
         if isinstance(model, (list, tuple)):
             self.staged = split_model(list(model))
             how = "stage modules"
