@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ConfigError, option
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.options import api_signature, api_values
 from pipetrain.training.parts import OptimizerFactory, RunParts, describe_data, describe_model
@@ -124,6 +124,9 @@ class Pipeline:
 
         check_execution(config)
         self.schedule_name = resolve_name(config.schedule)
+        if self.schedule_name == "zb-auto" and config.microbatches is None:
+            raise ConfigError(f"zb-auto chooses its order (and whether each rank holds two chunks) for a number of "
+                              f"microbatches: give {option('microbatches')}")
         if config.stages is None and config.balance and not config.replicas:
             ranks = ranks_of_balance(config, self.schedule_name, len(config.balance))
         else:

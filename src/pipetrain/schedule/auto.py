@@ -2,7 +2,8 @@
 
 Qi et al. (2023) schedule the split backward by simulating time under a memory limit. zb-auto
 does that with :func:`~pipetrain.schedule.greedy.greedy_order` on the costs it is given (per
-stage, or per rank for the V), once on the straight placement and once on the V, and puts the
+stage, or per rank for the V), on the straight placement and on the V, holding a microbatch's
+activations until its W or only until its I (W late), and puts the
 fixed schedules beside them (1f1b, zb-h1, zb-h2, zb-v, v-half, v-min): of every candidate whose
 peak activations fit the limit it keeps the one with the shortest simulated step. It is therefore
 never slower than the best fixed schedule under the same limit, and on unbalanced stages the
@@ -42,13 +43,16 @@ def peak_activations(schedule: Schedule) -> float:
     return max(m.rank_peak_activations for m in memory_by_rank(schedule)) / schedule.chunks
 
 
-def _greedy(stages: int, microbatches: int, steps: int, costs: Costs, limit: int, v: bool) -> Schedule:
+def _greedy(stages: int, microbatches: int, steps: int, costs: Costs, limit: int, v: bool,
+            until_w: bool) -> Schedule:
+    if v and microbatches < 2 * stages - 1:
+        raise ScheduleError("a V needs 2R-1 microbatches")  # as v_schedule: zb_auto leaves it out
     placement = v_placement(stages) if v else list(range(stages))
     chunks = 2 if v else 1
     shell = Schedule([[] for _ in range(stages)], [[r] for r in placement], chunks=chunks)
     resolved = costs.resolve(len(placement), stages, chunks, position_of(shell))
     step = greedy_order(placement, microbatches, resolved.forward, resolved.backward, resolved.weight,
-                        [limit * chunks] * stages)
+                        [limit * chunks] * stages, until_w=until_w)
     programs = repeat_steps(step, placement, microbatches, steps)
     return Schedule(programs, [[r] for r in placement], name="greedy-v" if v else "greedy", policy="flush",
                     microbatches=microbatches, steps=steps, chunks=chunks)
@@ -63,8 +67,11 @@ def candidates(stages: int, microbatches: int, costs: Costs, limit: int) -> dict
     }
     for name in ("zb-v", "v-half", "v-min"):
         found[name] = lambda steps, name=name: v_schedule(name, stages, microbatches, steps)
-    found["greedy"] = lambda steps: _greedy(stages, microbatches, steps, costs, limit, v=False)
-    found["greedy-v"] = lambda steps: _greedy(stages, microbatches, steps, costs, limit, v=True)
+    for v in (False, True):
+        for until_w in (True, False):
+            name = "greedy" + ("-v" if v else "") + ("" if until_w else "-late-w")
+            found[name] = lambda steps, v=v, until_w=until_w: _greedy(stages, microbatches, steps, costs, limit, v,
+                                                                      until_w)
     return found
 
 
@@ -82,12 +89,12 @@ def zb_auto(stages: int, microbatches: int, steps: int = 1, replicas: Sequence[i
     costs = DEFAULT_COSTS if costs is None else costs
     best: tuple[float, str, Callable[[int], Schedule]] | None = None
     for name, make in candidates(stages, microbatches, costs, limit).items():
-        sample = make(min(steps, _EVALUATED_STEPS))
-        if peak_activations(sample) > limit:
-            continue
         try:
+            sample = make(min(steps, _EVALUATED_STEPS))  # a V refuses too few microbatches
+            if peak_activations(sample) > limit:
+                continue
             makespan = simulate(add_communication(assign_versions(sample)), costs).makespan
-        except ScheduleError:  # costs per stage of the other placement
+        except ScheduleError:  # or costs per stage of the other placement
             continue
         if best is None or makespan < best[0]:
             best = (makespan, name, make)

@@ -21,12 +21,18 @@ The order is computed for one step; the generators repeat it for every step with
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule.ir import Action, Kind
 
-__all__ = ["greedy_order"]
+__all__ = ["greedy_order", "PRIORITY", "PACED"]
+
+#: I, then a forward of a microbatch the rank has seen (the V's second chunk), then one entering
+#: the rank (``F0``: on its first stage), then W.
+PRIORITY = ("I", "F", "F0", "W")
+#: W before a new microbatch enters: the entering forwards are spaced by the weight gradients.
+PACED = ("I", "F", "W", "F0")
 
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 
@@ -38,6 +44,9 @@ def greedy_order(
     backward: Sequence[float],
     weight: Sequence[float],
     limits: Sequence[int],
+    *,
+    until_w: bool = True,
+    priority: Sequence[str] = PRIORITY,
 ) -> list[list[Action]]:
     """Per rank, the compute actions (F, I, W) of one step of ``microbatches``.
 
@@ -85,6 +94,43 @@ def greedy_order(
     def later_stages(rank: int, s: int) -> int:
         return sum(1 for t in held[rank] if t > s)
 
+    def pick_input(rank: int, t: float, future: list[float]) -> tuple | None:
+        best = None  # the oldest microbatch first
+        for s in held[rank]:
+            k = next_i[s]
+            ready = i_ready(s, k)
+            if ready is None:
+                continue
+            if ready > t:
+                future.append(ready)
+            elif best is None or (k, s) < best:
+                best = (k, s)
+        return None if best is None else (_I, best[1], best[0])
+
+    def pick_forward(entering: bool) -> Callable[[int, float, list[float]], tuple | None]:
+        def pick(rank: int, t: float, future: list[float]) -> tuple | None:
+            for s in sorted(held[rank], reverse=True):  # the later stage first
+                if (s == held[rank][0]) != entering:
+                    continue
+                k = next_f[s]
+                ready = f_ready(s, k)
+                if ready is None or committed[rank] + later_stages(rank, s) >= limits[rank]:
+                    continue
+                if ready <= t:
+                    return (_F, s, k)
+                future.append(ready)
+            return None
+        return pick
+
+    def pick_weight(rank: int, t: float, future: list[float]) -> tuple | None:
+        best = None  # the oldest first
+        for s in held[rank]:
+            k = next_w[s]
+            if k < next_i[s] and (best is None or (k, s) < best):
+                best = (k, s)
+        return None if best is None else (_W, best[1], best[0])
+
+    pick = {"I": pick_input, "F": pick_forward(False), "F0": pick_forward(True), "W": pick_weight}
     # ranks by (clock, sequence): the free rank with the earliest clock chooses next; a rank with
     # nothing ready waits for the next time something on it or elsewhere can change
     sequence = 0
@@ -96,42 +142,12 @@ def greedy_order(
         if remaining[rank] == 0:
             continue
         t = clocks[rank] = max(clocks[rank], t)
-        choice = None
         future: list[float] = []
-        # 1. input gradients, the oldest microbatch first
-        best = None
-        for s in held[rank]:
-            k = next_i[s]
-            ready = i_ready(s, k)
-            if ready is None:
-                continue
-            if ready <= t:
-                if best is None or (k, s) < best:
-                    best = (k, s)
-            else:
-                future.append(ready)
-        if best is not None:
-            choice = (_I, best[1], best[0])
-        if choice is None:  # 2. forwards within memory, the later stage first
-            for s in sorted(held[rank], reverse=True):
-                k = next_f[s]
-                ready = f_ready(s, k)
-                if ready is None:
-                    continue
-                if committed[rank] + later_stages(rank, s) >= limits[rank]:
-                    continue
-                if ready <= t:
-                    choice = (_F, s, k)
-                    break
-                future.append(ready)
-        if choice is None:  # 3. weight gradients, the oldest first
-            best = None
-            for s in held[rank]:
-                k = next_w[s]
-                if k < next_i[s] and (best is None or (k, s) < best):
-                    best = (k, s)
-            if best is not None:
-                choice = (_W, best[1], best[0])
+        choice = None
+        for what in priority:
+            choice = pick[what](rank, t, future)
+            if choice is not None:
+                break
         if choice is None:
             others = [clocks[r] for r in range(ranks) if r != rank and remaining[r] and clocks[r] > t]
             wake = min(future + others, default=None)
@@ -153,10 +169,13 @@ def greedy_order(
             end = t + backward[s]
             done_i[s][k] = end
             next_i[s] += 1
-            committed[rank] -= 1
+            if not until_w:
+                committed[rank] -= 1
         else:
             end = t + weight[s]
             next_w[s] += 1
+            if until_w:
+                committed[rank] -= 1
         programs[rank].append(new(Action, (kind, s, k, None, None)))
         remaining[rank] -= 1
         clocks[rank] = end
