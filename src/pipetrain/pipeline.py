@@ -55,7 +55,9 @@ class Pipeline:
             (``save=DIR``'s or HuggingFace's ``save_pretrained``'s: each rank reads its own tensors).
             A directory also starts an eagerly built model from its weights. See docs/models.md.
     Schedule:
-        schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb (docs/design.md section 3).
+        schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, pipedream, 2bw
+            or pb (docs/design.md section 3); ``stages`` counts ranks for interleaved and the V schedules
+            (zb-v, v-half, v-min: the model is cut into two stages per rank).
         microbatches: units per update (microbatches per step; pipedream/pb: minibatches or
             samples accumulated per update, default 1); ``replicas``, ``chunks``, ``policy`` as for
             :func:`pipetrain.schedule.build`.

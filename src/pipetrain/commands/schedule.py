@@ -169,7 +169,7 @@ def _write_programs(schedule, path: str) -> None:
 
 
 def _title(summary: dict) -> str:
-    peak_act = max(s["peak_activations"] for s in summary["stages"])
+    peak_act = f"{summary['peak_activation_memory']:g}"
     peak_ver = max(s["peak_versions"] for s in summary["stages"])
     return (
         f"{summary['schedule']}  (policy {summary['policy']}):  makespan {summary['makespan']:.4g},  "

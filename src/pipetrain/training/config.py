@@ -106,10 +106,12 @@ class TrainConfig:
     # -- pipeline ----------------------------------------------------------------------------
     schedule: str | None = option(
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
-        help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the plan's, else 1f1b)")
+        help="gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, pipedream, 2bw, pb "
+             "(default: the plan's, else 1f1b)")
     stages: int | None = option(
         None, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
-        help="number of pipeline stages (ranks for interleaved), cut as --balance-by says (default: as many as "
+        help="number of pipeline stages (ranks for interleaved and the V schedules zb-v, v-half, v-min, whose "
+             "ranks hold 2 chunks each), cut as --balance-by says (default: as many as "
              "--balance, --split-at or --replicas give, else --workers, else 2)")
     balance: list[int] | None = option(
         None, check=entries_at_least(1), group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[int] | None",

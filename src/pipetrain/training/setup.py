@@ -533,6 +533,11 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
         raise ConfigError(f"{option('chunks')} applies to the interleaved schedule only, not to {name}")
     per_rank = chunks_per_rank(name, stages, _units_per_update(config, name), config.chunks)
     pieces = stages * per_rank
+    if per_rank > 1 and parts.staged is None and isinstance(model, nn.Sequential) and pieces > len(model):
+        raise ConfigError(
+            f"the {name} schedule cuts the model into {per_rank} chunks per rank, {pieces} stages for {stages} ranks, "
+            f"but it has {len(model)} top-level modules: use {option('stages', max(len(model) // per_rank, 1))} "
+            f"or fewer (ranks), or a deeper model")
     if parts.staged is not None:
         staged = parts.staged
         from pipetrain.stages import StageChoice
