@@ -24,6 +24,7 @@ CASES = {
         ("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved", {"chunks": 2, "microbatches": 4}),
         ("bfs", {"chunks": 2, "microbatches": 3}), ("interleaved-zb", {"chunks": 2, "microbatches": 4}),
         ("dualpipev", {"microbatches": 4}),
+        ("zb-h2", {"microbatches": 4}), ("zb-v", {"microbatches": 3}),
         ("pipedream", {}), ("pipedream", {"policy": "vsync"}), ("2bw", {"microbatches": 3}),
         ("pb", {"batch_size": 1, "steps": 24}), ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp"}),
     ],

@@ -33,5 +33,5 @@ def test_v_placement_and_pairs():
 def test_needs_two_microbatches_per_rank():
     with pytest.raises(ScheduleError, match="microbatches=6 or more"):
         order("dualpipev", 3, 5)
-    with pytest.raises(ScheduleError, match="always holds 2 stages"):
+    with pytest.raises(ScheduleError, match="always holds 2 chunks"):
         order("dualpipev", 3, 6, chunks=3)

@@ -16,11 +16,12 @@ _int_list = number_list(int, "3,1")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?",
-                        help="schedule: gpipe, 1f1b, interleaved, zb-h1, bfs, interleaved-zb, dualpipev, pipedream, "
-                             "2bw, pb, or torch's name of one (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, "
-                             "InterleavedZeroBubble, DualPipeV)")
+                        help="schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, bfs, "
+                             "interleaved-zb, dualpipev, pipedream, 2bw, pb, or torch's name of one (GPipe, 1F1B, "
+                             "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)")
     parser.add_argument("--stages", type=int,
-                        help="pipeline stages S (ranks for interleaved, bfs, interleaved-zb, dualpipev); default 4")
+                        help="pipeline stages S (ranks for the looped schedules interleaved, bfs, interleaved-zb "
+                             "and the V schedules zb-v, v-half, v-min, dualpipev: 2 chunks each); default 4")
     parser.add_argument("--microbatches", type=int, default=8,
                         help="microbatches per step; for pipedream and pb the number of units, each its own update "
                              "(default 8)")
@@ -30,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--compare; dualpipev always holds 2)")
     parser.add_argument("--replicas", type=_int_list, help="replicas per stage, e.g. 3,1 (gpipe, 1f1b, pipedream, 2bw; default 1 each)")
     parser.add_argument("--policy", help="weight-version policy replacing the preset's: stash, vsync, latest, predict (default: the preset's)")
+    parser.add_argument("--memory-limit", type=int,
+                        help="zb-auto: peak activations per rank, in microbatches of one stage (1f1b holds S on rank 0; "
+                             "default S); the search orders for --costs / --costs-file")
     parser.add_argument("--update-every", type=int, default=1, help="pipedream/pb: units accumulated per update (default 1)")
     parser.add_argument("--costs", default="",
                         help="F=1,B=2,W=0[,latency=..,bandwidth=..,bytes=..,step=..,sync=..] (default: F=1,B=2, "
@@ -70,7 +74,7 @@ def _stages(args: argparse.Namespace) -> int:
     return len(args.replicas) if args.replicas else 4
 
 
-def _generate(name: str, args: argparse.Namespace, *, comparing: bool = False):
+def _generate(name: str, args: argparse.Namespace, costs=None, *, comparing: bool = False):
     from pipetrain.schedule import ASYNCHRONOUS, build, resolve_name
     from pipetrain.schedule.presets import LOOPED
 
@@ -82,10 +86,14 @@ def _generate(name: str, args: argparse.Namespace, *, comparing: bool = False):
     if name in ASYNCHRONOUS and name != "2bw":
         microbatches, steps = microbatches * steps, 1
     replicas = args.replicas if name in ("gpipe", "1f1b", "pipedream", "2bw") or not comparing else None
+    auto = name == "zb-auto"
+    if args.memory_limit is not None and not auto and not comparing:
+        raise ScheduleError(f"--memory-limit applies to zb-auto only, not to {name}")
     return build(
         name, _stages(args), microbatches, steps=steps, chunks=chunks, replicas=replicas,
         policy=args.policy if not comparing else None,
         update_every=args.update_every if name in ("pipedream", "pb") else 1,
+        costs=costs if auto else None, memory_limit=args.memory_limit if auto else None,
     )
 
 
@@ -111,11 +119,11 @@ def run(args: argparse.Namespace) -> int:
         names = [n.strip() for n in args.compare.split(",") if n.strip()]
         if not names:
             raise ScheduleError("--compare needs schedule names, e.g. --compare gpipe,1f1b,zb-h1,pipedream")
-        schedules = [_generate(n, args, comparing=True) for n in names]
+        schedules = [_generate(n, args, costs, comparing=True) for n in names]
     elif args.load:
         schedules = [torch_csv.read(args.load)]
     elif args.name:
-        schedules = [_generate(args.name, args)]
+        schedules = [_generate(args.name, args, costs)]
     else:
         raise ScheduleError("name a schedule (e.g. pipetrain schedule 1f1b), or use --compare or --load FILE")
 
@@ -175,7 +183,7 @@ def _write_programs(schedule, path: str) -> None:
 
 
 def _title(summary: dict) -> str:
-    peak_act = max(s["peak_activations"] for s in summary["stages"])
+    peak_act = f"{summary['peak_activation_memory']:g}"
     peak_ver = max(s["peak_versions"] for s in summary["stages"])
     return (
         f"{summary['schedule']}  (policy {summary['policy']}):  makespan {summary['makespan']:.4g},  "

@@ -20,7 +20,7 @@ from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.costs import Costs, StageCosts
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 
-__all__ = ["Timeline", "simulate", "dry_run", "positions"]
+__all__ = ["Timeline", "simulate", "dry_run", "positions", "position_of"]
 
 _COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB)
 
@@ -63,6 +63,13 @@ def positions(schedule: Schedule) -> list[list[int]]:
     return [list(ranks) for ranks in schedule.stage_ranks]
 
 
+def position_of(schedule: Schedule) -> list[int] | None:
+    """``[position of stage s]`` for a schedule with chunks (its stage's rank), else None."""
+    if schedule.chunks > 1:
+        return [ranks[0] for ranks in schedule.stage_ranks]
+    return None
+
+
 def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Timeline:
     """Simulate ``schedule`` under ``costs`` (default F=1, B=2)."""
     with gc_paused():
@@ -71,8 +78,8 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Tim
 
 def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
     if not isinstance(costs, StageCosts):
-        owners = [ranks[0] for ranks in schedule.stage_ranks] if schedule.chunks > 1 else None
-        costs = (costs or Costs()).resolve(schedule.num_stages, len(positions(schedule)), schedule.chunks, owners)
+        costs = (costs or Costs()).resolve(schedule.num_stages, len(positions(schedule)), schedule.chunks,
+                                           position_of(schedule))
     programs = schedule.programs
     stage_ranks = schedule.stage_ranks
     num_stages = schedule.num_stages
