@@ -122,7 +122,7 @@ def test_torchs_own_orders_load_validate_simulate_and_train(tmp_path, cls, ranks
 
 @pytest.mark.parametrize("name,ranks,microbatches,chunks", [
     ("gpipe", 3, 4, 1), ("1f1b", 3, 5, 1), ("zb-h1", 3, 4, 1), ("interleaved", 2, 4, 2), ("bfs", 2, 3, 2),
-    ("interleaved-zb", 3, 6, 2), ("dualpipev", 2, 5, 1), ("dualpipev", 3, 6, 1)])
+    ("interleaved-zb", 3, 6, 2), ("zb-v", 3, 5, 1), ("dualpipev", 2, 5, 1), ("dualpipev", 3, 6, 1)])
 def test_what_pipetrain_writes_torchs_runtime_reads(tmp_path, name, ranks, microbatches, chunks):
     schedule = build(name, ranks, microbatches, chunks=chunks)
     path = str(tmp_path / "schedule.csv")
@@ -138,6 +138,19 @@ def test_what_pipetrain_writes_torchs_runtime_reads(tmp_path, name, ranks, micro
     again = torch_csv.load(path)
     assert compute_order(strip_communication(again)) == ours and again.stage_ranks == schedule.stage_ranks
     assert_trains_as_plain(again)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_torchs_names_build_torchs_orders(ranks):
+    """torchtitan's names: each builds the order of torch's class of that name."""
+    for name, cls, chunks in (("Interleaved1F1B", "ScheduleInterleaved1F1B", 2),
+                              ("LoopedBFS", "ScheduleLoopedBFS", 2),
+                              ("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", 2),
+                              ("ZBVZeroBubble", "ScheduleZBVZeroBubble", 1), ("DualPipeV", "ScheduleDualPipeV", 1)):
+        for microbatches in (2 * ranks, 4 * ranks):
+            built = torch_schedule(cls, ranks, 2, microbatches).pipeline_order
+            expected = [[str(a).replace("OVERLAP_F_B", "") for a in built[r] if a is not None] for r in range(ranks)]
+            assert compute_order(build(name, ranks, microbatches, chunks=chunks, communication=False)) == expected
 
 
 def test_writing_refuses_what_torch_cannot_run():
@@ -177,7 +190,7 @@ def test_refusals_name_the_row_and_cell(tmp_path, text, where, what):
 
 
 #: Written in torch's format by pipetrain, run by torch's runtime and by pipetrain's (2 ranks, gloo).
-RUNTIME_CASES = [("interleaved", {"chunks": 2}), ("dualpipev", {})]
+RUNTIME_CASES = [("interleaved", {"chunks": 2}), ("zb-v", {}), ("dualpipev", {})]
 
 
 def test_torchs_runtime_runs_pipetrains_schedules_to_pipetrains_parameters(tmp_path):
