@@ -8,6 +8,10 @@ differs for a reason is named here as an argument: ``tensors_only`` (torch.distr
 only tensors), ``faults`` (failures whose exit status the runtime keeps), ``explain`` (the
 runtime words torch's errors with the action) and ``done`` (the runtime's status board).
 
+A pair (``(0F7;3B2)``, DualPipe's paired forward and backward) runs its forward, then its
+backward: a GPU would overlap the two (one half's communication under the other's compute); on a
+CPU the halves run one after the other, with the same numbers.
+
 A transport may answer a receive, a SYNC or a tied-gradient sum with :data:`WAIT` (the message or
 the peers are not there yet): :meth:`Interpreter.run` then returns the position of that action,
 which runs again from its start when the caller resumes the rank. A blocking transport (the

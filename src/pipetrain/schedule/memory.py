@@ -1,7 +1,9 @@
 """Memory a schedule needs, from program order alone: activations in flight and weight versions.
 
 A microbatch's activations are held on a stage from its forward until its backward (B, or I when
-the backward is split: W needs only the stage input and output gradient). A weight version is
+the backward is split: W needs only the stage input and output gradient). A pair (DualPipe's F
+and B in one action) counts as its forward and then its backward: the forward's activations are
+taken before the other microbatch's are freed, on a GPU that overlaps them as on a CPU. A weight version is
 held from the STEP that creates it until it is no longer current and its last reader has run.
 
 With activation recomputation (``recompute=True`` for every stage, or the stages that recompute:
