@@ -134,7 +134,7 @@ def test_hand_written_schedule_infers_placement_and_microbatches():
 
 
 def test_loads_names_the_bad_line():
-    with pytest.raises(ScheduleError, match="line 2"):
+    with pytest.raises(ScheduleError, match="line 2, cell 2: "):
         loads("0,0F0\n1,1Q0\n")
     with pytest.raises(ScheduleError, match="rank"):
         loads("zero,0F0\n")

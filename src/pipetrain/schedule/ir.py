@@ -316,13 +316,13 @@ def loads(text: str) -> Schedule:
         if rank in rows:
             raise ScheduleError(f"line {lineno}: rank {rank} has two program lines")
         actions = []
-        for cell in cells[1:]:
+        for column, cell in enumerate(cells[1:], start=2):
             if not cell:
                 continue
             try:
                 actions.append(parse_action(cell))
             except ScheduleError as error:
-                raise ScheduleError(f"line {lineno}: {error}") from None
+                raise ScheduleError(f"line {lineno}, cell {column}: {error}") from None
         rows[rank] = actions
     if not rows:
         raise ScheduleError("the schedule has no program lines ('RANK,ACTION,ACTION,...')")
