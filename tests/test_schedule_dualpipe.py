@@ -5,7 +5,7 @@ from torch_orders import compute_order, torch_order
 
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule import Costs, Kind, build, check, memory_by_rank, order, simulate
-from pipetrain.schedule.dualpipe import v_placement
+from pipetrain.schedule.vshape import v_placement
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -17,10 +17,10 @@ def test_order_is_torchs(ranks, extra):
 
 
 def test_v_placement_and_pairs():
-    assert v_placement(3) == [[0], [1], [2], [2], [1], [0]]
     schedule = build("DualPipeV", 3, 8, steps=2)
     check(schedule)
-    assert schedule.chunks == 2 and schedule.stage_ranks == v_placement(3)
+    assert v_placement(3) == [0, 1, 2, 2, 1, 0]
+    assert schedule.chunks == 2 and schedule.stage_ranks == [[r] for r in v_placement(3)]
     pairs = [a for program in schedule.programs for a in program if a.kind is Kind.FB]
     assert pairs and all(a.version == a.peer.version for a in pairs)
     assert all(a.stage != a.peer.stage for a in pairs)  # the forward on one of a rank's stages, backward on the other

@@ -24,13 +24,9 @@ from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule.flush import update_actions
 from pipetrain.schedule.ir import Action, Kind, Schedule, pair
 from pipetrain.schedule.params import check_positive
+from pipetrain.schedule.vshape import v_placement
 
-__all__ = ["dualpipe_v", "v_placement"]
-
-
-def v_placement(ranks: int) -> list[list[int]]:
-    """``placement[stage]``: rank r holds stages r and ``2P - 1 - r`` (torch's style "v")."""
-    return [[stage if stage < ranks else 2 * ranks - 1 - stage] for stage in range(2 * ranks)]
+__all__ = ["dualpipe_v"]
 
 
 class _Rank:
@@ -112,7 +108,7 @@ def dualpipe_v(stages: int, microbatches: int, steps: int = 1, replicas=None) ->
         raise ScheduleError(
             f"dualpipev needs at least as many microbatches per step as stages (2 per rank, {2 * stages}); got "
             f"{microbatches}: use {option('microbatches', 2 * stages)} or more")
-    placement = v_placement(stages)
+    placement = [[rank] for rank in v_placement(stages)]
     programs = []
     for rank in range(stages):
         program: list[Action] = []

@@ -34,6 +34,7 @@ from pipetrain.schedule.ir import Action, Kind, Schedule, halves, pair
 from pipetrain.schedule.ir import loads as loads_pipetrain
 from pipetrain.schedule.lower import add_communication
 from pipetrain.schedule.versions import assign_versions
+from pipetrain.schedule.vshape import v_placement
 
 __all__ = ["loads", "load", "dumps", "dump", "is_torch", "read", "placement_style"]
 
@@ -255,8 +256,7 @@ def placement_style(placement: Sequence[int], ranks: int) -> str:
     rank), or "custom"."""
     if all(rank == stage % ranks for stage, rank in enumerate(placement)):
         return "loop"
-    if len(placement) == 2 * ranks and all(rank == (stage if stage < ranks else 2 * ranks - 1 - stage)
-                                           for stage, rank in enumerate(placement)):
+    if len(placement) == 2 * ranks and list(placement) == v_placement(ranks):
         return "v"
     return "custom"
 
