@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import ArgumentError, ConfigError
+from pipetrain.errors import ArgumentError, ConfigError, option
 from pipetrain.training.api_types import checked_value
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.options import api_signature, api_values
@@ -56,7 +56,11 @@ class Pipeline:
             (``save=DIR``'s or HuggingFace's ``save_pretrained``'s: each rank reads its own tensors).
             A directory also starts an eagerly built model from its weights. See docs/models.md.
     Schedule:
-        schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb (docs/design.md section 3).
+        schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, bfs, interleaved-zb,
+            dualpipev, pipedream, 2bw or pb (docs/design.md section 3), or torch's name of one
+            (``"Interleaved1F1B"``, ...); ``stages`` counts ranks for the looped schedules (interleaved, bfs,
+            interleaved-zb) and the V schedules (zb-v, v-half, v-min, dualpipev: the model is cut into two
+            stages per rank).
         microbatches: units per update (microbatches per step; pipedream/pb: minibatches or
             samples accumulated per update, default 1); ``replicas``, ``chunks``, ``policy`` as for
             :func:`pipetrain.schedule.build`.
@@ -106,8 +110,9 @@ class Pipeline:
         :class:`~pipetrain.training.config.TrainConfig` (the signature lists them)."""
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
+        from pipetrain.schedule.presets import chunks_per_rank
         from pipetrain.stages import split_model
-        from pipetrain.training.setup import apply_plan
+        from pipetrain.training.setup import apply_plan, ranks_of_balance
 
         _check_model(model)
         _check_loss_fn(loss_fn)
@@ -127,7 +132,14 @@ class Pipeline:
         if factory is None:  # pipetrain's own optimizer, from its spec (and the compensation, lr schedule)
             check_optimizer_specs(spec, config.compensation, lr_schedule)
         self.schedule_name = resolve_name(config.schedule)
-        pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1
+        if self.schedule_name == "zb-auto" and config.microbatches is None:
+            raise ConfigError(f"zb-auto chooses its order (and whether each rank holds two chunks) for a number of "
+                              f"microbatches: give {option('microbatches')}")
+        if config.stages is None and config.balance and not config.replicas:
+            ranks = ranks_of_balance(config, self.schedule_name, len(config.balance))
+        else:
+            ranks = config.stages or 2
+        pieces_per_rank = chunks_per_rank(self.schedule_name, ranks, config.microbatches or 1, config.chunks)
         if isinstance(model, (list, tuple)):
             self.staged = split_model(list(model))
             how = "stage modules"

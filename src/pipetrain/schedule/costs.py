@@ -66,12 +66,15 @@ class Costs:
     #: where a calibration measured these (machine, torch, transport), None for given costs
     measured_on: dict | None = None
 
-    def resolve(self, num_stages: int, num_positions: int, chunks: int) -> "StageCosts":
+    def resolve(self, num_stages: int, num_positions: int, chunks: int,
+                position_of: Sequence[int] | None = None) -> "StageCosts":
         """Per-stage arrays for a schedule of ``num_stages`` (virtual) stages over ``num_positions``
-        pipeline positions with ``chunks`` chunks per rank."""
+        pipeline positions with ``chunks`` chunks per rank; ``position_of[s]``: the position (rank)
+        of stage s (default ``s % num_positions``, the interleaved placement; a V puts stage s and
+        ``2R-1-s`` on one rank)."""
         values = {}
         for name in _PER_STAGE:
-            values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks)
+            values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks, position_of)
         if self.bandwidth <= 0:
             raise ScheduleError(f"bandwidth must be positive, got {self.bandwidth}")
         transfer = [self.latency + b / self.bandwidth if b else self.latency for b in values["bytes"]]
@@ -112,7 +115,8 @@ class StageCosts:
         self.receiving = self.receiving or [0.0] * len(self.transfer)
 
 
-def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int) -> list[float]:
+def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int,
+            position_of: Sequence[int] | None = None) -> list[float]:
     if isinstance(value, (int, float)):
         values = [float(value)] * num_stages
         per_position = chunks > 1 and name not in ("bytes",)
@@ -124,9 +128,10 @@ def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chu
         return values
     if chunks > 1 and len(values) == num_positions:
         scale = 1.0 if name == "bytes" else 1.0 / chunks
-        return [values[s % num_positions] * scale for s in range(num_stages)]
+        where = position_of if position_of is not None else [s % num_positions for s in range(num_stages)]
+        return [values[where[s]] * scale for s in range(num_stages)]
     if len(values) == 1:
-        return _expand(name, values[0], num_stages, num_positions, chunks)
+        return _expand(name, values[0], num_stages, num_positions, chunks, position_of)
     wanted = f"{num_stages}" if chunks == 1 else f"{num_positions} (one per rank) or {num_stages} (one per chunk)"
     raise ScheduleError(f"costs: {name} has {len(values)} entries but the schedule needs 1 or {wanted}")
 

@@ -22,13 +22,14 @@ from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayo
 from pipetrain.execution.failures import StageNames
 from pipetrain.runtime.errors import CheckpointMismatchError
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
+from pipetrain.schedule.presets import check_chunks, chunks_per_rank
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
 from pipetrain.training.validate import loss_scale_of
 
-__all__ = ["Run", "prepare", "plan_recompute", "EXECUTORS", "AUTOCAST"]
+__all__ = ["Run", "prepare", "plan_recompute", "ranks_of_balance", "EXECUTORS", "AUTOCAST"]
 
 EXECUTORS = ("distributed", "emulate")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -233,8 +234,8 @@ def _stage_count(config: TrainConfig, name: str) -> int:
         stages = len(config.split_at) + 1
     else:
         stages = config.workers or 2
-    if name == "interleaved" and config.balance and len(config.balance) != stages * config.chunks:
-        stages = len(config.balance) // max(config.chunks, 1)
+    if config.balance and not config.replicas and config.stages is None:
+        stages = ranks_of_balance(config, name, len(config.balance))
     workers = (sum(config.replicas) if config.replicas else stages)
     if config.workers is not None and config.workers != workers:
         raise ConfigError(
@@ -243,6 +244,21 @@ def _stage_count(config: TrainConfig, name: str) -> int:
             + f" use {workers} workers; change {option('workers')} or {option('stages')}/{option('replicas')}"
         )
     return stages
+
+
+def ranks_of_balance(config: TrainConfig, name: str, pieces: int) -> int:
+    """The ranks that a cut into ``pieces`` stages fills: fewer where each rank holds several
+    chunks (interleaved, the V schedules, zb-auto when it picks a V)."""
+    if name == "zb-auto":
+        units = _units_per_update(config, name)
+        if chunks_per_rank(name, pieces, units) == 1:
+            return pieces
+        if pieces % 2 == 0 and chunks_per_rank(name, pieces // 2, units) == 2:
+            return pieces // 2
+        raise ConfigError(f"zb-auto cannot tell from {option('balance', config.balance)} how many ranks to use; "
+                          f"give {option('stages')} (ranks)")
+    per_rank = chunks_per_rank(name, pieces, 1, config.chunks)
+    return max(pieces // per_rank, 1)
 
 
 def apply_plan(config: TrainConfig) -> TrainConfig:
@@ -536,9 +552,14 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
                           f"{option('precision', 'fp32')}")
     init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
 
-    pieces = stages * (config.chunks if name == "interleaved" else 1)
-    if config.chunks != 1 and name != "interleaved":
-        raise ConfigError(f"{option('chunks')} applies to the interleaved schedule only, not to {name}")
+    check_chunks(name, config.chunks)
+    per_rank = chunks_per_rank(name, stages, _units_per_update(config, name), config.chunks)
+    pieces = stages * per_rank
+    if per_rank > 1 and parts.staged is None and isinstance(model, nn.Sequential) and pieces > len(model):
+        raise ConfigError(
+            f"the {name} schedule cuts the model into {per_rank} chunks per rank, {pieces} stages for {stages} ranks, "
+            f"but it has {len(model)} top-level modules: use {option('stages', max(len(model) // per_rank, 1))} "
+            f"or fewer (ranks), or a deeper model")
     if parts.staged is not None:
         staged = parts.staged
         from pipetrain.stages import StageChoice
@@ -556,7 +577,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
-            + (f" ({stages} ranks x {config.chunks} chunks)" if name == "interleaved" else "")
+            + (f" ({stages} ranks x {per_rank} chunks)" if per_rank > 1 else "")
         )
 
     asynchronous = name in ASYNCHRONOUS and name != "2bw"
