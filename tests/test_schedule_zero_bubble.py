@@ -259,3 +259,15 @@ def test_command_zb_auto_uses_costs_and_memory_limit(tmp_path, capsys):
     assert code == 0 and json.loads(capsys.readouterr().out)["peak_activation_memory"] <= 2
     assert main(["schedule", "zb-v", "--memory-limit", "2"]) == 2
     assert "--memory-limit applies to zb-auto only" in capsys.readouterr().err
+
+
+def test_train_refuses_a_v_before_cutting(capsys):
+    base = ["train", "--model", "mlp:depth=5,width=16", "--data", "synthetic:features=8,classes=3,samples=48",
+            "--batch-size", "12", "--steps", "1", "--executor", "emulate", "--no-progress"]
+    assert main([*base, "--schedule", "v-half", "--stages", "3", "--microbatches", "4"]) == 2
+    assert "needs at least 5 microbatches per step (2R-1) to fill its V, got 4: use --microbatches 5" in \
+        capsys.readouterr().err
+    assert main([*base[:2], "mlp:depth=2,width=16", *base[3:], "--schedule", "zb-v", "--stages", "3",
+                 "--microbatches", "5"]) == 2
+    assert "cuts the model into 2 chunks per rank, 6 stages for 3 ranks, but it has 3 top-level modules: use " \
+           "--stages 1 or fewer" in capsys.readouterr().err

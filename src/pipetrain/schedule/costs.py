@@ -6,7 +6,7 @@ gradient all-reduce ``sync`` among replicas. Per message: ``latency + bytes / ba
 ``bytes`` is the stage's output activation size (the gradient that flows back has the same size),
 and ``send`` seconds of sender time.
 
-A value may be one number (every stage) or a list: one entry per stage, or for interleaved
+A value may be one number (every stage) or a list: one entry per stage, or for interleaved and V
 schedules one per rank (each of the rank's v chunks then costs 1/v of it) or one per chunk.
 Units are free (seconds from a profile, or abstract units); traces treat them as seconds.
 """

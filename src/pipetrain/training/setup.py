@@ -21,6 +21,7 @@ from pipetrain.errors import ConfigError, option, written
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.schedule.presets import chunks_per_rank
+from pipetrain.schedule.vshape import V_SCHEDULES, check_v_parameters
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
 from pipetrain.training.config import TrainConfig
@@ -529,8 +530,10 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
                           f"{option('precision', 'fp32')}")
     init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
 
-    if config.chunks != 1 and name != "interleaved" and not (config.chunks == 2 and name in ("zb-v", "v-half", "v-min")):
+    if config.chunks != 1 and name != "interleaved" and not (config.chunks == 2 and name in V_SCHEDULES):
         raise ConfigError(f"{option('chunks')} applies to the interleaved schedule only, not to {name}")
+    if name in V_SCHEDULES:  # before the cut, which may time the model
+        check_v_parameters(name, stages, _units_per_update(config, name), config.replicas)
     per_rank = chunks_per_rank(name, stages, _units_per_update(config, name), config.chunks)
     pieces = stages * per_rank
     if per_rank > 1 and parts.staged is None and isinstance(model, nn.Sequential) and pieces > len(model):
