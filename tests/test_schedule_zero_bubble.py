@@ -181,12 +181,13 @@ def test_zb_auto_beats_zb_h1_and_zb_v_on_unbalanced_stages():
 @pytest.mark.parametrize("limit", [1, 2, 3, 5])
 @pytest.mark.parametrize("costs", [UNIT, UNBALANCED, Costs(F=[3, 1, 1], B=[3, 1, 2], W=[1, 1, 3])])
 def test_zb_auto_respects_the_limit_and_is_never_worse_than_a_fixed_schedule(limit, costs):
+    """Compared as it chooses, over two steps (what a run pays per step)."""
     m = 6
-    auto = build("zb-auto", 3, m, costs=costs, memory_limit=limit)
+    auto = build("zb-auto", 3, m, steps=2, costs=costs, memory_limit=limit)
     assert peak_activations(auto) <= limit
     mine = simulate(auto, costs).makespan
     for name in ("1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"):
-        fixed = build(name, 3, m)
+        fixed = build(name, 3, m, steps=2)
         if peak_activations(fixed) <= limit:
             assert mine <= simulate(fixed, costs).makespan, name
     assert set(candidates(3, m, costs, limit)) >= {"greedy", "greedy-v"}

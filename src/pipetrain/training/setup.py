@@ -232,8 +232,10 @@ def _stage_count(config: TrainConfig, name: str) -> int:
         stages = len(config.split_at) + 1
     else:
         stages = config.workers or 2
-    if config.balance and not config.replicas and config.stages is None:
-        stages = ranks_of_balance(config, name, len(config.balance))
+    chunked = name == "interleaved" or name in V_SCHEDULES or name == "zb-auto"
+    if chunked and config.balance and not config.replicas and len(config.balance) != stages * chunks_per_rank(
+            name, stages, _units_per_update(config, name), config.chunks):
+        stages = ranks_of_balance(config, name, len(config.balance))  # the balance lists every chunk
     workers = (sum(config.replicas) if config.replicas else stages)
     if config.workers is not None and config.workers != workers:
         raise ConfigError(
