@@ -161,3 +161,17 @@ def test_zero_bubble_schedules_equal_plain_accumulation_bitwise(name, ranks, m, 
     pipe.train(batches)
     assert len(pipe.staged.stages) == pieces
     assert_same(model, expected, bitwise=True)
+
+
+@pytest.mark.parametrize("recompute", ["stage", "stage:0,3"])
+def test_a_v_rank_recomputing_its_chunks_trains_alike(recompute):
+    """zb-v with activation recomputation (both chunks of a rank, or stages 0 and 3: rank 0's two)
+    ends with the parameters it has without."""
+    trained = []
+    for option in ("none", recompute):
+        model = make_model()
+        pipe = Pipeline(model, executor="emulate", balance=balance_for(4), stages=2, schedule="zb-v", microbatches=3,
+                        optimizer=OPTIMIZERS["sgd"][0], recompute=option)
+        pipe.train(make_batches())
+        trained.append(model)
+    assert_same(trained[0], trained[1], bitwise=True)

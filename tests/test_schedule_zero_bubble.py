@@ -181,12 +181,13 @@ def test_zb_auto_beats_zb_h1_and_zb_v_on_unbalanced_stages():
 @pytest.mark.parametrize("limit", [1, 2, 3, 5])
 @pytest.mark.parametrize("costs", [UNIT, UNBALANCED, Costs(F=[3, 1, 1], B=[3, 1, 2], W=[1, 1, 3])])
 def test_zb_auto_respects_the_limit_and_is_never_worse_than_a_fixed_schedule(limit, costs):
+    """Compared as it chooses, over two steps (what a run pays per step)."""
     m = 6
-    auto = build("zb-auto", 3, m, costs=costs, memory_limit=limit)
+    auto = build("zb-auto", 3, m, steps=2, costs=costs, memory_limit=limit)
     assert peak_activations(auto) <= limit
     mine = simulate(auto, costs).makespan
     for name in ("1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min"):
-        fixed = build(name, 3, m)
+        fixed = build(name, 3, m, steps=2)
         if peak_activations(fixed) <= limit:
             assert mine <= simulate(fixed, costs).makespan, name
     assert set(candidates(3, m, costs, limit)) >= {"greedy", "greedy-v"}
@@ -259,3 +260,15 @@ def test_command_zb_auto_uses_costs_and_memory_limit(tmp_path, capsys):
     assert code == 0 and json.loads(capsys.readouterr().out)["peak_activation_memory"] <= 2
     assert main(["schedule", "zb-v", "--memory-limit", "2"]) == 2
     assert "--memory-limit applies to zb-auto only" in capsys.readouterr().err
+
+
+def test_train_refuses_a_v_before_cutting(capsys):
+    base = ["train", "--model", "mlp:depth=5,width=16", "--data", "synthetic:features=8,classes=3,samples=48",
+            "--batch-size", "12", "--steps", "1", "--executor", "emulate", "--no-progress"]
+    assert main([*base, "--schedule", "v-half", "--stages", "3", "--microbatches", "4"]) == 2
+    assert "needs at least 5 microbatches per step (2R-1) to fill its V, got 4: use --microbatches 5" in \
+        capsys.readouterr().err
+    assert main([*base[:2], "mlp:depth=2,width=16", *base[3:], "--schedule", "zb-v", "--stages", "3",
+                 "--microbatches", "5"]) == 2
+    assert "cuts the model into 2 chunks per rank, 6 stages for 3 ranks, but it has 3 top-level modules: use " \
+           "--stages 1 or fewer" in capsys.readouterr().err

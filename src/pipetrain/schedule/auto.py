@@ -3,11 +3,12 @@
 Qi et al. (2023) schedule the split backward by simulating time under a memory limit. zb-auto
 does that with :func:`~pipetrain.schedule.greedy.greedy_order` on the costs it is given (per
 stage, or per rank for the V), on the straight placement and on the V, holding a microbatch's
-activations until its W or only until its I (W late), and puts the
-fixed schedules beside them (1f1b, zb-h1, zb-h2, zb-v, v-half, v-min): of every candidate whose
-peak activations fit the limit it keeps the one with the shortest simulated step. It is therefore
-never slower than the best fixed schedule under the same limit, and on unbalanced stages the
-greedy orders, which wait where the costs say, usually beat them.
+activations until its W or only until its I (W late), and puts the fixed schedules beside them
+(1f1b, zb-h1, zb-h2, zb-v, v-half, v-min): of every candidate whose peak activations fit the
+limit it keeps the one that simulates two steps in the least time (a step and the next: what a
+run pays per step, zb-h2's overlap of steps included). Over two steps it is therefore never slower
+than the best fixed schedule under the same limit, and on unbalanced stages the greedy orders,
+which wait where the costs say, often beat them.
 
 The limit counts a rank's activations in microbatches of one stage of the straight cut (1f1b holds
 S on rank 0; a V chunk is half a stage); the default is 1f1b's S. The costs default to F = I = W = 1.
@@ -34,7 +35,8 @@ from pipetrain.schedule.vshape import repeat_steps, v_placement, v_schedule
 __all__ = ["zb_auto", "candidates", "peak_activations", "DEFAULT_COSTS"]
 
 DEFAULT_COSTS = Costs(F=1, B=1, W=1)
-#: steps a candidate is simulated over (zb-h2 gains from steps that follow one another)
+#: steps a candidate is simulated over, whatever the run's (zb-h2 gains from steps that follow one
+#: another; the choice, and so the cut into chunks, must not depend on the run's length)
 _EVALUATED_STEPS = 2
 
 
@@ -90,7 +92,7 @@ def zb_auto(stages: int, microbatches: int, steps: int = 1, replicas: Sequence[i
     best: tuple[float, str, Callable[[int], Schedule]] | None = None
     for name, make in candidates(stages, microbatches, costs, limit).items():
         try:
-            sample = make(min(steps, _EVALUATED_STEPS))  # a V refuses too few microbatches
+            sample = make(_EVALUATED_STEPS)  # a V refuses too few microbatches
             if peak_activations(sample) > limit:
                 continue
             makespan = simulate(add_communication(assign_versions(sample)), costs).makespan

@@ -10,7 +10,7 @@ and the receiver ``recv + bytes * recv_per_byte`` once it has arrived. ``overhea
 own time before every action (the interpreter between actions). ``pipetrain calibrate`` measures
 the scalar ones on the machine and transport it runs on (:mod:`pipetrain.runtime.calibrate`).
 
-A value may be one number (every stage) or a list: one entry per stage, or for interleaved
+A value may be one number (every stage) or a list: one entry per stage, or for interleaved and V
 schedules one per rank (each of the rank's v chunks then costs 1/v of it) or one per chunk.
 Units are free (seconds from a profile, or abstract units); traces treat them as seconds.
 """

@@ -4,16 +4,18 @@ The zero-bubble papers (Qi et al. 2023, 2024) order the split backward by simula
 rank that is free runs the most urgent action whose inputs are there. Here the urgency is
 
     1. I (input gradient): on the critical path back to stage 0;
-    2. F, if the rank's activation memory allows it: a later stage (the V's second chunk) first;
+    2. F, if the rank's activation memory allows it: a microbatch coming back (the V's second
+       chunk) before one entering the rank;
     3. W (weight gradient): only what is left, so W fills the gaps.
 
-Memory counts microbatches whose activations a rank holds (from F to I, as
-:mod:`~pipetrain.schedule.memory` does), in units of one stage of this placement. When a
-microbatch first enters a rank, the rank *reserves* a unit for each later stage it holds (a V rank
-holds two: the microbatch will come back), so that a full rank can always finish the
-microbatches it has started and the order never deadlocks (at least one unit per held stage is
-needed). Within a stage, forwards, input gradients and weight gradients each run in microbatch
-order.
+Memory counts the microbatches whose activations a rank holds, in units of one stage of this
+placement: from F to W (``until_w``: what pipetrain's executor keeps, the microbatch's graph), or
+from F to I as :mod:`~pipetrain.schedule.memory` counts (the papers' activation memory; W keeps
+only its inputs and output gradients there). An F
+leaves one unit free for each later stage its rank holds (a V rank keeps one for the
+microbatches coming back), so the microbatch furthest along can always go on and the order never
+deadlocks (a rank's limit must be at least the stages it holds). Within a stage, forwards, input
+gradients and weight gradients each run in microbatch order.
 
 The order is computed for one step; the generators repeat it for every step with a flush.
 """
@@ -26,13 +28,11 @@ from typing import Callable, Sequence
 from pipetrain.errors import ScheduleError, option
 from pipetrain.schedule.ir import Action, Kind
 
-__all__ = ["greedy_order", "PRIORITY", "PACED"]
+__all__ = ["greedy_order"]
 
 #: I, then a forward of a microbatch the rank has seen (the V's second chunk), then one entering
 #: the rank (``F0``: on its first stage), then W.
-PRIORITY = ("I", "F", "F0", "W")
-#: W before a new microbatch enters: the entering forwards are spaced by the weight gradients.
-PACED = ("I", "F", "W", "F0")
+_PRIORITY = ("I", "F", "F0", "W")
 
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 
@@ -46,12 +46,12 @@ def greedy_order(
     limits: Sequence[int],
     *,
     until_w: bool = True,
-    priority: Sequence[str] = PRIORITY,
 ) -> list[list[Action]]:
     """Per rank, the compute actions (F, I, W) of one step of ``microbatches``.
 
     ``placement[s]``: the rank of stage ``s``; ``forward``/``backward``/``weight``: per-stage F, I
-    and W times; ``limits[r]``: the most activation units rank ``r`` may hold or reserve.
+    and W times; ``limits[r]``: the most activation units rank ``r`` may hold; ``until_w``: a
+    microbatch holds its unit until its W (else until its I).
     """
     stages = len(placement)
     ranks = max(placement) + 1
@@ -144,7 +144,7 @@ def greedy_order(
         t = clocks[rank] = max(clocks[rank], t)
         future: list[float] = []
         choice = None
-        for what in priority:
+        for what in _PRIORITY:
             choice = pick[what](rank, t, future)
             if choice is not None:
                 break

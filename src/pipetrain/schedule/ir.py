@@ -197,7 +197,7 @@ class Schedule:
         microbatches: microbatches per optimizer step (per flush); for asynchronous schedules
             (pipedream, pb) the number of pipeline units in total, each its own update.
         steps: optimizer steps the schedule covers (1 for asynchronous schedules).
-        chunks: model chunks per rank (interleaved schedules), else 1.
+        chunks: model chunks per rank (interleaved schedules; 2 for the V schedules), else 1.
     """
 
     programs: list[list[Action]]

@@ -7,7 +7,8 @@ action that produces a tensor and the matching RECV right before the action that
     rank 1: 1F0 1B0         ->  1RECV_F0<0 1F0 1B0 1SEND_B0>0
     rank 0: 0B0             ->  0RECV_B0<1 0B0
 
-Where the neighbouring stage lives on the same rank (interleaved with one rank) nothing is added.
+Where the neighbouring stage lives on the same rank (interleaved with one rank; the turn of a V,
+stages R-1 and R on rank R-1) nothing is added: the interpreter hands the tensor over locally.
 A pair (``(1F3;2B1)``) gets the receives of both halves before it and their sends after it::
 
     rank 1: (1F3;2B1)       ->  1RECV_F3<0 2RECV_B1<0 (1F3;2B1) 1SEND_F3>... 2SEND_B1>...

@@ -102,9 +102,10 @@ def resolve_name(name: str) -> str:
 
 
 def _actions_per_cell(name: str, chunks: int) -> int:
-    """Compute actions per (stage, microbatch, step): forward and backward (zero-bubble: and W)."""
+    """Compute actions per (stage, microbatch, step): forward and backward (zero-bubble: and W);
+    zb-auto builds and simulates its ten candidates too (about eleven schedules' work)."""
     per_rank = chunks if name in LOOPED else 2 if name in V_SHAPED or name == "zb-auto" else 1
-    return (3 if name in _SPLIT else 2) * per_rank
+    return (3 if name in _SPLIT else 2) * per_rank * (11 if name == "zb-auto" else 1)
 
 
 def chunks_per_rank(name: str, stages: int, microbatches: int, chunks: int = 1, *, costs: Costs | None = None,

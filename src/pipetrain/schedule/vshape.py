@@ -42,7 +42,8 @@ from pipetrain.schedule.greedy import greedy_order
 from pipetrain.schedule.ir import Action, Kind, Schedule
 from pipetrain.schedule.params import check_positive
 
-__all__ = ["V_SCHEDULES", "v_placement", "v_limit", "v_schedule", "zb_v_order", "repeat_steps"]
+__all__ = ["V_SCHEDULES", "v_placement", "v_limit", "v_schedule", "zb_v_order", "repeat_steps",
+           "check_v_parameters"]
 
 #: The V schedules and their activation limit per rank, in chunk units, for R ranks.
 V_SCHEDULES = {
@@ -126,12 +127,10 @@ def repeat_steps(step: Sequence[Sequence[Action]], placement: Sequence[int], mic
     return programs
 
 
-def v_schedule(name: str, ranks: int, microbatches: int, steps: int = 1,
-               replicas: Sequence[int] | None = None) -> Schedule:
-    """The V schedule ``name`` (zb-v, v-half, v-min) over ``ranks`` ranks (2 * ranks stages)."""
+def check_v_parameters(name: str, ranks: int, microbatches: int, replicas: Sequence[int] | None = None) -> None:
+    """Refuse what no V schedule can run: replicated stages, fewer than 2R-1 microbatches a step."""
     check_positive("stages", ranks)
     check_positive("microbatches", microbatches)
-    check_positive("steps", steps)
     if replicas is not None and any(r != 1 for r in replicas):
         raise ScheduleError(f"{name} does not support replicated stages (each rank holds two chunks of a V); use "
                             f"1f1b or pipedream with {option('replicas')}")
@@ -140,6 +139,13 @@ def v_schedule(name: str, ranks: int, microbatches: int, steps: int = 1,
             f"{name} over {ranks} ranks needs at least {2 * ranks - 1} microbatches per step (2R-1) to fill its V, "
             f"got {microbatches}: use {option('microbatches', 2 * ranks - 1)} or more, fewer {option('stages')} "
             f"(ranks), or zb-h1")
+
+
+def v_schedule(name: str, ranks: int, microbatches: int, steps: int = 1,
+               replicas: Sequence[int] | None = None) -> Schedule:
+    """The V schedule ``name`` (zb-v, v-half, v-min) over ``ranks`` ranks (2 * ranks stages)."""
+    check_positive("steps", steps)
+    check_v_parameters(name, ranks, microbatches, replicas)
     placement = v_placement(ranks)
     stages = len(placement)
     if name == "zb-v":

@@ -23,6 +23,7 @@ from pipetrain.execution.failures import StageNames
 from pipetrain.runtime.errors import CheckpointMismatchError
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.schedule.presets import check_chunks, chunks_per_rank
+from pipetrain.schedule.vshape import V_SCHEDULES, check_v_parameters
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
 from pipetrain.training.config import TrainConfig
@@ -234,8 +235,10 @@ def _stage_count(config: TrainConfig, name: str) -> int:
         stages = len(config.split_at) + 1
     else:
         stages = config.workers or 2
-    if config.balance and not config.replicas and config.stages is None:
-        stages = ranks_of_balance(config, name, len(config.balance))
+    chunked = name == "interleaved" or name in V_SCHEDULES or name == "zb-auto"
+    if chunked and config.balance and not config.replicas and len(config.balance) != stages * chunks_per_rank(
+            name, stages, _units_per_update(config, name), config.chunks):
+        stages = ranks_of_balance(config, name, len(config.balance))  # the balance lists every chunk
     workers = (sum(config.replicas) if config.replicas else stages)
     if config.workers is not None and config.workers != workers:
         raise ConfigError(
@@ -553,6 +556,8 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
     init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
 
     check_chunks(name, config.chunks)
+    if name in V_SCHEDULES:  # before the cut, which may time the model
+        check_v_parameters(name, stages, _units_per_update(config, name), config.replicas)
     per_rank = chunks_per_rank(name, stages, _units_per_update(config, name), config.chunks)
     pieces = stages * per_rank
     if per_rank > 1 and parts.staged is None and isinstance(model, nn.Sequential) and pieces > len(model):
