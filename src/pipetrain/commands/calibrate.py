@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from pipetrain.commands._text import aligned
+from pipetrain.commands._text import aligned, number_list
 from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "HELP", "measure_overhead"]
@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="sgd:lr=0.01,momentum=0.9",
                         help="the optimizer whose step per parameter byte is measured (default "
                              "sgd:lr=0.01,momentum=0.9)")
+    parser.add_argument("--sizes", type=number_list(int, "1024,65536,1048576"), default=None, metavar="BYTES,...",
+                        help="message sizes measured, in bytes (default 1 KB, 16 KB, 256 KB, 1 MB, 4 MB)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds the measurement may take before it is stopped (default 120)")
     parser.add_argument("--json", action="store_true", help="print the costs file's object, not the table")
@@ -56,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_outputs(files={"--out": args.out}, formats={"--out": JSON})
     parse_optimizer_spec(args.optimizer)
+    if args.sizes is not None and (len(args.sizes) < 2 or min(args.sizes) < 4):
+        raise ConfigError(f"--sizes needs two or more sizes of at least 4 bytes, got {args.sizes}")
     if args.timeout <= 0:
         raise ConfigError(f"--timeout must be positive seconds, got {args.timeout:g}")
     import torch
@@ -91,11 +95,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_transport(args: argparse.Namespace):
     from pipetrain.runtime.errors import LaunchError
-    from pipetrain.runtime.calibrate import measure_transport
+    from pipetrain.runtime.calibrate import SIZES, measure_transport
     from pipetrain.runtime.launch import launch
 
-    result = launch(measure_transport, (args.device, (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20),
-                                        args.optimizer, args.timeout),
+    result = launch(measure_transport, (args.device, tuple(args.sizes or SIZES), args.optimizer, args.timeout),
                     2, threads_per_worker=1, timeout=args.timeout, quiet=True)
     if result.returncode != 0 or result.results[0] is None:
         raise LaunchError(f"the calibration's workers failed ({result.message or f'exit status {result.returncode}'})")

@@ -7,16 +7,18 @@ CPU, NCCL on GPU) and how workers are placed, so they are measured where the run
 ranks started by pipetrain's launcher, each pinned to one core with one thread as training
 workers are, exchange messages through the runtime's own :class:`~pipetrain.runtime.p2p.Messenger`.
 
-* **Ping-pong** over a few sizes (1 KB .. 4 MB): the one-way time is half the median round trip;
-  the sender's busy time is the median time the ``isend`` call keeps it (packing the message,
-  handing it to the transport: the span of a SEND action); on gloo the receiver's busy time is
-  the CPU time its process spends on a receive (posting it, reading the socket, unpacking), which
-  a blocking wait does not consume. Each is fitted as ``a + b * bytes`` (least squares over the
-  medians); what the sender and the receiver are busy is taken out of the one-way time and the
-  rest is in flight: ``latency = a_oneway - send - recv``, ``1 / bandwidth = b_oneway -
-  send_per_byte - recv_per_byte`` (clamped at 0 and infinity). On NCCL the receiver's CPU time
-  is the host spinning on the device, not work: ``recv`` is 0 there and the whole remainder is
-  in flight.
+* **Ping-pong** over a few sizes (1 KB .. 4 MB), the receiver waiting: the one-way time is half
+  the median round trip; the sender's busy time is the median time the ``isend`` call keeps it
+  (packing the message, handing it to the transport: the span of a SEND action).
+* **Late receives**: the sender sends at once and the receiver posts its receive 2 ms later, as a
+  receive posted on demand (the runtime's usual way) often is; the median time that receive takes
+  is the receiver's busy time after arrival. On gloo it is no copy alone: the data moves only once
+  both sides have posted, so it holds a rendezvous between the two processes' transport threads.
+  Each figure is fitted as ``a + b * bytes`` (:func:`fit_line`); what the sender and the receiver
+  are busy is taken out of the one-way time and the rest is in flight: ``latency = a_oneway -
+  send - recv``, ``1 / bandwidth = b_oneway - send_per_byte - recv_per_byte`` (clamped at 0 and
+  infinity). A receiver already waiting when the message comes is charged the same ``recv``: an
+  over-estimate where receives are posted ahead.
 * **All-reduce** of a replicated stage's flat gradient over the same sizes (``sync`` +
   ``sync_per_byte``), as the runtime's SYNC runs it.
 * **Optimizer step** per parameter byte (``step_per_byte``), on rank 0, with the given spec.
@@ -36,6 +38,10 @@ __all__ = ["SIZES", "Fit", "TransportFigures", "fit_line", "measure_transport", 
 
 #: message sizes measured (bytes): 1 KB .. 4 MB
 SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20)
+
+#: how long the receiver of a late receive waits before posting it (seconds): the sender's
+#: announcement has long arrived
+LATE = 0.002
 
 
 @dataclass(frozen=True)
@@ -127,46 +133,44 @@ def measure_transport(device: str = "cpu", sizes: Sequence[int] = SIZES, optimiz
     rank, peer = env.rank, 1 - env.rank
     messenger = Messenger(timeout=timeout, device=where)
     wait_device = torch.cuda.synchronize if cuda else (lambda: None)
-    wall, cpu = time.perf_counter, time.process_time
+    wall = time.perf_counter
     one_way, sender, receiver, reduce = [], [], [], []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=where)
-        trips, sends, receives = [], [], []
-
-        def exchange(first: bool) -> tuple[float, float]:
-            """One message out and one back (``first``: this rank sends first); returns this
-            rank's isend time and the CPU time of its receive."""
-            if not first:
-                c0 = cpu()
-                messenger.recv(peer, "calibrate")
-                wait_device()
-                received = cpu() - c0
-            t0 = wall()
-            handle = messenger.isend(x, peer, "calibrate")
-            sent = wall() - t0
-            handle.wait()
-            if first:
-                c0 = cpu()
-                messenger.recv(peer, "calibrate")
-                wait_device()
-                received = cpu() - c0
-            return sent, received
-
         count = _iterations(nbytes)
-        for _ in range(3):  # the first message of a size announces it; warm the buffers
-            exchange(rank == 0)
-        dist.barrier()
-        for _ in range(count):
+        trips, sends = [], []
+        for i in range(count + 3):  # the first message of a size announces it: 3 to warm up
             t0 = wall()
-            sent, received = exchange(rank == 0)
-            trips.append(wall() - t0)
-            sends.append(sent)
-            receives.append(received)
-        one_way.append((nbytes, statistics.median(trips) / 2))
-        sender.append((nbytes, statistics.median(sends)))
-        receiver.append((nbytes, statistics.median(receives)))
+            if rank == 0:
+                handle = messenger.isend(x, peer, "calibrate")
+                sent = wall() - t0
+                handle.wait()
+                messenger.recv(peer, "calibrate")
+            else:
+                messenger.recv(peer, "calibrate")
+                wait_device()
+                messenger.send(x, peer, "calibrate")
+            wait_device()
+            if i >= 3 and rank == 0:
+                trips.append(wall() - t0)
+                sends.append(sent)
+        # a receive of a message sent before it was posted (as receives posted on demand often are):
+        # rank 0 sends at once, rank 1 posts its receive LATE seconds later and times it
+        takes = []
+        for i in range(min(count, 40) + 3):
+            if rank == 0:
+                handle = messenger.isend(x, peer, "late")
+                messenger.recv(peer, "ack")
+                handle.wait()
+            else:
+                time.sleep(LATE)
+                t0 = wall()
+                messenger.recv(peer, "late")
+                wait_device()
+                if i >= 3:
+                    takes.append(wall() - t0)
+                messenger.send(torch.zeros(1, device=where), peer, "ack")
         flat = torch.ones(nbytes // 4, dtype=torch.float32, device=where)
-        dist.barrier()
         times = []
         for i in range(count // 2 + 3):
             t0 = wall()
@@ -175,23 +179,23 @@ def measure_transport(device: str = "cpu", sizes: Sequence[int] = SIZES, optimiz
             wait_device()
             if i >= 3:
                 times.append(wall() - t0)
-        reduce.append((nbytes, statistics.median(times)))
-    dist.barrier()
+        if rank == 0:
+            one_way.append((nbytes, statistics.median(trips) / 2))
+            sender.append((nbytes, statistics.median(sends)))
+            reduce.append((nbytes, statistics.median(times)))
+        else:
+            receiver.append((nbytes, statistics.median(takes)))
+    taken = [None, None]
+    dist.all_gather_object(taken, receiver)
     if rank != 0:
         return None
-    notes = []
-    receiving = fit_line(receiver)
-    if cuda:
-        receiving = Fit(0.0, 0.0, receiving.points)
-        notes.append("recv 0 on NCCL: the receiver's CPU time there is the host waiting on the device")
     return TransportFigures(
         transport="nccl" if cuda else "gloo",
         one_way=fit_line(one_way),
         sender=fit_line(sender),
-        receiver=receiving,
+        receiver=fit_line(taken[1]),
         all_reduce=fit_line(reduce),
         step=measure_step(optimizer, where),
-        notes=notes,
     )
 
 
