@@ -34,6 +34,8 @@ def _calibration(field: str, path: str) -> None:
     from pipetrain.errors import PipetrainError
     from pipetrain.schedule.costs import load_costs
 
+    if not isinstance(path, str):
+        raise ConfigError(f"{option_name(field)} must be the path of a costs file, got {path!r}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
