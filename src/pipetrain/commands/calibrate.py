@@ -31,7 +31,7 @@ HELP = "measure message, all-reduce, optimizer-step and per-action costs here (a
 
 #: the run whose timeline gives the interpreter's time per action: small, so the gaps dominate
 OVERHEAD_RUN = dict(model="mlp:depth=2,width=16", data="synthetic:features=16,classes=4,samples=256",
-                    batch_size=32, microbatches=4, schedule="1f1b", stages=2, steps=40)
+                    batch_size=32, microbatches=4, schedule="1f1b", balance=[2, 1], steps=40)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--device cuda: CUDA is not available here; use --device cpu")
         if ranks == 2 and torch.cuda.device_count() < 2:
             ranks, why = 1, f"{torch.cuda.device_count()} GPU here (NCCL needs a GPU per rank)"
-    figures = None
     if ranks == 2:
-        figures = _measure_transport(args)
-    overhead = measure_overhead(args.device, distributed=ranks == 2)
+        figures, overhead = _measure_transport(args)
+    else:
+        figures, overhead = None, measure_overhead(args.device, distributed=False)
     data = _costs_file(args, figures, overhead, None if ranks == 2 else why)
     from pipetrain.training.result import write_json_atomic
 
@@ -94,15 +94,38 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure_transport(args: argparse.Namespace):
+    """The transport's figures and the interpreter's overhead, from one start of two workers (on
+    a GPU the overhead's run, over gloo as training's runtime sends, is started on its own)."""
+    from pipetrain.runtime.calibrate import SIZES
     from pipetrain.runtime.errors import LaunchError
-    from pipetrain.runtime.calibrate import SIZES, measure_transport
     from pipetrain.runtime.launch import launch
 
-    result = launch(measure_transport, (args.device, tuple(args.sizes or SIZES), args.optimizer, args.timeout),
+    cuda = args.device == "cuda"
+    result = launch(_worker, (args.device, tuple(args.sizes or SIZES), args.optimizer, args.timeout, not cuda),
                     2, threads_per_worker=1, timeout=args.timeout, quiet=True)
     if result.returncode != 0 or result.results[0] is None:
         raise LaunchError(f"the calibration's workers failed ({result.message or f'exit status {result.returncode}'})")
-    return result.results[0]
+    figures, overhead = result.results[0]
+    return figures, measure_overhead(args.device) if overhead is None else overhead
+
+
+def _worker(device: str, sizes: tuple[int, ...], optimizer: str, timeout: float, overhead: bool):
+    """One of the two calibration workers: the transport, then (``overhead``) the short training
+    run of :data:`OVERHEAD_RUN` in the same process group; rank 0 returns both."""
+    from pipetrain.runtime.calibrate import measure_transport
+
+    figures = measure_transport(device, sizes, optimizer, timeout)
+    measured = None
+    if overhead:
+        from pipetrain.training.config import TrainConfig
+        from pipetrain.training.distributed import worker
+        from pipetrain.training.timelines import action_overhead
+
+        result = worker(TrainConfig(**OVERHEAD_RUN, quiet=True, progress=False, seed=0, timeout=timeout))
+        if figures is None:
+            return None
+        measured = action_overhead(result.timeline)
+    return figures, measured
 
 
 def measure_overhead(device: str = "cpu", distributed: bool = True) -> float:
