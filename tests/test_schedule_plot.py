@@ -63,7 +63,7 @@ def test_the_measured_picture_says_why_it_is_longer(tmp_path, monkeypatch):
     assert ratio >= 1
     assert captions[0].startswith(f"The measured run takes {ratio:.2f}x the simulated time per update (steady "
                                   "state). The simulation charges each action only its measured median compute time")
-    assert "--costs-file" in captions[0]
+    assert "pipetrain calibrate" in captions[0]
     assert (tmp_path / "t.png").stat().st_size > 10_000
 
 

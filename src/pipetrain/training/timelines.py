@@ -112,13 +112,13 @@ def plot_measured_and_simulated(measured: Timeline, path: str, title: str, units
         model = "the measured median action times"
         caption = (f"The measured run takes {ratio:.2f}x the simulated {what}. The simulation charges each action only "
                    "its measured median compute time (F, B, W, STEP);\nmessages, the waits for them and the Python "
-                   "between actions are not in it (pipetrain calibrate, then --costs-file, adds them).")
+                   "between actions are not in it (a calibration by pipetrain calibrate adds them).")
     else:
         model = "the measured median action times and the calibration"
-        caption = (f"The measured run takes {ratio:.2f}x the simulated {what}. Modelled: the measured median compute "
-                   "times (F, B, W, STEP), each message's sender and receiver busy time and time in flight by size,\n"
-                   "the interpreter's time before every action, all-reduces. Not modelled: transfers overlapping "
-                   "compute on the rank's own core, the spread of action times around their median, the machine's load.")
+        caption = (f"The measured run takes {ratio:.2f}x the simulated {what}. Modelled: the measured median F, B, W "
+                   "and STEP times; each message's sender and receiver busy time and time in flight\nby size; the "
+                   "interpreter's time before every action; all-reduces. Not modelled: transfers overlapping compute "
+                   "on the rank's own core, the spread of action times\naround their median, the machine's other load.")
     plot_comparison(
         list(window),
         [f"{title}, {label}: measured ({window[0].makespan * 1e3:.3g} ms; whole run {measured.makespan:.3g} s)",
