@@ -24,6 +24,7 @@ from pipetrain.training.timelines import measured_costs, seconds_per_update, upd
 
 __all__ = ["calibrated_costs", "simulation_costs", "load_calibration", "prediction"]
 
+
 def calibrated_costs(compute: Costs, calibration: Costs, message_bytes: Sequence[float] | None,
                      parameter_bytes: Sequence[float] | None) -> Costs:
     """``compute`` (per-stage F, B, W, STEP) with ``calibration``'s communication and overhead:
