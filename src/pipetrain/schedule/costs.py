@@ -10,7 +10,7 @@ and the receiver ``recv + bytes * recv_per_byte`` once it has arrived. ``overhea
 own time before every action (the interpreter between actions). ``pipetrain calibrate`` measures
 the scalar ones on the machine and transport it runs on (:mod:`pipetrain.runtime.calibrate`).
 
-A value may be one number (every stage) or a list: one entry per stage, or for interleaved
+A value may be one number (every stage) or a list: one entry per stage, or for interleaved and V
 schedules one per rank (each of the rank's v chunks then costs 1/v of it) or one per chunk.
 Units are free (seconds from a profile, or abstract units); traces treat them as seconds.
 """
@@ -72,12 +72,15 @@ class Costs:
     #: where a calibration measured these (machine, torch, transport), None for given costs
     measured_on: dict | None = None
 
-    def resolve(self, num_stages: int, num_positions: int, chunks: int) -> "StageCosts":
+    def resolve(self, num_stages: int, num_positions: int, chunks: int,
+                position_of: Sequence[int] | None = None) -> "StageCosts":
         """Per-stage arrays for a schedule of ``num_stages`` (virtual) stages over ``num_positions``
-        pipeline positions with ``chunks`` chunks per rank."""
+        pipeline positions with ``chunks`` chunks per rank; ``position_of[s]``: the position (rank)
+        of stage s (default ``s % num_positions``, the interleaved placement; a V puts stage s and
+        ``2R-1-s`` on one rank)."""
         values = {}
         for name in _PER_STAGE:
-            values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks)
+            values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks, position_of)
         if self.bandwidth <= 0:
             raise ScheduleError(f"bandwidth must be positive, got {self.bandwidth}")
         transfer = [self.latency + b / self.bandwidth if b else self.latency for b in values["bytes"]]
@@ -118,7 +121,8 @@ class StageCosts:
         self.receiving = self.receiving or [0.0] * len(self.transfer)
 
 
-def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int) -> list[float]:
+def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int,
+            position_of: Sequence[int] | None = None) -> list[float]:
     if isinstance(value, (int, float)):
         values = [float(value)] * num_stages
         per_position = chunks > 1 and name not in ("bytes",)
@@ -130,9 +134,10 @@ def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chu
         return values
     if chunks > 1 and len(values) == num_positions:
         scale = 1.0 if name == "bytes" else 1.0 / chunks
-        return [values[s % num_positions] * scale for s in range(num_stages)]
+        where = position_of if position_of is not None else [s % num_positions for s in range(num_stages)]
+        return [values[where[s]] * scale for s in range(num_stages)]
     if len(values) == 1:
-        return _expand(name, values[0], num_stages, num_positions, chunks)
+        return _expand(name, values[0], num_stages, num_positions, chunks, position_of)
     wanted = f"{num_stages}" if chunks == 1 else f"{num_positions} (one per rank) or {num_stages} (one per chunk)"
     raise ScheduleError(f"costs: {name} has {len(values)} entries but the schedule needs 1 or {wanted}")
 

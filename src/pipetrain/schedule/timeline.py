@@ -21,9 +21,9 @@ from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.costs import Costs, StageCosts
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 
-__all__ = ["Timeline", "simulate", "dry_run", "positions"]
+__all__ = ["Timeline", "simulate", "dry_run", "positions", "position_of"]
 
-_COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
+_COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB)
 
 
 @dataclass
@@ -64,6 +64,13 @@ def positions(schedule: Schedule) -> list[list[int]]:
     return [list(ranks) for ranks in schedule.stage_ranks]
 
 
+def position_of(schedule: Schedule) -> list[int] | None:
+    """``[position of stage s]`` for a schedule with chunks (its stage's rank), else None."""
+    if schedule.chunks > 1:
+        return [ranks[0] for ranks in schedule.stage_ranks]
+    return None
+
+
 def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Timeline:
     """Simulate ``schedule`` under ``costs`` (default F=1, B=2)."""
     with gc_paused():
@@ -72,14 +79,15 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Tim
 
 def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
     if not isinstance(costs, StageCosts):
-        costs = (costs or Costs()).resolve(schedule.num_stages, len(positions(schedule)), schedule.chunks)
+        costs = (costs or Costs()).resolve(schedule.num_stages, len(positions(schedule)), schedule.chunks,
+                                           position_of(schedule))
     programs = schedule.programs
     stage_ranks = schedule.stage_ranks
     num_stages = schedule.num_stages
     forward, backward, weight = costs.forward, costs.backward, costs.weight
     full, step, sync_cost, transfer = costs.full_backward, costs.step, costs.sync, costs.transfer
     sending, receiving, overhead = costs.sending, costs.receiving, costs.overhead
-    F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+    F, B, I, W, FB = Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB
     SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
         Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
     )
@@ -128,6 +136,12 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                 st[pc] = t
                 t += weight[stage]
                 work += weight[stage]
+            elif kind is FB:  # the halves one after the other, as a CPU runs them (docs/design.md 2)
+                half = action[4]
+                cost = forward[stage] + (full[half[1]] if half[0] is B else backward[half[1]])
+                st[pc] = t
+                t += cost
+                work += cost
             elif kind is SEND_F or kind is SEND_B:
                 st[pc] = t
                 boundary = stage if kind is SEND_F else stage - 1

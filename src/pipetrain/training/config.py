@@ -124,10 +124,14 @@ class TrainConfig:
     # -- pipeline ----------------------------------------------------------------------------
     schedule: str | None = option(
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
-        help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the plan's, else 1f1b)")
+        help="gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, bfs, interleaved-zb, dualpipev, "
+             "pipedream, 2bw, pb, or torch's names (GPipe, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, ...) "
+             "(default: the plan's, else 1f1b)")
     stages: int | None = option(
         None, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
-        help="number of pipeline stages (ranks for interleaved), cut as --balance-by says (default: as many as "
+        help="number of pipeline stages (ranks for the looped schedules interleaved, bfs, interleaved-zb and the V "
+             "schedules zb-v, v-half, v-min, dualpipev, whose ranks hold several chunks), cut as --balance-by says "
+             "(default: as many as "
              "--balance, --split-at or --replicas give, else --workers, else 2)")
     balance: list[int] | None = option(
         None, check=entries_at_least(1), group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[int] | None",
@@ -159,7 +163,7 @@ class TrainConfig:
         from_api=lambda replicas: list(replicas) or None, api_type="Sequence[int] | None", help="replicas per stage, e.g. 2,1 (default: 1 each)")
     chunks: int = option(
         1, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
-        help="model chunks per rank (interleaved; default 1)")
+        help="model chunks per rank (interleaved, bfs, interleaved-zb; dualpipev holds 2; default 1)")
     policy: str | None = option(
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
         help="weight-version policy replacing the schedule's: stash, vsync, latest, predict (default: the "
@@ -267,9 +271,10 @@ class TrainConfig:
     save: str | None = option(
         None, group=_OUTPUTS, api="fit",
         help="write the trained weights under the unsplit model's names: into a directory "
-             "(a path without a .pt/.pth/.bin/.ckpt suffix) as safetensors shards, each worker its own "
+             "(a path without a suffix) as safetensors shards, each worker its own "
              "stages, with HuggingFace's index (from_pretrained reads it; pipetrain.load_weights too); or "
-             "into one torch.save file, gathered on rank 0 (default: not saved)")
+             "into one file gathered on rank 0: torch.save's (.pt, .pth, .bin, .ckpt) or safetensors' "
+             "(.safetensors); another suffix is refused (default: not saved)")
     report_json: str | None = option(
         None, group=_OUTPUTS, api="fit",
         help="write a JSON report: samples_per_s, final_loss, steps, ... and, on the distributed "

@@ -404,7 +404,7 @@ def _progress(run, config, callbacks=None):
 def _updates_read(schedule, rank: int, layout) -> list[int]:
     """The updates whose batches ``rank`` reads (its forwards of stage 0), each once, in the order
     of their first read."""
-    from pipetrain.schedule.ir import Kind
+    from pipetrain.schedule.ir import Kind, halves
     from pipetrain.schedule.pattern import pattern_of
 
     pattern = pattern_of(schedule)
@@ -416,7 +416,8 @@ def _updates_read(schedule, rank: int, layout) -> list[int]:
             return range(sample[0], -(-schedule.total_microbatches // per), step)  # type: ignore[return-value]
     first_reads = {
         layout.bounds(action.microbatch)[0]: None
-        for action in schedule.programs[rank]
+        for whole in schedule.programs[rank]
+        for action in halves(whole)
         if action.kind is Kind.F and action.stage == 0
     }
     return list(first_reads)

@@ -59,11 +59,19 @@ def eval_batches(run: Run, batch_size: int | None = None) -> HeldOut:
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
-    """``torch.save`` to a temporary name, then rename: a crash never leaves a half-written file,
-    and a failed write (a full disk) leaves no temporary and raises its ``OSError``."""
+    """``torch.save`` (a ``.safetensors`` path: safetensors, each tensor several names share
+    stored once, under its first, as ``save_pretrained`` does) to a temporary name, then rename: a
+    crash never leaves a half-written file, and a failed write (a full disk) leaves no temporary
+    and raises its ``OSError``."""
+    from pipetrain.paths import is_safetensors_file
     from pipetrain.runtime.checkpoint import save_torch_file
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if is_safetensors_file(path):
+        from pipetrain.weights import write_shard
+
+        write_shard(os.path.dirname(os.path.abspath(path)), os.path.basename(path), state)
+        return
     cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # loads on any machine
     save_torch_file(path, cpu, hashing=False)
 

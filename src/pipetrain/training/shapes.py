@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from pipetrain.errors import ConfigError, PipetrainError
-from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
+from pipetrain.execution.failures import StageNames, check_loss, forward_failure, loss_failure
 from pipetrain.spec import describe_exception
 from pipetrain.structure import arguments, flatten, map_values
 
@@ -111,6 +111,7 @@ def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
     """``x`` through every stage on meta, then the loss with ``y``; stops silently where the meta
     device cannot go on."""
     stages = run.staged.stages
+    names = StageNames.of(run.schedule)  # the user's stages, with model chunks
     value = map_values(x, _meta)
     target = map_values(y, _meta)
     with torch.no_grad():
@@ -119,23 +120,23 @@ def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
             try:
                 value = _call(module, value, training)
             except PipetrainError as error:  # a module's own refusal: said where it was met
-                raise type(error)(f"{what}, stage {stage}: {error}") from None
+                raise type(error)(f"{what}, {names(stage)}: {error}") from None
             except Exception as error:  # noqa: BLE001 - the user's forward may raise anything
                 if _unchecked(error):
                     return
                 raise forward_failure(stage, error, leaves, module, structure=structure,
                                       target=target if stage == len(stages) - 1 else None,
-                                      what=what) from None
+                                      what=what, names=names) from None
         last = len(stages) - 1
         try:
             loss = run.loss_fn(value, target)
         except PipetrainError as error:  # the loss's own refusal (pipetrain's cross entropy)
-            raise type(error)(f"{what}, the loss of stage {last}: {error}") from None
+            raise type(error)(f"{what}, the loss of {names(last)}: {error}") from None
         except Exception as error:  # noqa: BLE001 - the user's loss may raise anything
             if _unchecked(error):
                 return
-            raise loss_failure(last, error, value, target, what=what) from None
-        check_loss(last, loss, what=what)
+            raise loss_failure(last, error, value, target, what=what, names=names) from None
+        check_loss(last, loss, what=what, names=names)
 
 
 def stage_output_bytes(run: Any) -> list[int] | None:
