@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("pipetrain.commands.profile", "measure per-layer times and sizes of a model"),
     "plan": ("pipetrain.commands.plan", "partition a profiled model into stages and replicas"),
     "pb": ("pipetrain.commands.pb", "Pipelined Backpropagation study: PB, SC, LWP against batch-size-1 SGD"),
+    "calibrate": ("pipetrain.commands.calibrate", "measure message, all-reduce and per-action costs here for the simulator"),
 }
 
 

@@ -33,7 +33,8 @@ Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
 _PER_STAGE = ("F", "B", "W", "step", "sync", "bytes")
-_SCALAR = ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "overhead")
+_SCALAR = ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "overhead", "sync_per_byte",
+           "step_per_byte")
 #: what a calibration file says about where it was measured (not costs): checked, not charged
 _ABOUT = ("measured_on",)
 _ALIASES = {
@@ -63,6 +64,11 @@ class Costs:
     recv: float = 0.0
     recv_per_byte: float = 0.0
     overhead: float = 0.0
+    #: a calibration's all-reduce and optimizer step per byte of a stage's parameters: not charged
+    #: here (the simulator knows no parameter sizes); a caller that knows them adds
+    #: ``sync_per_byte * bytes`` to ``sync`` and makes ``step`` ``step_per_byte * bytes``
+    sync_per_byte: float = 0.0
+    step_per_byte: float = 0.0
     #: where a calibration measured these (machine, torch, transport), None for given costs
     measured_on: dict | None = None
 
@@ -187,6 +193,8 @@ def load_costs(path: str) -> Costs:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if key in _PER_STAGE and isinstance(value, list):
             ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value) and bool(value)
+        if ok and key in _SCALAR and (value < 0 or math.isnan(value)):
+            raise ScheduleError(f"costs file {path!r}: {raw_key} must be non-negative, got {value!r}")
         if not ok:
             kind = "a number or a list of numbers" if key in _PER_STAGE else "a number"
             raise ScheduleError(f"costs file {path!r}: {raw_key} must be {kind}, got {value!r}")

@@ -26,6 +26,24 @@ def _init(args: argparse.Namespace) -> str | None:
     return args.init_from or ("reset" if _meta(args) else None)
 
 
+def _calibration(field: str, path: str) -> None:
+    """A costs file that cannot be read, or is malformed, is refused before the run, naming the
+    option and the field (its warning, if it was measured elsewhere, comes with the report)."""
+    import warnings
+
+    from pipetrain.errors import PipetrainError
+    from pipetrain.schedule.costs import load_costs
+
+    if not isinstance(path, str):
+        raise ConfigError(f"{option_name(field)} must be the path of a costs file, got {path!r}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_costs(path)
+    except PipetrainError as error:
+        raise ConfigError(f"{option_name(field, path)}: {error}") from None
+
+
 def _optimizer(args: argparse.Namespace) -> str:
     """``--optimizer``, translated by ``--translate-from-batch`` (docs/design.md 3.5)."""
     if not args.translate_from_batch:
@@ -259,7 +277,13 @@ class TrainConfig:
              "(.safetensors); another suffix is refused (default: not saved)")
     report_json: str | None = option(
         None, group=_OUTPUTS, api="fit",
-        help="write a JSON report: samples_per_s, final_loss, steps, ... (default: none)")
+        help="write a JSON report: samples_per_s, final_loss, steps, ... and, on the distributed "
+             "runtime, the measured and the simulated seconds per update (default: none)")
+    costs_file: str | None = option(
+        None, group=_OUTPUTS, check=_calibration, metavar="FILE", api="fit",
+        help="a calibration from `pipetrain calibrate`: the report's and the plot's simulated time "
+             "charge its communication and per-action costs besides the measured unit times "
+             "(default: none, compute only)")
     trace: str | None = option(
         None, group=_OUTPUTS, api="fit",
         help="write the measured per-action timeline as a Chrome/Perfetto trace (default: none)")

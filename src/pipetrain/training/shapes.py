@@ -36,7 +36,7 @@ from pipetrain.execution.failures import StageNames, check_loss, forward_failure
 from pipetrain.spec import describe_exception
 from pipetrain.structure import arguments, flatten, map_values
 
-__all__ = ["check_data"]
+__all__ = ["check_data", "stage_output_bytes"]
 
 
 def check_data(run: Any) -> None:
@@ -137,6 +137,31 @@ def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
                 return
             raise loss_failure(last, error, value, target, what=what, names=names) from None
         check_loss(last, loss, what=what, names=names)
+
+
+def stage_output_bytes(run: Any) -> list[int] | None:
+    """Bytes of each stage's output for the run's first training microbatch, computed on the
+    meta device as :func:`check_data` runs it (what a SEND_F carries besides the labels, and a
+    SEND_B back); None where the data or the meta device cannot tell (a ``DataLoader``, a step
+    fed by the caller, an operation with no meta kernel)."""
+    train_set = run.train_set
+    if isinstance(train_set, DataLoader) or getattr(train_set, "fed_by_step", False):
+        return None
+    from pipetrain.schedule import resolve_name
+    from pipetrain.training.setup import _first_microbatch
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            x, _ = _first_microbatch(run.config, resolve_name(run.config.schedule), train_set, run.dtype)
+            value = map_values(x, _meta)
+            sizes = []
+            for module in run.staged.stages:
+                value = _call(module, value, True)
+                leaves, _ = flatten(value)
+                sizes.append(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
+    except Exception:  # noqa: BLE001 - no verdict here: the run checked its data, this only sizes messages
+        return None
+    return sizes
 
 
 def _meta(tensor: torch.Tensor) -> torch.Tensor:

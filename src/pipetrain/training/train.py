@@ -7,6 +7,7 @@ built from the specs), the Python API with the user's objects (:class:`~pipetrai
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator
 
 from pipetrain.errors import PipetrainError, option
@@ -92,19 +93,26 @@ def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None
     if config.report_json:
         with _writing("report_json", config.report_json):
             result.write_report(config.report_json)
+    costs = None
+    if (config.trace or config.plot) and result.timeline is not None and config.costs_file:
+        from pipetrain.training.prediction import load_calibration, simulation_costs
+
+        with warnings.catch_warnings():  # the report's figures warned already
+            warnings.simplefilter("ignore")
+            costs = simulation_costs(run, result.timeline, load_calibration(config.costs_file))
     if config.trace and result.timeline is not None:
         from pipetrain.schedule.trace import write_trace
         from pipetrain.training.timelines import simulated_counterpart
 
         with _writing("trace", config.trace):
-            write_trace(config.trace, result.timeline, simulated_counterpart(result.timeline),
+            write_trace(config.trace, result.timeline, simulated_counterpart(result.timeline, costs),
                         names=[f"{result.schedule} measured", f"{result.schedule} simulated"])
     if config.plot and result.timeline is not None:
         from pipetrain.training.timelines import plot_measured_and_simulated
 
         with _writing("plot", config.plot):
             plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})",
-                                        units_per_update=result.extra.get("units_per_update", 1))
+                                        units_per_update=result.extra.get("units_per_update", 1), costs=costs)
 
 
 @contextlib.contextmanager
