@@ -195,12 +195,24 @@ class RankSetup:
         (a failure on any rank stops every rank with its message)."""
         import torch.distributed as dist
 
-        from pipetrain.training.outputs import write_rank_shard, write_weights_index
+        from pipetrain.training.outputs import (
+            commit_rank_shard, discard_rank_shard, write_rank_shard, write_weights_index,
+        )
 
-        world = self.env.world_size
-        record = _together("saving the weights", lambda: write_rank_shard(self.run, self.rank, self.write_back()), world)
+        world, written = self.env.world_size, []
+
+        def write() -> Any:
+            written.append(write_rank_shard(self.run, self.rank, self.write_back()))  # under a temporary name
+            return written[0]
+
+        try:
+            record = _together("saving the weights", write, world)
+        except PipetrainError:  # a shard failed somewhere (a full disk): none is renamed into place
+            discard_rank_shard(self.run, written[0] if written else None)
+            raise
         records: list[Any] = [None] * world
         _collective("saving the weights", lambda: dist.all_gather_object(records, record))
+        _together("saving the weights", lambda: commit_rank_shard(self.run, record), world)
         _together("saving the weights", lambda: write_weights_index(self.run, records) if self.rank == 0 else None,
                   world)
 
