@@ -299,3 +299,56 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_leaves_nothing_behind(tm
     assert saved.stderr.startswith("pipetrain train: error: cannot write --save ") and (
         "/model.pt: No space left on device; the trained weights are kept in the run's last checkpoint, "
         f"{tmp_path / 'ck' / 'step-000006'}") in saved.stderr, saved.stderr
+
+
+def _tree(root) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes (links not followed)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_linked_step_directory_is_refused_and_nothing_is_written_through_it(tmp_path):
+    outside = tmp_path / "another-run" / "step-000010"  # a checkpoint of another run, where the link points
+    outside.mkdir(parents=True)
+    (outside / "manifest.json").write_text('{"format": 1, "step": 10, "files": []}')
+    (outside / "rank-0.pt").write_bytes(b"another run's state")
+    before = _tree(tmp_path / "another-run")
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / "step-000010").symlink_to(outside, target_is_directory=True)
+    result = pipetrain("--schedule", "pipedream", "--stages", "2", "--steps", "20", "--checkpoint-dir", str(directory),
+                       "--checkpoint-every", "10")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"pipetrain train: error: cannot write checkpoint {directory / 'step-000010'}: it is a "
+                             "symbolic link, and pipetrain writes checkpoints only into step directories of its own, "
+                             "never through links; remove the link, or give the run another --checkpoint-dir\n")
+    assert _tree(tmp_path / "another-run") == before  # nothing created, written or renamed there
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000010"]  # the lock released, the link left alone
+
+
+def test_a_linked_lock_file_is_refused_in_one_line_and_left_untouched(tmp_path):
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not a lock")
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / ".pipetrain-lock").symlink_to(target)
+    result = pipetrain("--schedule", "1f1b", "--stages", "2", "--steps", "4", "--checkpoint-dir", str(directory))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"pipetrain train: error: cannot lock checkpoint directory {directory}: its lock file "
+                             ".pipetrain-lock is a symbolic link, which pipetrain never writes through; remove it, "
+                             "or give this run another --checkpoint-dir\n")
+    assert target.read_text() == "not a lock" and (directory / ".pipetrain-lock").is_symlink()
+
+
+def test_save_dir_on_a_full_disk_is_one_line_and_leaves_no_shard(tmp_path):
+    # stage 0 holds three 256x256 layers (530 KB), stage 1 the last one (3 KB): its shard fits in 256 KB
+    command = " ".join([sys.executable, "-m", "pipetrain.cli", "train", *BASE, "--model", "mlp:depth=3,width=256",
+                        "--schedule", "pipedream", "--balance", "3,1", "--steps", "2", "--quiet", "--timeout", "20"])
+    saved = _in_small_tmpfs("256k", f'{command} --save "$MNT/model"; echo "status $?"; cd "$MNT" && find . | sort')
+    lines = saved.stdout.splitlines()
+    at = lines.index("status 2") if "status 2" in lines else None
+    assert at is not None, saved.stdout + saved.stderr
+    assert [line for line in lines[at + 1:] if line not in (".", "./model")] == [], saved.stdout  # no shard, no temporary
+    assert saved.stderr.count("\n") == 1 and "Traceback" not in saved.stderr, saved.stderr
+    assert saved.stderr.startswith("pipetrain train: error: cannot write --save "), saved.stderr
+    assert saved.stderr.endswith("/model/model-00001-of-00002.safetensors: No space left on device; the trained "
+                                 "weights were not written anywhere else\n"), saved.stderr

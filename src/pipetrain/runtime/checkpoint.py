@@ -32,6 +32,7 @@ __all__ = [
     "step_dir",
     "stage_file",
     "save_shard",
+    "check_step_dir",
     "save_torch_file",
     "write_manifest",
     "save_checkpoint",
@@ -190,6 +191,12 @@ def save_shard(directory: str | os.PathLike[str], step: int, name: str, state: A
             _refuse_writing_through(d, always=True)
         raise CheckpointError(f"cannot write checkpoint file {d / name}: {error.strerror or error}") from None
     return {"name": name, "size": size, "sha256": sha}
+
+
+def check_step_dir(directory: str | os.PathLike[str], step: int) -> None:
+    """Refuse now (a run before it trains) the step directory a checkpoint of ``step`` would be
+    written to when it is a symbolic link (see :func:`save_shard`)."""
+    _refuse_writing_through(step_dir(directory, step))
 
 
 def _refuse_writing_through(d: Path, always: bool = False) -> None:
