@@ -352,3 +352,51 @@ def test_save_dir_on_a_full_disk_is_one_line_and_leaves_no_shard(tmp_path):
     assert saved.stderr.startswith("pipetrain train: error: cannot write --save "), saved.stderr
     assert saved.stderr.endswith("/model/model-00001-of-00002.safetensors: No space left on device; the trained "
                                  "weights were not written anywhere else\n"), saved.stderr
+
+
+def _killed_while_the_other_sets_up():
+    import torch.distributed  # noqa: F401  (the start-up cost of a real worker)
+
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # rank 0 builds its model, measures its stages: it communicates with no one for a while
+
+
+def test_a_rank_killed_while_the_others_set_up_gives_them_a_short_grace(capfd):
+    from pipetrain.runtime.launch import launch
+
+    result = launch(_killed_while_the_other_sets_up, (), 2, timeout=120)  # the default grace: 5 s
+    assert result.returncode == 128 + signal.SIGKILL
+    err = capfd.readouterr().err
+    assert "worker rank 1 was killed by SIGKILL" in err
+    # its peers could only echo its loss: they get the short grace of a restart, not 5 s
+    assert "rank(s) 0 still running 1 s later: terminating them" in err, err
+
+
+def _dies_while_rank_1_waits_for_the_unit_times(config):
+    from pipetrain.runtime.launch import init_distributed
+    from pipetrain.runtime.status import env_store
+
+    env = init_distributed("gloo", timeout=30)
+    store = env_store()
+    if env.rank == 1:
+        store.set("preparing", "1")
+        prepare(config)  # cut by time: rank 0 measures, then broadcasts the unit times
+    else:
+        store.wait(["preparing"])
+        time.sleep(5)  # rank 1 waits in the broadcast by now
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_rank_that_dies_during_set_up_leaves_its_peer_one_line(capfd):
+    from pipetrain.runtime.launch import launch
+
+    config = TrainConfig(model="mlp:depth=5,width=16", data="synthetic:features=8,classes=3,samples=96",
+                         batch_size=12, schedule="1f1b", stages=2, balance_by="time", executor="distributed")
+    result = launch(_dies_while_rank_1_waits_for_the_unit_times, (config,), 2, timeout=120)
+    err = capfd.readouterr().err
+    assert result.returncode == 128 + signal.SIGKILL, err
+    assert result.exitcodes[1] == 3, err  # a lost peer, not an internal error (1)
+    assert "Traceback" not in err, err
+    assert "pipetrain worker rank 1: error: rank 1: sharing the measured unit times failed because a peer is gone " \
+           "or stuck (" in err, err

@@ -37,8 +37,10 @@ EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 3
 
 
-#: With a restart to come, the seconds the other workers get to end on their own after a failure
-#: (instead of ``grace``): their reports would only echo the failure, and the restart waits for them.
+#: With a restart to come, or after a worker was killed by a signal, the seconds the other workers
+#: get to end on their own after a failure (instead of ``grace``): their reports would only echo the
+#: failure, the restart waits for them, and a rank still setting up (building its model, measuring
+#: its stages) would not notice the dead one before it communicates.
 RESTART_GRACE = 1.0
 
 
@@ -212,6 +214,7 @@ def _watch(
     start = time.monotonic()
     first: tuple[int, int] | None = None
     stop_at: float | None = None
+    waited = grace
     message = ""
     world = len(procs)
     while True:
@@ -251,13 +254,16 @@ def _watch(
                         say(f"rank(s) {', '.join(map(str, silent))} silent (stopped or frozen): killing them (SIGKILL)")
                         for rank in silent:
                             procs[rank].kill()
-                stop_at = time.monotonic() + grace
+                # a rank killed by a signal left no message, and its peers' reports could only echo
+                # its loss: a peer still setting up (not communicating) would not notice it for seconds
+                waited = min(grace, RESTART_GRACE) if first[1] < 0 else grace
+                stop_at = time.monotonic() + waited
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
         if stop_at is not None and now >= stop_at:
             late = [r for r, c in enumerate(codes) if c is None]
-            say(f"rank(s) {', '.join(map(str, late))} still running {grace:g} s later: terminating them")
+            say(f"rank(s) {', '.join(map(str, late))} still running {waited:g} s later: terminating them")
             break
         if timeout is not None and now - start > timeout and first is None:
             message = f"the workers did not finish within {timeout:g} s"
