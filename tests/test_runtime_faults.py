@@ -210,10 +210,13 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout_and_two_seconds(tmp_pa
                 pass
     assert process.returncode == 3, stderr
     assert elapsed < timeout + 2, (elapsed, stderr)
-    assert "rank(s) 1 silent (stopped or frozen): killing them (SIGKILL)" in stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("pipetrain train: error: worker rank 0 exited with status 3"), stderr
-    assert "rank 1 is silent" in last or "rank(s) 1 fell silent" in last, stderr  # named last, either way
+    if last.startswith("pipetrain train: error: rank 1 fell silent "):  # the launcher heard nothing for --timeout
+        assert f"s ago, longer than --timeout {timeout}: it is stopped (SIGSTOP, for instance) or frozen" in last
+    else:  # rank 0's own wait ran out first: it began before the stop
+        assert "rank(s) 1 silent (stopped or frozen): killing them (SIGKILL)" in stderr
+        assert last.startswith("pipetrain train: error: worker rank 0 exited with status 3"), stderr
+        assert "rank 1 is silent" in last or "rank(s) 1 fell silent" in last, stderr  # named last, either way
 
 
 def test_a_second_run_in_a_checkpoint_directory_is_refused_and_a_stale_lock_taken_over(tmp_path):
@@ -400,3 +403,33 @@ def test_a_rank_that_dies_during_set_up_leaves_its_peer_one_line(capfd):
     assert "Traceback" not in err, err
     assert "pipetrain worker rank 1: error: rank 1: sharing the measured unit times failed because a peer is gone " \
            "or stuck (" in err, err
+
+
+def _stopped_while_its_peer_computes(seconds):
+    from pipetrain.runtime.launch import init_distributed
+    from pipetrain.runtime.status import StatusBoard
+
+    env = init_distributed("gloo", timeout=60)
+    board = StatusBoard.from_env()
+    if env.rank == 1:
+        board.publish()
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(seconds)  # rank 0 computes: it waits for no one, so no wait of its own would time out
+
+
+def test_a_stopped_rank_is_killed_when_its_board_is_silent_for_the_timeout(capfd):
+    from pipetrain.runtime.launch import launch
+
+    started = time.monotonic()
+    result = launch(_stopped_while_its_peer_computes, (120,), 2, timeout=150, silence=3)
+    elapsed = time.monotonic() - started
+    err = capfd.readouterr().err
+    assert result.returncode == 3, err
+    assert result.exitcodes == [-signal.SIGTERM, -signal.SIGKILL], err  # rank 0 was still computing
+    assert elapsed < 100, err  # not the end of rank 0's computation
+    # measured from when its board last published, not from any peer's wait: no peer waited
+    said = next(line for line in err.splitlines() if "rank 1 fell silent " in line)
+    assert float(said.split("fell silent ")[1].split(" s ago")[0]) >= 3, said
+    assert "longer than timeout=3: it is stopped (SIGSTOP, for instance) or frozen; killed it (SIGKILL)" in said
+    assert result.message.startswith("rank 1 fell silent "), result.message

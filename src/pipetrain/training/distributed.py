@@ -56,7 +56,7 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
         workers = run.schedule.num_ranks
         result = launch(worker, (config, run.stage_costs),  # the workers cut as measured here
                         nprocs=workers, threads_per_worker=config.threads_per_worker,
-                        timeout=None, restarts=config.max_restarts, env=env)
+                        timeout=None, restarts=config.max_restarts, env=env, silence=config.timeout)
     if result.returncode != 0:
         raise WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
     return result.results[0]
@@ -75,7 +75,7 @@ def spawn_script(run) -> None:
 
             say(describe_run(run))
         result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker,
-                               restarts=run.config.max_restarts, env=env)
+                               restarts=run.config.max_restarts, env=env, silence=run.config.timeout)
     if result.returncode != 0 and result.message:  # a worker's own error is handed on, not printed, by it
         print(f"pipetrain: error: {result.message}", file=sys.stderr, flush=True)
     raise SystemExit(result.returncode)
