@@ -301,22 +301,27 @@ class Held(Dataset):
     def __len__(self):
         return 4
     def __getitem__(self, i):
-        return torch.tensor(sockets()), torch.tensor([0])
+        import ctypes, signal
+        death = ctypes.c_int(0)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(death))  # PR_GET_PDEATHSIG: the signal it gets when its rank dies
+        return torch.tensor(sockets()), torch.tensor([death.value])
 
 store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # a rank: its store connection is TCP
 rank = sorted(set(sockets()) & tcp())
-prefetched = WorkerPrefetcher(Held(), [0, 1], workers=1).get(0)[0]
+prefetched, prefetched_death = WorkerPrefetcher(Held(), [0, 1], workers=1).get(0)
 loader = LoaderBatches(DataLoader(Held(), batch_size=None, num_workers=1), seed=0)
-own = loader.batch(0)[0]
-print(json.dumps({"rank": rank, "prefetcher": prefetched.tolist(), "loader": own.tolist()}))
+own, own_death = loader.batch(0)
+print(json.dumps({"rank": rank, "prefetcher": prefetched.tolist(), "loader": own.tolist(),
+                  "deaths": [prefetched_death.item(), own_death.item()]}))
 sys.stdout.flush()
 os._exit(0)
 """
 
 
-def test_data_workers_do_not_hold_the_sockets_of_their_rank() -> None:
+def test_data_workers_do_not_hold_the_sockets_of_their_rank_nor_outlive_it() -> None:
     import json
+    import signal
     import subprocess
     import sys
 
@@ -328,3 +333,5 @@ def test_data_workers_do_not_hold_the_sockets_of_their_rank() -> None:
     # a worker holding them kept the rank's connections open after the rank died: its peers waited
     assert not set(seen["rank"]) & set(seen["prefetcher"]), seen  # pipetrain's own data workers
     assert not set(seen["rank"]) & set(seen["loader"]), seen  # the workers of a user's DataLoader
+    # and both die with their rank (SIGKILL), not up to 5 s later, holding its stderr meanwhile
+    assert seen["deaths"] == [signal.SIGKILL, signal.SIGKILL], seen

@@ -38,7 +38,7 @@ from pipetrain.structure import map_values, tensors_of
 
 __all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "Unpinned", "pack", "unpack", "pin", "pin_available",
            "tensors_of", "unpin_worker", "unpinned_workers", "PACK_LIMIT", "lost_data_worker", "drop_rank_sockets",
-           "settle_worker"]
+           "die_with_rank", "settle_worker"]
 
 #: batches of at most this many bytes of tensors are packed as bytes between processes (see above)
 PACK_LIMIT = 512 * 1024
@@ -430,9 +430,45 @@ def drop_rank_sockets() -> int:
     return dropped
 
 
+#: Whether the last fork of this process came from its main thread, and the forking process's
+#: pid: read in a data worker (see :func:`die_with_rank`).
+_forked = {"main": False, "parent": 0}
+
+
+def _note_fork() -> None:
+    _forked["main"] = threading.current_thread() is threading.main_thread()
+    _forked["parent"] = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_note_fork)
+
+
+def die_with_rank() -> bool:
+    """In a data worker: end (SIGKILL) when the rank that forked it dies (PR_SET_PDEATHSIG,
+    Linux), instead of up to 5 s later when torch's check of its parent comes round: meanwhile an
+    orphaned worker held the rank's stderr, so that a command's pipe (``| tee log``) stayed open
+    after the run had ended. Only for a worker forked by the rank's main thread (the signal comes
+    when the forking *thread* ends, and the main thread ends with the rank). Returns whether set."""
+    if not _forked["main"]:
+        return False
+    try:
+        import ctypes
+
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != _forked["parent"]:  # the rank died before the prctl took effect
+        os._exit(1)
+    return True
+
+
 def settle_worker(worker_id: int = 0) -> None:
-    """A data worker's own settings: :func:`drop_rank_sockets`, then :func:`unpin_worker`."""
+    """A data worker's own settings: :func:`drop_rank_sockets`, :func:`die_with_rank`, then
+    :func:`unpin_worker`."""
     drop_rank_sockets()
+    die_with_rank()
     unpin_worker(worker_id)
 
 
