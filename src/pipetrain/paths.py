@@ -19,19 +19,23 @@ Formats: an output whose writer picks its format (a picture, JSON) must say so b
 matplotlib after it, and ``--trace t.png`` never writes JSON into a ``.png``. Saved weights
 (:func:`check_save`) come in three forms: a directory (no suffix), one ``torch.save`` file (``.pt``,
 ``.pth``, ``.bin``, ``.ckpt``) or one safetensors file (``.safetensors``); any other suffix is refused.
+
+Writing them: a SIGTERM that stops a process while it renames a temporary into place waits for
+the rename (:func:`termination_deferred`), so no temporary is left beside an output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from typing import Mapping, NamedTuple
+from typing import Iterator, Mapping, NamedTuple
 
 from pipetrain.errors import ConfigError
 
 __all__ = ["check_outputs", "check_output_file", "check_output_dir", "check_format", "check_save", "is_weights_dir",
            "is_safetensors_file", "Format", "SAFETENSORS",
-           "IMAGE", "JSON", "TEXT", "WEIGHTS_INDEX", "WEIGHTS_SINGLE"]
+           "IMAGE", "JSON", "TEXT", "WEIGHTS_INDEX", "WEIGHTS_SINGLE", "termination_deferred"]
 
 
 class Format(NamedTuple):
@@ -189,3 +193,33 @@ def _inside(path: str, directory: str) -> bool:
         return os.path.commonpath([path, os.path.abspath(directory)]) == os.path.abspath(directory)
     except ValueError:  # another drive (Windows)
         return False
+
+
+@contextlib.contextmanager
+def termination_deferred() -> Iterator[None]:
+    """Hold a SIGTERM that arrives inside the block until it ends, then act on it as it would have.
+
+    Writers of outputs write under a temporary name and rename it; a worker that a launcher stops
+    (SIGTERM: pipetrain's launcher on Ctrl-C, a torchrun agent) in between left the temporary
+    behind (``.manifest.json.tmp-*`` in a step directory). Inside the block the signal is only
+    noted; when the block ends (renamed, or the temporary removed) it is delivered again to the
+    handler that was there before, so the process ends as it would have, a moment later. Only the
+    main thread can hold signals: elsewhere the block runs as is."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
+        if caught:
+            os.kill(os.getpid(), signal.SIGTERM)

@@ -21,10 +21,11 @@ The loader keeps everything it was built with (its sampler, ``num_workers``, ``p
   are still the same from run to run, though not the same as with ``num_workers=0``.
 * **Reading ahead.** The loader's own workers read ahead; a receiving thread takes their batches
   so that the training thread only picks one up. With ``num_workers=0`` batches are read on the
-  training thread when needed (as the loader itself would). On a rank that pipetrain's launcher
-  pinned to its own cores, the loader's ``worker_init_fn`` is wrapped so that its workers may run
-  on any core first (:func:`~pipetrain.data.prefetch.unpin_worker`): pinned beside the rank
-  they fall behind whenever its core is busy.
+  training thread when needed (as the loader itself would). The loader's ``worker_init_fn`` is
+  wrapped (:func:`~pipetrain.data.prefetch.settle_worker`): its workers first close the TCP
+  sockets of a distributed rank that the fork duplicated (held there, they hid the rank's death
+  from its peers for seconds) and, on a rank that pipetrain's launcher pinned to its own cores,
+  may run on any core: pinned beside the rank they fall behind whenever its core is busy.
 * **Going back.** Updates are asked for in increasing order; the last ``keep`` batches are kept
   for a request that comes a little late (stage 0's replicas take turns). A run that starts at a
   later update (resumed from a checkpoint) reads the batches before it and drops them.
@@ -33,7 +34,6 @@ The loader keeps everything it was built with (its sampler, ``num_workers``, ``p
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from typing import Any, Iterator, TYPE_CHECKING
 
@@ -108,7 +108,7 @@ class LoaderBatches:
         self._kept: dict[int, tuple[Any, torch.Tensor]] = {}
         self._epoch_batches = 0  # full batches of the epoch being read
         self._threaded = int(getattr(loader, "num_workers", 0) or 0) > 0
-        if self._threaded and os.environ.get("PIPETRAIN_CPUS") and hasattr(loader, "worker_init_fn"):
+        if self._threaded and hasattr(loader, "worker_init_fn"):
             from pipetrain.data.prefetch import Unpinned
 
             if not isinstance(loader.worker_init_fn, Unpinned):  # see the module docstring, "Reading ahead"

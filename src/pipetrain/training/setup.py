@@ -438,7 +438,14 @@ def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, tr
     if dist.get_rank() == 0:
         staged, choice = split()
         shared[0] = choice.unit_seconds
-    dist.broadcast_object_list(shared, src=0)
+    try:
+        dist.broadcast_object_list(shared, src=0)
+    except RuntimeError as error:  # a rank died while this one set up (gloo's own error is 30 lines of C++)
+        from pipetrain.runtime.errors import PeerLostError
+
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PeerLostError(f"rank {dist.get_rank()}: sharing the measured unit times failed because a peer is gone "
+                            f"or stuck ({first})") from None
     if dist.get_rank() == 0:
         return staged, choice
     return split_by_time(model, pieces, None, None, None, costs=shared[0], **trace)  # type: ignore[arg-type]

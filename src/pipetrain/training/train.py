@@ -85,11 +85,10 @@ def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None
             with _writing("save", config.save, _weights_kept(config, result)):
                 save_state_dict(run.model.state_dict() if state_dict is None else state_dict, config.save)
         elif config.executor == "emulate":
-            from pipetrain.training.outputs import weight_writers, write_rank_shard, write_weights_index
+            from pipetrain.training.outputs import save_weights_here
 
-            modules = dict(enumerate(run.staged.stages))
             with _writing("save", config.save, _weights_kept(config, result)):
-                write_weights_index(run, [write_rank_shard(run, rank, modules) for rank in weight_writers(run)])
+                save_weights_here(run, dict(enumerate(run.staged.stages)))
     if config.report_json:
         with _writing("report_json", config.report_json):
             result.write_report(config.report_json)
@@ -127,14 +126,6 @@ def _writing(field: str, path: str, then: str = "") -> Iterator[None]:
 
 def _weights_kept(config: TrainConfig, result: TrainResult) -> str:
     """Where the trained weights are when --save cannot be written: the run's last checkpoint."""
-    if config.executor == "distributed" and config.checkpoint_dir:
-        from pipetrain.runtime.checkpoint import CheckpointError, open_checkpoint, step_dir
+    from pipetrain.training.outputs import weights_kept
 
-        last = step_dir(config.checkpoint_dir, result.updates)
-        try:
-            open_checkpoint(last, verify=False)
-            return (f"; the trained weights are kept in the run's last checkpoint, {last}: the same command, run "
-                    f"again with space free, resumes there and writes {option('save')}")
-        except CheckpointError:
-            pass
-    return "; the trained weights were not written anywhere else"
+    return weights_kept(config, result.updates)
