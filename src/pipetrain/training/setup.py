@@ -22,7 +22,7 @@ from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayo
 from pipetrain.execution.failures import StageNames
 from pipetrain.runtime.errors import CheckpointMismatchError
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
-from pipetrain.schedule.presets import check_chunks, chunks_per_rank
+from pipetrain.schedule.presets import LOOPED, check_chunks, chunks_per_rank
 from pipetrain.schedule.vshape import V_SCHEDULES, check_v_parameters
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
@@ -265,7 +265,8 @@ def ranks_of_balance(config: TrainConfig, name: str, pieces: int) -> int:
 
 
 def apply_plan(config: TrainConfig) -> TrainConfig:
-    """Fill stages, replicas, schedule and microbatches from a `pipetrain plan` JSON file."""
+    """Fill stages, replicas, schedule and microbatches from a `pipetrain plan` JSON file (of a chunked
+    schedule: ranks, and the looped schedules' chunks per rank)."""
     from dataclasses import replace
 
     from pipetrain.training.validate import read_plan
@@ -273,11 +274,13 @@ def apply_plan(config: TrainConfig) -> TrainConfig:
     if not config.plan:
         return replace(config, schedule=config.schedule or "1f1b", recompute=config.recompute or "none")
     plan, balance, replicas = read_plan(config)
+    chunks = int(plan.get("chunks", 1))  # a chunked plan lists every chunk: its workers hold `chunks` stages each
     return replace(
         config,
         balance=balance,
-        replicas=replicas,
-        stages=len(balance),
+        replicas=replicas if chunks == 1 else None,
+        stages=len(balance) // chunks,
+        chunks=chunks if chunks > 1 and config.chunks == 1 and plan.get("schedule") in LOOPED else config.chunks,
         schedule=config.schedule or plan.get("schedule") or "1f1b",
         microbatches=config.microbatches if config.microbatches is not None else plan.get("microbatches"),
         recompute=config.recompute if config.recompute is not None else plan_recompute(plan),
