@@ -125,13 +125,14 @@ class Pipeline:
             raise ConfigError(f"unknown executor {values['executor']!r}; choose one of {', '.join(_EXECUTORS)}")
         spec, lr_schedule, factory = _optimizer_parts(values.pop("optimizer"), optimizer_options,
                                                       values.pop("lr_schedule"), values["compensation"])
-        config = apply_plan(TrainConfig(
+        config = TrainConfig(
             **values, model=describe_model(model), data="", optimizer=spec, lr_schedule=lr_schedule, dtype=None,
             progress=sys.stderr.isatty(), init=_describe_init(init),
-        ))
+        )
         from pipetrain.training.validate import check_config, check_optimizer_specs
 
         check_config(config, specs=False)  # each option's own check, as fit() makes them again: here, at once
+        config = apply_plan(config)  # after the check, which refuses stages beside a plan (the plan's own too)
         if factory is None:  # pipetrain's own optimizer, from its spec (and the compensation, lr schedule)
             check_optimizer_specs(spec, config.compensation, lr_schedule)
         choice = None

@@ -179,7 +179,8 @@ def format_table(plan, baselines, source: str) -> str:
                 table.append((c["schedule"], str(c["microbatches"]), "-", "-", "-", why))
             else:
                 table.append((c["schedule"], str(c["microbatches"]),
-                              _replicas_text(c["replicas"]),
+                              _replicas_text(c["replicas"]) if c.get("chunks", 1) == 1 else
+                              f"{len(c['replicas'])} stages, {c['chunks']} per worker",
                               f"{c['simulated_time_per_minibatch']:.6f}",
                               format_bytes(c["peak_memory_bytes"]),
                               "yes" if c["fits"] else "no"))

@@ -5,8 +5,9 @@ Every candidate (:data:`CANDIDATES`) cuts the run's units into its stages (``ran
 for the schedules whose ranks hold two chunks) by a balanced block partition of the unit costs; a
 stage's forward costs a third of its units' cost and its backward two thirds, the zero-bubble
 schedules' backward split into equal input- and weight-gradient halves (the usual 1 : 1 : 1 of
-F : I : W). One step of each is simulated, fill and drain included (every one flushes after its
-update, so a step is the run's period). Communication is not charged (the run's messages are
+F : I : W). Each is scored by its time per step in steady state, as the planner scores plans: the
+simulated makespan of 4 steps less that of 2, halved (a step's drain may overlap the next step's
+fill, as zb-h2's and zb-v's do). Communication is not charged (the run's messages are
 small beside its compute on one machine; ``pipetrain plan`` prices them for a profile).
 
 Peak activations are counted in microbatches of the whole model, each stage holding an equal share
@@ -115,8 +116,11 @@ def choose_schedule(unit_costs: Sequence[float], ranks: int, microbatches: int, 
         costs = Costs(F=[t / 3 for t in stage], B=[t / 3 if split else 2 * t / 3 for t in stage],
                       W=[t / 3 for t in stage] if split else 0.0)
         try:
-            schedule = build(name, ranks, microbatches, chunks=chunks if name in _LOOPED else 1)
-            seconds = simulate(schedule, costs).makespan
+            looped = chunks if name in _LOOPED else 1
+            spans = [simulate(build(name, ranks, microbatches, steps=steps, chunks=looped), costs).makespan
+                     for steps in (2, 4)]
+            seconds = (spans[1] - spans[0]) / 2
+            schedule = build(name, ranks, microbatches, chunks=looped)
         except PipetrainError as error:
             entry["skipped"] = str(error).split(";")[0]
             continue
