@@ -299,9 +299,11 @@ def plan_recompute(plan: dict) -> str:
 
 def _check_auto(config: TrainConfig) -> None:
     """``auto`` chooses the cut with the schedule: refuse what fixes the cut (or its stage count)."""
+    if config.plan:  # its stages and replicas fill the cut options: name it alone
+        raise ConfigError(f"{option('schedule', config.schedule)} chooses the schedule and cut that a plan fixes: drop "
+                          f"{option('plan')} (pipetrain plan chooses for a profile with its own auto) or "
+                          f"{option('schedule')}")
     given = [option(field) for field in ("balance", "split_at", "replicas") if getattr(config, field)]
-    if config.plan:
-        given.append(option("plan"))
     if given:
         raise ConfigError(f"{option('schedule', config.schedule)} cuts the model for the schedule it chooses: drop "
                           f"{', '.join(given)} (give {option('stages')}, the ranks) or name a schedule")
