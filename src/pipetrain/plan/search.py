@@ -20,8 +20,9 @@ is the sum over the chunks it holds (:func:`~pipetrain.plan.memory.order_memory`
 of the plan reports its worker's. zb-h2 is planned like zb-h1 (straight, no replicas).
 
 Modelling choices: a microbatch costs ``1/m`` of the minibatch's forward, backward and activation
-bytes; the zero-bubble schedules (:data:`~pipetrain.plan.memory.SPLIT`) split each backward into equal input- and weight-gradient halves and runs without
-replication (the generator has none); the optimizer step costs nothing. With ``recompute`` the
+bytes; the zero-bubble schedules (:data:`~pipetrain.plan.memory.SPLIT`) split each backward into
+equal input- and weight-gradient halves; zb-h1 and zb-h2 run without replication (their generators
+have none); the optimizer step costs nothing. With ``recompute`` the
 optimizer may let a stage that does not fit recompute its activations (see
 :func:`~pipetrain.plan.pipedream.optimize`): the simulation then runs that stage's forward once
 more before each backward, and its memory counts the inputs it keeps and the graphs it holds.
