@@ -60,7 +60,9 @@ class Pipeline:
             dualpipev, pipedream, 2bw or pb (docs/design.md section 3), or torch's name of one
             (``"Interleaved1F1B"``, ...); ``stages`` counts ranks for the looped schedules (interleaved, bfs,
             interleaved-zb) and the V schedules (zb-v, v-half, v-min, dualpipev: the model is cut into two
-            stages per rank).
+            stages per rank). ``"auto"`` (or ``"auto:memory=X"``): the synchronous schedule that simulates
+            fastest over ``stages`` ranks and ``microbatches`` within 1f1b's activations (X times them),
+            each unit priced by its parameter count (:mod:`pipetrain.plan.choose`); printed and reported.
         microbatches: units per update (microbatches per step; pipedream/pb: minibatches or
             samples accumulated per update, default 1); ``replicas``, ``chunks``, ``policy`` as for
             :func:`pipetrain.schedule.build`.
@@ -109,6 +111,7 @@ class Pipeline:
         """``options``: the keywords declared ``api="pipeline"`` in
         :class:`~pipetrain.training.config.TrainConfig` (the signature lists them)."""
         from pipetrain.models.loss import loss_for
+        from pipetrain.plan.choose import is_auto
         from pipetrain.schedule import resolve_name
         from pipetrain.schedule.presets import chunks_per_rank
         from pipetrain.stages import split_model
@@ -122,15 +125,19 @@ class Pipeline:
             raise ConfigError(f"unknown executor {values['executor']!r}; choose one of {', '.join(_EXECUTORS)}")
         spec, lr_schedule, factory = _optimizer_parts(values.pop("optimizer"), optimizer_options,
                                                       values.pop("lr_schedule"), values["compensation"])
-        config = apply_plan(TrainConfig(
+        config = TrainConfig(
             **values, model=describe_model(model), data="", optimizer=spec, lr_schedule=lr_schedule, dtype=None,
             progress=sys.stderr.isatty(), init=_describe_init(init),
-        ))
+        )
         from pipetrain.training.validate import check_config, check_optimizer_specs
 
         check_config(config, specs=False)  # each option's own check, as fit() makes them again: here, at once
+        config = apply_plan(config)  # after the check, which refuses stages beside a plan (the plan's own too)
         if factory is None:  # pipetrain's own optimizer, from its spec (and the compensation, lr schedule)
             check_optimizer_specs(spec, config.compensation, lr_schedule)
+        choice = None
+        if is_auto(config.schedule):
+            config, choice = _choose_auto(config, model, leaf_modules, concrete_args)
         self.schedule_name = resolve_name(config.schedule)
         if self.schedule_name == "zb-auto" and config.microbatches is None:
             raise ConfigError(f"zb-auto chooses its order (and whether each rank holds two chunks) for a number of "
@@ -162,7 +169,8 @@ class Pipeline:
 
         self._parts = RunParts(model=model, train_set=None, test_set=None,
                                loss_fn=loss_fn or loss_for(unsplit), optimizer=factory, staged=self.staged,
-                               stage_choice=StageChoice.of(self.staged, how, _names(unsplit)), init=init)
+                               stage_choice=StageChoice.of(self.staged, how, _names(unsplit)), init=init,
+                               schedule_choice=choice)
         self._session: Any = None
         self._run: Any = None
         self.last_schedule = None
@@ -386,6 +394,32 @@ class _Unread(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int):
         raise ConfigError("a run begun with start() reads only the batches handed to step()")
+
+
+def _choose_auto(config: TrainConfig, model: Any, leaf_modules: Any, concrete_args: Any):
+    """``(config naming the chosen schedule, AutoChoice)`` for ``schedule="auto"``: the schedule
+    that simulates fastest over ``stages`` ranks (:mod:`pipetrain.plan.choose`), each unit priced by
+    its parameter count, as the Pipeline cuts the model (here, before any data to time it on)."""
+    from pipetrain.plan.choose import choose_schedule, parse_auto
+    from pipetrain.stages import unit_names, unit_pieces
+    from pipetrain.training.setup import _check_auto
+
+    _check_auto(config)
+    if isinstance(model, (list, tuple)):
+        raise ConfigError(f"{option('schedule', config.schedule)} cuts the model for the schedule it chooses: give "
+                          f"the model as one module, not a list of stages, or name a schedule")
+    if config.microbatches is None:
+        raise ConfigError(f"{option('schedule', config.schedule)} chooses for a number of microbatches: give "
+                          f"{option('microbatches')}")
+    ranks = config.stages or 2
+    trace = dict(leaf_modules=list(leaf_modules or ()), concrete_args=concrete_args)
+    pieces = 2 * ranks if len(unit_names(model, 2 * ranks, **trace)) >= 2 * ranks else ranks
+    _, units = unit_pieces(model, pieces, **trace)
+    costs = [float(sum(p.numel() for p in stage.parameters())) for stage in units.stages]
+    choice = choose_schedule(costs, ranks, config.microbatches, memory=parse_auto(config.schedule))
+    choice.priced_by = "unit parameter counts"
+    chunks = choice.chunks if choice.schedule in ("interleaved", "bfs", "interleaved-zb") else 1
+    return dataclasses.replace(config, schedule=choice.schedule, chunks=chunks, stages=ranks), choice
 
 
 def _check_model(model: Any) -> None:

@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory per worker, e.g. 16GB or 12GiB (weight versions, optimizer "
                              "state and in-flight activations of the schedule count; default: unlimited)")
     parser.add_argument("--schedule", default="pipedream", metavar="NAME|auto",
-                        help="pipedream, 2bw, 1f1b, zb-h1, gpipe, or auto: the fastest "
+                        help="pipedream, 2bw, 1f1b, zb-h1, zb-h2, gpipe; interleaved, bfs, interleaved-zb, zb-v, "
+                             "v-half, v-min, dualpipev (2 stages per worker, cut by time); or auto: the fastest "
                              "that fits --memory (default pipedream)")
     parser.add_argument("--recompute", default="none", choices=["none", "auto"],
                         help="auto: under --memory, a stage that would not fit otherwise keeps only its inputs "
@@ -98,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
                      memory_limit=memory, microbatches=args.microbatches, progress=True,
                      recompute=args.recompute == "auto")
     plan.solve_seconds = time.perf_counter() - started
-    baselines = [] if args.no_baselines else compare_baselines(
-        cuts, topology, cost_model=args.cost_model, schedule=plan.schedule,
+    baselines = [] if args.no_baselines else compare_baselines(  # straight pipelines: 1f1b's memory for chunked
+        cuts, topology, cost_model=args.cost_model, schedule="1f1b" if plan.chunks > 1 else plan.schedule,
         microbatches=plan.microbatches)
     data = plan.to_json()
     data["profile"] = str(args.profile)
@@ -139,7 +140,8 @@ def format_table(plan, baselines, source: str) -> str:
 
     lines = [f"plan for {source}: {plan.topology}, cost model {plan.cost_model}, "
              f"schedule {plan.schedule}"
-             + (f" ({plan.microbatches} microbatches)" if plan.schedule != "pipedream" else "")]
+             + (f" ({plan.microbatches} microbatches)" if plan.schedule != "pipedream" else "")
+             + (f", {plan.chunks} stages per worker (memory: the worker's)" if plan.chunks > 1 else "")]
     header = ("stage", "layers", "replicas", "compute s", "time s", "input xfer s", "memory")
     rows = [header]
     for s, stage in enumerate(plan.stages):
@@ -177,7 +179,8 @@ def format_table(plan, baselines, source: str) -> str:
                 table.append((c["schedule"], str(c["microbatches"]), "-", "-", "-", why))
             else:
                 table.append((c["schedule"], str(c["microbatches"]),
-                              _replicas_text(c["replicas"]),
+                              _replicas_text(c["replicas"]) if c.get("chunks", 1) == 1 else
+                              f"{len(c['replicas'])} stages, {c['chunks']} per worker",
                               f"{c['simulated_time_per_minibatch']:.6f}",
                               format_bytes(c["peak_memory_bytes"]),
                               "yes" if c["fits"] else "no"))

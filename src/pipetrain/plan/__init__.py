@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipetrain.plan.baselines import BASELINES, baseline
+from pipetrain.plan.choose import choose_schedule
 from pipetrain.plan.pipedream import COST_MODELS, optimize
 from pipetrain.plan.planner import compare_baselines, make_plan
 from pipetrain.plan.profile import LayerProfile, Profile
@@ -19,7 +20,7 @@ from pipetrain.plan.topology import Topology
 
 __all__ = ["LayerProfile", "Profile", "load_profile", "save_profile", "profile_model",
            "Topology", "optimize", "COST_MODELS", "baseline", "BASELINES", "make_plan",
-           "compare_baselines", "search", "Plan", "Stage"]
+           "compare_baselines", "search", "choose_schedule", "Plan", "Stage"]
 
 
 def __getattr__(name: str) -> Any:

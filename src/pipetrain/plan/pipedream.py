@@ -55,7 +55,7 @@ import numpy as np
 
 from pipetrain.errors import ConfigError, PipetrainError, name_options, option
 from pipetrain.plan.graph import Cuts, build_cuts
-from pipetrain.plan.memory import RECOMPUTES, check_schedule, format_bytes, stage_memory
+from pipetrain.plan.memory import CHUNKED, RECOMPUTES, check_schedule, format_bytes, stage_memory
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.effort import Effort
@@ -802,6 +802,9 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
     if cost_model not in COST_MODELS:
         raise ConfigError(f"unknown cost model {cost_model!r}; choose {' or '.join(COST_MODELS)}")
     schedule = check_schedule(schedule)
+    if schedule in CHUNKED:
+        raise ConfigError(f"{schedule} holds several stages per rank: PipeDream's optimizer plans one stage per "
+                          f"worker; plan it with make_plan or {option('schedule', 'auto')}")
     if int(microbatches) != microbatches or microbatches < 1:
         raise ConfigError(f"microbatches must be an integer >= 1, got {microbatches}")
     if not isinstance(topology, Topology):

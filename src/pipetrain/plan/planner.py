@@ -7,7 +7,7 @@ import time
 
 from pipetrain.plan.baselines import BASELINES, baseline
 from pipetrain.plan.graph import Cuts, build_cuts
-from pipetrain.plan.memory import check_schedule
+from pipetrain.plan.memory import CHUNKED, check_schedule
 from pipetrain.plan.pipedream import optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
@@ -29,7 +29,9 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
     for the schedules that use microbatches. ``progress``: see
     :func:`~pipetrain.plan.pipedream.optimize`. ``recompute``: under ``memory_limit``, a stage
     that would not fit may keep only its inputs and recompute its forward in the backward, its
-    time including that forward (one-level topologies; not under zb-h1).
+    time including that forward (one-level topologies; not under zb-h1). The chunked schedules
+    (interleaved, bfs, interleaved-zb, zb-v, v-half, v-min, dualpipev) are planned by that search
+    alone, with ``microbatches`` (default twice the worker count), without recomputation.
     """
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
@@ -42,6 +44,12 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
                       cuts=cuts, recompute=recompute)
     name = check_schedule(schedule)
     m = 1 if name == "pipedream" else (microbatches or topology.workers)
+    if name in CHUNKED:  # several stages per worker: cut by time and simulated (search's docstring)
+        from pipetrain.plan.search import search
+
+        m = microbatches or 2 * topology.workers  # the V schedules need 2W-1 to fill their V
+        return search(cuts.profile, topology, memory_limit=memory_limit, schedules=[name], microbatches=[m],
+                      cost_model=cost_model, cuts=cuts)
     plan = optimize(cuts, topology, cost_model=cost_model, straight=straight,
                     fewer_machines=fewer_machines, memory_limit=memory_limit, schedule=name,
                     microbatches=m, progress=progress, recompute=recompute)

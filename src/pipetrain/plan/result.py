@@ -42,6 +42,9 @@ class Stage:
 class Plan:
     """The output of a partitioner.
 
+    ``chunks``: stages each worker holds (the chunked schedules' plans cut the model into
+    ``chunks * workers`` stages; ``stages`` lists them all, ``memory_bytes`` of each its worker's).
+
     ``predicted_time_per_minibatch`` is the steady-state time of the slowest stage (communication
     included, per the cost model); for schedules that flush (gpipe, 1f1b, zb-h1) the time per
     minibatch with the pipeline bubble is ``time_per_minibatch_with_bubble``.
@@ -59,6 +62,7 @@ class Plan:
     data_parallel_time: float = math.nan
     solve_seconds: float = 0.0
     memory_limit: float | None = None
+    chunks: int = 1               # stages per worker: 2 for the V and looped schedules' plans
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -67,7 +71,7 @@ class Plan:
 
     @property
     def workers_used(self) -> int:
-        return sum(self.replicas)
+        return sum(self.replicas) // self.chunks
 
     @property
     def noam(self) -> int:
@@ -80,6 +84,8 @@ class Plan:
 
         if not is_flush(self.schedule):
             return self.predicted_time_per_minibatch
+        if self.chunks > 1:  # no closed form over every chunked order: the simulated time, when known
+            return self.extra.get("simulated_time_per_minibatch", self.predicted_time_per_minibatch)
         m, s = self.microbatches, len(self.stages)
         return self.predicted_time_per_minibatch * (m + s - 1) / m
 
@@ -95,7 +101,7 @@ class Plan:
             "stages": [stage.to_json() for stage in self.stages],
             "solve_seconds": self.solve_seconds,
             "workers": self.workers, "workers_used": self.workers_used, "noam": self.noam,
-            "schedule": self.schedule, "microbatches": self.microbatches,
+            "schedule": self.schedule, "microbatches": self.microbatches, "chunks": self.chunks,
             "time_per_minibatch_with_bubble": self.time_per_minibatch_with_bubble,
             "cost_model": self.cost_model, "topology": self.topology,
             "single_worker_time": self.single_worker_time,

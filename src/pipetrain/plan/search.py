@@ -10,9 +10,19 @@ count), bubbles, stalls and all-reduce waits included. Peak memory per worker is
 the simulated programs (``memory_by_rank``): weight versions and in-flight microbatches actually
 held. Candidates that do not fit are dropped; the fastest that fits wins.
 
+The chunked schedules (:data:`~pipetrain.plan.memory.CHUNKED`: interleaved, bfs and interleaved-zb
+with 2 chunks per rank, and the V schedules zb-v, v-half, v-min and dualpipev) cut the model into
+2W stages for W workers: a balanced block partition of the layers by compute time
+(:func:`~pipetrain.plan.baselines.block_partition`), no replicas, each message at the slowest
+bandwidth of the topology (on a V, the hand-off at its turn stays on its rank and costs nothing).
+The schedule is built over W ranks and simulated with the 2W stages' costs; a worker's peak memory
+is the sum over the chunks it holds (:func:`~pipetrain.plan.memory.order_memory`), and every stage
+of the plan reports its worker's. zb-h2 is planned like zb-h1 (straight, no replicas).
+
 Modelling choices: a microbatch costs ``1/m`` of the minibatch's forward, backward and activation
-bytes; zb-h1 splits each backward into equal input- and weight-gradient halves and runs without
-replication (the generator has none); the optimizer step costs nothing. With ``recompute`` the
+bytes; the zero-bubble schedules (:data:`~pipetrain.plan.memory.SPLIT`) split each backward into
+equal input- and weight-gradient halves; zb-h1 and zb-h2 run without replication (their generators
+have none); the optimizer step costs nothing. With ``recompute`` the
 optimizer may let a stage that does not fit recompute its activations (see
 :func:`~pipetrain.plan.pipedream.optimize`): the simulation then runs that stage's forward once
 more before each backward, and its memory counts the inputs it keeps and the graphs it holds.
@@ -27,8 +37,9 @@ from typing import Sequence
 
 from pipetrain.errors import PipetrainError, ScheduleError, option
 from pipetrain.plan.graph import Cuts, build_cuts
-from pipetrain.plan.memory import SCHEDULES, check_schedule, format_bytes
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.baselines import block_partition, evaluate_straight
+from pipetrain.plan.memory import CHUNKED, SCHEDULES, SPLIT, check_schedule, chunks_of, format_bytes, order_memory
+from pipetrain.plan.pipedream import data_parallel_time, optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology
@@ -72,13 +83,15 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology) -> Simulated
     # seconds in flight per microbatch across the cut after stage s
     transfer = [stages[s + 1].input_bytes / stages[s + 1].input_bandwidth / m
                 if stages[s + 1].input_bandwidth > 0 else 0.0 for s in range(count - 1)] + [0.0]
-    split = plan.schedule == "zb-h1"
+    split = plan.schedule in SPLIT
     again = [s for s, stage in enumerate(stages) if stage.recompute]
     # a recomputing stage runs its forward once more before its backward (before I when split)
     bwd_first = [(b / (2 if split else 1)) + (f if s in again else 0.0) for s, (f, b) in enumerate(zip(fwd, bwd))]
     costs = Costs(F=[f / m for f in fwd], B=[b / m for b in bwd_first],
                   W=[b / m / 2 for b in bwd] if split else 0.0, sync=sync, bytes=transfer,
                   bandwidth=1.0)
+    if plan.chunks > 1:
+        return _simulate_chunked(plan, costs, fwd, bwd)
     replicas = plan.replicas
     if plan.schedule == "pipedream":
         unit = math.lcm(*replicas)
@@ -109,13 +122,69 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology) -> Simulated
                      bubble_fraction=bubble)
 
 
+def _simulate_chunked(plan: Plan, costs, fwd: list[float], bwd: list[float]) -> Simulated:
+    """:func:`simulate_plan` for a plan whose workers hold ``plan.chunks`` stages each."""
+    from pipetrain.schedule import build, simulate
+
+    ranks, m = len(plan.stages) // plan.chunks, plan.microbatches
+    looped = plan.chunks if plan.schedule in ("interleaved", "bfs", "interleaved-zb") else 1
+    spans = [simulate(build(plan.schedule, ranks, m, steps=steps, chunks=looped), costs).makespan
+             for steps in (2, 4)]
+    slope = (spans[1] - spans[0]) / 2
+    busy = sum(f + b for f, b in zip(fwd, bwd)) / ranks
+    bubble = max(0.0, 1.0 - busy / slope) if slope > 0 else 0.0
+    return Simulated(time_per_minibatch=slope, memory_bytes=chunked_memory(plan), microbatches=m,
+                     bubble_fraction=bubble)
+
+
+def chunked_memory(plan: Plan) -> list[float]:
+    """Per stage, the peak bytes of the worker that holds it (all its chunks; memory's docstring)."""
+    peaks = [0.0] * len(plan.stages)
+    m = plan.microbatches
+    for stages, held, versions, rank_held in order_memory(plan.schedule, len(plan.stages) // plan.chunks, m):
+        kept = [plan.stages[s] for s in stages]
+        weights = sum(v * st.parameter_bytes + st.optimizer_bytes for v, st in zip(versions, kept))
+        activations = min(sum(h * st.activation_bytes / m for h, st in zip(held, kept)),
+                          rank_held * max(st.activation_bytes for st in kept) / m)
+        for s in stages:
+            peaks[s] = weights + activations
+    return peaks
+
+
+def chunked_plan(cuts: Cuts, topology: Topology, name: str, microbatches: int,
+                 cost_model: str = "pipedream-code") -> Plan:
+    """``name`` over the topology's W workers: the layers cut into ``chunks * W`` stages balanced
+    by compute time, no replicas, each stage's memory its worker's (module docstring)."""
+    chunks = chunks_of(name)
+    parts = chunks * topology.workers
+    if parts > len(cuts.nodes):
+        raise PipetrainError(f"{name} cuts the model into {chunks} chunks per worker, {parts} stages, but the "
+                             f"profile has {len(cuts.nodes)} layers: use fewer workers")
+    layers = {layer.name: layer for layer in cuts.profile.layers}
+    bounds = block_partition([layers[n].compute_s for n in cuts.nodes], parts)
+    flat = Topology.flat(parts, min(topology.bandwidths))
+    plan = evaluate_straight(cuts, bounds, flat, "chunked-by-time", cost_model, "1f1b", microbatches)
+    plan.schedule, plan.chunks, plan.workers = name, chunks, topology.workers
+    plan.topology = topology.describe()
+    ranks = [list(stages) for stages, *_ in order_memory(name, topology.workers, microbatches)]
+    plan.predicted_time_per_minibatch = max(sum(plan.stages[s].time_s for s in held) for held in ranks)
+    plan.data_parallel_time = data_parallel_time(plan.single_worker_time,
+                                                 sum(st.parameter_bytes for st in plan.stages), topology,
+                                                 cost_model)
+    for stage, peak in zip(plan.stages, chunked_memory(plan)):
+        stage.memory_bytes = peak
+    plan.extra["stages_of_worker"] = ranks
+    return plan
+
+
 def search(profile: Profile, topology: Topology, *, memory_limit: float | None = None,
            schedules: Sequence[str] = SCHEDULES,
            microbatches: Sequence[int] | None = None, cost_model: str = "pipedream-code",
            straight: bool = False, fewer_machines: bool = False,
            cuts: Cuts | None = None, recompute: bool = False) -> Plan:
-    """The schedule and microbatch count with the least simulated time that fit the memory;
-    ``recompute``: stages that would not fit may recompute their activations."""
+    """The schedule and microbatch count with the least simulated time that fit the memory (of
+    equal times, the one with less peak memory); ``recompute``: stages that would not fit may
+    recompute their activations (not the chunked schedules, which are cut by time alone)."""
     started = time.perf_counter()
     cuts = cuts or build_cuts(profile)
     names = [check_schedule(name) for name in schedules]
@@ -127,9 +196,10 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
         for m in ([1] if name == "pipedream" else counts):
             if (name, m) in planned:
                 continue
-            outcome = _candidate(cuts, profile, topology, name, m, memory_limit, cost_model,
-                                 straight or name == "zb-h1", fewer_machines or name == "zb-h1", planned,
-                                 recompute)
+            unreplicated = name in ("zb-h1", "zb-h2")
+            outcome = _chunked_candidate(cuts, profile, topology, name, m, cost_model) if name in CHUNKED else \
+                _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, straight or unreplicated,
+                           fewer_machines or unreplicated, planned, recompute)
             if outcome is None:
                 continue                # m was rounded up to a count already tried
             if isinstance(outcome, str):
@@ -139,13 +209,13 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
             planned.add((name, plan.microbatches))
             fits = memory_limit is None or max(sim.memory_bytes) <= memory_limit
             tried.append({"schedule": name, "microbatches": plan.microbatches,
-                          "replicas": plan.replicas,
+                          "replicas": plan.replicas, "chunks": plan.chunks,
                           "predicted_time_per_minibatch": plan.predicted_time_per_minibatch,
                           "simulated_time_per_minibatch": sim.time_per_minibatch,
                           "bubble_fraction": sim.bubble_fraction,
                           "peak_memory_bytes": max(sim.memory_bytes), "fits": fits,
                           "recompute_stages": [s for s, st in enumerate(plan.stages) if st.recompute]})
-            if fits and (best is None or sim.time_per_minibatch < best[0]):
+            if fits and (best is None or _better(sim, best[2])):
                 best = (sim.time_per_minibatch, plan, sim)
     if best is None:
         from pipetrain.plan.planner import smallest_fitting
@@ -169,6 +239,24 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
                        "schedule_candidates": tried, "scored_by": "timeline simulator"})
     plan.solve_seconds = time.perf_counter() - started
     return plan
+
+
+def _better(sim: Simulated, best: Simulated) -> bool:
+    """Faster, or as fast (to a relative 1e-9, the simulator's rounding) with less peak memory."""
+    tolerance = 1e-9 * max(abs(best.time_per_minibatch), 1e-300)
+    if sim.time_per_minibatch < best.time_per_minibatch - tolerance:
+        return True
+    return sim.time_per_minibatch <= best.time_per_minibatch + tolerance and \
+        max(sim.memory_bytes) < max(best.memory_bytes)
+
+
+def _chunked_candidate(cuts, profile, topology, name, m, cost_model):
+    """A chunked plan and its simulation, or the reason there is none (the generator's refusal)."""
+    try:
+        plan = chunked_plan(cuts, topology, name, m, cost_model)
+        return plan, simulate_plan(plan, profile, topology)
+    except PipetrainError as error:
+        return str(error)
 
 
 def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, straight, fewer, planned,

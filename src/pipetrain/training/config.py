@@ -125,8 +125,9 @@ class TrainConfig:
     schedule: str | None = option(
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
         help="gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, bfs, interleaved-zb, dualpipev, "
-             "pipedream, 2bw, pb, or torch's names (GPipe, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, ...) "
-             "(default: the plan's, else 1f1b)")
+             "pipedream, 2bw, pb, or torch's names (GPipe, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, ...); auto: "
+             "the synchronous one that simulates fastest for --stages (ranks) and --microbatches within 1f1b's "
+             "activations (auto:memory=X: X times them; docs/planner.md) (default: the plan's, else 1f1b)")
     stages: int | None = option(
         None, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
         help="number of pipeline stages (ranks for the looped schedules interleaved, bfs, interleaved-zb and the V "

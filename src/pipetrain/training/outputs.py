@@ -284,6 +284,8 @@ def describe_run(run: Run) -> str:
             f"{'workers' if run.config.executor == 'distributed' else 'emulated ranks'}, {run.updates} updates of "
             f"{layout.batch_size} samples ({units} microbatch{'es' if units > 1 else ''} each)")
     data = f"\n{run.data_note}" if getattr(run, "data_note", "") else ""  # the samples, how read, what is held out
+    if getattr(run, "schedule_choice", None) is not None:  # schedule auto: what it chose and each candidate's time
+        data = f"\n{run.schedule_choice.text()}{data}"
     choice = run.stage_choice
     if choice is None or run.num_stages < 2:
         return head + data + "\n" + run.staged.summary()

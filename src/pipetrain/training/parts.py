@@ -50,6 +50,7 @@ class RunParts:
     staged: Any = None
     stage_choice: Any = None
     data_note: str = ""  # where the held-out data came from (pipetrain.data.load_data), for the report
+    schedule_choice: Any = None  # pipetrain.plan.choose.AutoChoice: how schedule="auto" chose (Pipeline's choice)
     init: Any = None
 
 

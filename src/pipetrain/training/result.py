@@ -142,6 +142,8 @@ def result_of(run: Any, executor: str, losses: Sequence[float], seconds: float, 
         extra["stage_choice"] = run.stage_choice.as_dict()  # how the stages were chosen, sizes, measured times
     if getattr(run, "data_note", ""):
         extra["data"] = run.data_note  # where the held-out data came from, how batches were read
+    if getattr(run, "schedule_choice", None) is not None:
+        extra["schedule_choice"] = run.schedule_choice.as_dict()  # schedule auto: the candidates' simulated steps
     return TrainResult(
         schedule=schedule.name,
         stages=len(run.staged.stages) if schedule.chunks == 1 else schedule.num_ranks,

@@ -22,7 +22,8 @@ from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayo
 from pipetrain.execution.failures import StageNames
 from pipetrain.runtime.errors import CheckpointMismatchError
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
-from pipetrain.schedule.presets import check_chunks, chunks_per_rank
+from pipetrain.plan.choose import is_auto
+from pipetrain.schedule.presets import LOOPED, check_chunks, chunks_per_rank
 from pipetrain.schedule.vshape import V_SCHEDULES, check_v_parameters
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
@@ -67,6 +68,7 @@ class Run:
     drains: tuple[int, ...] = ()  # updates after which the pipeline drains and fills again (--extend)
     init: Any = None  # pipetrain.stages.materialize.Init: first values of the stages of a model built on meta
     meta: bool = False  # the model was built on the meta device: each rank materialises its own stages
+    schedule_choice: Any = None  # pipetrain.plan.choose.AutoChoice: how schedule "auto" chose (None: named)
 
     @property
     def gathers_weights(self) -> bool:
@@ -265,7 +267,8 @@ def ranks_of_balance(config: TrainConfig, name: str, pieces: int) -> int:
 
 
 def apply_plan(config: TrainConfig) -> TrainConfig:
-    """Fill stages, replicas, schedule and microbatches from a `pipetrain plan` JSON file."""
+    """Fill stages, replicas, schedule and microbatches from a `pipetrain plan` JSON file (of a chunked
+    schedule: ranks, and the looped schedules' chunks per rank)."""
     from dataclasses import replace
 
     from pipetrain.training.validate import read_plan
@@ -273,11 +276,13 @@ def apply_plan(config: TrainConfig) -> TrainConfig:
     if not config.plan:
         return replace(config, schedule=config.schedule or "1f1b", recompute=config.recompute or "none")
     plan, balance, replicas = read_plan(config)
+    chunks = int(plan.get("chunks", 1))  # a chunked plan lists every chunk: its workers hold `chunks` stages each
     return replace(
         config,
         balance=balance,
-        replicas=replicas,
-        stages=len(balance),
+        replicas=replicas if chunks == 1 else None,
+        stages=len(balance) // chunks,
+        chunks=chunks if chunks > 1 and config.chunks == 1 and plan.get("schedule") in LOOPED else config.chunks,
         schedule=config.schedule or plan.get("schedule") or "1f1b",
         microbatches=config.microbatches if config.microbatches is not None else plan.get("microbatches"),
         recompute=config.recompute if config.recompute is not None else plan_recompute(plan),
@@ -290,6 +295,51 @@ def plan_recompute(plan: dict) -> str:
 
     stages = plan.get("stages", [])
     return format_recompute([s for s, stage in enumerate(stages) if stage.get("recompute")], len(stages))
+
+
+def _check_auto(config: TrainConfig) -> None:
+    """``auto`` chooses the cut with the schedule: refuse what fixes the cut (or its stage count)."""
+    if config.plan:  # its stages and replicas fill the cut options: name it alone
+        raise ConfigError(f"{option('schedule', config.schedule)} chooses the schedule and cut that a plan fixes: drop "
+                          f"{option('plan')} (pipetrain plan chooses for a profile with its own auto) or "
+                          f"{option('schedule')}")
+    given = [option(field) for field in ("balance", "split_at", "replicas") if getattr(config, field)]
+    if given:
+        raise ConfigError(f"{option('schedule', config.schedule)} cuts the model for the schedule it chooses: drop "
+                          f"{', '.join(given)} (give {option('stages')}, the ranks) or name a schedule")
+    if config.chunks != 1:
+        raise ConfigError(f"{option('schedule', config.schedule)} chooses the chunks per rank too: drop "
+                          f"{option('chunks')}")
+
+
+def _choose_auto(config: TrainConfig, model: nn.Module, ranks: int, train_set: Dataset, dtype: torch.dtype,
+                 loss_fn: Callable[[Any, Tensor], Tensor], init: Any, costs: dict[str, float] | None):
+    """``(config naming the chosen schedule, its AutoChoice, unit costs)`` for ``schedule="auto"``
+    (:mod:`pipetrain.plan.choose`). Units are priced as the run will cut them: by measured time
+    (each unit timed once; the cut then reuses those times, and the launcher hands them to the
+    workers, which choose alike), else by parameter count. The looped schedules get 2 chunks."""
+    from dataclasses import replace
+
+    from pipetrain.plan.choose import choose_schedule, parse_auto
+    from pipetrain.stages import unit_names
+    from pipetrain.stages.balance import cost_order, unit_pieces
+
+    trace = dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
+    pieces = 2 * ranks if len(unit_names(model, 2 * ranks, **trace)) >= 2 * ranks else ranks
+    by, _ = _balance_by(config, "1f1b", model, pieces)
+    if by == "time" and pieces > 1:
+        _, _, costs = _cut(config, model, "1f1b", pieces, train_set, dtype, loss_fn, init, costs)
+        assert costs is not None  # a cut by time returns its unit times
+        values = [costs[unit] for unit in cost_order(model, costs, trace)]
+        how = "measured unit times"
+    else:
+        _, units = unit_pieces(model, pieces, **trace)
+        values = [float(sum(p.numel() for p in stage.parameters())) for stage in units.stages]
+        how = "unit parameter counts"
+    choice = choose_schedule(values, ranks, _units_per_update(config, "1f1b"), memory=parse_auto(config.schedule))
+    choice.priced_by = how
+    chunks = choice.chunks if choice.schedule in LOOPED else 1
+    return replace(config, schedule=choice.schedule, chunks=chunks), choice, costs
 
 
 def _check_pauses(config: TrainConfig, schedule: Schedule, units: int, updates: int) -> None:
@@ -536,7 +586,10 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
     config = apply_plan(config)
     check_execution(config)
     device = resolve_device(config.device)
-    name = resolve_name(config.schedule)
+    auto = is_auto(config.schedule)
+    if auto:
+        _check_auto(config)
+    name = "1f1b" if auto else resolve_name(config.schedule)  # auto: chosen once the model is there
     if config.executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {config.executor!r}; choose one of {', '.join(EXECUTORS)}")
     if config.dtype is not None and config.dtype not in _DTYPES:
@@ -561,6 +614,11 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
                           f"not a {str(dtype).replace('torch.', '')} one: use a float32 model or "
                           f"{option('precision', 'fp32')}")
     init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
+    choice = parts.schedule_choice
+    if auto:
+        config, choice, stage_costs = _choose_auto(config, model, stages, train_set, dtype, parts.loss_fn, init,
+                                                   stage_costs)
+        name = config.schedule
 
     check_chunks(name, config.chunks)
     if name in V_SCHEDULES:  # before the cut, which may time the model
@@ -576,7 +634,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
         staged = parts.staged
         from pipetrain.stages import StageChoice
 
-        choice = parts.stage_choice or StageChoice.of(staged, "the caller's cut", _names(model))
+        stage_choice = parts.stage_choice or StageChoice.of(staged, "the caller's cut", _names(model))
         stage_costs = None
     else:
         if config.balance and config.plan and isinstance(model, nn.Sequential) and sum(config.balance) != len(model):
@@ -584,8 +642,8 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
                 f"plan {config.plan!r} cuts {sum(config.balance)} layers but the model {config.model!r} has "
                 f"{len(model)}; make the plan from a profile of this model (pipetrain profile --model ...)"
             )
-        staged, choice, stage_costs = _cut(config, model, name, pieces, train_set, dtype, parts.loss_fn, init,
-                                           stage_costs)
+        staged, stage_choice, stage_costs = _cut(config, model, name, pieces, train_set, dtype, parts.loss_fn, init,
+                                                 stage_costs)
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
@@ -649,7 +707,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
-        stage_choice=choice, stage_costs=stage_costs, device=device, recompute=recompute, init=init, meta=meta,
+        stage_choice=stage_choice, stage_costs=stage_costs, schedule_choice=choice, device=device, recompute=recompute, init=init, meta=meta,
         data_note="; ".join(filter(None, [
             "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
             else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note, extension])),

@@ -81,7 +81,9 @@ def _check_choices(config: TrainConfig) -> None:
 
     check_execution(config)
     if config.schedule is not None:
-        resolve_name(config.schedule)
+        from pipetrain.plan.choose import is_auto, parse_auto
+
+        parse_auto(config.schedule) if is_auto(config.schedule) else resolve_name(config.schedule)
     if config.policy is not None:
         one_of(*POLICIES)("policy", config.policy)
 
