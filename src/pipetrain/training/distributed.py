@@ -172,6 +172,7 @@ class RankSetup:
         if data is None and 0 in self.held:
             data = run.unit_data(prefetch=_updates_read(schedule, rank, run.layout))
         self.data = data if 0 in self.held else None
+        self._reading = True  # until close_data
         self.status = StatusBoard.from_env()  # published until the end of the run (see close)
         self.liveness = Liveness.for_board(self.status, run.config.timeout, new_prefix())
         self._arrivals = 0
@@ -181,16 +182,18 @@ class RankSetup:
                                  tied=run.tied, liveness=self.liveness)
 
     def close_data(self) -> None:
-        """Stop reading training data (its last update is read)."""
-        if self.data is not None:
-            self.data.close()
+        """Stop reading training data (its last update is read); once."""
+        data, self._reading = (self.data if self._reading else None), False
+        if data is not None:
+            data.close()
 
     def close(self) -> None:
-        """Stop reading data and publishing this rank's status. The board publishes up to here, through
-        the final evaluation and the saving of the weights: a rank at long work is not silent."""
+        """Stop reading data and publishing this rank's status (once). The board publishes up to here,
+        through the final evaluation and the saving of the weights: a rank at long work is not silent."""
         self.close_data()
-        if self.status is not None:
-            self.status.close()
+        status, self.status = self.status, None
+        if status is not None:
+            status.close()
 
     def arrive(self, what: str) -> None:
         """Every rank at ``what`` (before a collective that follows long work on some of them: an
@@ -263,7 +266,7 @@ class RankSetup:
         import gc
 
         self.close()
-        self.runner = self.messenger = self.status = self.liveness = None
+        self.runner = self.messenger = self.liveness = None
         gc.collect()
 
 
