@@ -185,3 +185,22 @@ def _workers(launcher: int) -> dict[int, int]:
                 if b"RANK" in variables:
                     found[int(variables[b"RANK"])] = pid
     return found
+
+
+def test_a_peer_that_stopped_on_its_own_error_is_given_up_at_once(store):
+    """Its error left for the launcher (a full disk, say), the peer will not be heard from again."""
+    from pipetrain.runtime.errors import PeerLostError
+    from pipetrain.runtime.status import publish_error
+
+    board0, waiter = _rank(store, 0, timeout=30.0)
+    board1, _ = _rank(store, 1)
+    try:
+        threading.Timer(0.5, lambda: publish_error(_client(store.port), 1, "no space left on device")).start()
+        started = time.monotonic()
+        with pytest.raises(PeerLostError, match="rank 0 lost rank 1 while waiting for the outputs: rank 1 "
+                                                "stopped on an error of its own"):
+            waiter.arrive("outputs", "the outputs")
+        assert time.monotonic() - started < 2.0
+    finally:
+        board0.close()
+        board1.close()

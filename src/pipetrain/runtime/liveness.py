@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from pipetrain.errors import option
-from pipetrain.runtime.errors import PeerTimeoutError
+from pipetrain.runtime.errors import PeerLostError, PeerTimeoutError
 
 __all__ = ["Liveness", "new_prefix"]
 
@@ -128,11 +128,18 @@ class Liveness:
             return 0.0
         return now - seen[1]
 
+    def failed(self, rank: int) -> bool:
+        """Whether ``rank`` stopped on an error of its own and left it for the launcher
+        (:func:`~pipetrain.runtime.status.publish_error`): it will not be heard from again, and
+        its peers need not wait out its silence."""
+        return bool(self.store.check([f"{self.status_prefix}/error/{rank}"]))  # publish_error's key
+
     def wait_until(self, ready: Callable[[], bool], awaited: Callable[[], list[int]], what: str) -> None:
         """Poll ``ready`` (quickly at first, then every 50 ms) until it holds; raise
         :class:`~pipetrain.runtime.errors.PeerTimeoutError` when one of the ranks ``awaited()`` names
-        (those that can still make it hold) has been silent for the timeout. ``what`` is what the
-        board and the error say this rank waits for."""
+        (those that can still make it hold) has been silent for the timeout, and
+        :class:`~pipetrain.runtime.errors.PeerLostError` as soon as one of them has left its own
+        error (:meth:`failed`). ``what`` is what the board and the error say this rank waits for."""
         if ready():
             return
         board = self.board
@@ -144,6 +151,8 @@ class Liveness:
             if now >= read_at:
                 read_at = now + READ_EVERY
                 for peer in awaited():
+                    if self.failed(peer):
+                        raise self._lost(peer, what)
                     if self.silent_for(peer) >= self.timeout:
                         raise self._silence(peer, what)
                 if board is not None:
@@ -167,6 +176,10 @@ class Liveness:
             except Exception:  # the report is a courtesy; never mask the real error
                 pass
         return error
+
+    def _lost(self, peer: int, what: str) -> PeerLostError:
+        return PeerLostError(f"rank {self.rank} lost rank {peer} while waiting for {what}: rank {peer} stopped on "
+                             "an error of its own (its message says why)")
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
