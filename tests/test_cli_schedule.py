@@ -129,3 +129,40 @@ def test_memory_with_some_stages_recomputing(capsys):
     assert "(+4 inputs kept)" in out and "with recomputation (stage)" in out
     code, out, err = run(capsys, "schedule", "1f1b", "--stages", "4", "--recompute", "stage:4")
     assert code == 2 and "--recompute stage:4 names stage 4, but the schedule has 4 stages" in err
+
+
+def test_chunks_on_a_schedule_without_model_chunks_is_refused_as_train_refuses_it(capsys):
+    words = "error: --chunks applies to the looped schedules (bfs, interleaved, interleaved-zb) only, not to 1f1b\n"
+    code, out, err = run(capsys, "schedule", "1f1b", "--chunks", "3")
+    assert code == 2 and out == "" and err == "pipetrain schedule: " + words, err
+    code, _, err = run(capsys, "train", "--schedule", "1f1b", "--chunks", "3", "--steps", "1", "--executor", "emulate")
+    assert code == 2 and err.endswith("pipetrain train: " + words), err
+    code, out, _ = run(capsys, "schedule", "--compare", "1f1b,interleaved", "--chunks", "3")  # interleaved's
+    assert code == 0 and "interleaved" in out
+
+
+def test_torch_csv_written_read_and_refused_in_one_line(capsys, tmp_path):
+    written = tmp_path / "dualpipev.csv"
+    code, out, _ = run(capsys, "schedule", "DualPipeV", "--stages", "2", "--microbatches", "4", "--csv", str(written),
+                       "--format", "torch")
+    assert code == 0 and "dualpipev (policy flush): 2 stages on 2 ranks" in out
+    assert written.read_text().splitlines()[0].startswith("0F0,0F1,0F2,3F0,3I0,3W0,3F1,(0F3;3B1)OVERLAP_F_B,")
+    code, out, _ = run(capsys, "schedule", "--load", str(written), "--json")
+    assert code == 0 and json.loads(out)["schedule"] == "torch"
+    code, _, err = run(capsys, "schedule", "1f1b", "--format", "torch")
+    assert code == 2 and "add --csv" in err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0F1,0B0\n1F0,1F1,1B0,1B1\n")
+    result = subprocess.run([sys.executable, "-m", "pipetrain.cli", "schedule", "--load", str(bad), "--plot",
+                             str(tmp_path / "p.png")], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "row 1 (rank 0), cell 2 ('0F1')" in result.stderr
+    assert not (tmp_path / "p.png").exists()  # nothing ran
+
+
+def test_torch_names_and_the_closest_suggestion(capsys):
+    code, out, _ = run(capsys, "schedule", "InterleavedZeroBubble", "--stages", "2", "--chunks", "2", "--microbatches",
+                       "4")
+    assert code == 0 and out.startswith("interleaved-zb (policy flush)")
+    code, _, err = run(capsys, "schedule", "dualpipe")
+    assert code == 2 and "did you mean dualpipev" in err

@@ -77,9 +77,9 @@ BAD_MODULE = textwrap.dedent('''
         (["--stages", "2", "--workers", "3"], "--workers 3 does not match"),
         (["--stages", "2", "--batch-size", "100"], "--batch-size 100 is more than the 64 training samples: every "
          "update would read the data 1.56 times over"),
-        (["--stages", "2", "--data", "badnets:Named"], "y must be an integer class label (a Python int or a 0-d "
-         "integer tensor), or an integer tensor of labels per position; got str 'cat'"),
-        (["--schedule", "zb-h2", "--stages", "2"], "unknown schedule"),
+        (["--stages", "2", "--data", "badnets:Named"], "y must be a target the loss can take: a tensor (class "
+             "labels, regression values, ...), a number, or a tuple, list or dict of tensors; got str 'cat'"),
+        (["--schedule", "zb-h3", "--stages", "2"], "unknown schedule"),
         (["--stages", "2", "--checkpoint-every", "2"], "checkpoints are written by the distributed runtime"),
         (["--schedule", "pipedream", "--stages", "2", "--replicas", "2,1", "--steps", "8", "--eval-every", "3"],
          "--eval-every 3 would pause the run in the middle of an update that the replicas of a stage make together"),

@@ -56,3 +56,46 @@ def test_interleaved_costs_per_rank_are_shared_by_chunks():
 def test_transfer_time():
     resolved = Costs(latency=0.5, bandwidth=1e6, bytes=[2e6, 0]).resolve(2, 2, 1)
     assert resolved.transfer == [2.5, 0.5]
+
+
+def test_the_communication_and_overhead_model_on_a_hand_computed_case():
+    """1f1b, 2 stages, one microbatch: every action pays the overhead o = 0.1 first; a SEND keeps
+    its rank busy 0.01 + 100 B x 1e-3; the message flies 0.5 + 100 B / 1000 B/s; a RECV ends 0.02 +
+    100 B x 2e-3 after the message arrived."""
+    from pipetrain.schedule import build, simulate
+
+    costs = Costs(F=1, B=2, overhead=0.1, send=0.01, send_per_byte=1e-3, recv=0.02, recv_per_byte=2e-3,
+                  latency=0.5, bandwidth=1000, bytes=100)
+    timeline = simulate(build("1f1b", 2, 1), costs)
+    spans = [[(str(a).split("@")[0], round(s, 9), round(e, 9)) for a, s, e in timeline.spans(r)] for r in range(2)]
+    assert spans[0] == [("0F0", 0.1, 1.1), ("0SEND_F0>1", 1.2, 1.31), ("0RECV_B0<1", 1.41, 6.36),
+                        ("0B0", 6.46, 8.46), ("0STEP", 8.56, 8.56)]
+    assert spans[1] == [("1RECV_F0<0", 0.1, 2.13), ("1F0", 2.23, 3.23), ("1B0", 3.33, 5.33),
+                        ("1SEND_B0>0", 5.43, 5.54), ("1STEP", 5.64, 5.64)]
+    assert timeline.busy(0) == 3 and round(timeline.makespan, 9) == 8.56  # overhead and messages are not busy
+
+
+def test_a_calibration_file_from_elsewhere_is_used_with_a_warning_naming_both(tmp_path):
+    import json
+    import warnings
+
+    from pipetrain.schedule.costs import machine_facts
+
+    here = machine_facts()
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"overhead": 2e-5, "latency": 1e-4, "measured_on": {**here, "torch": "1.0.0"}}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        costs = load_costs(str(path))
+    assert costs.overhead == 2e-5 and costs.measured_on["torch"] == "1.0.0"
+    assert len(caught) == 1 and f"torch 1.0.0; this is torch {here['torch']}" in str(caught[0].message)
+    path.write_text(json.dumps({"overhead": 2e-5, "measured_on": here}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # measured here: no warning
+        load_costs(str(path))
+    path.write_text(json.dumps({"overhead": "fast"}))
+    with pytest.raises(ScheduleError, match="overhead must be a number"):
+        load_costs(str(path))
+    path.write_text(json.dumps({"measured_on": "my laptop"}))
+    with pytest.raises(ScheduleError, match="measured_on must be an object"):
+        load_costs(str(path))

@@ -23,6 +23,7 @@ from pipetrain.data import (
 )
 from pipetrain.data.digits import digits_split_indices
 from pipetrain.errors import ConfigError
+import pipetrain.training.config  # noqa: F401,E402 - declares the keywords messages name (eval_data for test_data)
 
 _counter = itertools.count()
 
@@ -140,8 +141,8 @@ def not_a_dataset():
 def triples():
     return [(torch.zeros(2), 1, 2)]
 
-def float_labels():
-    return [(torch.zeros(2), 0.5)]
+def named_labels():
+    return [(torch.zeros(2), "cat")]
 """
 
 
@@ -222,7 +223,7 @@ def test_set_up_reads_no_sample_more_than_once(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "factory, word",
-    [("not_a_dataset", "not a map-style"), ("triples", "pair"), ("float_labels", "integer class label")],
+    [("not_a_dataset", "not a map-style"), ("triples", "pair"), ("named_labels", "y must be a target")],
 )
 def test_user_factory_errors(tmp_path, monkeypatch, factory, word):
     name = write_module(tmp_path, monkeypatch, FACTORY)
@@ -309,8 +310,10 @@ def test_a_subset_read_costs_its_batch_not_its_length():
 def test_stacking_errors_name_what_is_wrong():
     with pytest.raises(ConfigError, match="cannot be stacked.*shapes"):
         get_batch([(torch.zeros(2), 0), (torch.zeros(3), 1)], [0, 1])
-    with pytest.raises(ConfigError, match="integer class label"):
-        get_batch([(torch.zeros(2), 0.5), (torch.zeros(2), 1.5)], [0, 1])
+    with pytest.raises(ConfigError, match="y must be a target"):
+        get_batch([(torch.zeros(2), "cat"), (torch.zeros(2), "dog")], [0, 1])
+    _, floats = get_batch([(torch.zeros(2), 0.5), (torch.zeros(2), 1.5)], [0, 1])  # regression targets as given
+    assert floats.dtype == torch.float32 and floats.tolist() == [0.5, 1.5]
     with pytest.raises(ConfigError, match="pair"):
         get_batch([(torch.zeros(2), 0, 1)], [0])
     x, y = get_batch([(torch.zeros(2), torch.tensor(1)), (torch.ones(2), torch.tensor(2))], [1, 0])

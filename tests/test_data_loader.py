@@ -169,7 +169,7 @@ def test_loader_info_and_iterable_data_sets():
         def __iter__(self):
             return iter([(torch.zeros(5), 1)] * 6)
 
-    with pytest.raises(ConfigError, match="num_classes attribute"):
+    with pytest.raises(ConfigError, match="of class labels: give it a num_classes attribute"):
         loader_info(DataLoader(Stream(), batch_size=2))
     stream = Stream()
     stream.num_classes = 3

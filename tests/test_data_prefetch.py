@@ -268,3 +268,70 @@ def test_groups_of_updates_are_read_in_one_task_and_a_failure_raises_at_its_own_
         assert tasks[:2] == [[0, 2, 4], [5, 6]]  # a group per task; the third stopped at 7
     finally:
         prefetcher.close()
+
+
+_SOCKETS_SCRIPT = r"""
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from pipetrain.data.loader import LoaderBatches
+from pipetrain.data.prefetch import WorkerPrefetcher
+
+def sockets():
+    # the socket inodes this process holds (from /proc/self/fd)
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.append(int(target[8:-1]))
+    return found
+
+def tcp():
+    inodes = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            inodes |= {int(line.split()[9]) for line in f.readlines()[1:]}
+    return inodes
+
+class Held(Dataset):
+    # each item: the sockets of the DataLoader worker process that reads it
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        import ctypes, signal
+        death = ctypes.c_int(0)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(death))  # PR_GET_PDEATHSIG: the signal it gets when its rank dies
+        return torch.tensor(sockets()), torch.tensor([death.value])
+
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)  # a rank: its store connection is TCP
+rank = sorted(set(sockets()) & tcp())
+prefetched, prefetched_death = WorkerPrefetcher(Held(), [0, 1], workers=1).get(0)
+loader = LoaderBatches(DataLoader(Held(), batch_size=None, num_workers=1), seed=0)
+own, own_death = loader.batch(0)
+print(json.dumps({"rank": rank, "prefetcher": prefetched.tolist(), "loader": own.tolist(),
+                  "deaths": [prefetched_death.item(), own_death.item()]}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_data_workers_do_not_hold_the_sockets_of_their_rank_nor_outlive_it() -> None:
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _SOCKETS_SCRIPT], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["rank"], "the rank holds TCP sockets (its store connections, gloo's)"
+    # a worker holding them kept the rank's connections open after the rank died: its peers waited
+    assert not set(seen["rank"]) & set(seen["prefetcher"]), seen  # pipetrain's own data workers
+    assert not set(seen["rank"]) & set(seen["loader"]), seen  # the workers of a user's DataLoader
+    # and both die with their rank (SIGKILL), not up to 5 s later, holding its stderr meanwhile
+    assert seen["deaths"] == [signal.SIGKILL, signal.SIGKILL], seen

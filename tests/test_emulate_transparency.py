@@ -76,6 +76,23 @@ def test_synchronous_schedules_equal_plain_training(name, stages, optimizer):
         assert_same(model, expected, bitwise=(m == 1))
 
 
+@pytest.mark.parametrize("name", ["bfs", "interleaved-zb", "dualpipev"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_schedules_from_torch_equal_plain_training(name, stages):
+    """Two model chunks per rank (looped, or dualpipev's V with its paired F and B)."""
+    spec, reference = OPTIMIZERS["adam"]
+    for m in (1, 2 * stages, 2 * stages + 2):
+        if name == "dualpipev" and m < 2 * stages:
+            continue
+        batches = make_batches()
+        expected = plain_training(make_model(), batches, reference)
+        model = make_model()
+        pipe = Pipeline(model, executor="emulate", balance=balance_for(2 * stages), schedule=name, microbatches=m,
+                        optimizer=spec, chunks=1 if name == "dualpipev" else 2)
+        pipe.train(batches)
+        assert_same(model, expected, bitwise=(m == 1))
+
+
 def test_float32_agreement_and_save_keys():
     batches = make_batches(dtype=torch.float32)
     expected = plain_training(make_model(dtype=torch.float32), batches, OPTIMIZERS["sgd"][1])
@@ -110,3 +127,51 @@ def test_dropout_is_deterministic_per_microbatch():
     Pipeline(second, executor="emulate", balance=[2, 1], schedule="gpipe", microbatches=2, optimizer="sgd:lr=0.1").train(batches)
     for p, q in zip(first.parameters(), second.parameters()):
         assert torch.equal(p, q)
+
+
+def plain_accumulated_training(model, batches, optimizer, microbatches):
+    """Plain PyTorch at one thread, accumulating as the pipeline does: each microbatch's mean loss
+    times its share of the batch, backward, in microbatch order; then the update."""
+    opt = optimizer(model.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        for xs, ys in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
+            (nn.functional.cross_entropy(model(xs), ys) * (len(ys) / len(y))).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("name, ranks, m", [
+    ("zb-h2", 1, 2), ("zb-h2", 3, 5), ("zb-h2", 4, 8), ("zb-v", 1, 1), ("zb-v", 2, 3), ("zb-v", 3, 8),
+    ("v-half", 2, 4), ("v-half", 3, 5), ("v-min", 3, 6), ("v-min", 4, 8), ("zb-auto", 3, 8), ("zb-auto", 2, 2),
+])
+def test_zero_bubble_schedules_equal_plain_accumulation_bitwise(name, ranks, m, optimizer):
+    """The zero-bubble and V schedules (docs/design.md 3.1) add each stage's microbatch gradients in
+    microbatch order, as a plain loop that accumulates them does: bitwise equal at one thread."""
+    from pipetrain.schedule.presets import chunks_per_rank
+
+    spec, reference = OPTIMIZERS[optimizer]
+    batches = make_batches()
+    expected = plain_accumulated_training(make_model(), batches, reference, m)
+    model = make_model()
+    pieces = ranks * chunks_per_rank(name, ranks, m)
+    pipe = Pipeline(model, executor="emulate", balance=balance_for(pieces), stages=ranks, schedule=name,
+                    microbatches=m, optimizer=spec)
+    pipe.train(batches)
+    assert len(pipe.staged.stages) == pieces
+    assert_same(model, expected, bitwise=True)
+
+
+@pytest.mark.parametrize("recompute", ["stage", "stage:0,3"])
+def test_a_v_rank_recomputing_its_chunks_trains_alike(recompute):
+    """zb-v with activation recomputation (both chunks of a rank, or stages 0 and 3: rank 0's two)
+    ends with the parameters it has without."""
+    trained = []
+    for option in ("none", recompute):
+        model = make_model()
+        pipe = Pipeline(model, executor="emulate", balance=balance_for(4), stages=2, schedule="zb-v", microbatches=3,
+                        optimizer=OPTIMIZERS["sgd"][0], recompute=option)
+        pipe.train(make_batches())
+        trained.append(model)
+    assert_same(trained[0], trained[1], bitwise=True)

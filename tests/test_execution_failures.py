@@ -141,3 +141,52 @@ def test_located_adds_the_step_the_rank_and_the_action():
     moved = located(error, 3, action, lambda unit: unit // 2)
     assert isinstance(moved, NonFiniteError) and (moved.step, moved.rank, moved.microbatch) == (3, 3, 5)
     assert str(moved).startswith("step 3, stage 2 on rank 3 (") and str(moved).endswith("): the loss of microbatch 5 is nan")
+
+
+class Refuses(nn.Module):
+    """The user's own layer, with a bug."""
+
+    def forward(self, x):
+        raise ValueError("my bug")
+
+
+def _interleaved(model):
+    from pipetrain import Pipeline
+
+    return Pipeline(model, stages=2, schedule="interleaved", chunks=3, microbatches=2, executor="emulate",
+                    optimizer="sgd:lr=0.1")
+
+
+def test_with_model_chunks_a_failure_names_the_stage_the_user_asked_for_and_its_chunk():
+    # stages=2, chunks=3 cuts the model into 6 pieces; the one that fails is chunk 2 of stage 1, not "stage 5"
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randint(0, 8, (8,))
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)], Refuses())
+    with pytest.raises(ModelError) as caught:  # the set-up check
+        _interleaved(model).fit(TensorDataset(x, y), steps=1, batch_size=8, quiet=True)
+    assert str(caught.value).startswith("at set-up (on the meta device), on the first training microbatch, the "
+                                        "forward of chunk 2 of stage 1 raised ValueError: my bug")
+    assert str(caught.value).endswith("in module '5' (Refuses)")
+    with pytest.raises(ModelError) as caught:  # in training (batches from the caller's loop skip the check)
+        _interleaved(model).train([(x, y)])
+    assert str(caught.value).startswith("step 1, chunk 2 of stage 1 on rank 1 (5F0@v0): the forward raised "
+                                        "ValueError: my bug"), caught.value
+
+    shapes = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)], nn.Linear(9, 8), nn.Linear(8, 8))
+    with pytest.raises(ModelError) as caught:
+        _interleaved(shapes).train([(x, y)])
+    assert str(caught.value).startswith("step 1, chunk 2 of stage 0 on rank 0 (4F0@v0): chunk 2 of stage 0 cannot "
+                                        "run on its input ((4, 8) float32) from chunk 1 of stage 1: RuntimeError:")
+    assert "stage 4" not in str(caught.value) and "stage 3" not in str(caught.value)
+
+
+def test_stage_names_follow_the_schedules_placement():
+    from pipetrain.execution.failures import PLAIN, StageNames
+    from pipetrain.schedule import build
+
+    names = StageNames.of(build("interleaved", 2, 4, chunks=3))
+    assert [names(p) for p in range(6)] == [f"chunk {c} of stage {s}" for c in range(3) for s in range(2)]
+    assert names.input_of(0) == "the data" and names.input_of(3) == "chunk 1 of stage 0"
+    assert StageNames.of(build("1f1b", 3, 4)) == PLAIN and PLAIN(2) == "stage 2" and PLAIN.input_of(1) == "stage 0"

@@ -74,3 +74,23 @@ def test_weights_that_are_not_finite_are_refused_in_any_held_version_unless_off(
     with pytest.raises(NonFiniteError, match=r"written\. A loss or gradient[^;]*$"):  # skip's advice is not repeated
         NonFiniteGuard(3, "skip").check_weights(versions, "written")
     NonFiniteGuard(3, "off").check_weights(versions, "written")
+
+
+class Overflows(torch.nn.Module):
+    """The user's layer that turns every value into NaN."""
+
+    def forward(self, x):
+        return x * float("nan")
+
+
+def test_with_model_chunks_a_nonfinite_loss_names_the_stages_the_user_asked_for():
+    from pipetrain import Pipeline
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)], Overflows(), torch.nn.Linear(4, 3))
+    pipe = Pipeline(model, stages=2, schedule="interleaved", chunks=3, microbatches=2, executor="emulate",
+                    optimizer="sgd:lr=0.1")
+    with pytest.raises(NonFiniteError) as caught:
+        pipe.train([(torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))])
+    assert str(caught.value).startswith("step 1, chunk 2 of stage 1 on rank 1 (5F0@v0): the loss of microbatch 0 is "
+                                        "nan (its input from chunk 2 of stage 0 already holds nan)"), caught.value

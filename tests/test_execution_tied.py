@@ -76,6 +76,24 @@ def test_tied_lm_head_trains_as_plain_tied_training(form, schedule, microbatches
     assert moved > 1e-3  # the shared weight trained
 
 
+@pytest.mark.parametrize("schedule, ranks, microbatches", [("zb-v", 2, 3), ("v-half", 2, 4), ("zb-h2", 4, 4)])
+def test_tied_lm_head_on_zero_bubble_schedules(schedule, ranks, microbatches):
+    """A V puts the first and the last stage, the tied embedding and head, on rank 0: their
+    gradients are summed there as between ranks."""
+    model = tied_gpt()
+    reference = copy.deepcopy(model)
+    pipe = Pipeline(model, executor="emulate", stages=ranks, schedule=schedule, microbatches=microbatches,
+                    optimizer=OPTIMIZER)
+    assert [t.stages for t in pipe.staged.tied] == [(0, 3)]
+    data = batches()
+    pipe.train(data)
+    plain_tied_training(reference, data)
+    trained = dict(model.named_parameters())
+    for name, expected in reference.named_parameters():
+        torch.testing.assert_close(trained[name], expected, rtol=1e-12, atol=1e-14, msg=name)
+    assert (trained["wte.weight"] - tied_gpt().wte.weight).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("schedule, options", [("pipedream", {}), ("2bw", {"microbatches": 3}),
                                                ("pb", {})])
 def test_versioned_schedules_refuse_a_tied_parameter(schedule, options):

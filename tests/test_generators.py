@@ -156,7 +156,7 @@ def test_interleaved_places_chunks_round_robin():
         ("pb", dict(stages=2, microbatches=4, replicas=[2, 1]), "drop replicas"),
         ("zb-h1", dict(stages=2, microbatches=4, replicas=[2, 1]), "does not support replicated"),
         ("gpipe", dict(stages=0, microbatches=4), "stages must be a positive integer"),
-        ("gpipe", dict(stages=2, microbatches=4, chunks=2), "interleaved schedule only"),
+        ("gpipe", dict(stages=2, microbatches=4, chunks=2), "looped schedules .* only"),
         ("pipedream", dict(stages=2, microbatches=4, steps=2), "drop steps"),
         ("pipedrem", dict(stages=2, microbatches=4), "did you mean pipedream"),
     ],

@@ -5,6 +5,7 @@ from hypothesis import given, strategies as st
 
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule import Action, Kind, build, dumps, format_action, loads, parse_action
+from pipetrain.schedule.ir import halves, pair
 
 
 @pytest.mark.parametrize(
@@ -29,7 +30,7 @@ def test_action_string_round_trip(text, action):
 
 
 @given(
-    kind=st.sampled_from(list(Kind)),
+    kind=st.sampled_from([kind for kind in Kind if kind is not Kind.FB]),
     stage=st.integers(0, 999),
     microbatch=st.integers(0, 10**6),
     version=st.integers(0, 10**6),
@@ -46,6 +47,34 @@ def test_any_action_round_trips(kind, stage, microbatch, version, peer):
         peer if comm else None,
     )
     assert parse_action(format_action(action)) == action
+
+
+@given(
+    stages=st.tuples(st.integers(0, 999), st.integers(0, 999)),
+    microbatches=st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)),
+    versions=st.tuples(st.none() | st.integers(0, 10**6), st.none() | st.integers(0, 10**6)),
+    backward=st.sampled_from([Kind.B, Kind.I]),
+)
+def test_any_pair_round_trips(stages, microbatches, versions, backward):
+    forward = Action(Kind.F, stages[0], microbatches[0], versions[0])
+    other = Action(backward, stages[1], microbatches[1], versions[1])
+    action = pair(forward, other)
+    assert action.kind is Kind.FB and halves(action) == (forward, other)
+    assert parse_action(format_action(action)) == action
+    assert parse_action(format_action(action) + "OVERLAP_F_B") == action  # torch's spelling
+
+
+def test_pair_string_form():
+    action = parse_action("(0F7@v0;3B2@v1)")
+    assert halves(action) == (Action(Kind.F, 0, 7, 0), Action(Kind.B, 3, 2, 1))
+    assert str(action) == "(0F7@v0;3B2@v1)"
+    assert [a.kind for a in halves(Action(Kind.W, 1, 2))] == [Kind.W]  # any other action is its own half
+
+
+@pytest.mark.parametrize("bad", ["(0B7;3F2)", "(0F7;3W2)", "(0F7;3F2)", "(0F7)", "(0F7;3B2;1B1)", "(0STEP;1B1)"])
+def test_pairs_are_a_forward_then_a_backward(bad):
+    with pytest.raises(ScheduleError, match="forward|expected STAGE KIND|takes no microbatch"):
+        parse_action(bad)
 
 
 @pytest.mark.parametrize(
@@ -72,6 +101,9 @@ def test_malformed_actions_are_refused_with_a_hint(bad, hint):
         ("1f1b", dict(replicas=[2, 1, 1])),
         ("interleaved", dict(chunks=2)),
         ("zb-h1", {}),
+        ("bfs", dict(chunks=2)),
+        ("interleaved-zb", dict(chunks=2)),
+        ("dualpipev", dict(steps=2)),
         ("pipedream", dict(replicas=[2, 1, 1])),
         ("2bw", dict(steps=3)),
         ("pb", {}),
@@ -102,7 +134,7 @@ def test_hand_written_schedule_infers_placement_and_microbatches():
 
 
 def test_loads_names_the_bad_line():
-    with pytest.raises(ScheduleError, match="line 2"):
+    with pytest.raises(ScheduleError, match="line 2, cell 2: "):
         loads("0,0F0\n1,1Q0\n")
     with pytest.raises(ScheduleError, match="rank"):
         loads("zero,0F0\n")

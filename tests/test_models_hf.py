@@ -131,24 +131,206 @@ def test_1f1b_training_equals_plain_training_of_the_hf_model(which, microbatches
     fresh.load_state_dict(pipe.state_dict(), strict=True)
 
 
-def test_the_cli_trains_gpt2_on_text_with_both_executors_and_saves_hf_weights(tmp_path):
-    base = dict(model="pipetrain.models.hf:gpt2:n_layer=2,n_embd=16,n_head=2", data="text:block_size=12",
-                batch_size=4, steps=3, microbatches=2, schedule="1f1b", stages=2, optimizer="sgd:lr=0.1",
-                progress=False, timeout=60.0, executor="distributed", balance_by="params")
-    config = dataclasses.replace(TrainConfig(**base), save=str(tmp_path / "gpt2-distributed.pt"))
-    assert_distributed_equals_emulated([config], 2, timeout=240)
-    saved = torch.load(tmp_path / "gpt2-distributed.pt")
-    model = build_model(base["model"], input_shape=(12,), num_classes=96)
+GPT2_TEXT = "pipetrain.models.hf:gpt2:n_layer=2,n_embd=16,n_head=2"
+
+
+@pytest.fixture(scope="module")
+def runtime_runs(tmp_path_factory):
+    """One launch of two worker processes for the runtime's tests of this file (starting them costs
+    most of the time): the CLI's GPT-2 on text, and the user's GPT-2 and BERT on padded dict batches;
+    each run equals the emulator's bitwise. Their saved state dicts by name."""
+    out = tmp_path_factory.mktemp("runtime")
+    base = dict(batch_size=8, steps=3, microbatches=2, schedule="1f1b", stages=2, optimizer="sgd:lr=0.1,momentum=0.9",
+                progress=False, timeout=60.0, executor="distributed", balance_by="params", eval_every=0)
+    configs = {"text": TrainConfig(**{**base, "batch_size": 4, "optimizer": "sgd:lr=0.1"}, model=GPT2_TEXT,
+                                   data="text:block_size=12")}
+    for which in ("gpt2", "bert"):  # untied: bitwise plain training with two microbatches
+        configs[which] = TrainConfig(**base, model=f"test_models_hf:user_{which}:tie=false",
+                                     data=f"test_models_hf:padded_{which}_data")
+    configs = {k: dataclasses.replace(c, save=str(out / f"{k}-distributed.pt")) for k, c in configs.items()}
+    assert_distributed_equals_emulated(list(configs.values()), 2, timeout=240)
+    return {k: torch.load(c.save) for k, c in configs.items()}
+
+
+def test_the_cli_trains_gpt2_on_text_with_both_executors_and_saves_hf_weights(runtime_runs):
+    saved = runtime_runs["text"]
+    model = build_model(GPT2_TEXT, input_shape=(12,), num_classes=96)
     fresh = transformers.GPT2LMHeadModel(model.config)
     fresh.load_state_dict(saved, strict=True)
     assert torch.equal(fresh.lm_head.weight, saved["transformer.wte.weight"])
 
 
-# -- encoder-decoders: T5 and BART ---------------------------------------------------------------
+# -- padded batches as HF users give them: {"input_ids", "attention_mask"} ---------------------------
 
 from torch.utils.data import Dataset  # noqa: E402
 
+from pipetrain.data import BatchSampler, get_batch  # noqa: E402
 from pipetrain.errors import ConfigError  # noqa: E402
+from pipetrain.models import CrossEntropy  # noqa: E402
+from pipetrain.models.hf import bert_units, declare_units, gpt2_units  # noqa: E402
+
+
+class Padded(Dataset):
+    """What an HF tokenizer gives with ``padding=True``: x = ``{"input_ids", "attention_mask"}``
+    (0-padded at the end, lengths 3 ... LENGTH; BERT's also ``"token_type_ids"``, a second segment
+    from half the length), y the labels, -100 on the padding: for GPT-2 the ids (shifted in the
+    loss), for BERT the ids of the masked positions (replaced by the mask id 2), -100 elsewhere."""
+
+    num_classes = VOCAB
+
+    def __init__(self, which: str, samples: int = 24) -> None:
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(3, LENGTH + 1, (samples, 1), generator=g)
+        self.which, self.mask = which, (torch.arange(LENGTH) < lengths).long()
+        self.ids = torch.randint(3, VOCAB, (samples, LENGTH), generator=g) * self.mask
+        self.types = ((torch.arange(LENGTH) >= lengths // 2) & (self.mask > 0)).long()
+        self.labels = self.ids.masked_fill(self.mask == 0, -100)
+        if which == "bert":
+            chosen = ((torch.rand((samples, LENGTH), generator=g) < 0.3) | (torch.arange(LENGTH) == 0)) & (self.mask > 0)
+            self.ids, self.labels = self.ids.masked_fill(chosen, 2), self.labels.masked_fill(~chosen, -100)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        x = {"input_ids": self.ids[i], "attention_mask": self.mask[i]}
+        if self.which == "bert":
+            x["token_type_ids"] = self.types[i]
+        return x, self.labels[i]
+
+
+def padded_gpt2_data() -> Padded:
+    return Padded("gpt2")
+
+
+def padded_bert_data() -> Padded:
+    return Padded("bert")
+
+
+def user_gpt2(input_shape=(LENGTH,), num_classes=VOCAB, tie=True):
+    """A user's own GPT2LMHeadModel (no dropout), declared as units with the loss of labels=ids."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=num_classes, n_positions=input_shape[0], n_layer=3, n_embd=16,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie)
+    model = transformers.GPT2LMHeadModel(config)
+    return declare_units(model, gpt2_units(model), loss=CrossEntropy(shift=1))
+
+
+def user_bert(input_shape=(LENGTH,), num_classes=VOCAB, tie=True):
+    """A user's own BertForMaskedLM (no dropout), declared as units with BERT's loss."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=num_classes, max_position_embeddings=input_shape[0],
+                                     num_hidden_layers=3, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+                                     tie_word_embeddings=tie)
+    model = transformers.BertForMaskedLM(config)
+    return declare_units(model, bert_units(model), loss=CrossEntropy())
+
+
+USERS = {"gpt2": user_gpt2, "bert": user_bert}
+
+
+def plain_dict_training(model, dataset, steps, batch_size, microbatches):
+    """Plain HF training on the batches ``fit`` samples: ``model(**x, labels=y).loss`` of each
+    microbatch weighted by its share of the samples, accumulated, one SGD step; the update losses."""
+    sampler = BatchSampler(dataset, batch_size, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    losses = []
+    for t in range(steps):
+        x, y = get_batch(dataset, sampler.indices(t))
+        opt.zero_grad()
+        parts = {k: v.tensor_split(microbatches) for k, v in x.items()}
+        total = 0.0
+        for m, labels in enumerate(y.tensor_split(microbatches)):
+            loss = model(**{k: v[m] for k, v in parts.items()}, labels=labels).loss * (len(labels) / batch_size)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("form", ["tensor", "ids", "padded"])
+@pytest.mark.parametrize("which", ["gpt2", "bert"])
+def test_the_units_take_token_ids_or_hf_dicts_and_compute_the_hf_forward(which, form, attention):
+    """Each form a user of HF passes (padded: with the mask, and BERT's token types) gives the HF
+    model's logits and gradients bit for bit; the padding mask changes them. Under eager attention
+    too, whose causal mask the units build as HF does (compared with GPT-2's forward without its
+    cache, which rounds eager attention differently, about 1e-7)."""
+    model = USERS[which]()
+    model.set_attn_implementation(attention)
+    x, _ = get_batch(Padded(which), range(6))
+    if form != "padded":
+        x = x["input_ids"] if form == "tensor" else {"input_ids": x["input_ids"]}
+    given = x if isinstance(x, dict) else {"input_ids": x}
+    expected = model(**given, **({"use_cache": False} if which == "gpt2" and attention == "eager" else {})).logits
+    expected.sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    out = run_stages(split_model(model, stages=3).stages, x)
+    assert torch.equal(out, expected)
+    out.sum().backward()
+    for key, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[key]), key
+    if form == "padded":
+        assert not torch.equal(out, model(input_ids=given["input_ids"]).logits)  # the mask counts
+
+
+@pytest.mark.parametrize("tie, microbatches", [(True, 1), (False, 2)], ids=["tied-1", "untied-2"])
+@pytest.mark.parametrize("which", ["gpt2", "bert"])
+def test_padded_dict_batches_train_as_plain_hf_training(which, tie, microbatches):
+    """1F1B on 3 stages with the emulator equals plain HF training bitwise. Tied weights with two
+    microbatches per step would add the embedding's and the head's gradients in another order (about
+    1e-8, see the module docstring): the HF model's own tied weights with one, untied with two."""
+    data = Padded(which)
+    model = USERS[which](tie=tie)
+    reference = copy.deepcopy(model)
+    pipe = Pipeline(model, stages=3, schedule="1f1b", microbatches=microbatches,
+                    optimizer="sgd:lr=0.1,momentum=0.9", executor="emulate")
+    losses = pipe.fit(data, batch_size=8, steps=3, quiet=True, progress=False).update_losses
+    expected_losses = plain_dict_training(reference, data, 3, 8, microbatches)
+    trained = dict(model.named_parameters())
+    for name, expected in reference.named_parameters():
+        assert torch.equal(trained[name], expected), name
+    # GPT-2's loss as reported: HF's mean runs over T positions (the last ignored), the shifted one over
+    # T - 1, and rounds differently (about 1e-7); the gradients are the same bits
+    assert list(losses) == (expected_losses if which == "bert" else pytest.approx(expected_losses, rel=1e-6))
+    type(model)(model.config).load_state_dict(pipe.state_dict(), strict=True)
+
+
+def test_the_runtime_trains_padded_dict_batches_as_plain_hf_training(runtime_runs):
+    """Two processes, the raw masks crossing between them (the fixture: bitwise the emulator), and
+    bitwise plain HF training."""
+    for which, make in USERS.items():
+        reference = make(tie=False)
+        plain_dict_training(reference, Padded(which), 3, 8, 2)
+        saved = runtime_runs[which]
+        assert saved.keys() == reference.state_dict().keys()
+        for name, expected in reference.state_dict().items():
+            assert torch.equal(saved[name], expected), (which, name)
+
+
+@pytest.mark.parametrize("which", ["gpt2", "bert"])
+def test_a_form_the_units_cannot_take_is_refused_naming_those_they_take(which):
+    model = USERS[which]()
+    ids = torch.randint(1, VOCAB, (4, LENGTH), generator=torch.Generator().manual_seed(0))
+    keys = "'input_ids', 'attention_mask'" + (", 'token_type_ids'" if which == "bert" else "")
+    forms = rf"units take x as token ids \(a tensor \(B, T\)\) or a dict of HF's arguments \{{{keys}\}}"
+    for x, got in [([ids, torch.ones_like(ids)], "got a tuple or list of 2"),
+                   ({"input_ids": ids, "labels": ids}, "got a dict with also 'labels'"),
+                   ({"attention_mask": torch.ones_like(ids)}, "got a dict without 'input_ids'")]:
+        pipe = Pipeline(model, stages=2, executor="emulate")
+        with pytest.raises(ConfigError, match=forms + ".*" + got):
+            pipe.train([(x, ids)])
+    if which == "gpt2":  # GPT-2's tokenizer gives no token types: the key is not among its forms
+        with pytest.raises(ConfigError, match=forms + r".*got a dict with also 'token_type_ids'"):
+            Pipeline(model, stages=2, executor="emulate").train([({"input_ids": ids, "token_type_ids": ids}, ids)])
+
+
+# -- encoder-decoders: T5 and BART ---------------------------------------------------------------
+
 from pipetrain.models.hf import bart, t5  # noqa: E402
 
 SOURCE, TARGET = 9, 7
@@ -251,26 +433,6 @@ def test_seq2seq_x_must_name_its_parts():
     assert run_stages(staged.stages, (ids, ids)).shape == (2, SOURCE, VOCAB)  # (input_ids, decoder_input_ids)
 
 
-def plain_seq2seq_training(model, dataset, steps, batch_size, microbatches):
-    from pipetrain.data import BatchSampler, get_batch
-
-    sampler = BatchSampler(dataset, batch_size, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
-    losses = []
-    for t in range(steps):
-        x, y = get_batch(dataset, sampler.indices(t))
-        opt.zero_grad()
-        parts = {k: v.tensor_split(microbatches) for k, v in x.items()}
-        total = 0.0
-        for m, labels in enumerate(y.tensor_split(microbatches)):
-            loss = model(**{k: v[m] for k, v in parts.items()}, labels=labels).loss * (len(labels) / batch_size)
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
-    return losses
-
-
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_t5_trains_on_dict_batches_as_plain_hf_training(microbatches):
     data = T5Copies()
@@ -279,7 +441,7 @@ def test_t5_trains_on_dict_batches_as_plain_hf_training(microbatches):
     pipe = Pipeline(model, stages=3, schedule="1f1b", microbatches=microbatches, optimizer="sgd:lr=0.1,momentum=0.9",
                     executor="emulate")
     losses = pipe.fit(data, batch_size=8, steps=3, quiet=True).update_losses
-    expected_losses = plain_seq2seq_training(reference, data, 3, 8, microbatches)
+    expected_losses = plain_dict_training(reference, data, 3, 8, microbatches)
     trained = dict(model.named_parameters())
     for name, expected in reference.named_parameters():
         if microbatches == 1:

@@ -67,6 +67,27 @@ def test_a_read_only_file_system_is_found(tmp_path):
         check_output_file("/proc/self/model.pt", "--save")
 
 
+def test_a_directory_that_cannot_be_created_is_named_in_a_sentence(tmp_path):
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("needs /proc")
+    result = _command(tmp_path, "train", "--save", "/proc/new/m.pt")
+    assert result.returncode == 2 and result.stderr.startswith(
+        "pipetrain train: error: --save '/proc/new/m.pt' cannot be written: cannot create '/proc/new' in '/proc' ("
+    ), result.stderr
+    assert result.stderr.rstrip().endswith("); choose a writable path")
+
+
+def test_which_save_paths_name_which_form():
+    from pipetrain.paths import check_save, is_safetensors_file, is_weights_dir
+
+    for path in ("out", "out/", "runs/v1.2/", "m.pt", "m.BIN", "m.safetensors"):
+        check_save(path, "--save")
+    assert is_weights_dir("runs/v1.2/") and not is_weights_dir("m.safetensors") and is_safetensors_file("o/m.safetensors")
+    for path in ("out.txt", "runs/v1.2", "m.json"):
+        with pytest.raises(ConfigError, match="names no form of saved weights"):
+            check_save(path, "--save")
+
+
 def test_two_outputs_on_one_path_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="--save and --report-json both name"):
         check_outputs(files={"--save": str(tmp_path / "x"), "--report-json": str(tmp_path / ".." / tmp_path.name / "x"),
@@ -130,6 +151,9 @@ def test_outputs_in_new_directories_are_written(tmp_path):
     (["schedule", "1f1b", "--csv", "o/s.csv", "--plot", "o/p.txt"], "--plot 'o/p.txt': --plot writes a picture"),
     (["plan", PROFILE, "--workers", "2", "--out", "o/plan.json", "--plot", "o/p"], "there is none: use e.g. 'o/p.png'"),
     (["train", "--save", "{elsewhere}/x/m.pt"], "/elsewhere' does not exist; outside the working directory"),
+    (["train", "--save", "o/out.txt"], "--save 'o/out.txt': '.txt' names no form of saved weights; give a directory "
+                                       "(a path without a suffix, or ending in /), one torch.save file (.pt, .pth, "
+                                       ".bin, .ckpt) or one safetensors file (.safetensors)"),
 ])
 def test_a_wrong_format_or_a_missing_tree_is_refused_before_any_work(tmp_path, argv, message):
     (tmp_path / "cwd").mkdir()

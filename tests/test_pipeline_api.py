@@ -271,3 +271,71 @@ def test_the_emulator_gives_the_callers_thread_count_back():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def _users_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_a_loss_fn_that_cannot_be_called_is_refused_at_construction_saying_what_to_pass():
+    with pytest.raises(ConfigError, match=r"^loss_fn must be called as loss_fn\(output, target\), returning the mean "
+                                          r"loss: pass a callable such as torch.nn.MSELoss\(\) or a function, not "
+                                          r"str 'mse'$"):
+        Pipeline(_users_model(), stages=2, executor="emulate", loss_fn="mse")
+    with pytest.raises(ConfigError, match=r"^loss_fn is the class torch.nn.modules.loss.CrossEntropyLoss: pass an "
+                                          r"instance, torch.nn.modules.loss.CrossEntropyLoss\(\)$"):
+        Pipeline(_users_model(), stages=2, executor="emulate", loss_fn=nn.CrossEntropyLoss)
+    losses = Pipeline(_users_model(), stages=2, executor="emulate", loss_fn=nn.CrossEntropyLoss()).train(_batches(1))
+    assert len(losses) == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(microbatches="4"), "Pipeline(): microbatches takes int | None, not str '4'"),
+    (dict(split_at="2"), "Pipeline(): split_at takes Sequence[str] | None, not str '2'"),
+    (dict(schedule=1), "Pipeline(): schedule takes str | None, not int 1"),
+    (dict(replicas=2), "Pipeline(): replicas takes Sequence[int] | None, not int 2"),
+    (dict(concrete_args=[1]), "Pipeline(): concrete_args takes dict[str, Any] | None, not list [1]"),
+    (dict(compensation=3), "Pipeline(): compensation takes str, not int 3"),
+    (dict(timeout="60"), "Pipeline(): timeout takes float, not str '60'"),
+    (dict(microbatches=0), "microbatches must be at least 1, got 0"),
+    (dict(optimizer="sgd:lr=fast"), "option lr='fast' must be a number, for example lr=0.1"),
+    (dict(compensation="xyz"), "unknown delay compensation 'xyz'"),
+    (dict(optimizer=torch.optim.SGD, optimizer_options=[0.1]),
+     "optimizer_options takes a dict of SGD's keyword arguments, such as dict(lr=0.1), not list [0.1]"),
+    (dict(optimizer=torch.optim.SGD, optimizer_options=dict(lrr=0.1)),
+     "optimizer SGD does not take optimizer_options={'lrr': 0.1}: TypeError: "),
+    (dict(stagez=2), "Pipeline() got an unexpected keyword argument 'stagez'; did you mean 'stages'?"),
+])
+def test_every_set_up_mistake_of_pipeline_is_a_config_error_at_construction(options, message):
+    with pytest.raises(ConfigError) as caught:  # one except clause for every set-up error of a script
+        Pipeline(_users_model(), **{"stages": 2, "executor": "emulate", **options})
+    assert str(caught.value).startswith(message), caught.value
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda pipe, data: pipe.fit(data, steps="2"), "fit(): steps takes int | None, not str '2'"),
+    (lambda pipe, data: pipe.fit(data, batch_size=8.0), "fit(): batch_size takes int | None, not float 8.0"),
+    (lambda pipe, data: pipe.fit(data, shuffle="no"), "fit(): shuffle takes bool, not str 'no'"),
+    (lambda pipe, data: pipe.fit(data, save=3), "fit(): save takes str | None, not int 3"),
+    (lambda pipe, data: pipe.fit(data, callbacks=print_loss), "callbacks takes a list of Callback objects or "
+                                                              "functions f(step, loss), not function"),
+    (lambda pipe, data: pipe.fit(data, callbacks=[3]), "callbacks: 3, of type int, is neither a Callback"),
+    (lambda pipe, data: pipe.start("2", 8), "start(): steps takes int, not str '2'"),
+    (lambda pipe, data: pipe.train([data.tensors[0]]), "train() takes (inputs, targets) pairs, one per update; "
+                                                       "batch 0 is Tensor tensor("),
+])
+def test_every_set_up_mistake_of_a_run_is_a_config_error_before_it_trains(call, message):
+    from torch.utils.data import TensorDataset
+
+    model = _users_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = TensorDataset(torch.randn(16, 6), torch.randint(0, 4, (16,)))
+    with pytest.raises(ConfigError) as caught:
+        call(Pipeline(model, stages=2, executor="emulate"), data)
+    assert str(caught.value).startswith(message), caught.value
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def print_loss(step, loss):
+    print(step, loss)

@@ -30,6 +30,7 @@ from pipetrain.runtime.checkpoint import (
     save_distributed,
     stage_file,
     step_dir,
+    write_manifest,
 )
 from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError
 from pipetrain.runtime.launch import init_distributed, launch
@@ -473,3 +474,44 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_behind(tmp_path, monkeypatch
     with pytest.raises(OSError, match="No space left on device"):
         save_state_dict({"w": torch.ones(1000)}, str(target))
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_nothing_is_written_through_a_linked_step_directory(tmp_path):
+    outside = tmp_path / "outside"
+    save(outside, 10)  # another run's checkpoint, where the link points
+    before = {p.name: p.read_bytes() for p in step_dir(outside, 10).iterdir()}
+    root = tmp_path / "ck"
+    root.mkdir()
+    step_dir(root, 10).symlink_to(step_dir(outside, 10), target_is_directory=True)
+    with pytest.raises(CheckpointError) as refused:
+        save(root, 10, seed=1)
+    assert str(refused.value).startswith(f"cannot write checkpoint {step_dir(root, 10)}: it is a symbolic link")
+    assert {p.name: p.read_bytes() for p in step_dir(outside, 10).iterdir()} == before
+    with pytest.raises(CheckpointError):  # the manifest alone, written by rank 0 of a distributed save
+        write_manifest(root, 10, [], META)
+    assert {p.name: p.read_bytes() for p in step_dir(outside, 10).iterdir()} == before
+
+
+def test_a_sigterm_while_a_file_is_written_ends_the_process_after_the_rename(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    # the state's pickling sends the process a SIGTERM in the middle of torch.save, as a launcher
+    # stopping its workers does at any moment; the temporary must not outlive the process
+    script = (
+        "import os, signal, sys\n"
+        "from pipetrain.runtime.checkpoint import save_checkpoint\n"
+        "class Stop:\n"
+        "    def __reduce__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        return (int, (0,))\n"
+        "save_checkpoint(sys.argv[1], 3, {'rank-0.pt': {'x': list(range(1000)), 'stop': Stop()}}, {})\n"
+        "print('went on after the SIGTERM')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert result.returncode == -signal.SIGTERM, result.stderr
+    assert "went on" not in result.stdout
+    assert sorted(p.name for p in step_dir(tmp_path, 3).iterdir()) == ["rank-0.pt"]  # renamed; no .rank-0.pt.tmp-*

@@ -210,10 +210,13 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout_and_two_seconds(tmp_pa
                 pass
     assert process.returncode == 3, stderr
     assert elapsed < timeout + 2, (elapsed, stderr)
-    assert "rank(s) 1 silent (stopped or frozen): killing them (SIGKILL)" in stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("pipetrain train: error: worker rank 0 exited with status 3"), stderr
-    assert "rank 1 is silent" in last or "rank(s) 1 fell silent" in last, stderr  # named last, either way
+    if last.startswith("pipetrain train: error: rank 1 fell silent "):  # the launcher heard nothing for --timeout
+        assert f"s ago, longer than --timeout {timeout}: it is stopped (SIGSTOP, for instance) or frozen" in last
+    else:  # rank 0's own wait ran out first: it began before the stop
+        assert "rank(s) 1 silent (stopped or frozen): killing them (SIGKILL)" in stderr
+        assert last.startswith("pipetrain train: error: worker rank 0 exited with status 3"), stderr
+        assert "rank 1 is silent" in last or "rank(s) 1 fell silent" in last, stderr  # named last, either way
 
 
 def test_a_second_run_in_a_checkpoint_directory_is_refused_and_a_stale_lock_taken_over(tmp_path):
@@ -299,3 +302,134 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_leaves_nothing_behind(tm
     assert saved.stderr.startswith("pipetrain train: error: cannot write --save ") and (
         "/model.pt: No space left on device; the trained weights are kept in the run's last checkpoint, "
         f"{tmp_path / 'ck' / 'step-000006'}") in saved.stderr, saved.stderr
+
+
+def _tree(root) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes (links not followed)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_linked_step_directory_is_refused_and_nothing_is_written_through_it(tmp_path):
+    outside = tmp_path / "another-run" / "step-000010"  # a checkpoint of another run, where the link points
+    outside.mkdir(parents=True)
+    (outside / "manifest.json").write_text('{"format": 1, "step": 10, "files": []}')
+    (outside / "rank-0.pt").write_bytes(b"another run's state")
+    before = _tree(tmp_path / "another-run")
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / "step-000010").symlink_to(outside, target_is_directory=True)
+    result = pipetrain("--schedule", "pipedream", "--stages", "2", "--steps", "20", "--checkpoint-dir", str(directory),
+                       "--checkpoint-every", "10")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"pipetrain train: error: cannot write checkpoint {directory / 'step-000010'}: it is a "
+                             "symbolic link, and pipetrain writes checkpoints only into step directories of its own, "
+                             "never through links; remove the link, or give the run another --checkpoint-dir\n")
+    assert _tree(tmp_path / "another-run") == before  # nothing created, written or renamed there
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000010"]  # the lock released, the link left alone
+
+
+def test_a_linked_lock_file_is_refused_in_one_line_and_left_untouched(tmp_path):
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not a lock")
+    directory = tmp_path / "ck"
+    directory.mkdir()
+    (directory / ".pipetrain-lock").symlink_to(target)
+    result = pipetrain("--schedule", "1f1b", "--stages", "2", "--steps", "4", "--checkpoint-dir", str(directory))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"pipetrain train: error: cannot lock checkpoint directory {directory}: its lock file "
+                             ".pipetrain-lock is a symbolic link, which pipetrain never writes through; remove it, "
+                             "or give this run another --checkpoint-dir\n")
+    assert target.read_text() == "not a lock" and (directory / ".pipetrain-lock").is_symlink()
+
+
+def test_save_dir_on_a_full_disk_is_one_line_and_leaves_no_shard(tmp_path):
+    # stage 0 holds three 256x256 layers (530 KB), stage 1 the last one (3 KB): its shard fits in 256 KB
+    command = " ".join([sys.executable, "-m", "pipetrain.cli", "train", *BASE, "--model", "mlp:depth=3,width=256",
+                        "--schedule", "pipedream", "--balance", "3,1", "--steps", "2", "--quiet", "--timeout", "20"])
+    saved = _in_small_tmpfs("256k", f'{command} --save "$MNT/model"; echo "status $?"; cd "$MNT" && find . | sort')
+    lines = saved.stdout.splitlines()
+    at = lines.index("status 2") if "status 2" in lines else None
+    assert at is not None, saved.stdout + saved.stderr
+    assert [line for line in lines[at + 1:] if line not in (".", "./model")] == [], saved.stdout  # no shard, no temporary
+    assert saved.stderr.count("\n") == 1 and "Traceback" not in saved.stderr, saved.stderr
+    assert saved.stderr.startswith("pipetrain train: error: cannot write --save "), saved.stderr
+    assert saved.stderr.endswith("/model/model-00001-of-00002.safetensors: No space left on device; the trained "
+                                 "weights were not written anywhere else\n"), saved.stderr
+
+
+def _killed_while_the_other_sets_up():
+    import torch.distributed  # noqa: F401  (the start-up cost of a real worker)
+
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)  # rank 0 builds its model, measures its stages: it communicates with no one for a while
+
+
+def test_a_rank_killed_while_the_others_set_up_gives_them_a_short_grace(capfd):
+    from pipetrain.runtime.launch import launch
+
+    result = launch(_killed_while_the_other_sets_up, (), 2, timeout=120)  # the default grace: 5 s
+    assert result.returncode == 128 + signal.SIGKILL
+    err = capfd.readouterr().err
+    assert "worker rank 1 was killed by SIGKILL" in err
+    # its peers could only echo its loss: they get the short grace of a restart, not 5 s
+    assert "rank(s) 0 still running 1 s later: terminating them" in err, err
+
+
+def _dies_while_rank_1_waits_for_the_unit_times(config):
+    from pipetrain.runtime.launch import init_distributed
+    from pipetrain.runtime.status import env_store
+
+    env = init_distributed("gloo", timeout=30)
+    store = env_store()
+    if env.rank == 1:
+        store.set("preparing", "1")
+        prepare(config)  # cut by time: rank 0 measures, then broadcasts the unit times
+    else:
+        store.wait(["preparing"])
+        time.sleep(5)  # rank 1 waits in the broadcast by now
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_rank_that_dies_during_set_up_leaves_its_peer_one_line(capfd):
+    from pipetrain.runtime.launch import launch
+
+    config = TrainConfig(model="mlp:depth=5,width=16", data="synthetic:features=8,classes=3,samples=96",
+                         batch_size=12, schedule="1f1b", stages=2, balance_by="time", executor="distributed")
+    result = launch(_dies_while_rank_1_waits_for_the_unit_times, (config,), 2, timeout=120)
+    err = capfd.readouterr().err
+    assert result.returncode == 128 + signal.SIGKILL, err
+    assert result.exitcodes[1] == 3, err  # a lost peer, not an internal error (1)
+    assert "Traceback" not in err, err
+    assert "pipetrain worker rank 1: error: rank 1: sharing the measured unit times failed because a peer is gone " \
+           "or stuck (" in err, err
+
+
+def _stopped_while_its_peer_computes(seconds):
+    from pipetrain.runtime.launch import init_distributed
+    from pipetrain.runtime.status import StatusBoard
+
+    env = init_distributed("gloo", timeout=60)
+    board = StatusBoard.from_env()
+    if env.rank == 1:
+        board.publish()
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(seconds)  # rank 0 computes: it waits for no one, so no wait of its own would time out
+
+
+def test_a_stopped_rank_is_killed_when_its_board_is_silent_for_the_timeout(capfd):
+    from pipetrain.runtime.launch import launch
+
+    started = time.monotonic()
+    result = launch(_stopped_while_its_peer_computes, (120,), 2, timeout=150, silence=3)
+    elapsed = time.monotonic() - started
+    err = capfd.readouterr().err
+    assert result.returncode == 3, err
+    assert result.exitcodes == [-signal.SIGTERM, -signal.SIGKILL], err  # rank 0 was still computing
+    assert elapsed < 100, err  # not the end of rank 0's computation
+    # measured from when its board last published, not from any peer's wait: no peer waited
+    said = next(line for line in err.splitlines() if "rank 1 fell silent " in line)
+    assert float(said.split("fell silent ")[1].split(" s ago")[0]) >= 3, said
+    assert "longer than timeout=3: it is stopped (SIGSTOP, for instance) or frozen; killed it (SIGKILL)" in said
+    assert result.message.startswith("rank 1 fell silent "), result.message

@@ -46,3 +46,20 @@ def test_the_lock_of_a_dead_process_is_taken_over(tmp_path):
     assert json.loads((tmp_path / "ck" / LOCK).read_text())["run"] == "run B"
     lock.release()
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-000001"]  # the directory stays
+
+
+def test_a_lock_file_that_is_a_link_or_no_regular_file_is_refused_untouched(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("someone else's file")
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / LOCK).symlink_to(target)
+    with pytest.raises(CheckpointError) as refused:
+        DirectoryLock(tmp_path / "ck", run="run A").acquire()
+    assert str(refused.value) == (f"cannot lock checkpoint directory {tmp_path / 'ck'}: its lock file {LOCK} is a "
+                                  "symbolic link, which pipetrain never writes through; remove it, or give this run "
+                                  "another checkpoint_dir")
+    assert target.read_text() == "someone else's file"
+    (tmp_path / "ck" / LOCK).unlink()
+    os.mkfifo(tmp_path / "ck" / LOCK)  # would block an open without O_NONBLOCK
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        DirectoryLock(tmp_path / "ck", run="run A").acquire()

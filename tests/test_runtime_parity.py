@@ -22,6 +22,9 @@ BASE = dict(model="mlp:depth=5,width=16", data="synthetic:features=8,classes=3,s
 CASES = {
     2: [
         ("gpipe", {}), ("1f1b", {}), ("zb-h1", {}), ("interleaved", {"chunks": 2, "microbatches": 4}),
+        ("bfs", {"chunks": 2, "microbatches": 3}), ("interleaved-zb", {"chunks": 2, "microbatches": 4}),
+        ("dualpipev", {"microbatches": 4}),
+        ("zb-h2", {"microbatches": 4}), ("zb-v", {"microbatches": 3}),
         ("pipedream", {}), ("pipedream", {"policy": "vsync"}), ("2bw", {"microbatches": 3}),
         ("pb", {"batch_size": 1, "steps": 24}), ("pb", {"batch_size": 1, "steps": 16, "compensation": "sc+lwp"}),
     ],

@@ -32,6 +32,10 @@ CASES = {
     "gpipe": ("gpipe", 2, 3, dict(steps=20)),
     "zb-h1": ("zb-h1", 3, 4, dict(steps=20)),
     "interleaved": ("interleaved", 2, 4, dict(steps=20, chunks=2)),
+    "zb-h2": ("zb-h2", 3, 5, dict(steps=20)),
+    "zb-v": ("zb-v", 2, 3, dict(steps=20)),
+    "v-min": ("v-min", 3, 5, dict(steps=20)),
+    "zb-auto": ("zb-auto", 3, 6, dict(steps=20)),
 }
 
 

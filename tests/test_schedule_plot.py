@@ -1,6 +1,7 @@
 """Pictures of timelines (`pipetrain.schedule.plot`): on a time axis shared with a longer timeline,
 the microbatch numbers stay inside their bars and never overlap (the demo's simulated panel used to
-read "22 22 22"); the measured-beside-simulated picture says why the measured run is longer."""
+read "22 22 22"); the measured-beside-simulated picture gives the ratio of their times per update and says what the
+simulation models."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pipetrain.schedule import Costs, build, simulate  # noqa: E402
 from pipetrain.schedule.plot import draw_timeline  # noqa: E402
-from pipetrain.training.timelines import plot_measured_and_simulated, simulated_counterpart  # noqa: E402
+from pipetrain.training.timelines import (plot_measured_and_simulated, seconds_per_update,  # noqa: E402
+                                         simulated_counterpart, update_ends)
 
 
 def _waiting():
@@ -57,7 +59,24 @@ def test_the_measured_picture_says_why_it_is_longer(tmp_path, monkeypatch):
     monkeypatch.setattr(plot, "plot_comparison", lambda *a, **k: (captions.append(k["caption"]), drawn(*a, **k)))
     measured, simulated = _waiting()
     plot_measured_and_simulated(measured, str(tmp_path / "t.png"), "pipedream (distributed)")
-    ratio = measured.makespan / simulated.makespan
-    assert captions[0].startswith(f"Why the measured run takes {ratio:.1f}x the simulated time: the simulation "
-                                  "charges each action only its measured median compute time")
+    ratio = seconds_per_update(update_ends(measured)) / seconds_per_update(update_ends(simulated))
+    assert ratio >= 1
+    assert captions[0].startswith(f"The measured run takes {ratio:.2f}x the simulated time per update (steady "
+                                  "state). The simulation charges each action only its measured median compute time")
+    assert "pipetrain calibrate" in captions[0]
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_a_calibrated_picture_says_what_is_and_is_not_modelled(tmp_path, monkeypatch):
+    import pipetrain.schedule.plot as plot
+
+    captions = []
+    drawn = plot.plot_comparison
+    monkeypatch.setattr(plot, "plot_comparison", lambda *a, **k: (captions.append((a, k["caption"])), drawn(*a, **k)))
+    measured, _ = _waiting()
+    costs = Costs(F=2, B=2, step=0.5, latency=10)  # the model that made it: the ratio is 1
+    plot_measured_and_simulated(measured, str(tmp_path / "t.png"), "pipedream (distributed)", costs=costs)
+    (args, caption), = captions
+    assert caption.startswith("The measured run takes 1.00x the simulated time per update")
+    assert "Not modelled: transfers overlapping compute" in caption
+    assert "and the calibration" in args[1][1]

@@ -9,17 +9,20 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 @st.composite
 def schedules(draw):
-    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw", "pb"]))
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw", "pb", "zb-h2", "zb-v",
+                                 "v-half", "v-min", "zb-auto"]))
     stages = draw(st.integers(1, 6))
     kwargs = {}
-    if name == "interleaved":
+    if name in ("zb-v", "v-half", "v-min"):
+        m = draw(st.integers(2 * stages - 1, 2 * stages + 4))
+    elif name == "interleaved":
         kwargs["chunks"] = draw(st.integers(1, 3))
         m = stages * draw(st.integers(1, 3))
     elif name == "2bw":
         m = draw(st.integers(stages, stages + 4))
     else:
         m = draw(st.integers(1, 9))
-    if name in ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw"):
+    if name in ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "zb-h2", "zb-v", "v-half", "v-min", "zb-auto"):
         kwargs["steps"] = draw(st.integers(1, 3))
     if name in ("gpipe", "1f1b", "pipedream") and draw(st.booleans()):
         replicas = draw(st.lists(st.integers(1, 3), min_size=stages, max_size=stages))

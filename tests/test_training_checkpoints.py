@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import sys
 
 import pytest
 import torch
@@ -214,3 +216,44 @@ def test_extend_continues_a_finished_asynchronous_run_and_says_so(tmp_path, opti
     uninterrupted = dataclasses.replace(reference, drain_at=(), save=str(tmp_path / "uninterrupted.pt"))
     train(uninterrupted)
     assert not _equal(str(tmp_path / "extended.pt"), uninterrupted.save)  # it is not the longer run
+
+
+NETS = '''
+import torch
+from torch import nn
+
+
+def net(in_features, num_classes, depth={depth}):
+    torch.manual_seed(0)
+    layers = [nn.Linear(in_features, 16), nn.ReLU()]
+    for _ in range(depth):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(16, num_classes))
+'''
+
+
+def test_a_checkpoint_of_another_model_is_refused_as_such_saying_how_to_tell(tmp_path, monkeypatch, capfd):
+    # the run cuts by measured time, and resumes with the checkpoint's times: those of another model's modules
+    from pipetrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mynets.py").write_text(NETS.format(depth=1))
+    run = ["train", "--data", "synthetic:features=8,classes=3,samples=96", "--stages", "2", "--batch-size", "12",
+           "--no-progress", "--quiet", "--timeout", "60", "--checkpoint-dir", "ck"]
+    assert main([*run, "--model", "mynets:net", "--steps", "2"]) == 0, capfd.readouterr().err
+    capfd.readouterr()
+    assert main([*run, "--model", "mynets:net:depth=2", "--steps", "4"]) == 2
+    err = capfd.readouterr().err
+    assert err.endswith("error: checkpoint ck/step-000002 is of another model: written by a run of --model mynets:net, "
+                        "not --model mynets:net:depth=2 (its manifest.json names the model under \"model\"); resume "
+                        "it with the model it was written for, or start afresh with another --checkpoint-dir\n"), err
+    (tmp_path / "mynets.py").write_text(NETS.format(depth=2))  # the same --model, its code changed
+    monkeypatch.delitem(sys.modules, "mynets")  # as a new command would import it
+    shutil.rmtree(tmp_path / "__pycache__", ignore_errors=True)
+    assert main([*run, "--model", "mynets:net", "--steps", "4"]) == 2
+    err = capfd.readouterr().err
+    assert err.endswith("error: checkpoint ck/step-000002 is of another model: its run timed the modules 0, 1, 2, 3, "
+                        "... to cut the model (its manifest.json lists them under \"stage_costs\"), which are not "
+                        "this model's: the model changed since it was written; resume it with the model it was "
+                        "written for, or start afresh with another --checkpoint-dir\n"), err
+    assert "unit costs" not in err

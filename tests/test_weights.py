@@ -22,8 +22,9 @@ def gpt(seed=0, tie=False, device=None):
 
 def test_which_save_paths_are_directories(tmp_path):
     assert is_weights_dir(tmp_path) and is_weights_dir(str(tmp_path / "new") + "/")
-    assert is_weights_dir(tmp_path / "weights") and is_weights_dir(tmp_path / "run.v2")
+    assert is_weights_dir(tmp_path / "weights") and is_weights_dir(str(tmp_path / "run.v2") + "/")
     assert not is_weights_dir(tmp_path / "model.pt") and not is_weights_dir(tmp_path / "model.BIN")
+    assert not is_weights_dir(tmp_path / "model.safetensors")  # one file (a suffix names a file)
 
 
 def test_a_directory_round_trips_into_eager_and_meta_models_tied_weights_stored_once(tmp_path):
@@ -76,3 +77,62 @@ def test_huggingface_reads_what_pipetrain_writes_and_the_other_way_round(tmp_pat
     fresh = gpt2(input_shape=(10,), num_classes=23, n_layer=2, n_head=2, n_embd=16)
     load_weights(fresh, tmp_path / "theirs")
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
+
+
+def _encoder():
+    """The user's own model: a stack of torch's Transformer encoder layers and a head."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    return torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * 16, 3))
+
+
+def test_save_to_a_safetensors_path_writes_one_gathered_file_that_both_readers_take(tmp_path, monkeypatch):
+    import safetensors.torch
+    from torch.utils.data import TensorDataset
+
+    from pipetrain import Pipeline
+
+    monkeypatch.chdir(tmp_path)
+    data = TensorDataset(torch.randn(48, 4, 16), torch.randint(0, 3, (48,)))
+    model = _encoder()
+    Pipeline(model, split_at=["1"], executor="emulate").fit(data, steps=2, batch_size=12, quiet=True,
+                                                             save="out/model.safetensors")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]  # one file, no temporary
+    trained = model.state_dict()
+    stored = safetensors.torch.load_file("out/model.safetensors")
+    assert sorted(stored) == sorted(trained) and all(torch.equal(stored[k], trained[k]) for k in trained)
+    again = load_weights(_encoder(), "out/model.safetensors")
+    assert all(torch.equal(v, trained[k]) for k, v in again.state_dict().items())
+
+
+def test_save_with_a_suffix_that_names_no_form_is_refused_before_training(tmp_path, monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    from pipetrain import Pipeline
+
+    monkeypatch.chdir(tmp_path)
+    model = _encoder()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pipe = Pipeline(model, split_at=["1"], executor="emulate")
+    with pytest.raises(ConfigError, match=r"^save 'out.txt': '.txt' names no form of saved weights; give a directory "
+                                          r"\(a path without a suffix, or ending in /\), one torch.save file \(.pt, "
+                                          r".pth, .bin, .ckpt\) or one safetensors file \(.safetensors\)$"):
+        pipe.fit(TensorDataset(torch.randn(24, 4, 16), torch.randint(0, 3, (24,))), steps=1, batch_size=12,
+                 save="out.txt")
+    assert list(tmp_path.iterdir()) == [] and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_runtime_gathers_a_safetensors_save_into_the_emulators_file(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    from pipetrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "--model", "mlp:depth=2,width=16", "--data", "synthetic:features=8,classes=3,samples=48",
+           "--stages", "2", "--balance", "2,1", "--steps", "2", "--batch-size", "12", "--quiet", "--no-progress"]
+    for executor in ("emulate", "distributed"):
+        assert main([*run, "--executor", executor, "--save", f"{executor}.safetensors"]) == 0
+    emulated, distributed = (safetensors.torch.load_file(f"{e}.safetensors") for e in ("emulate", "distributed"))
+    assert sorted(emulated) == sorted(distributed) and all(torch.equal(emulated[k], distributed[k]) for k in emulated)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["distributed.safetensors", "emulate.safetensors"]

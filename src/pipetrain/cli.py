@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("pipetrain.commands.profile", "measure per-layer times and sizes of a model"),
     "plan": ("pipetrain.commands.plan", "partition a profiled model into stages and replicas"),
     "pb": ("pipetrain.commands.pb", "Pipelined Backpropagation study: PB, SC, LWP against batch-size-1 SGD"),
+    "calibrate": ("pipetrain.commands.calibrate", "measure message, all-reduce and per-action costs here for the simulator"),
 }
 
 
@@ -84,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(module.run(args) or 0)
         except PipetrainError as error:  # 2: bad input; 3: a lost or timed-out peer; 128+N: a worker killed by signal N
             print(f"pipetrain {args.command}: error: {error}", file=sys.stderr)
+            import gc
+
+            gc.freeze()  # the exit's last collection of a prepared run's objects took 1-3 s after the message
             return error.exit_status
         except KeyboardInterrupt:
             print(f"pipetrain {args.command}: interrupted", file=sys.stderr)

@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any, Iterator, Mapping
 
-__all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "StageError", "NonFiniteError",
+__all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "ArgumentError", "StageError", "NonFiniteError",
            "ModelError", "DataWorkerLost", "option", "options_named", "name_options", "naming_options_as",
            "written"]
 
@@ -122,6 +122,12 @@ class DeadlockError(ScheduleError):
 
 class ConfigError(PipetrainError):
     """A configuration value (option, spec, model, data) is invalid."""
+
+
+class ArgumentError(ConfigError, TypeError):
+    """A Python API call given a keyword it does not take, or a value of a type it does not take:
+    a :class:`ConfigError`, so that one ``except`` catches every set-up error, and a ``TypeError``,
+    as Python's own for such a call."""
 
 
 class StageError(PipetrainError):

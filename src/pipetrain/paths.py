@@ -16,19 +16,26 @@ mount point or home directory becomes an error, never a tree of new directories.
 
 Formats: an output whose writer picks its format (a picture, JSON) must say so by its suffix
 (``formats=`` of :func:`check_outputs`): ``--plot p.txt`` is refused before the run, not by
-matplotlib after it, and ``--trace t.png`` never writes JSON into a ``.png``.
+matplotlib after it, and ``--trace t.png`` never writes JSON into a ``.png``. Saved weights
+(:func:`check_save`) come in three forms: a directory (no suffix), one ``torch.save`` file (``.pt``,
+``.pth``, ``.bin``, ``.ckpt``) or one safetensors file (``.safetensors``); any other suffix is refused.
+
+Writing them: a SIGTERM that stops a process while it renames a temporary into place waits for
+the rename (:func:`termination_deferred`), so no temporary is left beside an output.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from typing import Mapping, NamedTuple
+from typing import Iterator, Mapping, NamedTuple
 
 from pipetrain.errors import ConfigError
 
-__all__ = ["check_outputs", "check_output_file", "check_output_dir", "check_format", "is_weights_dir", "Format",
-           "IMAGE", "JSON", "TEXT", "WEIGHTS_INDEX", "WEIGHTS_SINGLE"]
+__all__ = ["check_outputs", "check_output_file", "check_output_dir", "check_format", "check_save", "is_weights_dir",
+           "is_safetensors_file", "Format", "SAFETENSORS",
+           "IMAGE", "JSON", "TEXT", "WEIGHTS_INDEX", "WEIGHTS_SINGLE", "termination_deferred"]
 
 
 class Format(NamedTuple):
@@ -49,18 +56,43 @@ TEXT = Format("text", (".csv", ".txt"))
 #: the files of a weights directory (:mod:`pipetrain.weights`, HuggingFace's layout)
 WEIGHTS_INDEX = "model.safetensors.index.json"
 WEIGHTS_SINGLE = "model.safetensors"
-#: file suffixes of a one-file ``--save`` (torch.save); any other path is a weights directory
+#: file suffixes of a one-file ``--save`` written by ``torch.save``
 FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+#: the suffix of a one-file ``--save`` written as safetensors
+SAFETENSORS = ".safetensors"
+
+
+def _suffix(text: str) -> str:
+    return os.path.splitext(os.path.basename(text))[1].lower()
 
 
 def is_weights_dir(path: str | os.PathLike) -> bool:
     """Whether ``--save PATH`` names a weights directory (sharded safetensors) rather than one file:
-    an existing directory, a path ending in a separator, or a name without a file suffix
-    (``.pt``, ``.pth``, ``.bin``, ``.ckpt`` are files written by ``torch.save``)."""
+    an existing directory, a path ending in a separator, or a name without a suffix (a suffix
+    names one file: :func:`check_save` refuses one that names no form)."""
     text = os.fspath(path)
     if text.endswith(("/", os.sep)) or os.path.isdir(text):
         return True
-    return not text.lower().endswith(FILE_SUFFIXES)
+    return not _suffix(text)
+
+
+def is_safetensors_file(path: str | os.PathLike) -> bool:
+    """Whether ``--save PATH`` names one safetensors file (``.safetensors``, not a directory)."""
+    return not is_weights_dir(path) and _suffix(os.fspath(path)) == SAFETENSORS
+
+
+def check_save(path: str | os.PathLike, option: str) -> None:
+    """Refuse a ``--save`` path whose suffix names none of the forms weights are saved in, before a
+    typo (``out.txt``, meant as a directory or a ``.pt``) becomes a directory of shards."""
+    text = os.fspath(path)
+    suffix = _suffix(text)
+    if is_weights_dir(text) or suffix in FILE_SUFFIXES or suffix == SAFETENSORS:
+        return
+    raise ConfigError(
+        f"{option} {text!r}: {suffix!r} names no form of saved weights; give a directory (a path without a suffix, "
+        f"or ending in {os.sep}), one torch.save file ({', '.join(FILE_SUFFIXES)}) or one safetensors file "
+        f"({SAFETENSORS})"
+    )
 
 
 def check_outputs(files: Mapping[str, str | None] | None = None,
@@ -146,9 +178,9 @@ def _check_can_create_in(directory: str, text: str, option: str) -> None:
     try:
         handle, probe = tempfile.mkstemp(prefix=".pipetrain-check-", dir=existing)
     except OSError as error:
-        where = "in" if existing == directory else "the missing directories under"
+        what = "a file" if existing == directory else repr(missing[-1])
         raise ConfigError(
-            f"{option} {text!r} cannot be written: cannot create a file {where} {existing!r} "
+            f"{option} {text!r} cannot be written: cannot create {what} in {existing!r} "
             f"({error.strerror or error}); choose a writable path"
         ) from None
     os.close(handle)
@@ -161,3 +193,33 @@ def _inside(path: str, directory: str) -> bool:
         return os.path.commonpath([path, os.path.abspath(directory)]) == os.path.abspath(directory)
     except ValueError:  # another drive (Windows)
         return False
+
+
+@contextlib.contextmanager
+def termination_deferred() -> Iterator[None]:
+    """Hold a SIGTERM that arrives inside the block until it ends, then act on it as it would have.
+
+    Writers of outputs write under a temporary name and rename it; a worker that a launcher stops
+    (SIGTERM: pipetrain's launcher on Ctrl-C, a torchrun agent) in between left the temporary
+    behind (``.manifest.json.tmp-*`` in a step directory). Inside the block the signal is only
+    noted; when the block ends (renamed, or the temporary removed) it is delivered again to the
+    handler that was there before, so the process ends as it would have, a moment later. Only the
+    main thread can hold signals: elsewhere the block runs as is."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
+        if caught:
+            os.kill(os.getpid(), signal.SIGTERM)

@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ArgumentError, ConfigError, option
+from pipetrain.training.api_types import checked_value
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.options import api_signature, api_values
 from pipetrain.training.parts import OptimizerFactory, RunParts, describe_data, describe_model
@@ -55,7 +56,11 @@ class Pipeline:
             (``save=DIR``'s or HuggingFace's ``save_pretrained``'s: each rank reads its own tensors).
             A directory also starts an eagerly built model from its weights. See docs/models.md.
     Schedule:
-        schedule: gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw or pb (docs/design.md section 3).
+        schedule: gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, bfs, interleaved-zb,
+            dualpipev, pipedream, 2bw or pb (docs/design.md section 3), or torch's name of one
+            (``"Interleaved1F1B"``, ...); ``stages`` counts ranks for the looped schedules (interleaved, bfs,
+            interleaved-zb) and the V schedules (zb-v, v-half, v-min, dualpipev: the model is cut into two
+            stages per rank).
         microbatches: units per update (microbatches per step; pipedream/pb: minibatches or
             samples accumulated per update, default 1); ``replicas``, ``chunks``, ``policy`` as for
             :func:`pipetrain.schedule.build`.
@@ -105,10 +110,12 @@ class Pipeline:
         :class:`~pipetrain.training.config.TrainConfig` (the signature lists them)."""
         from pipetrain.models.loss import loss_for
         from pipetrain.schedule import resolve_name
+        from pipetrain.schedule.presets import chunks_per_rank
         from pipetrain.stages import split_model
-        from pipetrain.training.setup import apply_plan
+        from pipetrain.training.setup import apply_plan, ranks_of_balance
 
         _check_model(model)
+        _check_loss_fn(loss_fn)
         values = api_values(TrainConfig, "pipeline", options, "Pipeline()")
         init, leaf_modules, concrete_args = values.pop("init"), values.pop("leaf_modules"), values.pop("concrete_args")
         if values["executor"] not in _EXECUTORS:
@@ -119,11 +126,20 @@ class Pipeline:
             **values, model=describe_model(model), data="", optimizer=spec, lr_schedule=lr_schedule, dtype=None,
             progress=sys.stderr.isatty(), init=_describe_init(init),
         ))
-        from pipetrain.training.validate import check_execution
+        from pipetrain.training.validate import check_config, check_optimizer_specs
 
-        check_execution(config)
+        check_config(config, specs=False)  # each option's own check, as fit() makes them again: here, at once
+        if factory is None:  # pipetrain's own optimizer, from its spec (and the compensation, lr schedule)
+            check_optimizer_specs(spec, config.compensation, lr_schedule)
         self.schedule_name = resolve_name(config.schedule)
-        pieces_per_rank = config.chunks if self.schedule_name == "interleaved" else 1
+        if self.schedule_name == "zb-auto" and config.microbatches is None:
+            raise ConfigError(f"zb-auto chooses its order (and whether each rank holds two chunks) for a number of "
+                              f"microbatches: give {option('microbatches')}")
+        if config.stages is None and config.balance and not config.replicas:
+            ranks = ranks_of_balance(config, self.schedule_name, len(config.balance))
+        else:
+            ranks = config.stages or 2
+        pieces_per_rank = chunks_per_rank(self.schedule_name, ranks, config.microbatches or 1, config.chunks)
         if isinstance(model, (list, tuple)):
             self.staged = split_model(list(model))
             how = "stage modules"
@@ -207,8 +223,9 @@ class Pipeline:
         ``callbacks``: :class:`~pipetrain.training.callbacks.Callback` objects (or functions
         ``f(step, loss)``), called where the information is. Checkpoints (``checkpoint_dir``,
         ``checkpoint_every``, ``resume``, ``keep``) and the outputs (``save``: the unsplit ``state_dict``
-        in one file, or with a path without a file suffix a weights directory written stage by stage,
-        see :mod:`pipetrain.weights`,
+        in one file, ``torch.save``'s (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) or safetensors'
+        (``.safetensors``), or with a path without a suffix a weights directory written stage by stage,
+        see :mod:`pipetrain.weights`; another suffix is refused,
         ``report_json``, ``trace``, ``plot``) are those of ``pipetrain train``; so are the lines
         printed before and during training (the chosen stages, each evaluation), which ``quiet``
         leaves out, and the progress bar (default: on a terminal). Returns the
@@ -261,6 +278,8 @@ class Pipeline:
         from pipetrain.training.stepping import DistributedSession, EmulatedSession
 
         self._refuse_during_session("start")
+        steps = checked_value("steps", "steps", steps, "int", "start()")
+        batch_size = checked_value("batch_size", "batch_size", batch_size, "int", "start()")
         config = dataclasses.replace(self._config, data="batches fed by step()", batch_size=batch_size, steps=steps,
                                      epochs=None, progress=False, data_workers=0)  # no worker for unread data
         parts = dataclasses.replace(self._parts, train_set=_Unread(), test_set=None)
@@ -321,6 +340,11 @@ class Pipeline:
         batches = list(batches)
         if not batches:
             raise ConfigError("train() needs at least one (inputs, targets) batch")
+        wrong = next((i for i, batch in enumerate(batches) if not (isinstance(batch, (tuple, list)) and len(batch) == 2)),
+                     None)
+        if wrong is not None:
+            raise ArgumentError(f"train() takes (inputs, targets) pairs, one per update; batch {wrong} is "
+                                f"{type(batches[wrong]).__name__} {repr(batches[wrong])[:40]}")
         self.start(steps=len(batches), batch_size=int(torch.as_tensor(batches[0][1]).shape[0]))
         for inputs, targets in batches:
             self.step(inputs, targets)
@@ -381,6 +405,19 @@ def _check_model(model: Any) -> None:
     raise ConfigError(f"{takes}, not {got}")
 
 
+def _check_loss_fn(loss_fn: Any) -> None:
+    """Refuse a ``loss_fn`` that cannot be called as ``loss_fn(output, target)``, saying what can."""
+    if loss_fn is None or (callable(loss_fn) and not (isinstance(loss_fn, type) and issubclass(loss_fn, nn.Module))):
+        return
+    if isinstance(loss_fn, type):  # nn.MSELoss, not nn.MSELoss(): calling it would build a module
+        raise ArgumentError(f"loss_fn is the class {loss_fn.__module__}.{loss_fn.__qualname__}: pass an instance, "
+                            f"{loss_fn.__module__}.{loss_fn.__qualname__}()")
+    raise ArgumentError(
+        f"loss_fn must be called as loss_fn(output, target), returning the mean loss: pass a callable such as "
+        f"torch.nn.MSELoss() or a function, not {type(loss_fn).__name__} {repr(loss_fn)[:40]}"
+    )
+
+
 def _describe_init(init: Any) -> str | None:
     """The configuration's words for ``init`` (a function is described by its name)."""
     if init is None or isinstance(init, str):
@@ -410,6 +447,11 @@ def _optimizer_parts(
     if options is not None and not is_torch_optimizer(optimizer):
         raise ConfigError("optimizer_options go with a torch.optim class (optimizer=torch.optim.SGD); "
                           "a spec string carries its own options (sgd:lr=0.1,momentum=0.9)")
+    if options is not None and not isinstance(options, dict):
+        raise ArgumentError(f"optimizer_options takes a dict of {optimizer.__name__}'s keyword arguments, such as "
+                            f"dict(lr=0.1), not {type(options).__name__} {repr(options)[:40]}")
+    if is_torch_optimizer(optimizer):
+        _try_optimizer(optimizer, options or {})
     schedule_spec = lr_scheduler if isinstance(lr_scheduler, str) else None
     scheduler = None if lr_scheduler is None or isinstance(lr_scheduler, str) else lr_scheduler
     if scheduler is not None and not callable(scheduler):
@@ -458,3 +500,16 @@ def _optimizer_parts(
         f"optimizer must be a torch.optim class, a spec string (sgd:lr=0.1) or a factory (stage, delay) -> optimizer, "
         f"not {type(optimizer).__name__}"
     )
+
+
+def _try_optimizer(cls: type, options: dict[str, Any]) -> None:
+    """Build ``cls(**options)`` over one stand-in parameter, so that options it does not take (a
+    ``TypeError``) or values it refuses (a ``ValueError``: ``lr=-1``) are refused here rather than at
+    each stage's first update. What depends on the parameters' device (``fused=True``) is left to
+    the run, which builds it on the stages' own."""
+    try:
+        cls([nn.Parameter(torch.zeros(1))], **options)
+    except (TypeError, ValueError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(f"optimizer {cls.__name__} does not take optimizer_options={options!r}: "
+                          f"{type(error).__name__}: {first}") from None

@@ -36,7 +36,7 @@ from torch import nn
 from pipetrain.errors import ConfigError, PipetrainError, option
 from pipetrain.paths import WEIGHTS_INDEX as INDEX
 from pipetrain.paths import WEIGHTS_SINGLE as SINGLE
-from pipetrain.paths import is_weights_dir
+from pipetrain.paths import is_weights_dir, termination_deferred
 
 __all__ = [
     "INDEX",
@@ -48,6 +48,8 @@ __all__ = [
     "shard_name",
     "write_index",
     "write_shard",
+    "commit_shards",
+    "discard_shards",
 ]
 
 CONFIG = "config.json"
@@ -75,10 +77,19 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return value.contiguous()
 
 
-def write_shard(directory: str | os.PathLike, name: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def write_shard(
+    directory: str | os.PathLike, name: str, tensors: Mapping[str, torch.Tensor], *, commit: bool = True
+) -> dict[str, Any]:
     """Write ``tensors`` (unsplit names) as shard ``name`` of ``directory``, atomically (a temporary
     file renamed); returns its record ``{"name", "keys", "bytes"}`` for :func:`write_index`. Names
-    of one tensor (tied weights: the same memory) are stored once, under the first."""
+    of one tensor (tied weights: the same memory) are stored once, under the first.
+
+    With ``commit=False`` the shard stays under its temporary name (the record's ``"tmp"``) until
+    :func:`commit_shards` renames it, or :func:`discard_shards` removes it: several writers rename
+    their shards only once every one of them has written its own, so a save that fails anywhere (a
+    full disk) leaves no shard of its own, and an earlier save in the directory stays whole. A
+    failed write raises its ``OSError`` (``ENOSPC``), whatever safetensors turned it into; the
+    temporary is removed."""
     st = _safetensors()
     target = Path(directory) / name
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,24 +100,60 @@ def write_shard(directory: str | os.PathLike, name: str, tensors: Mapping[str, t
         if same not in seen or not value.numel():  # (empty tensors own no memory to share)
             seen.add(same)
             values[key] = _host(value)
-    try:
-        st.torch.save_file(values, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with termination_deferred():
+        try:
+            try:
+                st.torch.save_file(values, str(tmp), metadata={"format": "pt"})
+            except Exception as error:  # noqa: BLE001 - safetensors' own error class holds the OSError's text only
+                raise _os_error(error, tmp) from None
+            if commit:
+                os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     size = sum(v.numel() * v.element_size() for v in values.values())
-    return {"name": name, "keys": sorted(values), "bytes": size}
+    record = {"name": name, "keys": sorted(values), "bytes": size}
+    return record if commit else dict(record, tmp=tmp.name)
+
+
+def _os_error(error: Exception, path: Path) -> Exception:
+    """The ``OSError`` behind a failed safetensors write ("I/O error: No space left on device (os
+    error 28)"), or ``error`` itself when it was something else."""
+    if isinstance(error, OSError):
+        return error
+    found = re.search(r"os error (\d+)", str(error))
+    if found is None:
+        return error
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))
+
+
+def commit_shards(directory: str | os.PathLike, records: Iterable[Mapping[str, Any]]) -> None:
+    """Rename the shards :func:`write_shard` left under temporary names (``commit=False``)."""
+    d = Path(directory)
+    for record in records:
+        if record.get("tmp"):
+            with termination_deferred():
+                os.replace(d / record["tmp"], d / record["name"])
+
+
+def discard_shards(directory: str | os.PathLike, records: Iterable[Mapping[str, Any] | None]) -> None:
+    """Remove the temporaries of shards written with ``commit=False`` (a save that failed elsewhere)."""
+    d = Path(directory)
+    for record in records:
+        if record is not None and record.get("tmp"):
+            (d / record["tmp"]).unlink(missing_ok=True)
 
 
 def _atomic_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with termination_deferred():
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def write_index(directory: str | os.PathLike, records: Iterable[Mapping[str, Any]], config: str | None = None) -> Path:
@@ -137,8 +184,16 @@ def write_index(directory: str | os.PathLike, records: Iterable[Mapping[str, Any
 
 
 def save_weights(directory: str | os.PathLike, shards: list[Mapping[str, torch.Tensor]], config: str | None = None) -> Path:
-    """Write a whole weights directory from one process: one shard per entry of ``shards``."""
-    records = [write_shard(directory, shard_name(i, len(shards)), shard) for i, shard in enumerate(shards)]
+    """Write a whole weights directory from one process: one shard per entry of ``shards``; when
+    one cannot be written, none is renamed into place."""
+    records: list[dict[str, Any]] = []
+    try:
+        for i, shard in enumerate(shards):
+            records.append(write_shard(directory, shard_name(i, len(shards)), shard, commit=False))
+    except BaseException:
+        discard_shards(directory, records)
+        raise
+    commit_shards(directory, records)
     return write_index(directory, records, config)
 
 

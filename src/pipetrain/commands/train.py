@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_config(config)  # choices, specs, plan and output paths, before PyTorch is imported
+    from pipetrain.training.outputs import metrics_text
     from pipetrain.training.train import train
 
     result = train(config)
@@ -53,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
         f"{speed(result)}, final loss {result.final_loss:.4f}"
     )
     if result.evaluations:
-        final = result.evaluations[-1]
-        line += f", test loss {final['loss']:.4f}, test accuracy {100 * final['accuracy']:.2f} %"
+        line += ", " + metrics_text(result.evaluations[-1])
     print(line)
     scale = result.extra.get("loss_scale")
     if scale is not None:

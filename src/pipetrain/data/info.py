@@ -13,8 +13,8 @@ from pipetrain.errors import ConfigError
 from pipetrain.spec import describe_exception
 from pipetrain.structure import describe, first_tensor, flatten, leaf_paths, stack
 
-__all__ = ["DataInfo", "DataReadError", "dataset_info", "get_batch", "check_sample", "read_sample", "stack_samples",
-           "reads_by_index"]
+__all__ = ["DataInfo", "DataReadError", "dataset_info", "get_batch", "check_sample", "class_labels", "read_sample",
+           "stack_samples", "reads_by_index"]
 
 
 class DataReadError(ConfigError):
@@ -24,12 +24,14 @@ class DataReadError(ConfigError):
 class DataInfo(NamedTuple):
     """Sizes a model takes from its data: one sample's ``input_shape`` and ``num_classes``.
 
-    For a structured ``x`` (a tuple, list or dict of tensors, :mod:`pipetrain.structure`),
+    ``num_classes`` is None when the targets are not class labels (floating-point regression
+    targets, a structure of targets) and the data set declares no ``num_classes``: a model sized by
+    a class count cannot be built for such data. For a structured ``x`` (a tuple, list or dict of tensors, :mod:`pipetrain.structure`),
     ``input_shape`` is the shape of its first tensor (the source sequence of ``((src, tgt_in), tgt)``,
     ``input_ids`` of a dict that starts with them)."""
 
     input_shape: tuple[int, ...]
-    num_classes: int
+    num_classes: int | None
 
     @property
     def in_features(self) -> int:
@@ -37,15 +39,48 @@ class DataInfo(NamedTuple):
         return math.prod(self.input_shape)
 
 
-def check_sample(sample: object, where: str = "data set") -> tuple[Any, torch.Tensor]:
-    """Return ``(x, y)`` of one sample, ``y`` as a tensor, or explain what a sample must look like.
+def _structured(y: Any) -> bool:
+    """Whether a target is a structure of targets (a dict, a tuple, or a list holding tensors or
+    containers) rather than one value (a tensor, a number, a list of numbers)."""
+    return isinstance(y, (dict, tuple)) or (
+        isinstance(y, list) and any(isinstance(item, (torch.Tensor, tuple, list, dict)) for item in y))
+
+
+def _target(y: Any, where: str) -> Any:
+    """``y`` as the loss will get it: a tensor kept as it is (any dtype: class labels, regression
+    values, masks); a number, a list of numbers or an array as ``torch.as_tensor`` makes it (a
+    Python int int64, a float float32); a dict, tuple or list of those leaf by leaf. Anything else
+    (a string, None, a ragged list) is refused."""
+    if isinstance(y, torch.Tensor):
+        return y
+    if _structured(y):
+        if not y:
+            raise ConfigError(f"{where}: y is an empty {type(y).__name__}: a target must hold at least one value")
+        if isinstance(y, dict):
+            return {key: _target(value, where) for key, value in y.items()}
+        parts = [_target(item, where) for item in y]
+        return type(y)(*parts) if hasattr(y, "_fields") else type(y)(parts)
+    try:
+        return torch.as_tensor(y)
+    except (TypeError, ValueError, RuntimeError):  # a string, None, a ragged list: not a target
+        shown = repr(y) if len(repr(y)) <= 40 else repr(y)[:37] + "..."
+        raise ConfigError(
+            f"{where}: y must be a target the loss can take: a tensor (class labels, regression values, ...), "
+            f"a number, or a tuple, list or dict of tensors; got {type(y).__name__} {shown}"
+        ) from None
+
+
+def check_sample(sample: object, where: str = "data set") -> tuple[Any, Any]:
+    """Return ``(x, y)`` of one sample, ``y`` as the loss gets it (:func:`_target`), or explain what
+    a sample must look like.
 
     ``x`` is a tensor, or tuples, lists and dicts of tensors nested in any way (``(src, tgt_in)``,
-    ``{"input_ids": ..., "attention_mask": ...}``)."""
+    ``{"input_ids": ..., "attention_mask": ...}``); so is ``y``, whose dtype and values are never
+    changed: class labels, regression targets and structured targets reach the loss as given."""
     if not isinstance(sample, (tuple, list)) or len(sample) != 2:
         raise ConfigError(
             f"{where}: a sample must be a pair (x, y) of inputs (a tensor, or a tuple, list or dict of tensors) "
-            f"and an integer label, got {type(sample).__name__}"
+            f"and a target, got {type(sample).__name__}"
             + (f" of length {len(sample)}" if isinstance(sample, (tuple, list)) else "")
         )
     x, y = sample
@@ -58,22 +93,13 @@ def check_sample(sample: object, where: str = "data set") -> tuple[Any, torch.Te
                 f"{where}: x must be a torch.Tensor, or a tuple, list or dict of tensors (nested in any way); "
                 f"{detail}"
             )
-    try:
-        y = torch.as_tensor(y)
-    except (TypeError, ValueError, RuntimeError):  # a string, None, a ragged list: not a label
-        shown = repr(y) if len(repr(y)) <= 40 else repr(y)[:37] + "..."
-        raise ConfigError(
-            f"{where}: y must be an integer class label (a Python int or a 0-d integer tensor), or an integer "
-            f"tensor of labels per position; got {type(y).__name__} {shown}: map each label to its class number "
-            f"(0..C-1) in the data set"
-        ) from None
-    if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
-        raise ConfigError(
-            f"{where}: y must be an integer class label (a Python int or a 0-d integer tensor), or "
-            f"an integer tensor of labels per position (e.g. next tokens); got a {tuple(y.shape)} "
-            f"tensor of {y.dtype}"
-        )
-    return x, y
+    return x, _target(y, where)
+
+
+def class_labels(y: Any) -> bool:
+    """Whether targets ``y`` are class labels: one tensor of an integer dtype (not bool)."""
+    return (isinstance(y, torch.Tensor) and not y.dtype.is_floating_point and not y.dtype.is_complex
+            and y.dtype != torch.bool)
 
 
 IGNORE_INDEX = -100  # a label that counts for nothing (pipetrain.models.loss.IGNORE_INDEX)
@@ -92,9 +118,9 @@ def _class_count(labels: torch.Tensor) -> int:
     return int(counted.max()) + 1 if counted.numel() else 1
 
 
-def stack_samples(samples: Sequence[Any], where: str = "data set") -> tuple[Any, torch.Tensor]:
-    """``(x, y)`` pairs stacked along a new batch dimension (a structured ``x`` tensor by tensor);
-    labels as int64.
+def stack_samples(samples: Sequence[Any], where: str = "data set") -> tuple[Any, Any]:
+    """``(x, y)`` pairs stacked along a new batch dimension, a structured ``x`` or ``y`` tensor by
+    tensor; targets keep the dtype the samples give (numbers as :func:`check_sample` reads them).
 
     The common case costs one ``torch.stack`` per field; only a batch that fails is checked sample
     by sample, so that the error names what is wrong.
@@ -102,27 +128,26 @@ def stack_samples(samples: Sequence[Any], where: str = "data set") -> tuple[Any,
     try:
         xs, ys = zip(*samples)
         x = torch.stack(xs) if isinstance(xs[0], torch.Tensor) else None
-        y = torch.stack(ys) if isinstance(ys[0], torch.Tensor) else torch.tensor(ys)
+        y = torch.stack(ys) if isinstance(ys[0], torch.Tensor) else None if _structured(ys[0]) else torch.tensor(ys)
     except (TypeError, ValueError, RuntimeError) as error:
         for sample in samples:
             check_sample(sample, where)
         shapes = sorted({(tuple(s[0].shape) if isinstance(s[0], torch.Tensor) else describe(s[0]),
-                          tuple(torch.as_tensor(s[1]).shape)) for s in samples},
+                          describe(_target(s[1], where))) for s in samples},
                         key=lambda pair: (isinstance(pair[0], str), pair))
         raise ConfigError(
             f"{where}: the samples of a batch cannot be stacked ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); every x must have one shape and every y "
             f"another, got (x, y) shapes {shapes[:4]}"
         ) from None
-    if x is None:  # a structured x: stacked leaf by leaf, an error names the leaf
+    if x is None or y is None:  # a structured x or y: stacked leaf by leaf, an error names the leaf
         check_sample(samples[0], where)
         try:
-            x = stack(xs)
+            x = stack(xs) if x is None else x
+            y = stack([_target(v, where) for v in ys], "y") if y is None else y
         except ConfigError as error:
             raise ConfigError(f"{where}: {error}") from None
-    if y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
-        check_sample(samples[0], where)  # explains the label types
-    return x, y.to(torch.int64)
+    return x, y
 
 
 def _base_indices(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[Dataset, list[int] | torch.Tensor]:
@@ -186,7 +211,7 @@ def reads_by_index(dataset: Dataset) -> bool:
     return callable(getattr(dataset, "batch", None)) or (isinstance(tensors, tuple) and len(tensors) == 2)
 
 
-def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[Any, Any]:
     """Stack the samples ``indices`` of ``dataset`` into ``(x, y)`` with a leading batch dimension.
 
     A data set with a ``batch(indices) -> (x, y)`` method builds the batch itself (``text``: it
@@ -194,17 +219,16 @@ def get_batch(dataset: Dataset, indices: Sequence[int] | torch.Tensor) -> tuple[
     indices; build each update's whole batch with one call, then split it into microbatches). A
     data set of two tensors (built-ins, TensorDataset) is indexed in one operation; any other is
     read sample by sample (:func:`stack_samples`). ``Subset`` wrappers cost O(len(indices)).
-    Labels come back as int64.
+    Targets come back with the dtype and structure the data set gives them.
     """
     dataset, index = _base_indices(dataset, indices)
     batch = getattr(dataset, "batch", None)
     if callable(batch):
-        x, y = _read_batch(dataset, torch.as_tensor(index, dtype=torch.int64))
-        return x, y.to(torch.int64)
+        return _read_batch(dataset, torch.as_tensor(index, dtype=torch.int64))
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, tuple) and len(tensors) == 2:
         index = torch.as_tensor(index, dtype=torch.int64)
-        return tensors[0][index], tensors[1][index].to(torch.int64)
+        return tensors[0][index], tensors[1][index]
     positions = index.tolist() if isinstance(index, torch.Tensor) else index
     return stack_samples([read_sample(dataset, i) for i in positions])
 
@@ -240,7 +264,8 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
     a second tensor when present, else by reading every other sample once (give the data set a
     ``num_classes`` attribute to skip that pass). The pass runs under a fixed seed and leaves the
     caller's random generators as they were. Labels of -100 are ignored targets (padding, unmasked
-    tokens), not classes.
+    tokens), not classes. Targets that are not class labels (:func:`class_labels`) have no class
+    count: ``num_classes`` is then None.
     """
     try:
         n = len(dataset)  # type: ignore[arg-type]
@@ -251,7 +276,7 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
     x, y0 = check_sample(read_sample(dataset, 0) if first is None else first)
     x = first_tensor(x)
     num_classes = _declared_classes(dataset)
-    if num_classes is None:
+    if num_classes is None and class_labels(y0):
         labels = _stored_labels(dataset)
         if labels is None:
             from pipetrain.data.seeding import seeded
@@ -266,5 +291,5 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
                     f"counting the classes of the data set (give it a num_classes attribute to skip this): {error}"
                 ) from None
             labels = torch.cat(parts)
-        num_classes = _class_count(labels)
-    return DataInfo(tuple(int(s) for s in x.shape), int(num_classes))
+        num_classes = _class_count(labels) if class_labels(labels) else None
+    return DataInfo(tuple(int(s) for s in x.shape), None if num_classes is None else int(num_classes))

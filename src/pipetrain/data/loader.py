@@ -21,10 +21,11 @@ The loader keeps everything it was built with (its sampler, ``num_workers``, ``p
   are still the same from run to run, though not the same as with ``num_workers=0``.
 * **Reading ahead.** The loader's own workers read ahead; a receiving thread takes their batches
   so that the training thread only picks one up. With ``num_workers=0`` batches are read on the
-  training thread when needed (as the loader itself would). On a rank that pipetrain's launcher
-  pinned to its own cores, the loader's ``worker_init_fn`` is wrapped so that its workers may run
-  on any core first (:func:`~pipetrain.data.prefetch.unpin_worker`): pinned beside the rank
-  they fall behind whenever its core is busy.
+  training thread when needed (as the loader itself would). The loader's ``worker_init_fn`` is
+  wrapped (:func:`~pipetrain.data.prefetch.settle_worker`): its workers first close the TCP
+  sockets of a distributed rank that the fork duplicated (held there, they hid the rank's death
+  from its peers for seconds) and, on a rank that pipetrain's launcher pinned to its own cores,
+  may run on any core: pinned beside the rank they fall behind whenever its core is busy.
 * **Going back.** Updates are asked for in increasing order; the last ``keep`` batches are kept
   for a request that comes a little late (stage 0's replicas take turns). A run that starts at a
   later update (resumed from a checkpoint) reads the batches before it and drops them.
@@ -33,7 +34,6 @@ The loader keeps everything it was built with (its sampler, ``num_workers``, ``p
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from typing import Any, Iterator, TYPE_CHECKING
 
@@ -55,24 +55,25 @@ __all__ = ["LoaderBatches", "loader_info"]
 def loader_info(loader: DataLoader, where: str = "the DataLoader") -> DataInfo:
     """What the model needs to know of a DataLoader's data: :func:`~pipetrain.data.info.dataset_info`
     of its (map-style) data set, one sample read; an ``IterableDataset`` must declare
-    ``num_classes``, and gives the input shape of its first sample."""
-    from pipetrain.data.info import DataInfo, check_sample, dataset_info
+    ``num_classes`` when its targets are class labels (others have none), and gives the input shape
+    of its first sample."""
+    from pipetrain.data.info import DataInfo, check_sample, class_labels, dataset_info
 
     dataset = loader.dataset
     if not isinstance(dataset, IterableDataset):
         return dataset_info(dataset)
     num_classes = getattr(dataset, "num_classes", None)
-    if num_classes is None:
-        raise ConfigError(
-            f"{where} reads an IterableDataset ({type(dataset).__name__}): give it a num_classes attribute, "
-            "the class count the model is built for"
-        )
     with seeded(0):
         first = next(iter(dataset), None)
     if first is None:
         raise ConfigError(f"{where}'s IterableDataset yielded no sample")
-    x, _ = check_sample(first, where)
-    return DataInfo(tuple(int(s) for s in first_tensor(x).shape), int(num_classes))
+    x, y = check_sample(first, where)
+    if num_classes is None and class_labels(y):
+        raise ConfigError(
+            f"{where} reads an IterableDataset ({type(dataset).__name__}) of class labels: give it a num_classes "
+            "attribute, the class count the model is built for"
+        )
+    return DataInfo(tuple(int(s) for s in first_tensor(x).shape), None if num_classes is None else int(num_classes))
 
 
 class LoaderBatches:
@@ -107,7 +108,7 @@ class LoaderBatches:
         self._kept: dict[int, tuple[Any, torch.Tensor]] = {}
         self._epoch_batches = 0  # full batches of the epoch being read
         self._threaded = int(getattr(loader, "num_workers", 0) or 0) > 0
-        if self._threaded and os.environ.get("PIPETRAIN_CPUS") and hasattr(loader, "worker_init_fn"):
+        if self._threaded and hasattr(loader, "worker_init_fn"):
             from pipetrain.data.prefetch import Unpinned
 
             if not isinstance(loader.worker_init_fn, Unpinned):  # see the module docstring, "Reading ahead"
@@ -222,14 +223,13 @@ class LoaderBatches:
                 + (f" of length {len(raw)}" if isinstance(raw, (tuple, list)) else "")
             )
         x, y = raw
-        if not isinstance(y, torch.Tensor) or y.dim() == 0:
+        first = first_tensor(y)
+        if first is None or first.dim() == 0:
             raise ConfigError(
-                f"the targets of a DataLoader batch must be a tensor with a batch dimension, got {type(y).__name__}"
+                f"the targets of a DataLoader batch must be a tensor with a batch dimension (or a tuple, list or "
+                f"dict of them), got {type(y).__name__}" + ("" if first is None else " of 0-d tensors")
             )
-        x = cast_floating(x, self.dtype)
-        if not y.dtype.is_floating_point and not y.dtype.is_complex and y.dtype != torch.bool:
-            y = y.to(torch.int64)
-        return x, y
+        return cast_floating(x, self.dtype), y  # the targets as the loader made them
 
     def _next_full(self) -> tuple[Any, torch.Tensor]:
         while True:
@@ -238,7 +238,7 @@ class LoaderBatches:
                 self._end_epoch()
                 continue
             x, y = self._pair(raw)
-            samples = int(y.shape[0])
+            samples = int(first_tensor(y).shape[0])
             if self.batch_size is None:
                 self.batch_size = samples
             if samples == self.batch_size:

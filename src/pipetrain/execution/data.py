@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
-import torch
 from torch.utils.data import Dataset
 
 from pipetrain.errors import ConfigError, option
@@ -54,7 +53,7 @@ class BatchSource(Protocol):
     """Where a :class:`UnitData` takes each update's whole batch from (for example
     :class:`pipetrain.data.DatasetBatches` or :class:`pipetrain.data.LoaderBatches`)."""
 
-    def batch(self, update: int) -> tuple[Any, torch.Tensor]: ...
+    def batch(self, update: int) -> tuple[Any, Any]: ...
 
     def close(self) -> None: ...
 
@@ -78,10 +77,10 @@ class _Calls:
     def read_ahead(self) -> bool:
         return self._prefetcher is not None
 
-    def _read(self, update: int) -> tuple[Any, torch.Tensor]:
+    def _read(self, update: int) -> tuple[Any, Any]:
         return self.get_batch(self.dataset, self.indices_of_update(update))
 
-    def batch(self, update: int) -> tuple[Any, torch.Tensor]:
+    def batch(self, update: int) -> tuple[Any, Any]:
         return self._read(update) if self._prefetcher is None else self._prefetcher.get(update)
 
     def close(self) -> None:
@@ -103,7 +102,7 @@ class UnitData:
         dataset: Dataset | None,
         layout: UnitLayout,
         indices_of_update: Callable[[int], Any] | None = None,
-        get_batch: Callable[[Dataset, Any], tuple[Any, torch.Tensor]] | None = None,
+        get_batch: Callable[[Dataset, Any], tuple[Any, Any]] | None = None,
         prefetch: Sequence[int] | None = None,
         *,
         batches: BatchSource | None = None,
@@ -114,7 +113,7 @@ class UnitData:
                 raise TypeError("UnitData needs indices_of_update (or batches=)")
             batches = _Calls(dataset, indices_of_update, get_batch, prefetch)
         self.batches = batches
-        self._cached: tuple[int, Any, torch.Tensor] | None = None
+        self._cached: tuple[int, Any, Any] | None = None
 
     @classmethod
     def of(cls, batches: BatchSource, layout: UnitLayout) -> "UnitData":
@@ -126,7 +125,7 @@ class UnitData:
         """Whether batches are read ahead (on a background thread or in worker processes)."""
         return bool(getattr(self.batches, "read_ahead", False))
 
-    def batch(self, update: int) -> tuple[Any, torch.Tensor]:
+    def batch(self, update: int) -> tuple[Any, Any]:
         if self._cached is None or self._cached[0] != update:
             x, y = self.batches.batch(update)
             self._cached = (update, x, y)
@@ -136,9 +135,9 @@ class UnitData:
         """Stop reading ahead (a no-op without it)."""
         self.batches.close()
 
-    def unit(self, unit: int) -> tuple[Any, torch.Tensor]:
+    def unit(self, unit: int) -> tuple[Any, Any]:
         update, start, stop = self.layout.bounds(unit)
         x, y = self.batch(update)
         if start == 0 and stop == self.layout.batch_size:
             return x, y
-        return rows(x, start, stop), y[start:stop]
+        return rows(x, start, stop), rows(y, start, stop)

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from pipetrain.errors import PipetrainError
 from pipetrain.execution.device import autocast_on, to_device
-from pipetrain.execution.failures import forward_failure
+from pipetrain.execution.failures import PLAIN, StageNames, forward_failure
 from pipetrain.execution.parameters import Parameters
 from pipetrain.structure import flatten
 
@@ -18,7 +18,7 @@ __all__ = ["evaluate_stage"]
 
 
 def evaluate_stage(stage: int, call: Parameters, params: Mapping[str, Tensor], inputs: Any, device: torch.device,
-             autocast: torch.dtype | None = None) -> Any:
+             autocast: torch.dtype | None = None, names: StageNames = PLAIN) -> Any:
     """``call``'s module on ``inputs`` (moved to ``device``) with ``params``, in eval mode (its mode
     is put back afterwards); a failure of the user's code is a :class:`~pipetrain.errors.ModelError`
     that names stage ``stage``."""
@@ -32,6 +32,7 @@ def evaluate_stage(stage: int, call: Parameters, params: Mapping[str, Tensor], i
     except PipetrainError:
         raise
     except Exception as error:  # noqa: BLE001 - as in the forward of training
-        raise forward_failure(stage, error, leaves, module, structure=structure, what="on held-out data") from None
+        raise forward_failure(stage, error, leaves, module, structure=structure, what="on held-out data",
+                              names=names) from None
     finally:
         module.train(was_training)

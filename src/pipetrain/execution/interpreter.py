@@ -8,6 +8,10 @@ differs for a reason is named here as an argument: ``tensors_only`` (torch.distr
 only tensors), ``faults`` (failures whose exit status the runtime keeps), ``explain`` (the
 runtime words torch's errors with the action) and ``done`` (the runtime's status board).
 
+A pair (``(0F7;3B2)``, DualPipe's paired forward and backward) runs its forward, then its
+backward: a GPU would overlap the two (one half's communication under the other's compute); on a
+CPU the halves run one after the other, with the same numbers.
+
 A transport may answer a receive, a SYNC or a tied-gradient sum with :data:`WAIT` (the message or
 the peers are not there yet): :meth:`Interpreter.run` then returns the position of that action,
 which runs again from its start when the caller resumes the rank. A blocking transport (the
@@ -24,11 +28,11 @@ import torch
 from pipetrain.errors import PipetrainError, StageError
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.losses import UnitLosses
-from pipetrain.execution.failures import located
+from pipetrain.execution.failures import StageNames, located
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.timing import ActionTimes, window_lengths
 from pipetrain.execution.versions import version_release_points
-from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
+from pipetrain.schedule.ir import Action, Kind, Schedule, format_action, halves
 from pipetrain.structure import flatten
 
 __all__ = ["WAIT", "Interpreter", "Transport"]
@@ -45,7 +49,7 @@ class _Wait:
 
 WAIT: Any = _Wait()
 
-_F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
+_F, _B, _I, _W, _FB = Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB
 _SEND_F, _RECV_F, _SEND_B, _RECV_B, _SYNC, _STEP = (
     Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
 )
@@ -117,6 +121,7 @@ class Interpreter:
         window: int | None = None,
     ) -> None:
         self.schedule = schedule
+        self.names = StageNames.of(schedule)  # of a failing stage, in the user's terms
         self.rank = rank
         self.program = schedule.programs[rank]
         self.executors = executors
@@ -143,10 +148,9 @@ class Interpreter:
     def run(self, position: int, stop: int) -> int:
         """Run the actions at ``position`` up to (not including) ``stop``; returns where the rank
         stands: ``stop``, or the action whose message or peers the transport is waiting for."""
-        schedule, rank, program = self.schedule, self.rank, self.program
+        rank, program = self.rank, self.program
         executors, transport, layout = self.executors, self.transport, self.layout
         local, labels, constants, releases = self.local, self.labels, self.constants, self.releases
-        last = self.last_stage
         first_held = min(executors) if executors else 0  # the lowest stage on this rank
         times = self.times
         starts, ends, window, windowed = times.starts, times.ends, times.window, times.windowed
@@ -161,16 +165,11 @@ class Interpreter:
                 if kind is _F:
                     self._forward(action, executors[stage])
                 elif kind is _B or kind is _I:
-                    executor = executors[stage]
-                    grad_out = None if stage == last else local.pop(("B", stage, k))
-                    if kind is _B:
-                        grads = executor.backward(k, version, grad_out)
-                    else:
-                        grads = executor.backward_input(k, version, grad_out)
-                    if stage > 0:
-                        local[("B", stage - 1, k)] = grads
-                    if stage == first_held or schedule.rank_of(stage - 1, k) != rank:
-                        labels.pop(k, None)
+                    self._backward(action, first_held)
+                elif kind is _FB:  # a pair: on a CPU its halves one after the other, the forward first
+                    forward, backward = halves(action)
+                    self._forward(forward, executors[forward.stage])
+                    self._backward(backward, first_held)
                 elif kind is _W:
                     executors[stage].backward_weight(k, version)
                 elif kind is _SEND_F:
@@ -200,9 +199,10 @@ class Interpreter:
             except self.faults:
                 raise
             except StageError as error:  # a NaN loss, the user's exception: with the step
-                raise located(error, rank, action, lambda k: layout.bounds(k)[0]) from None
-            except PipetrainError as error:
-                raise PipetrainError(f"rank {rank}, action {format_action(action)}: {error}") from None
+                raise located(error, rank, action, lambda k: layout.bounds(k)[0], self.names) from None
+            except PipetrainError as error:  # located, of its own class (a model's ConfigError stays one)
+                error.args = (f"rank {rank}, action {format_action(action)}: {Exception.__str__(error)}",)
+                raise error from None
             except RuntimeError as error:
                 if self.explain is None:
                     raise
@@ -217,6 +217,21 @@ class Interpreter:
             if windowed:
                 times.record(action, began, finished)
         return stop
+
+    def _backward(self, action: Action, first_held: int) -> None:
+        """B or I: the gradient of the stage's output (the loss on the last stage) back through it."""
+        kind, stage, k, version, _ = action
+        executor = self.executors[stage]
+        local = self.local
+        grad_out = None if stage == self.last_stage else local.pop(("B", stage, k))
+        if kind is _B:
+            grads = executor.backward(k, version, grad_out)
+        else:
+            grads = executor.backward_input(k, version, grad_out)
+        if stage > 0:
+            local[("B", stage - 1, k)] = grads
+        if stage == first_held or self.schedule.rank_of(stage - 1, k) != self.rank:
+            self.labels.pop(k, None)
 
     def _forward(self, action: Action, executor: StageExecutor) -> None:
         kind, stage, k, version, _ = action

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from pipetrain.errors import NonFiniteError, PipetrainError, option
+from pipetrain.execution.failures import PLAIN, StageNames
 from pipetrain.execution.versions import VersionStore
 
 __all__ = ["NONFINITE", "SKIP_LIMIT", "NonFiniteGuard", "all_finite", "nonfinite_kind", "nonfinite_names",
@@ -79,10 +80,11 @@ def advice(skip: bool) -> str:
 class NonFiniteGuard:
     """One stage's tests under ``mode`` (one of :data:`NONFINITE`), and the updates it skipped."""
 
-    def __init__(self, stage: int, mode: str) -> None:
+    def __init__(self, stage: int, mode: str, names: StageNames = PLAIN) -> None:
         if mode not in NONFINITE:
             raise PipetrainError(f"nonfinite must be one of {', '.join(NONFINITE)}, not {mode!r}")
         self.stage = stage
+        self.names = names  # how messages name this stage and the one before it
         self.mode = mode
         #: the updates (counted from 1) skipped because their gradient was not finite (``skip``)
         self.skipped: list[int] = []
@@ -91,7 +93,7 @@ class NonFiniteGuard:
         """Under ``stop``, stop at a loss that is not finite, saying where it came from."""
         if self.mode == "stop" and not finite_loss(loss):
             raise NonFiniteError(
-                f"stage {self.stage}: the loss of microbatch {microbatch} is {nonfinite_kind(loss)}"
+                f"{self.names(self.stage)}: the loss of microbatch {microbatch} is {nonfinite_kind(loss)}"
                 f"{self._origin(inputs, weights)}; training stopped there. {advice(skip=True)}",
                 stage=self.stage, microbatch=microbatch,
             )
@@ -101,8 +103,7 @@ class NonFiniteGuard:
         bad = [kind for x in inputs if isinstance(x, Tensor) and x.is_floating_point()
                and (kind := nonfinite_kind(x)) is not None]
         if bad:
-            origin = "the data" if self.stage == 0 else f"stage {self.stage - 1}"
-            return f" (its input from {origin} already holds {bad[0]})"
+            return f" (its input from {self.names.input_of(self.stage)} already holds {bad[0]})"
         if not all_finite(list(weights.values())):
             return f" (the weights of this stage are not finite in {nonfinite_names(weights)})"
         return " (its input and weights are finite: its own computation overflowed)"
@@ -119,7 +120,7 @@ class NonFiniteGuard:
         """Stop after :data:`SKIP_LIMIT` skipped updates in a row (see its docstring)."""
         if len(skipped) >= SKIP_LIMIT and skipped[-SKIP_LIMIT] == step - SKIP_LIMIT + 1:
             raise NonFiniteError(
-                f"stage {self.stage}: the gradients of updates {step - SKIP_LIMIT + 1} to {step} were all not "
+                f"{self.names(self.stage)}: the gradients of updates {step - SKIP_LIMIT + 1} to {step} were all not "
                 f"finite (the last in {nonfinite_names(grads)}) and all were skipped: the weights or the data "
                 f"keep producing NaN or infinite values; training stopped there. {advice(skip=False)}",
                 stage=self.stage, step=step,
@@ -134,7 +135,7 @@ class NonFiniteGuard:
             params = versions[version]
             if not all_finite(list(params.values())):
                 raise NonFiniteError(
-                    f"stage {self.stage}: the weights after update {version} are not finite in "
+                    f"{self.names(self.stage)}: the weights after update {version} are not finite in "
                     f"{nonfinite_names(params)}; {consequence}. {advice(skip=self.mode == 'stop')}",
                     stage=self.stage, step=version,
                 )

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from pipetrain.execution.accumulation import GradientSums
 from pipetrain.execution.device import autocast_on, to_device
 from pipetrain.execution.evaluation import evaluate_stage
-from pipetrain.execution.failures import computed_loss, forward_errors
+from pipetrain.execution.failures import PLAIN, StageNames, computed_loss, forward_errors
 from pipetrain.execution.parameters import INCONSISTENT as _INCONSISTENT
 from pipetrain.execution.parameters import Parameters, SavedParameters
 from pipetrain.execution.inflight import Gradients, InFlight, InFlightTable, constants_of, forward_inputs
@@ -78,6 +78,8 @@ class StageExecutor:
         update_in_backward: apply each one-microbatch update during its backward, parameter by
             parameter, so that the stage never holds its whole gradient (only where the caller
             knows nothing else needs it: :mod:`pipetrain.execution.update_in_backward`).
+        names: how messages name the stage (:class:`~pipetrain.execution.failures.StageNames`:
+            with model chunks, ``stage`` is a piece of a stage the user asked for).
     """
 
     def __init__(
@@ -98,8 +100,10 @@ class StageExecutor:
         units_per_update: int = 1,
         own_weights: frozenset[str] = frozenset(),
         update_in_backward: bool = False,
+        names: StageNames = PLAIN,
     ) -> None:
-        self.guard = NonFiniteGuard(stage, nonfinite)
+        self.names = names
+        self.guard = NonFiniteGuard(stage, nonfinite, names)
         self.nonfinite = nonfinite
         self.stage = stage
         self.module = module
@@ -208,13 +212,14 @@ class StageExecutor:
         if self.scaling is not None:
             inputs, scale = self.scaling.received(microbatch, inputs, stamp)
         inputs, structure = forward_inputs(inputs, device, self.stage > 0, constants)
-        if isinstance(target, Tensor) and target.device != device:
-            target = target.to(device, non_blocking=True)
+        if target is not None:  # a tensor, or the user's structure of them, on the stage's device
+            target = to_device(target, device, non_blocking=True)
         rng = self.recomputation.begin(microbatch)  # seeds a stage with dropout
         record = InFlight(inputs, (), {n: leaves[n] for n in self.trainable}, samples, version, target, loss_scale,
                            scale=scale, leaf_set=leaves, microbatch=microbatch, predicted=predicted,
                            structure=structure, rng=rng)
-        with forward_errors(self.stage, inputs, self.module, structure=structure, target=target, microbatch=microbatch):
+        with forward_errors(self.stage, inputs, self.module, structure=structure, target=target, microbatch=microbatch,
+                            names=self.names):
             with torch.no_grad() if self.recompute else contextlib.nullcontext():
                 output, loss = self._compute(record)
         if self.is_last:
@@ -244,7 +249,7 @@ class StageExecutor:
             hooks = self.saved.recording(record.storage)
         with autocast_on(self.device, self.autocast), hooks:
             output = self.call(record.leaf_set, record.inputs, record.structure)
-            loss = computed_loss(self.stage, self.loss_fn, output, record.target) if self.is_last else None
+            loss = computed_loss(self.stage, self.loss_fn, output, record.target, self.names) if self.is_last else None
         return output, loss
 
     def _recomputed(self, record: InFlight) -> InFlight:
@@ -387,7 +392,8 @@ class StageExecutor:
 
     def evaluate(self, inputs: Any) -> Any:
         """Forward-only pass on the current weights (module in eval mode), for held-out data."""
-        return evaluate_stage(self.stage, self.call, self.versions.latest, inputs, self.device, self.autocast)
+        return evaluate_stage(self.stage, self.call, self.versions.latest, inputs, self.device, self.autocast,
+                              self.names)
 
     def write_back(self) -> None:
         """Copy the current version into the module's own parameters (for saving or inspection);

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution.stage import StageExecutor
-from pipetrain.schedule.ir import Kind, Schedule
+from pipetrain.schedule.ir import Kind, Schedule, halves
 from pipetrain.stages.tied import TiedParameter, refuse_tied
 
 __all__ = ["TiedGradients", "gradient_of", "tied_sum"]
@@ -127,7 +127,8 @@ class TiedGradients:
             for n in range(self._updates[t]):
                 at = min(steps[s][n] for s in mine)
                 for s in mine:
-                    late = [a for a in program[at : steps[s][n]] if a.stage == s and a.kind in _CHANGES_GRADIENT]
+                    late = [a for a in program[at : steps[s][n]]
+                            if any(h.stage == s and h.kind in _CHANGES_GRADIENT for h in halves(a))]
                     if late:
                         raise ConfigError(
                             f"rank {rank} updates stage {min(mine, key=lambda x: steps[x][n])} before stage {s} has "

@@ -20,7 +20,7 @@ __all__ = ["ActionTimes", "WINDOW", "window_lengths", "measured_timeline"]
 #: PipeDream updates; rank 0 holds every rank's window as actions at the end, so it stays small
 WINDOW = 5_000
 
-_BUSY = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.STEP})
+_BUSY = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB, Kind.STEP})
 
 
 def window_lengths(schedule, units_per_update: int = 1) -> list[int]:

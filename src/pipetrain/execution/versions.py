@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 from torch import Tensor
 
 from pipetrain.errors import PipetrainError
-from pipetrain.schedule.ir import Action, Kind
+from pipetrain.schedule.ir import Action, Kind, halves
 
 __all__ = ["VersionStore", "version_release_points"]
 
@@ -200,6 +200,9 @@ def version_release_points(program: Sequence[Action]) -> dict[int, list[tuple[in
             version = counts.get(action.stage, 0)
             counts[action.stage] = version + 1
             superseded[(action.stage, version)] = position
+        elif action.kind is Kind.FB:  # a pair reads a version for each half
+            for half in halves(action):
+                last_read[(half.stage, half.version)] = position
         elif action.version is not None:
             last_read[(action.stage, action.version)] = position
     releases: dict[int, list[tuple[int, int]]] = {}

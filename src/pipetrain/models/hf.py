@@ -6,9 +6,17 @@ module declares that as the model's ``pipeline_units`` (see
 :func:`pipetrain.stages.split.declared_units`): small modules holding the HF model's *own*
 submodules, so that cutting, training and ``--save`` work on the HF model itself and its state
 dict (``StagedModel.merge_state_dict``, or the model after training) loads back into the HF class
-with ``strict=True``. Without attention masks (every sequence of a batch full length) the units
-compute bit for bit what the HF model computes (tested): GPT-2's attention is causal, BERT's
-bidirectional.
+with ``strict=True``.
+
+A batch's ``x`` is what a user of HF passes: the token ids alone, or a dict of HF's argument names,
+``{"input_ids", "attention_mask"}`` (1 for tokens, 0 for padding, as a tokenizer's ``padding=True``
+gives it; BERT's also ``"token_type_ids"``). With a dict, the embeddings hand the blocks
+``{"hidden", "attention_mask"}``, the raw mask (integer or bool: no gradient) travelling beside the
+hidden states; each block builds its attention mask from it with HF's own
+``create_causal_mask`` (GPT-2) / ``create_bidirectional_mask`` (BERT), as the HF model builds it once
+for all its blocks, so no float mask crosses a stage. Any other ``x`` is refused naming the forms
+taken. The units compute bit for bit what the HF model computes, with and without padding (tested;
+under eager attention as GPT-2 computes with ``use_cache=False``).
 
 The output head of both reuses the input embedding's weight (tied weights): cut into stages, the
 first and the last stage hold it, and the synchronous schedules sum its gradient
@@ -48,29 +56,85 @@ def _transformers() -> Any:
     return transformers
 
 
-class Block(nn.Module):
-    """One HF transformer block called on the hidden states alone (no mask, no cache); takes the
-    hidden states out of the tuple older transformers versions return."""
+_GPT2_KEYS = ("input_ids", "attention_mask")
+_BERT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
-    def __init__(self, block: nn.Module) -> None:
+
+def _lm_inputs(x: Any, keys: Sequence[str], model: str) -> dict[str, torch.Tensor]:
+    """A batch's ``x`` as HF's keyword arguments: token ids alone, or a dict of the names in ``keys``
+    (what HF's tokenizer gives and the model's ``forward`` takes); anything else is refused naming both."""
+    forms = (f"{model}'s units take x as token ids (a tensor (B, T)) or a dict of HF's arguments "
+             f"{{{', '.join(repr(k) for k in keys)}}} ('input_ids' required; 1 in 'attention_mask' for tokens, "
+             f"0 for padding)")
+    if isinstance(x, torch.Tensor):
+        return {"input_ids": x}
+    if isinstance(x, (tuple, list)):  # a list reaches the first unit as the tuple of its items
+        raise ConfigError(f"{forms}; got a tuple or list of {len(x)}")
+    if not isinstance(x, dict):
+        raise ConfigError(f"{forms}; got a {type(x).__name__}")
+    unknown = [repr(k) for k in x if k not in keys]
+    if unknown or "input_ids" not in x:
+        raise ConfigError(f"{forms}; got a dict " + (f"with also {', '.join(unknown)}" if unknown else
+                                                     "without 'input_ids'"))
+    return dict(x)
+
+
+def _attention_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> Any:
+    """A layer's attention mask from the batch's raw one, as the HF model builds it once for all
+    its layers (``create_causal_mask`` / ``create_bidirectional_mask``: None where the attention
+    kernel needs none, full-length sequences under SDPA)."""
+    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+    if causal:
+        return create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=mask, cache=None)
+    return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=mask)
+
+
+def _state(inputs: dict[str, torch.Tensor], hidden: torch.Tensor, x: Any) -> Any:
+    """What the embeddings hand the first block: the hidden states alone for token ids given alone,
+    else a dict with the raw attention mask beside them (integer or bool: no gradient)."""
+    if isinstance(x, torch.Tensor):
+        return hidden
+    return {"hidden": hidden, **({"attention_mask": inputs["attention_mask"]} if "attention_mask" in inputs else {})}
+
+
+def _hidden(state: Any) -> torch.Tensor:
+    """The hidden states a unit was handed, alone or in ``{"hidden", "attention_mask"}``."""
+    return state["hidden"] if isinstance(state, dict) else state
+
+
+class Block(nn.Module):
+    """One HF transformer block (no cache), on the hidden states alone or on ``{"hidden",
+    "attention_mask"}``: it builds its attention mask from the raw one with HF's own helper, so no
+    float mask crosses a stage; takes the hidden states out of the tuple older transformers
+    versions return."""
+
+    def __init__(self, block: nn.Module, config: Any, causal: bool) -> None:
         super().__init__()
         self.block = block
+        self.config, self.causal = config, causal
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.block(hidden)
-        return out[0] if isinstance(out, tuple) else out
+    def forward(self, state: Any) -> Any:
+        hidden = _hidden(state)
+        raw = state.get("attention_mask") if isinstance(state, dict) else None
+        out = self.block(hidden, attention_mask=_attention_mask(self.config, hidden, raw, self.causal))
+        out = out[0] if isinstance(out, tuple) else out
+        return {**state, "hidden": out} if isinstance(state, dict) else out
 
 
 class GPT2Embeddings(nn.Module):
-    """GPT-2's input: token plus position embeddings, then dropout (GPT2Model.forward's start)."""
+    """GPT-2's input: token plus position embeddings, then dropout (GPT2Model.forward's start;
+    positions 0 ... T-1 whatever the padding, as there)."""
 
     def __init__(self, transformer: nn.Module) -> None:
         super().__init__()
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Any) -> Any:
+        inputs = _lm_inputs(x, _GPT2_KEYS, "GPT-2")
+        input_ids = inputs["input_ids"]
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device).unsqueeze(0)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
+        return _state(inputs, self.drop(self.wte(input_ids) + self.wpe(positions)), x)
 
 
 class GPT2Head(nn.Module):
@@ -80,19 +144,22 @@ class GPT2Head(nn.Module):
         super().__init__()
         self.ln_f, self.lm_head = transformer.ln_f, lm_head
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden))
+    def forward(self, state: Any) -> torch.Tensor:
+        return self.lm_head(self.ln_f(_hidden(state)))
 
 
 class BertEmbeddings(nn.Module):
-    """BERT's embeddings (words, positions, token types of zeros, norm, dropout)."""
+    """BERT's embeddings (words, positions, token types: zeros unless the batch gives
+    ``token_type_ids``, norm, dropout)."""
 
     def __init__(self, embeddings: nn.Module) -> None:
         super().__init__()
         self.embeddings = embeddings
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings(input_ids=input_ids)
+    def forward(self, x: Any) -> Any:
+        inputs = _lm_inputs(x, _BERT_KEYS, "BERT")
+        hidden = self.embeddings(input_ids=inputs["input_ids"], token_type_ids=inputs.get("token_type_ids"))
+        return _state(inputs, hidden, x)
 
 
 class BertHead(nn.Module):
@@ -102,14 +169,14 @@ class BertHead(nn.Module):
         super().__init__()
         self.cls = cls
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.cls(hidden)
+    def forward(self, state: Any) -> torch.Tensor:
+        return self.cls(_hidden(state))
 
 
 def gpt2_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The units of a ``GPT2LMHeadModel``: ``embed``, ``h0`` ... ``h{L-1}``, ``head``."""
     transformer = model.transformer
-    blocks = [(f"h{i}", Block(block)) for i, block in enumerate(transformer.h)]
+    blocks = [(f"h{i}", Block(block, transformer.config, causal=True)) for i, block in enumerate(transformer.h)]
     return [("embed", GPT2Embeddings(transformer)), *blocks, ("head", GPT2Head(transformer, model.lm_head))]
 
 
@@ -118,7 +185,8 @@ def bert_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     bert = model.bert
     if getattr(bert, "pooler", None) is not None:
         raise ConfigError("a BERT with a pooler is not a masked LM's encoder: build BertForMaskedLM")
-    layers = [(f"layer{i}", Block(layer)) for i, layer in enumerate(bert.encoder.layer)]
+    causal = bool(getattr(bert.config, "is_decoder", False))  # as BertModel picks its mask
+    layers = [(f"layer{i}", Block(layer, bert.config, causal)) for i, layer in enumerate(bert.encoder.layer)]
     return [("embed", BertEmbeddings(bert.embeddings)), *layers, ("head", BertHead(model.cls))]
 
 

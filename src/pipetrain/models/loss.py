@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipetrain.errors import ConfigError
+from pipetrain.structure import describe, first_tensor
 
 __all__ = ["IGNORE_INDEX", "CrossEntropy", "LossFn", "accuracy_counts", "cross_entropy", "loss_for", "target_count"]
 
@@ -34,7 +35,23 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 IGNORE_INDEX = -100
 
 
+def _class_indices(target: Any) -> torch.Tensor:
+    """``target`` as the class indices cross entropy takes (any integer dtype, as int64), or one
+    ConfigError saying that these targets are not class labels and what to do instead."""
+    if isinstance(target, torch.Tensor) and not (target.dtype.is_floating_point or target.dtype.is_complex
+                                                 or target.dtype == torch.bool):
+        return target if target.dtype == torch.int64 else target.to(torch.int64)
+    got = (f"{str(target.dtype).replace('torch.', '')} targets" if isinstance(target, torch.Tensor)
+           else f"targets {describe(target)}")
+    raise ConfigError(
+        f"cross entropy, the default loss, needs integer class labels; got {got}: pass a loss for these "
+        f"targets as loss_fn (for regression torch.nn.MSELoss(), or a function of (output, target)), or give "
+        f"the model a pipeline_loss, or make the labels integer class numbers"
+    )
+
+
 def _flat(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    target = _class_indices(target)
     if not isinstance(output, torch.Tensor) or output.dim() != target.dim() + 1:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise ConfigError(
@@ -73,6 +90,7 @@ class CrossEntropy:
 
     def pairs(self, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``(N, C)`` and targets ``(N,)`` compared with each other (ignored ones included)."""
+        target = _class_indices(target)
         if self.shift:
             if not isinstance(output, torch.Tensor) or output.dim() < 3 or target.dim() < 2:
                 raise ConfigError(
@@ -113,18 +131,34 @@ cross_entropy.count = _DEFAULT.count  # type: ignore[attr-defined]
 cross_entropy.accuracy_counts = _DEFAULT.accuracy_counts  # type: ignore[attr-defined]
 
 
-def accuracy_counts(output: torch.Tensor, target: torch.Tensor, loss_fn: Any = None) -> tuple[int, int]:
+def _classifies(output: Any, target: Any) -> bool:
+    """Whether ``output`` reads as class scores for ``target``: integer labels ``(...)`` against
+    scores ``(..., C)``."""
+    return (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)
+            and not (target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool)
+            and output.dim() == target.dim() + 1 and output.shape[:-1] == target.shape)
+
+
+def accuracy_counts(output: Any, target: Any, loss_fn: Any = None) -> tuple[int, int] | None:
     """``(correct, counted)`` of one batch, as ``loss_fn`` compares predictions with targets when it
-    says (an ``accuracy_counts`` method), else arg-max against every target that counts."""
+    says (an ``accuracy_counts`` method), else arg-max against every target that counts where the
+    output reads as class scores for integer labels; None where there is no accuracy to speak of
+    (regression, structured targets, a loss that does not say)."""
     counts = getattr(loss_fn, "accuracy_counts", None)
-    return counts(output, target) if callable(counts) else _DEFAULT.accuracy_counts(output, target)
+    if callable(counts):
+        return counts(output, target)
+    return _DEFAULT.accuracy_counts(output, target) if _classifies(output, target) else None
 
 
-def target_count(output: Any, target: torch.Tensor, loss_fn: Any = None) -> int:
+def target_count(output: Any, target: Any, loss_fn: Any = None) -> int:
     """How many targets ``loss_fn``'s mean is over: its ``count`` method's answer, else the samples
-    (a loss that does not say is taken to average over the batch)."""
+    (a loss that does not say is taken to average over the batch; a structured target's samples
+    are its first tensor's rows)."""
     count = getattr(loss_fn, "count", None)
-    return int(count(output, target)) if callable(count) else int(target.shape[0]) if target.dim() else 1
+    if callable(count):
+        return int(count(output, target))
+    first = first_tensor(target)
+    return int(first.shape[0]) if first is not None and first.dim() else 1
 
 
 def loss_for(model: nn.Module | None = None) -> LossFn:

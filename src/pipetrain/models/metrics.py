@@ -30,14 +30,15 @@ def evaluate(
     *,
     batch_size: int = 256,
     loss_fn: LossFn = cross_entropy,
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """``{"loss", "accuracy", "bits_per_target", "samples", "targets"}`` of ``model`` on ``dataset``.
 
     Samples are read in order, ``batch_size`` at a time, through :func:`pipetrain.data.get_batch`.
     ``loss`` and ``accuracy`` are means over all target elements that count (per class label for
     classifiers, per token for ``gpt``: then ``bits_per_target`` is bits per character; targets
     equal to -100 are left out), compared as ``loss_fn`` says (``accuracy_counts``/``count``
-    methods, see :mod:`pipetrain.models.loss`).
+    methods, see :mod:`pipetrain.models.loss`); ``accuracy`` is None where the predictions are not
+    classes (a regression, structured targets).
     ``model`` may be a module, a :class:`~pipetrain.stages.StagedModel` or a callable; modules run
     in eval mode (restored afterwards).
     """
@@ -49,18 +50,21 @@ def evaluate(
     correct = 0
     targets = 0
     weight = 0  # targets the losses average over
+    classifies = True
     n = len(dataset)  # type: ignore[arg-type]
     try:
         for start in range(0, n, batch_size):
             x, y = get_batch(dataset, torch.arange(start, min(start + batch_size, n)))
             out = model(x)
-            right, counted = accuracy_counts(out, y, loss_fn)
+            counts = accuracy_counts(out, y, loss_fn)
             count = target_count(out, y, loss_fn)
             if count:
                 total_loss += float(loss_fn(out, y)) * count
             weight += count
-            correct += right
-            targets += counted
+            if counts is None:  # not class predictions: no accuracy
+                classifies = False
+            correct += counts[0] if counts else 0
+            targets += counts[1] if counts else count
     finally:
         for module, flags in zip(modules, modes):
             for m, flag in zip(module.modules(), flags):
@@ -68,7 +72,7 @@ def evaluate(
     loss = total_loss / max(weight, 1)
     return {
         "loss": loss,
-        "accuracy": correct / max(targets, 1),
+        "accuracy": correct / max(targets, 1) if classifies else None,
         "bits_per_target": loss / math.log(2),
         "samples": float(n),
         "targets": float(targets),

@@ -34,11 +34,12 @@ def build_model(
     spec: str | Spec,
     *,
     input_shape: Sequence[int] | int,
-    num_classes: int,
+    num_classes: int | None,
     seed: int | None = None,
     meta: bool = False,
 ) -> nn.Module:
-    """The model named by ``spec``, sized for samples of ``input_shape`` and ``num_classes``.
+    """The model named by ``spec``, sized for samples of ``input_shape`` and ``num_classes`` (None:
+    the targets are not class labels, and only a factory that does not ask for it can be built).
 
     A ``PKG.MOD:FACTORY`` is called with the spec's options, plus ``input_shape`` (a tuple),
     ``in_features`` (its product) and ``num_classes`` for those of these parameter names it
@@ -53,15 +54,23 @@ def build_model(
     if not isinstance(spec, Spec):
         spec = parse_spec(spec, builtins=MODELS, kind="model")
     shape, features = input_features(input_shape)
-    if not isinstance(num_classes, int) or num_classes < 1:
+    if num_classes is not None and (not isinstance(num_classes, int) or num_classes < 1):
         raise ConfigError(f"num_classes must be a positive integer, got {num_classes!r}")
     if spec.is_builtin:
+        if num_classes is None:
+            raise ConfigError(
+                f"model {spec.name!r} is a classifier sized by the data's class count, but the data's targets are "
+                f"not integer class labels; build the model with a factory (PKG.MOD:FACTORY) whose module has a "
+                f"pipeline_loss for these targets"
+            )
         builder = MODELS[spec.name]  # type: ignore[index]
         extra: dict[str, Any] = {"input_shape": shape, "num_classes": num_classes}
         what = f"model {spec.name!r}"
     else:
         builder = resolve_factory(spec, kind="model")
-        extra = {"input_shape": shape, "in_features": features, "num_classes": num_classes}
+        extra = {"input_shape": shape, "in_features": features}
+        if num_classes is not None:  # targets that are not class labels have no class count
+            extra["num_classes"] = num_classes
         what = f"model factory {spec.label}"
     if meta:
         with torch.device("meta"):

@@ -321,6 +321,11 @@ class _Trainer:
         self.dtype = config.torch_dtype
         self.train_set, self.test_set = _load_data(config)
         self.info = dataset_info(self.train_set)
+        if self.info.num_classes is None:
+            raise ConfigError(
+                "pipetrain pb studies classifiers (test accuracy, cross entropy at batch size 1): the data's targets "
+                "must be integer class labels"
+            )
         self.units = _check_model(config, self.info)
         self.x, self.y = _tensors(self.train_set, self.dtype)
         self.x_test, self.y_test = _tensors(self.test_set, self.dtype)

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Iterable, Mapping
 import torch
 
 from pipetrain.errors import option
+from pipetrain.paths import termination_deferred
 from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError, CheckpointPeerError, PeerTimeoutError
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "step_dir",
     "stage_file",
     "save_shard",
+    "check_step_dir",
     "save_torch_file",
     "write_manifest",
     "save_checkpoint",
@@ -102,19 +104,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(target: Path, write: Any) -> Any:
-    """Write ``target`` through ``write(file)`` under a temporary name, fsync, rename."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+def _atomic_write(target: Path, write: Any, *, follow_links: bool = True) -> Any:
+    """Write ``target`` through ``write(file)`` under a temporary name, fsync, rename.
+
+    Everything happens in the directory opened once (its descriptor): a temporary name that a link
+    replaced meanwhile is never followed. With ``follow_links=False`` the directory itself may not
+    be a symbolic link (``OSError`` ELOOP): a checkpoint's step directory. A SIGTERM that arrives
+    meanwhile (a launcher stopping its workers) ends the process once the temporary is renamed or
+    removed, never in between (:func:`pipetrain.paths.termination_deferred`)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+    dir_fd = os.open(target.parent, flags if follow_links else flags | os.O_NOFOLLOW)
+    tmp = f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        with open(tmp, "wb") as f:
-            value = write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
+        with termination_deferred():
+            try:
+                with open(tmp, "wb", opener=lambda name, how: os.open(name, how | os.O_EXCL | os.O_NOFOLLOW, 0o644,
+                                                                      dir_fd=dir_fd)) as f:
+                    value = write(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+                raise
+        try:
+            os.fsync(dir_fd)
+        except OSError:
+            pass
+    finally:
+        os.close(dir_fd)
     return value
 
 
@@ -130,9 +151,12 @@ def _check_name(name: str) -> None:
         raise CheckpointError(f"invalid checkpoint file name {name!r}: use a plain name such as 'stage-0.pt'")
 
 
-def save_torch_file(target: str | os.PathLike[str], obj: Any, *, hashing: bool = True) -> tuple[int, str | None]:
+def save_torch_file(
+    target: str | os.PathLike[str], obj: Any, *, hashing: bool = True, follow_links: bool = True
+) -> tuple[int, str | None]:
     """``torch.save(obj)`` into ``target`` atomically (temporary name, fsync, rename; the temporary
     is removed whatever happens). Returns the size and SHA-256 written (None without ``hashing``).
+    ``follow_links=False``: ``target``'s directory may not be a symbolic link (ELOOP).
 
     A write that fails raises its ``OSError`` (``ENOSPC``: no space left on device), not the
     RuntimeError torch.save turns it into."""
@@ -147,7 +171,7 @@ def save_torch_file(target: str | os.PathLike[str], obj: Any, *, hashing: bool =
             raise
         return w
 
-    w = _atomic_write(Path(target), write)
+    w = _atomic_write(Path(target), write, follow_links=follow_links)
     return w.size, None if w.sha is None else w.sha.hexdigest()
 
 
@@ -158,12 +182,32 @@ def save_shard(directory: str | os.PathLike[str], step: int, name: str, state: A
     """
     _check_name(name)
     d = step_dir(directory, step)
+    _refuse_writing_through(d)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        size, sha = save_torch_file(d / name, state)
+        size, sha = save_torch_file(d / name, state, follow_links=False)
     except OSError as error:
+        if error.errno == errno.ELOOP:  # it became a link after the check
+            _refuse_writing_through(d, always=True)
         raise CheckpointError(f"cannot write checkpoint file {d / name}: {error.strerror or error}") from None
     return {"name": name, "size": size, "sha256": sha}
+
+
+def check_step_dir(directory: str | os.PathLike[str], step: int) -> None:
+    """Refuse now (a run before it trains) the step directory a checkpoint of ``step`` would be
+    written to when it is a symbolic link (see :func:`save_shard`)."""
+    _refuse_writing_through(step_dir(directory, step))
+
+
+def _refuse_writing_through(d: Path, always: bool = False) -> None:
+    """A step directory that is a symbolic link is never written through (nor created, renamed or
+    removed in): what it points to may be another run's checkpoint, or anything else."""
+    if always or d.is_symlink():
+        raise CheckpointError(
+            f"cannot write checkpoint {d}: it is a symbolic link, and pipetrain writes checkpoints only into "
+            f"step directories of its own, never through links; remove the link, or give the run another "
+            f"{option('checkpoint_dir')}"
+        )
 
 
 def write_manifest(
@@ -172,6 +216,7 @@ def write_manifest(
     """Write the manifest of step ``step`` listing ``files`` (records from :func:`save_shard`):
     the commit point of the checkpoint. Checks first that every file is there with its size."""
     d = step_dir(directory, step)
+    _refuse_writing_through(d)
     records = sorted((dict(r) for r in files), key=lambda r: r["name"])
     for r in records:
         path = d / r["name"]
@@ -191,8 +236,10 @@ def write_manifest(
     }
     text = json.dumps(manifest, indent=1, sort_keys=True, default=str).encode()
     try:
-        _atomic_write(d / MANIFEST, lambda f: f.write(text))
+        _atomic_write(d / MANIFEST, lambda f: f.write(text), follow_links=False)
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            _refuse_writing_through(d, always=True)
         raise CheckpointError(f"cannot write {d / MANIFEST}: {error.strerror or error}") from None
     return d
 

@@ -50,7 +50,7 @@ from pipetrain.runtime.liveness import Liveness
 from pipetrain.runtime.p2p import Messenger
 from pipetrain.runtime.transport import DistributedTransport
 from pipetrain.schedule.messages import Messages
-from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
+from pipetrain.schedule.ir import Action, Kind, Schedule, format_action, halves
 
 __all__ = ["RankRunner", "sync_groups"]
 
@@ -358,7 +358,7 @@ class RankRunner:
         self.evaluations = list(state.get("evaluations", []))
         restore_rng(state["rng"])
         crossing = {(program[p].stage, program[p].microbatch): (p, program[p]) for p in cut.crossing_sends[rank]}
-        later_forwards = {(a.stage, a.microbatch) for a in _after(program, position) if a.kind is _F}
+        later_forwards = {(h.stage, h.microbatch) for a in _after(program, position) for h in halves(a) if h.kind is _F}
         for stage in sorted(self.executors):
             replayed = self.executors[stage].restore(state["stages"][stage])
             for k, out, constants in replayed:

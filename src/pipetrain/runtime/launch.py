@@ -180,6 +180,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
     restarts: int = 0,
+    silence: float | None = None,
 ) -> LaunchResult:
     """Run ``fn(*args)`` in ``nprocs`` local worker processes (ranks 0..nprocs-1) and wait.
 
@@ -206,7 +207,11 @@ def launch(
     exit on their own (peers of a dead rank report the loss), then are terminated. ``timeout``
     (seconds, optional) bounds each start of the workers. After a failure that is neither a
     user error nor an interruption, all workers are started again, up to ``restarts`` times (see
-    :mod:`pipetrain.runtime.supervise`). Returns a :class:`LaunchResult`: returncode 0, the
+    :mod:`pipetrain.runtime.supervise`). ``silence`` (seconds, optional; the run's ``timeout``): a
+    worker whose status board (:class:`~pipetrain.runtime.status.StatusBoard`) has published
+    nothing for that long is stopped or frozen, and is killed (status 3), so that the run ends
+    ``silence`` seconds after that worker was last heard, not after its peers' own waits run out.
+    Returns a :class:`LaunchResult`: returncode 0, the
     primary failure's status (2 a user error, 3 a lost or timed-out peer, 128+N for a signal N),
     124 on timeout, 130 on Ctrl-C, 143 on SIGTERM.
     """
@@ -229,7 +234,7 @@ def launch(
     try:
         result = run_workers(command, nprocs, threads_per_worker=threads_per_worker,
                              cores=plan_cores(nprocs, threads_per_worker) if pin else None, grace=grace,
-                             timeout=timeout, env=extra, quiet=quiet, restarts=restarts)
+                             timeout=timeout, env=extra, quiet=quiet, restarts=restarts, silence=silence)
         result.results = [_read_result(workdir, r) for r in range(nprocs)]
     finally:
         _rmtree(workdir)
@@ -246,6 +251,7 @@ def launch_script(
     env: Mapping[str, str] | None = None,
     quiet: bool = False,
     restarts: int = 0,
+    silence: float | None = None,
 ) -> LaunchResult:
     """Run this process's own script again in ``nprocs`` local workers, as torchrun would, and wait.
 
@@ -263,7 +269,8 @@ def launch_script(
     command = [sys.executable, *head, "-c", "from pipetrain.runtime.launch import _script_main; _script_main()"]
     return run_workers(command, nprocs, threads_per_worker=threads_per_worker,
                        cores=plan_cores(nprocs, threads_per_worker) if pin else None, grace=grace, timeout=timeout,
-                       env=dict(env or {}, PIPETRAIN_SCRIPT=json.dumps(script)), quiet=quiet, restarts=restarts)
+                       env=dict(env or {}, PIPETRAIN_SCRIPT=json.dumps(script)), quiet=quiet, restarts=restarts,
+                       silence=silence)
 
 
 #: programs whose command line re-run in a worker would not be the user's script

@@ -21,6 +21,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -74,7 +75,7 @@ class DirectoryLock:
         self._made = not self.directory.exists()
         self.directory.mkdir(parents=True, exist_ok=True)
         for _ in range(5):  # the holder may remove the file between our open and our flock
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
@@ -101,12 +102,33 @@ class DirectoryLock:
             return ""
         raise CheckpointError(f"cannot lock checkpoint directory {self.directory}: its lock file keeps changing")
 
+    def _open(self) -> int:
+        """The lock file, opened (created if missing) without following a symbolic link: a link
+        there, or anything else that is not a regular file, is refused in one line, untouched."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                         0o644)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise CheckpointError(
+                    f"cannot lock checkpoint directory {self.directory}: its lock file {LOCK} is a symbolic link, "
+                    f"which pipetrain never writes through; remove it, or give this run another "
+                    f"{option('checkpoint_dir')}"
+                ) from None
+            raise CheckpointError(f"cannot lock checkpoint directory {self.directory}: cannot open {self.path} "
+                                  f"({error.strerror or error})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CheckpointError(f"cannot lock checkpoint directory {self.directory}: {self.path} is not a regular "
+                                  f"file; remove it, or give this run another {option('checkpoint_dir')}")
+        return fd
+
     def _acquire_unlocked(self, holder: dict[str, Any]) -> str:
         """Where the file system has no locks: the holder named in the file is alive if its process
         runs on this machine (or runs elsewhere: that cannot be checked from here)."""
         if holder and holder.get("run") != self.run and _alive(holder):
             raise CheckpointError(self._refusal(holder))
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        fd = self._open()
         try:
             _write(fd, self._identity())
         finally:

@@ -151,6 +151,7 @@ class StatusBoard:
             "peer": None if waiting is None else self.peer,
             "waiting_s": round(now - self._waiting_since, 3) if waiting is not None else 0.0,
             "note": self.note,
+            "closed": self._stop.is_set(),  # its last record: the rank goes on without a board, not silent
         }
 
     def publish(self) -> bool:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from pipetrain.errors import PipetrainError, option
+from pipetrain.errors import PipetrainError, option, written
 
 __all__ = ["LaunchResult", "run_workers", "describe_exit", "EXIT_USER_ERROR", "EXIT_PEER_FAILURE",
            "restartable"]
@@ -37,8 +37,10 @@ EXIT_USER_ERROR = 2
 EXIT_PEER_FAILURE = 3
 
 
-#: With a restart to come, the seconds the other workers get to end on their own after a failure
-#: (instead of ``grace``): their reports would only echo the failure, and the restart waits for them.
+#: With a restart to come, or after a worker was killed by a signal, the seconds the other workers
+#: get to end on their own after a failure (instead of ``grace``): their reports would only echo the
+#: failure, the restart waits for them, and a rank still setting up (building its model, measuring
+#: its stages) would not notice the dead one before it communicates.
 RESTART_GRACE = 1.0
 
 
@@ -84,10 +86,12 @@ def run_workers(
     env: Mapping[str, str],
     quiet: bool,
     restarts: int = 0,
+    silence: float | None = None,
 ) -> LaunchResult:
     """Start ``command`` once per rank with the distributed environment set, watch and reap them;
     after a failure that :func:`restartable` allows, start them all again, up to ``restarts``
-    times (the workers resume from their checkpoints themselves)."""
+    times (the workers resume from their checkpoints themselves). ``silence``: seconds after
+    which a rank whose status board stopped publishing is stopped or frozen (:func:`_watch`)."""
     if nprocs < 1:
         raise PipetrainError(f"need at least one worker, got {nprocs}")
     if threads_per_worker < 1:
@@ -101,7 +105,7 @@ def run_workers(
     while True:
         result = _start(command, nprocs, attempt, threads_per_worker=threads_per_worker, cores=cores,
                         grace=grace if attempt >= restarts else min(grace, RESTART_GRACE), timeout=timeout, env=env,
-                        say=say)
+                        say=say, silence=silence)
         result.restarts = attempt
         if result.returncode == 0 or result.interrupted or attempt >= restarts or not restartable(result.returncode):
             return result
@@ -121,6 +125,7 @@ def _start(
     timeout: float | None,
     env: Mapping[str, str],
     say: Callable[[str], None],
+    silence: float | None = None,
 ) -> LaunchResult:
     """One start of the workers (generation ``attempt``), watched to its end."""
     import torch.distributed as dist
@@ -169,7 +174,7 @@ def _start(
             if cores is not None:
                 wenv["PIPETRAIN_CPUS"] = ",".join(map(str, cores[rank]))
             procs.append(subprocess.Popen(command, env=wenv, start_new_session=True))
-        result = _watch(procs, run_store(store, str(attempt)), grace, timeout, say)
+        result = _watch(procs, run_store(store, str(attempt)), grace, timeout, say, silence)
     except KeyboardInterrupt as interrupt:
         how = "terminated by SIGTERM" if isinstance(interrupt, _Terminated) else "interrupted"
         say(f"{how}: stopping every worker")
@@ -206,12 +211,20 @@ def _watch(
     grace: float,
     timeout: float | None,
     say: Callable[[str], None],
+    silence: float | None = None,
 ) -> LaunchResult:
+    """Reap the workers and name the first failure. With ``silence`` (the run's timeout), a rank
+    whose status board has not published for that long is stopped or frozen: it is killed and
+    named, the run ending ``silence`` seconds after it was last heard, whatever its peers were
+    doing meanwhile (a peer that went on computing would time out only ``silence`` seconds after
+    its own wait began)."""
     from pipetrain.runtime.status import diagnose, format_status, read_errors, read_status
 
     start = time.monotonic()
+    listened = start  # when the boards were last read for silence
     first: tuple[int, int] | None = None
     stop_at: float | None = None
+    waited = grace
     message = ""
     world = len(procs)
     while True:
@@ -251,13 +264,33 @@ def _watch(
                         say(f"rank(s) {', '.join(map(str, silent))} silent (stopped or frozen): killing them (SIGKILL)")
                         for rank in silent:
                             procs[rank].kill()
-                stop_at = time.monotonic() + grace
+                # a rank killed by a signal left no message, and its peers' reports could only echo
+                # its loss: a peer still setting up (not communicating) would not notice it for seconds
+                waited = min(grace, RESTART_GRACE) if first[1] < 0 else grace
+                stop_at = time.monotonic() + waited
+        if first is None and silence is not None and time.monotonic() - listened >= LISTEN_EVERY:
+            listened = time.monotonic()
+            records = read_status(store, world, timeout=1.0)
+            frozen = _silent(procs, records, max(silence, SILENT_AFTER))
+            if frozen:
+                rank = frozen[0]
+                age = time.time() - records[rank]["time"]  # type: ignore[index]
+                message = written(f"rank {rank} fell silent {age:.1f} s ago, longer than "
+                                  f"{option('timeout', silence, cli=f'{silence:g}')}: it is stopped (SIGSTOP, for instance) or "
+                                  "frozen; killed it (SIGKILL)")
+                say(f"{message}; stopping the other workers")
+                say(format_status(records, world, stale_after=SILENT_AFTER))
+                for r in frozen:
+                    procs[r].kill()
+                first = (rank, EXIT_PEER_FAILURE)
+                waited = min(grace, RESTART_GRACE)  # its peers can only report that they lost it
+                stop_at = time.monotonic() + waited
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
         if stop_at is not None and now >= stop_at:
             late = [r for r, c in enumerate(codes) if c is None]
-            say(f"rank(s) {', '.join(map(str, late))} still running {grace:g} s later: terminating them")
+            say(f"rank(s) {', '.join(map(str, late))} still running {waited:g} s later: terminating them")
             break
         if timeout is not None and now - start > timeout and first is None:
             message = f"the workers did not finish within {timeout:g} s"
@@ -277,12 +310,19 @@ def _watch(
 SILENT_AFTER = 2.0
 
 
-def _silent(procs: list[subprocess.Popen[bytes]], records: dict[int, dict[str, Any]] | None) -> list[int]:
-    """The ranks still running whose status board fell silent (:data:`SILENT_AFTER`): stopped
-    or frozen. After a failure nothing they could still report is worth waiting for."""
+#: Seconds between two readings of the status boards for a rank silent longer than the run's timeout.
+LISTEN_EVERY = 0.5
+
+
+def _silent(
+    procs: list[subprocess.Popen[bytes]], records: dict[int, dict[str, Any]] | None, after: float = SILENT_AFTER
+) -> list[int]:
+    """The ranks still running whose status board fell silent (for ``after`` seconds,
+    :data:`SILENT_AFTER` by default): stopped or frozen. After a failure nothing they could still
+    report is worth waiting for. A board closed at the end of its run is not silent."""
     now = time.time()
     return [r for r, rec in sorted((records or {}).items())
-            if r < len(procs) and procs[r].poll() is None and now - rec["time"] > SILENT_AFTER]
+            if r < len(procs) and procs[r].poll() is None and not rec.get("closed") and now - rec["time"] > after]
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace: float) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule._gc import gc_paused
-from pipetrain.schedule.ir import Kind, Schedule, format_action
+from pipetrain.schedule.ir import Kind, Schedule, format_action, halves
 from pipetrain.schedule.timeline import dry_run
 
 __all__ = ["check", "problems"]
@@ -67,7 +67,7 @@ def _problems(schedule: Schedule) -> list[str]:
             if not 0 <= rank < num_ranks:
                 out.append(f"placement puts stage {stage} on rank {rank}, but ranks are 0..{num_ranks - 1}")
                 return out
-    F, I, W = Kind.F, Kind.I, Kind.W
+    F, I, W, FB = Kind.F, Kind.I, Kind.W, Kind.FB
     SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
         Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
     )
@@ -99,95 +99,96 @@ def _problems(schedule: Schedule) -> list[str]:
                 raise _TooMany
 
         try:
-            for position, action in enumerate(program):
-                kind, stage, k, version, peer = action
-                if stage not in mine:
-                    if 0 <= stage < S:
-                        bad(position, f"rank {rank} does not hold stage {stage} (it holds {sorted(mine)})")
-                    else:
-                        bad(position, f"stage {stage} does not exist (stages are 0..{S - 1})")
-                    continue
-                if kind is SEND_F or kind is SEND_B:
-                    forward = kind is SEND_F
-                    key = k * S + stage
-                    if key not in (fdone if forward else bdone):
-                        bad(position, "sends a result that this rank has not computed yet")
-                    target = stage + 1 if forward else stage - 1
-                    if not 0 <= target < S:
-                        bad(position, f"there is no stage {target} to send to")
+            for position, whole in enumerate(program):
+                for action in (halves(whole) if whole[0] is FB else (whole,)):  # a pair: F, then B or I
+                    kind, stage, k, version, peer = action
+                    if stage not in mine:
+                        if 0 <= stage < S:
+                            bad(position, f"rank {rank} does not hold stage {stage} (it holds {sorted(mine)})")
+                        else:
+                            bad(position, f"stage {stage} does not exist (stages are 0..{S - 1})")
                         continue
-                    ranks, count = owners[target]
-                    if peer is not None and peer != ranks[k % count]:
-                        bad(position, f"microbatch {k} of stage {target} lives on rank {ranks[k % count]}")
-                    message = ((k * S + target) * 2 + forward) * R + rank
-                    if message in sent:
-                        sent[message] += 1
-                    else:
-                        sent[message] = 1
-                    continue
-                if kind is RECV_F or kind is RECV_B:
-                    forward = kind is RECV_F
-                    source = stage - 1 if forward else stage + 1
-                    if not 0 <= source < S:
-                        bad(position, f"there is no stage {source} to receive from")
+                    if kind is SEND_F or kind is SEND_B:
+                        forward = kind is SEND_F
+                        key = k * S + stage
+                        if key not in (fdone if forward else bdone):
+                            bad(position, "sends a result that this rank has not computed yet")
+                        target = stage + 1 if forward else stage - 1
+                        if not 0 <= target < S:
+                            bad(position, f"there is no stage {target} to send to")
+                            continue
+                        ranks, count = owners[target]
+                        if peer is not None and peer != ranks[k % count]:
+                            bad(position, f"microbatch {k} of stage {target} lives on rank {ranks[k % count]}")
+                        message = ((k * S + target) * 2 + forward) * R + rank
+                        if message in sent:
+                            sent[message] += 1
+                        else:
+                            sent[message] = 1
                         continue
-                    if peer is None:
-                        ranks, count = owners[source]
-                        peer = ranks[k % count]
+                    if kind is RECV_F or kind is RECV_B:
+                        forward = kind is RECV_F
+                        source = stage - 1 if forward else stage + 1
+                        if not 0 <= source < S:
+                            bad(position, f"there is no stage {source} to receive from")
+                            continue
+                        if peer is None:
+                            ranks, count = owners[source]
+                            peer = ranks[k % count]
+                        key = k * S + stage
+                        (recvf if forward else recvb).add(key)
+                        message = (key * 2 + forward) * R + peer
+                        if message in received:
+                            received[message] += 1
+                        else:
+                            received[message] = 1
+                        continue
+                    if kind is STEP:
+                        if stage in replicated and not synced[stage]:
+                            bad(position, f"stage {stage} is replicated, so each STEP needs a SYNC before it")
+                        steps[stage] += 1
+                        synced[stage] = False
+                        continue
+                    if kind is SYNC:
+                        synced[stage] = True
+                        continue
                     key = k * S + stage
-                    (recvf if forward else recvb).add(key)
-                    message = (key * 2 + forward) * R + peer
-                    if message in received:
-                        received[message] += 1
-                    else:
-                        received[message] = 1
-                    continue
-                if kind is STEP:
-                    if stage in replicated and not synced[stage]:
-                        bad(position, f"stage {stage} is replicated, so each STEP needs a SYNC before it")
-                    steps[stage] += 1
-                    synced[stage] = False
-                    continue
-                if kind is SYNC:
-                    synced[stage] = True
-                    continue
-                key = k * S + stage
-                ranks, count = owners[stage]
-                if count > 1 and ranks[k % count] != rank:
-                    bad(position, f"microbatch {k} of stage {stage} is routed to rank {ranks[k % count]} "
-                        f"(replica k mod {count})")
-                if version is not None:
-                    current = steps[stage]
-                    if version > current:
-                        bad(position, f"reads version {version}, but stage {stage} has only made versions "
-                            f"0..{current} at this point")
-                    elif flush and version != current:
-                        bad(position, f"policy 'flush' keeps one weight version, but this reads version {version} "
-                            f"while version {current} is current; use a stashing policy")
-                if kind is F:
-                    if key in fdone:
-                        bad(position, f"microbatch {k} already ran its forward on stage {stage}")
-                    if stage > 0 and key not in recvf and key - 1 not in fdone:
-                        bad(position, "its input was neither received (RECV_F) nor computed here before")
-                    fdone.add(key)
-                    all_forwards.add(key)
-                elif kind is W:
-                    if key not in idone:
-                        bad(position, f"W before the I of microbatch {k} (W needs the input gradient pass)")
-                    if key in wdone:
-                        bad(position, f"microbatch {k} already ran its W on stage {stage}")
-                    wdone.add(key)
-                else:  # B or I
-                    if key not in fdone:
-                        bad(position, f"backward before the forward of microbatch {k} on this rank")
-                    if key in bdone:
-                        bad(position, f"microbatch {k} already ran its backward on stage {stage}")
-                    if stage < S - 1 and key not in recvb and key + 1 not in bdone:
-                        bad(position, "its output gradient was neither received (RECV_B) nor computed here before")
-                    bdone.add(key)
-                    if kind is I:
-                        idone.add(key)
-                    all_backwards.add(key)
+                    ranks, count = owners[stage]
+                    if count > 1 and ranks[k % count] != rank:
+                        bad(position, f"microbatch {k} of stage {stage} is routed to rank {ranks[k % count]} "
+                            f"(replica k mod {count})")
+                    if version is not None:
+                        current = steps[stage]
+                        if version > current:
+                            bad(position, f"reads version {version}, but stage {stage} has only made versions "
+                                f"0..{current} at this point")
+                        elif flush and version != current:
+                            bad(position, f"policy 'flush' keeps one weight version, but this reads version {version} "
+                                f"while version {current} is current; use a stashing policy")
+                    if kind is F:
+                        if key in fdone:
+                            bad(position, f"microbatch {k} already ran its forward on stage {stage}")
+                        if stage > 0 and key not in recvf and key - 1 not in fdone:
+                            bad(position, "its input was neither received (RECV_F) nor computed here before")
+                        fdone.add(key)
+                        all_forwards.add(key)
+                    elif kind is W:
+                        if key not in idone:
+                            bad(position, f"W before the I of microbatch {k} (W needs the input gradient pass)")
+                        if key in wdone:
+                            bad(position, f"microbatch {k} already ran its W on stage {stage}")
+                        wdone.add(key)
+                    else:  # B or I
+                        if key not in fdone:
+                            bad(position, f"backward before the forward of microbatch {k} on this rank")
+                        if key in bdone:
+                            bad(position, f"microbatch {k} already ran its backward on stage {stage}")
+                        if stage < S - 1 and key not in recvb and key + 1 not in bdone:
+                            bad(position, "its output gradient was neither received (RECV_B) nor computed here before")
+                        bdone.add(key)
+                        if kind is I:
+                            idone.add(key)
+                        all_backwards.add(key)
         except _TooMany:
             return out
         missing_w = idone - wdone

@@ -2,11 +2,15 @@
 
 Per stage: forward ``F``, input-gradient backward ``B`` and weight-gradient backward ``W`` (a full
 backward costs ``B + W``; give ``W = 0`` when the backward is not split), optimizer ``step`` and
-gradient all-reduce ``sync`` among replicas. Per message: ``latency + bytes / bandwidth``, where
-``bytes`` is the stage's output activation size (the gradient that flows back has the same size),
-and ``send`` seconds of sender time.
+gradient all-reduce ``sync`` among replicas. Per message: ``latency + bytes / bandwidth`` in
+flight, where ``bytes`` is the stage's output activation size (the gradient that flows back has
+the same size); the sender is busy ``send + bytes * send_per_byte`` (packing it, handing it to the
+transport: on a CPU whose core the rank has to itself that work is not overlapped with compute)
+and the receiver ``recv + bytes * recv_per_byte`` once it has arrived. ``overhead``: the runner's
+own time before every action (the interpreter between actions). ``pipetrain calibrate`` measures
+the scalar ones on the machine and transport it runs on (:mod:`pipetrain.runtime.calibrate`).
 
-A value may be one number (every stage) or a list: one entry per stage, or for interleaved
+A value may be one number (every stage) or a list: one entry per stage, or for interleaved and V
 schedules one per rank (each of the rank's v chunks then costs 1/v of it) or one per chunk.
 Units are free (seconds from a profile, or abstract units); traces treat them as seconds.
 """
@@ -15,18 +19,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 from pipetrain.errors import ScheduleError, option
 
-__all__ = ["Costs", "StageCosts", "parse_costs", "load_costs"]
+__all__ = ["Costs", "StageCosts", "parse_costs", "load_costs", "machine_facts"]
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
 _PER_STAGE = ("F", "B", "W", "step", "sync", "bytes")
-_SCALAR = ("latency", "bandwidth", "send")
+_SCALAR = ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "overhead", "sync_per_byte",
+           "step_per_byte")
+#: what a calibration file says about where it was measured (not costs): checked, not charged
+_ABOUT = ("measured_on",)
 _ALIASES = {
     "forward": "F",
     "backward": "B",
@@ -50,13 +60,27 @@ class Costs:
     latency: float = 0.0
     bandwidth: float = math.inf
     send: float = 0.0
+    send_per_byte: float = 0.0
+    recv: float = 0.0
+    recv_per_byte: float = 0.0
+    overhead: float = 0.0
+    #: a calibration's all-reduce and optimizer step per byte of a stage's parameters: not charged
+    #: here (the simulator knows no parameter sizes); a caller that knows them adds
+    #: ``sync_per_byte * bytes`` to ``sync`` and makes ``step`` ``step_per_byte * bytes``
+    sync_per_byte: float = 0.0
+    step_per_byte: float = 0.0
+    #: where a calibration measured these (machine, torch, transport), None for given costs
+    measured_on: dict | None = None
 
-    def resolve(self, num_stages: int, num_positions: int, chunks: int) -> "StageCosts":
+    def resolve(self, num_stages: int, num_positions: int, chunks: int,
+                position_of: Sequence[int] | None = None) -> "StageCosts":
         """Per-stage arrays for a schedule of ``num_stages`` (virtual) stages over ``num_positions``
-        pipeline positions with ``chunks`` chunks per rank."""
+        pipeline positions with ``chunks`` chunks per rank; ``position_of[s]``: the position (rank)
+        of stage s (default ``s % num_positions``, the interleaved placement; a V puts stage s and
+        ``2R-1-s`` on one rank)."""
         values = {}
         for name in _PER_STAGE:
-            values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks)
+            values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks, position_of)
         if self.bandwidth <= 0:
             raise ScheduleError(f"bandwidth must be positive, got {self.bandwidth}")
         transfer = [self.latency + b / self.bandwidth if b else self.latency for b in values["bytes"]]
@@ -67,14 +91,18 @@ class Costs:
             step=values["step"],
             sync=values["sync"],
             transfer=transfer,
-            send=float(self.send),
+            sending=[self.send + b * self.send_per_byte for b in values["bytes"]],
+            receiving=[self.recv + b * self.recv_per_byte for b in values["bytes"]],
+            overhead=float(self.overhead),
         )
 
 
 @dataclass
 class StageCosts:
     """Resolved per-(virtual-)stage costs; ``transfer[s]`` is the time a message crossing the
-    boundary after stage s spends in flight (either direction)."""
+    boundary after stage s spends in flight (either direction), ``sending[s]`` and ``receiving[s]``
+    the time its sender and its receiver are busy with it; ``overhead`` the runner's time before
+    every action."""
 
     forward: list[float]
     backward: list[float]
@@ -82,14 +110,19 @@ class StageCosts:
     step: list[float]
     sync: list[float]
     transfer: list[float]
-    send: float = 0.0
+    sending: list[float] = field(default_factory=list)
+    receiving: list[float] = field(default_factory=list)
+    overhead: float = 0.0
     full_backward: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
         self.full_backward = [b + w for b, w in zip(self.backward, self.weight)]
+        self.sending = self.sending or [0.0] * len(self.transfer)
+        self.receiving = self.receiving or [0.0] * len(self.transfer)
 
 
-def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int) -> list[float]:
+def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chunks: int,
+            position_of: Sequence[int] | None = None) -> list[float]:
     if isinstance(value, (int, float)):
         values = [float(value)] * num_stages
         per_position = chunks > 1 and name not in ("bytes",)
@@ -101,15 +134,16 @@ def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chu
         return values
     if chunks > 1 and len(values) == num_positions:
         scale = 1.0 if name == "bytes" else 1.0 / chunks
-        return [values[s % num_positions] * scale for s in range(num_stages)]
+        where = position_of if position_of is not None else [s % num_positions for s in range(num_stages)]
+        return [values[where[s]] * scale for s in range(num_stages)]
     if len(values) == 1:
-        return _expand(name, values[0], num_stages, num_positions, chunks)
+        return _expand(name, values[0], num_stages, num_positions, chunks, position_of)
     wanted = f"{num_stages}" if chunks == 1 else f"{num_positions} (one per rank) or {num_stages} (one per chunk)"
     raise ScheduleError(f"costs: {name} has {len(values)} entries but the schedule needs 1 or {wanted}")
 
 
 def parse_costs(text: str) -> Costs:
-    """Parse ``F=1,B=2,W=1[,latency=..,bandwidth=..,bytes=..,step=..,sync=..,send=..]``."""
+    """Parse ``F=1,B=2,W=1[,latency=..,bandwidth=..,bytes=..,step=..,sync=..,send=..,overhead=..]``."""
     costs = Costs()
     if not text.strip():
         return costs
@@ -146,6 +180,12 @@ def load_costs(path: str) -> Costs:
     costs = Costs()
     for raw_key, value in data.items():
         key = _ALIASES.get(raw_key, raw_key)
+        if key in _ABOUT:
+            if not isinstance(value, dict) or not all(isinstance(v, (str, int)) for v in value.values()):
+                raise ScheduleError(f"costs file {path!r}: {raw_key} must be an object of names and values, "
+                                    f"got {value!r}")
+            costs.measured_on = dict(value)
+            continue
         if key not in _PER_STAGE + _SCALAR:
             raise ScheduleError(
                 f"costs file {path!r}: unknown key {raw_key!r}; use {', '.join(_PER_STAGE + _SCALAR)}"
@@ -153,8 +193,48 @@ def load_costs(path: str) -> Costs:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if key in _PER_STAGE and isinstance(value, list):
             ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value) and bool(value)
+        if ok and key in _SCALAR and (value < 0 or math.isnan(value)):
+            raise ScheduleError(f"costs file {path!r}: {raw_key} must be non-negative, got {value!r}")
         if not ok:
             kind = "a number or a list of numbers" if key in _PER_STAGE else "a number"
             raise ScheduleError(f"costs file {path!r}: {raw_key} must be {kind}, got {value!r}")
         setattr(costs, key, value)
+    if costs.measured_on is not None:
+        _warn_if_elsewhere(path, costs.measured_on)
     return costs
+
+
+def machine_facts() -> dict[str, str | int]:
+    """What a calibration says about where it ran: host, processor, cores and torch's version
+    (read without importing torch)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        version = "none"
+    return {"host": platform.node(), "processor": _processor(), "cores": os.cpu_count() or 0, "torch": version}
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _warn_if_elsewhere(path: str, measured_on: dict) -> None:
+    """A calibration is used where it was not measured with a warning that names both (its
+    figures may not hold here)."""
+    here = machine_facts()
+    differ = [key for key in ("host", "processor", "cores", "torch")
+              if key in measured_on and str(measured_on[key]) != str(here[key])]
+    if differ:
+        warnings.warn(
+            f"costs file {path!r} was measured on {', '.join(f'{k} {measured_on[k]}' for k in differ)}; this is "
+            f"{', '.join(f'{k} {here[k]}' for k in differ)}: its figures may not hold here (run pipetrain calibrate "
+            f"again)", stacklevel=2)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from pipetrain.errors import ConfigError, option
 from pipetrain.schedule.messages import Messages
-from pipetrain.schedule.ir import Kind, Schedule
+from pipetrain.schedule.ir import Kind, Schedule, halves
 
 __all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "split_counts", "in_flight"]
 
@@ -52,7 +52,7 @@ def shared_updates(schedule: Schedule) -> list[tuple[int, int, int]]:
     for program in schedule.programs:
         pending: dict[int, list[int]] = {}
         seen: dict[int, int] = {}
-        for action in program:
+        for action in (half for whole in program for half in halves(whole)):
             stage = action.stage
             if len(schedule.stage_ranks[stage]) < 2:
                 continue
@@ -108,7 +108,7 @@ def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut
     crossing_sends: list[list[int]] = [[] for _ in schedule.programs]
     for rank, program in enumerate(schedule.programs):
         inputs_done: set[tuple[int, int]] = set()
-        for position, action in enumerate(program):
+        for position, action in _halves_at(program):
             kind, stage, k = action.kind, action.stage, action.microbatch
             before = position < positions[rank]
             if kind is Kind.I and before:
@@ -215,7 +215,8 @@ def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | No
                         -(-schedule.total_microbatches // units_per_update))  # type: ignore[return-value]
     programs = schedule.programs
     messages = Messages(schedule) if messages is None else messages
-    units = max((a.microbatch + 1 for p in programs for a in p if a.kind is Kind.F and a.stage == 0), default=0)
+    units = max((h.microbatch + 1 for p in programs for a in p for h in halves(a) if h.kind is Kind.F and h.stage == 0),
+                default=0)
     updates = -(-units // units_per_update)
     pcs = [0] * len(programs)
     sync_count: dict[tuple[int, int], int] = {}  # (rank, stage) -> SYNCs passed
@@ -232,6 +233,8 @@ def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | No
                     action = program[pc]
                     kind = action.kind
                     if kind is Kind.F and action.stage == 0 and action.microbatch >= fed:
+                        break
+                    if kind is Kind.FB and action.stage == 0 and action.microbatch >= fed:  # a pair's forward
                         break
                     if kind is Kind.RECV_F or kind is Kind.RECV_B:
                         sender, position = messages.sent_at[Messages.of(action)]
@@ -303,7 +306,7 @@ def in_flight(program: Sequence, positions: Sequence[int]) -> list[list]:
         return [[program.shift(action, shift) for action in actions] for (_, shift), actions in zip(mapped, found)]
     forwards: dict[tuple[int, int], tuple[int, object]] = {}  # (stage, microbatch) -> (position, F)
     ends: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> position of its last backward action
-    for position, action in enumerate(program):
+    for position, action in _halves_at(program):
         kind = action.kind
         if kind is Kind.F:
             forwards[(action.stage, action.microbatch)] = (position, action)
@@ -321,7 +324,7 @@ def _positions(program: Sequence, order: Sequence[int]) -> list[int]:
     STEP that follow it."""
     backwards = sorted(
         (action.microbatch, position)
-        for position, action in enumerate(program)
+        for position, action in _halves_at(program)
         if action.microbatch is not None and action.kind in (Kind.B, Kind.W)
     )
     after = list(range(len(program) + 1))  # position -> first position at or after it that is not tied to a backward
@@ -335,3 +338,13 @@ def _positions(program: Sequence, order: Sequence[int]) -> list[int]:
             index += 1
         out.append(after[last + 1])
     return out
+
+
+def _halves_at(program: Sequence):
+    """``(position, action)`` of a program, a pair's forward and backward both at its position."""
+    for position, action in enumerate(program):
+        if action.kind is Kind.FB:
+            for half in halves(action):
+                yield position, half
+        else:
+            yield position, action

@@ -49,6 +49,10 @@ def drained(make: Callable[[int], Schedule], updates: int, drains: Sequence[int]
                 if kind is Kind.STEP and rank == piece.stage_ranks[stage][0]:
                     steps[stage] = steps.get(stage, 0) + 1
                 if start:
+                    if kind is Kind.FB:  # a pair: its backward half moves too
+                        half = peer
+                        peer = Action(half.kind, half.stage, half.microbatch + shift,
+                                      None if half.version is None else half.version + made.get(half.stage, 0))
                     action = Action(kind, stage, None if k is None else k + shift,
                                     None if version is None else version + made.get(stage, 0), peer)
                 out.append(action)

@@ -1,4 +1,4 @@
-"""Synchronous schedules that flush after every step: GPipe, 1F1B (PipeDream-Flush) and ZB-H1.
+"""Synchronous schedules that flush after every step: GPipe, 1F1B (PipeDream-Flush), ZB-H1, ZB-H2.
 
 With S = 4 stages and m = 4 microbatches (one step)::
 
@@ -6,6 +6,7 @@ With S = 4 stages and m = 4 microbatches (one step)::
     1f1b     stage 0: F0 F1 F2 F3 B0 B1 B2 B3 STEP      (warm-up S-1-s = 3, then 1F1B)
              stage 3: F0 B0 F1 B1 F2 B2 F3 B3 STEP      (warm-up 0)
     zb-h1    stage 3: F0 I0 F1 I1 W0 ...                 (W deferred by s backwards)
+    zb-h2    stage 0: F0 .. F5 F6 I0 W0 F7 I1 W1 ...     (warm-up 2(S-1-s), W deferred by 2s)
 
 Every microbatch of step t reads version t: one weight version, exact gradient accumulation.
 """
@@ -20,7 +21,7 @@ from pipetrain.schedule.ir import Action, Kind, Schedule
 from pipetrain.schedule.params import check_positive, normalise_replicas
 from pipetrain.schedule.stream import one_forward_one_backward, stage_placement, warmup_depths
 
-__all__ = ["gpipe", "one_f_one_b", "zb_h1", "flushing_programs", "update_actions"]
+__all__ = ["gpipe", "one_f_one_b", "zb_h1", "zb_h2", "flushing_programs", "update_actions"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,3 +117,25 @@ def zb_h1(stages: int, microbatches: int, steps: int = 1, replicas: Sequence[int
         stages, microbatches, steps, counts, warmup_depths(counts), split_backward=True, w_lags=lags
     )
     return Schedule(programs, placement, name="zb-h1", policy="flush", microbatches=microbatches, steps=steps)
+
+
+def zb_h2(stages: int, microbatches: int, steps: int = 1, replicas: Sequence[int] | None = None) -> Schedule:
+    """ZB-H2 (Qi et al., 2023): twice 1F1B's warm-up, and W deferred by ``2s`` backwards on stage ``s``.
+
+    Stage ``s`` runs ``2(S-1-s)`` warm-up forwards (peak activations ``2(S-s)-1``, ``2S-1`` on stage
+    0: about twice 1F1B's ``S``), so the first input gradient arrives just as its forwards run out;
+    the last stage then runs F, I, F, I with its W deferred, which brings the input gradients back
+    to stage 0 early, and the W fill the end. At F = I = W = 1 (``m >= 2S-1``) stage s is busy
+    without a gap from time ``s`` to ``3m + s``: a parallelogram, so the next step's forwards follow
+    at once and ``n`` steps take ``3mn + S - 1``, idle only at the first step's start and the last
+    one's end.
+    """
+    if replicas is not None and any(r != 1 for r in replicas):
+        raise ScheduleError(f"zb-h2 does not support replicated stages; use 1f1b or pipedream with {option('replicas')}")
+    counts = _check(stages, microbatches, steps, None, "zb-h2")
+    warm = [2 * (stages - 1 - stage) for stage in range(stages)]
+    lags = [2 * stage for stage in range(stages)]
+    programs, placement = flushing_programs(
+        stages, microbatches, steps, counts, warm, split_backward=True, w_lags=lags
+    )
+    return Schedule(programs, placement, name="zb-h2", policy="flush", microbatches=microbatches, steps=steps)

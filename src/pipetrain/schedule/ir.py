@@ -16,6 +16,9 @@ String form of one action (round-trips through :func:`parse_action`)::
     0RECV_B3<1   stage 0 receives the gradient of its output for microbatch 3 from rank 1
     0SYNC        the replicas of stage 0 average their accumulated gradients (all-reduce)
     0STEP        stage 0 applies an optimizer update: a new weight version
+    (0F7@v0;3B2@v0)  a pair: the forward of microbatch 7 on stage 0 and the backward of
+                 microbatch 2 on stage 3, one action (DualPipe's overlapped F and B; torch
+                 writes it ``(0F7;3B2)OVERLAP_F_B``, which parses too)
 
 The version is omitted (``0F3``) before versions are assigned. Microbatch numbers count across
 optimizer steps (microbatch ``j`` of step ``t`` is ``t * m + j``), so every (stage, microbatch) pair
@@ -37,6 +40,8 @@ __all__ = [
     "Schedule",
     "COMPUTE",
     "BACKWARD",
+    "pair",
+    "halves",
     "parse_action",
     "format_action",
     "dumps",
@@ -59,19 +64,20 @@ class Kind(enum.Enum):
     RECV_B = "RECV_B"  #: receive the gradient of this stage's output from the next stage
     SYNC = "SYNC"  #: all-reduce (average) accumulated gradients among the stage's replicas
     STEP = "STEP"  #: optimizer update: the stage's weight version advances by one
+    FB = "OVERLAP_F_B"  #: a forward and a backward (B or I) of two microbatches, one action (DualPipe)
 
     def __repr__(self) -> str:
         return f"Kind.{self.name}"
 
 
-#: Kinds that run the model and read a weight version.
+#: Kinds that run the model and read a weight version (a pair, FB, reads one per half).
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 #: Kinds that produce the gradient of a stage's input (what SEND_B carries).
 BACKWARD = frozenset({Kind.B, Kind.I})
 
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
-_SYNC, _STEP = Kind.SYNC, Kind.STEP
+_SYNC, _STEP, _FB = Kind.SYNC, Kind.STEP, Kind.FB
 
 
 class Action(NamedTuple):
@@ -81,13 +87,16 @@ class Action(NamedTuple):
     stage, i.e. the model chunk). ``microbatch`` is ``None`` for SYNC and STEP. ``version`` is the
     weight version F/B/I/W read (``None`` until assigned). ``peer`` is the other rank of a
     SEND/RECV.
+
+    A pair (kind FB, made by :func:`pair`) carries its forward half in ``stage``, ``microbatch``
+    and ``version`` and its backward half, a B or I action, in ``peer``; :func:`halves` gives both.
     """
 
     kind: Kind
     stage: int
     microbatch: int | None = None
     version: int | None = None
-    peer: int | None = None
+    peer: "int | Action | None" = None
 
     def __str__(self) -> str:
         return format_action(self)
@@ -96,9 +105,31 @@ class Action(NamedTuple):
         return Action(self.kind, self.stage, self.microbatch, version, self.peer)
 
 
+def pair(forward: Action, backward: Action) -> Action:
+    """One action running ``forward`` (an F) and then ``backward`` (a B or I): DualPipe's paired
+    forward and backward, whose compute and communication a GPU overlaps (docs/design.md 2)."""
+    if forward.kind is not _F or backward.kind not in BACKWARD:
+        raise ScheduleError(
+            f"a pair is a forward and then a backward (B or I), e.g. '(0F7;3B2)'; got {format_action(forward)} "
+            f"and {format_action(backward)}")
+    return Action(_FB, forward.stage, forward.microbatch, forward.version,
+                  Action(backward.kind, backward.stage, backward.microbatch, backward.version))
+
+
+def halves(action: Action) -> tuple[Action, ...]:
+    """The compute a rank runs for ``action``: a pair's forward and backward, in that order; any
+    other action alone."""
+    if action.kind is _FB:
+        return (Action(_F, action.stage, action.microbatch, action.version), action.peer)  # type: ignore[return-value]
+    return (action,)
+
+
 def format_action(action: Action) -> str:
     """The short string form of an action (see the module docstring)."""
     kind = action.kind
+    if kind is _FB:
+        forward, backward = halves(action)
+        return f"({format_action(forward)};{format_action(backward)})"
     text = f"{action.stage}{kind.value}"
     if action.microbatch is not None:
         text += str(action.microbatch)
@@ -113,16 +144,24 @@ _ACTION_RE = re.compile(
     r"^\s*(?P<stage>\d+)\s*(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|SYNC|STEP|F|B|I|W)"
     r"(?P<mb>\d+)?(?:@v(?P<version>\d+))?(?:(?P<dir>[<>])(?P<peer>\d+))?\s*$"
 )
-_NEEDS_MICROBATCH = frozenset(Kind) - {_SYNC, _STEP}
+_NEEDS_MICROBATCH = frozenset(Kind) - {_SYNC, _STEP, _FB}
+_PAIR_RE = re.compile(r"^\s*\((?P<first>[^;()]*);(?P<second>[^;()]*)\)\s*(?:OVERLAP_F_B)?\s*$")
 
 
 def parse_action(text: str) -> Action:
-    """Parse the short string form, e.g. ``"0F3@v1"`` or ``"1RECV_F3<0"``."""
+    """Parse the short string form, e.g. ``"0F3@v1"``, ``"1RECV_F3<0"`` or ``"(0F7;3B2)"``."""
+    paired = _PAIR_RE.match(text)
+    if paired is not None:
+        halves_ = [parse_action(paired[name]) for name in ("first", "second")]
+        if halves_[0].kind is not _F or halves_[1].kind not in BACKWARD:
+            raise ScheduleError(
+                f"action {text!r}: a pair is a forward and then a backward (B or I), e.g. '(0F7;3B2)'")
+        return pair(*halves_)
     match = _ACTION_RE.match(text)
     if match is None:
         raise ScheduleError(
             f"cannot parse action {text!r}: expected STAGE KIND [MICROBATCH] [@vVERSION] [>PEER|<PEER], "
-            "for example '0F3@v1', '1B3', '0SEND_F3>1', '1RECV_F3<0', '0SYNC' or '0STEP'"
+            "for example '0F3@v1', '1B3', '0SEND_F3>1', '1RECV_F3<0', '0SYNC', '0STEP' or the pair '(0F7;3B2)'"
         )
     kind = Kind(match["kind"])
     microbatch = int(match["mb"]) if match["mb"] is not None else None
@@ -158,7 +197,7 @@ class Schedule:
         microbatches: microbatches per optimizer step (per flush); for asynchronous schedules
             (pipedream, pb) the number of pipeline units in total, each its own update.
         steps: optimizer steps the schedule covers (1 for asynchronous schedules).
-        chunks: model chunks per rank (interleaved schedules), else 1.
+        chunks: model chunks per rank (interleaved schedules; 2 for the V schedules), else 1.
     """
 
     programs: list[list[Action]]
@@ -277,13 +316,13 @@ def loads(text: str) -> Schedule:
         if rank in rows:
             raise ScheduleError(f"line {lineno}: rank {rank} has two program lines")
         actions = []
-        for cell in cells[1:]:
+        for column, cell in enumerate(cells[1:], start=2):
             if not cell:
                 continue
             try:
                 actions.append(parse_action(cell))
             except ScheduleError as error:
-                raise ScheduleError(f"line {lineno}: {error}") from None
+                raise ScheduleError(f"line {lineno}, cell {column}: {error}") from None
         rows[rank] = actions
     if not rows:
         raise ScheduleError("the schedule has no program lines ('RANK,ACTION,ACTION,...')")
@@ -300,7 +339,7 @@ def loads(text: str) -> Schedule:
     except ValueError as error:
         raise ScheduleError(f"bad number in the schedule header: {error}") from None
     if microbatches <= 0:
-        mbs = {a.microbatch for p in programs for a in p if a.microbatch is not None}
+        mbs = {h.microbatch for p in programs for a in p for h in halves(a) if h.microbatch is not None}
         microbatches = (max(mbs) + 1) if mbs else 0
         steps = 1
     known = {"name", "policy", "microbatches", "steps", "chunks", "placement"}
@@ -327,7 +366,8 @@ def _parse_placement(text: str | None, programs: Sequence[Sequence[Action]]) -> 
     found: dict[int, set[int]] = {}
     for rank, program in enumerate(programs):
         for action in program:
-            found.setdefault(action.stage, set()).add(rank)
+            for half in halves(action):
+                found.setdefault(half.stage, set()).add(rank)
     if not found:
         return []
     num_stages = max(found) + 1

@@ -1,7 +1,9 @@
 """Memory a schedule needs, from program order alone: activations in flight and weight versions.
 
 A microbatch's activations are held on a stage from its forward until its backward (B, or I when
-the backward is split: W needs only the stage input and output gradient). A weight version is
+the backward is split: W needs only the stage input and output gradient). A pair (DualPipe's F
+and B in one action) counts as its forward and then its backward: the forward's activations are
+taken before the other microbatch's are freed, on a GPU that overlaps them as on a CPU. A weight version is
 held from the STEP that creates it until it is no longer current and its last reader has run.
 
 With activation recomputation (``recompute=True`` for every stage, or the stages that recompute:
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Collection
 
 from pipetrain.schedule._gc import gc_paused
-from pipetrain.schedule.ir import Kind, Schedule
+from pipetrain.schedule.ir import Kind, Schedule, halves
 from pipetrain.schedule.recompute import recompute_stages
 
 __all__ = ["StageMemory", "memory_by_rank"]
@@ -73,7 +75,7 @@ def _rank_memory(rank: int, program, recompute: frozenset[int] = frozenset()) ->
         counts[stage] = counts.get(stage, 0) + 1
         peaks[stage] = max(peaks.get(stage, 0), counts[stage])
 
-    for kind, stage, _, _, _ in program:
+    for kind, stage, _, _, _ in _flat(program):
         again = stage in recompute
         if kind is F:
             if again:
@@ -111,7 +113,7 @@ def _peak_versions(program, recompute: frozenset[int] = frozenset()) -> dict[int
     last_read: dict[int, dict[int, int]] = {}
     forward_version: dict[tuple[int, int], int] = {}
     STEP, F, B, I = Kind.STEP, Kind.F, Kind.B, Kind.I
-    for position, (kind, stage, k, version, _) in enumerate(program):
+    for position, (kind, stage, k, version, _) in _positioned(program):
         if kind is STEP:
             births.setdefault(stage, [-1]).append(position)
         elif version is not None:
@@ -142,3 +144,25 @@ def _peak_versions(program, recompute: frozenset[int] = frozenset()) -> dict[int
             best = max(best, alive)
         peaks[stage] = best
     return peaks
+
+
+def _flat(program):
+    """The program with each pair as its two halves: a pair's forward holds its activations before
+    its backward runs, on a GPU as on a CPU."""
+    FB = Kind.FB
+    for action in program:
+        if action[0] is FB:
+            yield from halves(action)
+        else:
+            yield action
+
+
+def _positioned(program):
+    """``(position, action)``, a pair's two halves at its one position."""
+    FB = Kind.FB
+    for position, action in enumerate(program):
+        if action[0] is FB:
+            for half in halves(action):
+                yield position, half
+        else:
+            yield position, action

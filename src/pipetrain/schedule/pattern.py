@@ -46,6 +46,7 @@ def min_copies() -> int:
 
 
 _new = tuple.__new__
+_FB = Kind.FB
 
 
 class PeriodicProgram(Sequence[Action]):
@@ -73,6 +74,8 @@ class PeriodicProgram(Sequence[Action]):
         if not periods:
             return action
         kind, stage, k, version, peer = action
+        if kind is _FB:  # a pair: both halves move
+            peer = self.shift(peer, periods)
         if k is not None:
             k += periods * self.units
         if version is not None:
@@ -85,6 +88,7 @@ class PeriodicProgram(Sequence[Action]):
         versions = {stage: copy * count for stage, count in self.versions.items()}
         return [_new(Action, (kind, stage, None if k is None else k + units,
                               None if version is None else version + versions.get(stage, 0), peer))
+                if kind is not _FB else self.shift(_new(Action, (kind, stage, k, version, peer)), copy)
                 for kind, stage, k, version, peer in self.body]
 
     def _at(self, index: int) -> Action:

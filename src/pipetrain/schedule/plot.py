@@ -2,8 +2,8 @@
 
 One row per rank, one colour per action kind, microbatch numbers written in the bars they fit in
 at the axis's scale (on a time axis shared with a longer timeline, fewer do), never one over
-another; a RECV that waits is left blank (that blank is the bubble). Matplotlib is imported only
-here.
+another (a pair's as ``forward|backward``); a RECV that waits is left blank (that blank is the
+bubble). Matplotlib is imported only here.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ COLOURS = {
     Kind.B: "#54A24B",
     Kind.I: "#72B7B2",
     Kind.W: "#B279A2",
+    Kind.FB: "#E45756",
     Kind.STEP: "#9D755D",
     Kind.SYNC: "#F58518",
 }
 _LABELS = {Kind.F: "F forward", Kind.B: "B backward", Kind.I: "I input grad", Kind.W: "W weight grad",
-           Kind.STEP: "STEP update", Kind.SYNC: "SYNC all-reduce"}
+           Kind.FB: "F+B pair", Kind.STEP: "STEP update", Kind.SYNC: "SYNC all-reduce"}
 _MAX_LABELLED_BARS = 1500
 _LABEL_POINTS = 6  # font size of the numbers in the bars
 _DIGIT_WIDTH = 0.64  # of the font size: a digit of matplotlib's default font, with a margin
@@ -58,9 +59,9 @@ def draw_timeline(ax, timeline: Timeline, *, title: str | None = None, labels: b
                 continue
             by_kind.setdefault(action.kind, []).append((start, end - start))
             if write and action.microbatch is not None:
-                text = str(action.microbatch)
-                if schedule.chunks > 1:
-                    text += f".{action.stage // schedule.num_ranks}"
+                text = _label(action, schedule)
+                if action.kind is Kind.FB:  # a pair: its forward's label, then its backward's
+                    text += "|" + _label(action.peer, schedule)
                 width = (_DIGIT_WIDTH * _LABEL_POINTS * len(text) + 2) * per_point
                 middle = start + (end - start) / 2
                 if width <= end - start and middle - width / 2 >= free:
@@ -76,6 +77,14 @@ def draw_timeline(ax, timeline: Timeline, *, title: str | None = None, labels: b
     if title:
         ax.set_title(title, fontsize=9, loc="left")
     return drawn
+
+
+def _label(action, schedule) -> str:
+    """The microbatch of an action, and with several chunks per rank its chunk (``3.1``)."""
+    text = str(action.microbatch)
+    if schedule.chunks > 1:
+        text += f".{action.stage // schedule.num_ranks}"
+    return text
 
 
 def _axis_points(ax) -> float:

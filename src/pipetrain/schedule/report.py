@@ -3,14 +3,16 @@
 Two bubble figures are reported, both over all ranks: ``bubble_fraction`` is idle time over total
 time (makespan times ranks; GPipe's and this project's convention, (S-1)/(m+S-1) for balanced
 1F1B) and ``bubble_fraction_megatron`` is idle time over busy ("ideal") time, Megatron-LM's
-(S-1)/m form.
+(S-1)/m form. ``peak_activation_memory`` is the most activations a rank holds, in microbatches of
+one stage of the unchunked model (a chunk of an interleaved or V schedule counts 1/v), so that
+schedules with and without chunks compare.
 """
 
 from __future__ import annotations
 
 from typing import Any, Collection
 
-from pipetrain.schedule.ir import Kind, Schedule
+from pipetrain.schedule.ir import Kind, Schedule, halves
 from pipetrain.schedule.memory import memory_by_rank
 from pipetrain.schedule.recompute import format_recompute, recompute_stages
 from pipetrain.schedule.timeline import Timeline, positions
@@ -25,7 +27,7 @@ def versions_read(schedule: Schedule) -> list[list[tuple[int | None, int | None]
     backward = [[None] * total for _ in range(schedule.num_stages)]
     F, B, I = Kind.F, Kind.B, Kind.I
     for program in schedule.programs:
-        for kind, stage, k, version, _ in program:
+        for kind, stage, k, version, _ in (half for action in program for half in halves(action)):
             if kind is F:
                 if k < total:
                     forward[stage][k] = version
@@ -83,6 +85,7 @@ def summarize(timeline: Timeline, *, include_versions: bool = True,
         "bubble_fraction": idle / total_time if total_time else 0.0,
         "bubble_fraction_megatron": idle / total_busy if total_busy else 0.0,
         "time_per_microbatch": makespan / units if units else 0.0,
+        "peak_activation_memory": max((s["peak_activations"] for s in stages), default=0) / schedule.chunks,
         "stages": stages,
         "ranks": [{"rank": r, "busy": busy[r], "idle": makespan - busy[r]} for r in range(schedule.num_ranks)],
     }
@@ -106,6 +109,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  time per microbatch  {summary['time_per_microbatch']:.6g}",
         f"  bubble               {100 * summary['bubble_fraction']:.1f} % of total time (idle / total); "
         f"{100 * summary['bubble_fraction_megatron']:.1f} % idle / busy (Megatron)",
+        f"  peak activations     {summary['peak_activation_memory']:g} microbatches of one stage on a rank"
+        + (f" (a chunk counts 1/{summary['chunks']}; the rows count chunks)" if summary["chunks"] > 1 else ""),
         "",
         f"  {'stage':>5}  {'ranks':<10} {'busy':>10} {'idle':>10} {'peak activations':>17} {'peak versions':>14}",
     ]

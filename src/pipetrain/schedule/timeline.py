@@ -1,9 +1,10 @@
 """The timeline simulator: start and end of every action of every rank, given costs.
 
-Each rank runs its program in order. An action starts when the rank is free and, for a RECV, when
-the message has arrived (sent at the end of the SEND plus ``transfer`` time); a SYNC ends when all
-replicas of its stage have reached it plus the all-reduce time. Sends are asynchronous: the sender
-goes on (like ``isend``). The run is a longest-path computation over that dependency graph,
+Each rank runs its program in order. An action starts when the rank is free, after the runner's
+``overhead``; a RECV ends when the message has arrived (sent at the end of the SEND plus
+``transfer`` time) plus the receiver's ``receiving`` time; a SEND keeps its rank busy for its
+``sending`` time, then the rank goes on (like ``isend``) while the message is in flight; a SYNC
+ends when all replicas of its stage have reached it plus the all-reduce time. The run is a longest-path computation over that dependency graph,
 processed with a worklist, so it also serves as the dry run that finds deadlocks: if ranks remain
 blocked with nothing left to wake them, :class:`~pipetrain.errors.DeadlockError` names them and
 the actions they wait on.
@@ -20,9 +21,9 @@ from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.costs import Costs, StageCosts
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 
-__all__ = ["Timeline", "simulate", "dry_run", "positions"]
+__all__ = ["Timeline", "simulate", "dry_run", "positions", "position_of"]
 
-_COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W)
+_COMPUTE_KINDS = (Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB)
 
 
 @dataclass
@@ -63,6 +64,13 @@ def positions(schedule: Schedule) -> list[list[int]]:
     return [list(ranks) for ranks in schedule.stage_ranks]
 
 
+def position_of(schedule: Schedule) -> list[int] | None:
+    """``[position of stage s]`` for a schedule with chunks (its stage's rank), else None."""
+    if schedule.chunks > 1:
+        return [ranks[0] for ranks in schedule.stage_ranks]
+    return None
+
+
 def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Timeline:
     """Simulate ``schedule`` under ``costs`` (default F=1, B=2)."""
     with gc_paused():
@@ -71,13 +79,15 @@ def simulate(schedule: Schedule, costs: Costs | StageCosts | None = None) -> Tim
 
 def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
     if not isinstance(costs, StageCosts):
-        costs = (costs or Costs()).resolve(schedule.num_stages, len(positions(schedule)), schedule.chunks)
+        costs = (costs or Costs()).resolve(schedule.num_stages, len(positions(schedule)), schedule.chunks,
+                                           position_of(schedule))
     programs = schedule.programs
     stage_ranks = schedule.stage_ranks
     num_stages = schedule.num_stages
     forward, backward, weight = costs.forward, costs.backward, costs.weight
-    full, step, sync_cost, transfer, send = costs.full_backward, costs.step, costs.sync, costs.transfer, costs.send
-    F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+    full, step, sync_cost, transfer = costs.full_backward, costs.step, costs.sync, costs.transfer
+    sending, receiving, overhead = costs.sending, costs.receiving, costs.overhead
+    F, B, I, W, FB = Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB
     SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
         Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
     )
@@ -109,6 +119,7 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
             action = program[pc]
             kind = action[0]
             stage = action[1]
+            t += overhead  # the runner's own time before the action (a RECV that waits pays it again)
             if kind is F:
                 st[pc] = t
                 t += forward[stage]
@@ -125,15 +136,21 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                 st[pc] = t
                 t += weight[stage]
                 work += weight[stage]
+            elif kind is FB:  # the halves one after the other, as a CPU runs them (docs/design.md 2)
+                half = action[4]
+                cost = forward[stage] + (full[half[1]] if half[0] is B else backward[half[1]])
+                st[pc] = t
+                t += cost
+                work += cost
             elif kind is SEND_F or kind is SEND_B:
                 st[pc] = t
-                t += send
+                boundary = stage if kind is SEND_F else stage - 1
+                t += sending[boundary]
                 if kind is SEND_F:
                     key = (action[2] * num_stages + stage + 1) << 1
-                    arrivals[key] = t + transfer[stage]
                 else:
                     key = ((action[2] * num_stages + stage - 1) << 1) | 1
-                    arrivals[key] = t + transfer[stage - 1]
+                arrivals[key] = t + transfer[boundary]
                 waiter = waiting.pop(key, None)
                 if waiter is not None and not queued[waiter]:
                     queued[waiter] = True
@@ -145,10 +162,12 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                 arrival = arrivals.get(key)
                 if arrival is None:
                     waiting[key] = rank
+                    t -= overhead  # charged when the rank comes back to it
                     break
                 st[pc] = t
                 if arrival > t:
                     t = arrival
+                t += receiving[stage - 1 if kind is RECV_F else stage]
             elif kind is SYNC:
                 index = sync_seen[rank].get(stage, 0)
                 state = syncs.get((stage, index))
@@ -160,6 +179,7 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                     if len(arrived) < len(stage_ranks[stage]):
                         if rank not in waiters:
                             waiters.append(rank)
+                        t -= overhead  # charged when the rank comes back to it
                         break
                     done = state[1] = max(arrived.values()) + sync_cost[stage]
                     for other in waiters:

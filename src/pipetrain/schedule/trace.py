@@ -15,7 +15,7 @@ from pipetrain.schedule.timeline import Timeline
 
 __all__ = ["trace_events", "write_trace"]
 
-_CATEGORY = {Kind.F: "compute", Kind.B: "compute", Kind.I: "compute", Kind.W: "compute",
+_CATEGORY = {Kind.F: "compute", Kind.B: "compute", Kind.I: "compute", Kind.W: "compute", Kind.FB: "compute",
              Kind.STEP: "update", Kind.SYNC: "sync"}
 
 
@@ -33,7 +33,13 @@ def trace_events(timeline: Timeline, *, pid: int = 0, name: str | None = None, s
                 args["microbatch"] = action.microbatch
             if action.version is not None:
                 args["version"] = action.version
-            if action.peer is not None:
+            if action.kind is Kind.FB:  # a pair: its forward above, its backward here
+                backward = action.peer
+                args["backward"] = {"kind": backward.kind.value, "stage": backward.stage,
+                                    "microbatch": backward.microbatch}
+                if backward.version is not None:
+                    args["backward"]["version"] = backward.version
+            elif action.peer is not None:
                 args["peer"] = action.peer
             events.append({
                 "ph": "X", "name": format_action(action), "cat": _CATEGORY.get(action.kind, "comm"),

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule._gc import gc_paused
-from pipetrain.schedule.ir import Action, Kind, Schedule
+from pipetrain.schedule.ir import Action, Kind, Schedule, halves
 
 __all__ = ["POLICIES", "assign_versions", "staleness", "units_per_update"]
 
@@ -39,7 +39,7 @@ def assign_versions(schedule: Schedule, policy: str | None = None) -> Schedule:
     per_batch = max(schedule.microbatches, 1)
     stash = policy in _STASHING
     two_bw = policy == "2bw"
-    F, STEP = Kind.F, Kind.STEP
+    F, STEP, FB = Kind.F, Kind.STEP, Kind.FB
     compute = (F, Kind.B, Kind.I, Kind.W)
     new = tuple.__new__
     programs = []
@@ -49,15 +49,8 @@ def assign_versions(schedule: Schedule, policy: str | None = None) -> Schedule:
             forward_version: dict[tuple[int, int], int] = {}
             out: list[Action] = []
             append = out.append
-            for action in program:
-                kind, stage, k, _, peer = action
-                if kind is STEP:
-                    counts[stage] = counts.get(stage, 0) + 1
-                    append(action)
-                    continue
-                if k is None or kind not in compute:
-                    append(action)
-                    continue
+
+            def read(kind: Kind, stage: int, k: int) -> int | None:
                 if kind is F:
                     if tags is not None:
                         version = tags.get(k, 0)
@@ -66,11 +59,27 @@ def assign_versions(schedule: Schedule, policy: str | None = None) -> Schedule:
                     else:
                         version = counts.get(stage, 0)
                     forward_version[(stage, k)] = version
-                elif stash:
-                    version = forward_version.get((stage, k))
-                else:
-                    version = counts.get(stage, 0)
-                append(new(Action, (kind, stage, k, version, peer)))
+                    return version
+                if stash:
+                    return forward_version.get((stage, k))
+                return counts.get(stage, 0)
+
+            for action in program:
+                kind, stage, k, _, peer = action
+                if kind is STEP:
+                    counts[stage] = counts.get(stage, 0) + 1
+                    append(action)
+                    continue
+                if kind is FB:  # a pair: each half reads as it would alone, the forward first
+                    version = read(F, stage, k)
+                    other = peer
+                    append(new(Action, (FB, stage, k, version, new(Action, (
+                        other[0], other[1], other[2], read(other[0], other[1], other[2]), None)))))
+                    continue
+                if k is None or kind not in compute:
+                    append(action)
+                    continue
+                append(new(Action, (kind, stage, k, read(kind, stage, k), peer)))
             programs.append(out)
     return replace(schedule, programs=programs, policy=policy)
 
@@ -80,13 +89,14 @@ def _stage0_tags(schedule: Schedule) -> dict[int, int]:
     tags: dict[int, int] = {}
     for rank in schedule.stage_ranks[0] if schedule.stage_ranks else []:
         steps = 0
-        for action in schedule.programs[rank]:
-            if action.stage != 0:
-                continue
-            if action.kind is Kind.STEP:
-                steps += 1
-            elif action.kind is Kind.F:
-                tags[action.microbatch] = steps
+        for whole in schedule.programs[rank]:
+            for action in halves(whole):
+                if action.stage != 0:
+                    continue
+                if action.kind is Kind.STEP:
+                    steps += 1
+                elif action.kind is Kind.F:
+                    tags[action.microbatch] = steps
     return tags
 
 
@@ -105,7 +115,7 @@ def staleness(schedule: Schedule) -> list[int]:
         counts: dict[int, int] = {}
         pending: dict[int, list[int]] = {}
         forward_version: dict[tuple[int, int], int] = {}
-        for action in program:
+        for action in (half for whole in program for half in halves(whole)):
             kind, stage = action.kind, action.stage
             if kind is Kind.F and action.version is not None:
                 forward_version[(stage, action.microbatch)] = action.version

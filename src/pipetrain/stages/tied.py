@@ -128,7 +128,8 @@ def refuse_tied(tied: Sequence[TiedParameter], why: str) -> None:
     stages = " and ".join(numbers) if len(numbers) < 3 else f"{', '.join(numbers[:-1])} and {numbers[-1]}"
     raise ConfigError(
         f"parameter {first.describe()} is shared by stages {stages} (tied weights){more}, but {why}, so its "
-        f"copies would drift apart. Use a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1), on which "
+        f"copies would drift apart. Use a synchronous schedule (gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, "
+        f"v-half, v-min, zb-auto), on which "
         f"the stages sum its gradient and stay one parameter; or cut the model so that its uses lie in one "
         f"stage; or untie it before splitting{untie}"
     )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
+
+from pipetrain.errors import ArgumentError
 
 __all__ = ["Callback", "Callbacks"]
 
@@ -26,11 +29,22 @@ class Callback:
         """The run's :class:`~pipetrain.training.result.TrainResult`."""
 
 
+_HOOKS = ("on_update", "on_evaluation", "on_checkpoint", "on_end")
+
+
 class Callbacks:
     """Calls every callback in order (a plain function counts as ``on_update``)."""
 
     def __init__(self, callbacks: Iterable[Any] = ()) -> None:
+        if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, Iterable):
+            raise ArgumentError(f"callbacks takes a list of Callback objects or functions f(step, loss), not "
+                                f"{type(callbacks).__name__} {repr(callbacks)[:40]}")
         self.items = list(callbacks)
+        for callback in self.items:
+            if not (callable(callback) or any(hasattr(callback, hook) for hook in _HOOKS)):
+                raise ArgumentError(f"callbacks: {repr(callback)[:40]}, of type {type(callback).__name__}, is neither a "
+                                    f"Callback (with on_update, on_evaluation, on_checkpoint or on_end) nor a "
+                                    f"function f(step, loss)")
 
     def __bool__(self) -> bool:
         return bool(self.items)

@@ -136,16 +136,21 @@ class Checkpoints:
     def check(self) -> None:
         """Refuse now, before any worker starts, a resume that every worker would refuse: a named
         checkpoint that is missing or damaged, one written by a different run, one past this
-        run's end (the workers choose again when they start: after a restart, a newer one)."""
-        from pipetrain.runtime.checkpoint import open_checkpoint
+        run's end (the workers choose again when they start: after a restart, a newer one); and
+        a symbolic link where the run would write a checkpoint."""
+        from pipetrain.runtime.checkpoint import check_step_dir, open_checkpoint
         from pipetrain.training.recut import recut_needed
 
         path = self._choose(say=False)
         if isinstance(path, BaseException):
             raise path
+        after = 0
         if path is not None:
             checkpoint = open_checkpoint(path, verify=False)
             recut_needed(checkpoint.meta, self.meta, _compared(self.meta), self.run, where=f"checkpoint {checkpoint.path}")
+            after = checkpoint.step
+        for step in self.steps(after):  # a linked step directory would be refused when saved: refused now
+            check_step_dir(self.directory, step)
 
     def close(self) -> None:
         """Give back the directory's lock, if this rank took it (at the end of the run)."""

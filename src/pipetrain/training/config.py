@@ -26,6 +26,24 @@ def _init(args: argparse.Namespace) -> str | None:
     return args.init_from or ("reset" if _meta(args) else None)
 
 
+def _calibration(field: str, path: str) -> None:
+    """A costs file that cannot be read, or is malformed, is refused before the run, naming the
+    option and the field (its warning, if it was measured elsewhere, comes with the report)."""
+    import warnings
+
+    from pipetrain.errors import PipetrainError
+    from pipetrain.schedule.costs import load_costs
+
+    if not isinstance(path, str):
+        raise ConfigError(f"{option_name(field)} must be the path of a costs file, got {path!r}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_costs(path)
+    except PipetrainError as error:
+        raise ConfigError(f"{option_name(field, path)}: {error}") from None
+
+
 def _optimizer(args: argparse.Namespace) -> str:
     """``--optimizer``, translated by ``--translate-from-batch`` (docs/design.md 3.5)."""
     if not args.translate_from_batch:
@@ -106,10 +124,14 @@ class TrainConfig:
     # -- pipeline ----------------------------------------------------------------------------
     schedule: str | None = option(
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
-        help="gpipe, 1f1b, interleaved, zb-h1, pipedream, 2bw, pb (default: the plan's, else 1f1b)")
+        help="gpipe, 1f1b, interleaved, zb-h1, zb-h2, zb-v, v-half, v-min, zb-auto, bfs, interleaved-zb, dualpipev, "
+             "pipedream, 2bw, pb, or torch's names (GPipe, Interleaved1F1B, LoopedBFS, ZBVZeroBubble, ...) "
+             "(default: the plan's, else 1f1b)")
     stages: int | None = option(
         None, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
-        help="number of pipeline stages (ranks for interleaved), cut as --balance-by says (default: as many as "
+        help="number of pipeline stages (ranks for the looped schedules interleaved, bfs, interleaved-zb and the V "
+             "schedules zb-v, v-half, v-min, dualpipev, whose ranks hold several chunks), cut as --balance-by says "
+             "(default: as many as "
              "--balance, --split-at or --replicas give, else --workers, else 2)")
     balance: list[int] | None = option(
         None, check=entries_at_least(1), group=_PIPELINE, type=int_list, fingerprint=True, api="pipeline", from_api=list, api_type="Sequence[int] | None",
@@ -141,7 +163,7 @@ class TrainConfig:
         from_api=lambda replicas: list(replicas) or None, api_type="Sequence[int] | None", help="replicas per stage, e.g. 2,1 (default: 1 each)")
     chunks: int = option(
         1, check=at_least(1), group=_PIPELINE, type=int, fingerprint=True, api="pipeline",
-        help="model chunks per rank (interleaved; default 1)")
+        help="model chunks per rank (interleaved, bfs, interleaved-zb; dualpipev holds 2; default 1)")
     policy: str | None = option(
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
         help="weight-version policy replacing the schedule's: stash, vsync, latest, predict (default: the "
@@ -249,12 +271,19 @@ class TrainConfig:
     save: str | None = option(
         None, group=_OUTPUTS, api="fit",
         help="write the trained weights under the unsplit model's names: into a directory "
-             "(a path without a .pt/.pth/.bin/.ckpt suffix) as safetensors shards, each worker its own "
+             "(a path without a suffix) as safetensors shards, each worker its own "
              "stages, with HuggingFace's index (from_pretrained reads it; pipetrain.load_weights too); or "
-             "into one torch.save file, gathered on rank 0 (default: not saved)")
+             "into one file gathered on rank 0: torch.save's (.pt, .pth, .bin, .ckpt) or safetensors' "
+             "(.safetensors); another suffix is refused (default: not saved)")
     report_json: str | None = option(
         None, group=_OUTPUTS, api="fit",
-        help="write a JSON report: samples_per_s, final_loss, steps, ... (default: none)")
+        help="write a JSON report: samples_per_s, final_loss, steps, ... and, on the distributed "
+             "runtime, the measured and the simulated seconds per update (default: none)")
+    costs_file: str | None = option(
+        None, group=_OUTPUTS, check=_calibration, metavar="FILE", api="fit",
+        help="a calibration from `pipetrain calibrate`: the report's and the plot's simulated time "
+             "charge its communication and per-action costs besides the measured unit times "
+             "(default: none, compute only)")
     trace: str | None = option(
         None, group=_OUTPUTS, api="fit",
         help="write the measured per-action timeline as a Chrome/Perfetto trace (default: none)")

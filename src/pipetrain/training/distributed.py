@@ -56,7 +56,7 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
         workers = run.schedule.num_ranks
         result = launch(worker, (config, run.stage_costs),  # the workers cut as measured here
                         nprocs=workers, threads_per_worker=config.threads_per_worker,
-                        timeout=None, restarts=config.max_restarts, env=env)
+                        timeout=None, restarts=config.max_restarts, env=env, silence=config.timeout)
     if result.returncode != 0:
         raise WorkersFailed(result.message or f"a worker failed (exit status {result.returncode})", result.returncode)
     return result.results[0]
@@ -75,7 +75,7 @@ def spawn_script(run) -> None:
 
             say(describe_run(run))
         result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker,
-                               restarts=run.config.max_restarts, env=env)
+                               restarts=run.config.max_restarts, env=env, silence=run.config.timeout)
     if result.returncode != 0 and result.message:  # a worker's own error is handed on, not printed, by it
         print(f"pipetrain: error: {result.message}", file=sys.stderr, flush=True)
     raise SystemExit(result.returncode)
@@ -215,13 +215,24 @@ class RankSetup:
         (a failure on any rank stops every rank with its message)."""
         import torch.distributed as dist
 
-        from pipetrain.training.outputs import write_rank_shard, write_weights_index
+        from pipetrain.training.outputs import (
+            commit_rank_shard, discard_rank_shard, write_rank_shard, write_weights_index,
+        )
 
-        world = self.env.world_size
-        record = _together("saving the weights", lambda: write_rank_shard(self.run, self.rank, self.write_back()), world,
-                           arrive=self.arrive)
+        world, written = self.env.world_size, []
+
+        def write() -> Any:
+            written.append(write_rank_shard(self.run, self.rank, self.write_back()))  # under a temporary name
+            return written[0]
+
+        try:
+            record = _together("saving the weights", write, world, arrive=self.arrive)
+        except PipetrainError:  # a shard failed somewhere (a full disk): none is renamed into place
+            discard_rank_shard(self.run, written[0] if written else None)
+            raise
         records: list[Any] = [None] * world
         _collective("saving the weights", lambda: dist.all_gather_object(records, record))
+        _together("saving the weights", lambda: commit_rank_shard(self.run, record), world)
         _together("saving the weights", lambda: write_weights_index(self.run, records) if self.rank == 0 else None,
                   world, arrive=self.arrive)
 
@@ -437,7 +448,7 @@ def _progress(run, config, callbacks=None):
 def _updates_read(schedule, rank: int, layout) -> list[int]:
     """The updates whose batches ``rank`` reads (its forwards of stage 0), each once, in the order
     of their first read."""
-    from pipetrain.schedule.ir import Kind
+    from pipetrain.schedule.ir import Kind, halves
     from pipetrain.schedule.pattern import pattern_of
 
     pattern = pattern_of(schedule)
@@ -449,7 +460,8 @@ def _updates_read(schedule, rank: int, layout) -> list[int]:
             return range(sample[0], -(-schedule.total_microbatches // per), step)  # type: ignore[return-value]
     first_reads = {
         layout.bounds(action.microbatch)[0]: None
-        for action in schedule.programs[rank]
+        for whole in schedule.programs[rank]
+        for action in halves(whole)
         if action.kind is Kind.F and action.stage == 0
     }
     return list(first_reads)

@@ -62,7 +62,10 @@ class MemoryProbe:
         if self.device.type == "cuda":
             return {"measure": "cuda_max_memory_allocated", "device": str(self.device),
                     "peak_bytes": int(torch.cuda.max_memory_allocated(self.device)), "start_bytes": int(self.start)}
-        return {"measure": "peak_rss", "device": str(self.device), "peak_bytes": _rss_peak(),
+        # Linux updates the high-water mark behind ru_maxrss lazily (when the set shrinks), so the
+        # set as it is now may stand above it: the peak is at least that
+        peaks = [value for value in (_rss_peak(), _rss_now()) if value is not None]
+        return {"measure": "peak_rss", "device": str(self.device), "peak_bytes": max(peaks) if peaks else None,
                 "start_bytes": self.start}
 
 

@@ -15,8 +15,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipetrain.errors import ConfigError
+from pipetrain.errors import ArgumentError, ConfigError
 from pipetrain.errors import option as option_name
+from pipetrain.training.api_types import checked_value
 
 __all__ = ["Flag", "Option", "option", "declared", "flag_of", "keyword_of", "api_values", "api_signature",
            "declared_check",
@@ -139,7 +140,9 @@ def _api_default(field: dataclasses.Field, declaration: Option) -> Any:
 def api_values(config_type: type, stage: str, given: dict[str, Any], caller: str) -> dict[str, Any]:
     """Field name -> value of the keywords of ``stage`` (``"pipeline"`` or ``"fit"``) that
     ``caller`` was given, each absent one at its Python default; ``from_api`` applied. An unknown
-    keyword is a TypeError, as Python's own, naming the closest keyword."""
+    keyword, or a value outside the type the signature shows, is an
+    :class:`~pipetrain.errors.ArgumentError` (a ConfigError and a TypeError, as Python's own),
+    an unknown keyword naming the closest one."""
     import difflib
 
     keywords = _keywords(config_type, stage)
@@ -147,11 +150,14 @@ def api_values(config_type: type, stage: str, given: dict[str, Any], caller: str
     for name in given:
         if name not in known:
             close = difflib.get_close_matches(name, sorted(known), n=1)
-            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}"
-                            + (f"; did you mean {close[0]!r}?" if close else ""))
+            raise ArgumentError(f"{caller} got an unexpected keyword argument {name!r}"
+                                + (f"; did you mean {close[0]!r}?" if close else ""))
     values = {}
     for keyword, field, declaration in keywords:
-        value = given[keyword] if keyword in given else _api_default(field, declaration)
+        if keyword in given:
+            value = checked_value(field.name, keyword, given[keyword], declaration.api_type or str(field.type), caller)
+        else:
+            value = _api_default(field, declaration)
         values[field.name] = declaration.from_api(value) if declaration.from_api and value is not None else value
     return values
 

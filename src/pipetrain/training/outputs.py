@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from array import array
@@ -9,11 +10,13 @@ from typing import Any
 
 import torch
 
+from pipetrain.errors import PipetrainError, option
 from pipetrain.structure import cast_floating
 from pipetrain.training.setup import Run
 
 __all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses", "say", "describe_run",
-           "evaluation_line", "weight_writers", "rank_weights", "write_rank_shard", "write_weights_index"]
+           "evaluation_line", "metrics_text", "weight_writers", "rank_weights", "write_rank_shard", "commit_rank_shard",
+           "discard_rank_shard", "write_weights_index", "save_weights_here", "weights_kept"]
 
 
 class HeldOut:
@@ -59,11 +62,19 @@ def eval_batches(run: Run, batch_size: int | None = None) -> HeldOut:
 
 
 def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
-    """``torch.save`` to a temporary name, then rename: a crash never leaves a half-written file,
-    and a failed write (a full disk) leaves no temporary and raises its ``OSError``."""
+    """``torch.save`` (a ``.safetensors`` path: safetensors, each tensor several names share
+    stored once, under its first, as ``save_pretrained`` does) to a temporary name, then rename: a
+    crash never leaves a half-written file, and a failed write (a full disk) leaves no temporary
+    and raises its ``OSError``."""
+    from pipetrain.paths import is_safetensors_file
     from pipetrain.runtime.checkpoint import save_torch_file
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if is_safetensors_file(path):
+        from pipetrain.weights import write_shard
+
+        write_shard(os.path.dirname(os.path.abspath(path)), os.path.basename(path), state)
+        return
     cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # loads on any machine
     save_torch_file(path, cpu, hashing=False)
 
@@ -97,27 +108,92 @@ def rank_weights(run: Run, rank: int, modules: Any) -> dict[str, torch.Tensor]:
 
 
 def write_rank_shard(run: Run, rank: int, modules: Any) -> dict[str, Any] | None:
-    """``rank``'s shard of ``--save DIR`` (see :mod:`pipetrain.weights`): its record, or ``None``
-    for a rank that runs only further replicas."""
+    """``rank``'s shard of ``--save DIR`` (see :mod:`pipetrain.weights`), left under a temporary
+    name until :func:`commit_rank_shard`: its record, or ``None`` for a rank that runs only further
+    replicas. A write that fails (a full disk) is one line naming the file and where the trained
+    weights are kept; nothing of the shard is left."""
     from pipetrain.weights import shard_name, write_shard
 
     writers = weight_writers(run)
     if rank not in writers:
         return None
+    name = shard_name(writers.index(rank), len(writers))
     try:
-        return write_shard(run.config.save, shard_name(writers.index(rank), len(writers)),
-                           rank_weights(run, rank, modules))
+        return write_shard(run.config.save, name, rank_weights(run, rank, modules), commit=False)
     except OSError as error:
-        from pipetrain.errors import ConfigError
+        raise _cannot_save(run, error, name) from None
 
-        raise ConfigError(f"cannot write the weights into {run.config.save!r}: {error.strerror or error}") from None
+
+def commit_rank_shard(run: Run, record: dict[str, Any] | None) -> None:
+    """Rename ``rank``'s written shard into place: once every writer has written its own."""
+    from pipetrain.weights import commit_shards
+
+    if record is not None:
+        try:
+            commit_shards(run.config.save, [record])
+        except OSError as error:
+            discard_rank_shard(run, record)
+            raise _cannot_save(run, error, record["name"]) from None
+
+
+def discard_rank_shard(run: Run, record: dict[str, Any] | None) -> None:
+    """Remove ``rank``'s written shard: another writer failed, so this save leaves nothing."""
+    from pipetrain.weights import discard_shards
+
+    discard_shards(run.config.save, [record])
 
 
 def write_weights_index(run: Run, records: list[dict[str, Any] | None]) -> None:
     """The commit of ``--save DIR``: the index of every shard (and a HuggingFace model's config)."""
-    from pipetrain.weights import model_config_json, write_index
+    from pipetrain.weights import INDEX, model_config_json, write_index
 
-    write_index(run.config.save, [r for r in records if r is not None], model_config_json(run.model))
+    written = [r for r in records if r is not None]
+    try:
+        write_index(run.config.save, written, model_config_json(run.model))
+    except OSError as error:  # the shards without their index are no save: removed
+        for record in written:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(run.config.save, record["name"]))
+        raise _cannot_save(run, error, INDEX) from None
+
+
+def _cannot_save(run: Run, error: OSError, name: str) -> PipetrainError:
+    """``cannot write --save DIR: DIR/model-00001-of-00002.safetensors: No space left on device;
+    the trained weights are kept in ...``"""
+    return PipetrainError(f"cannot write {option('save', run.config.save)}: {os.path.join(run.config.save, name)}: "
+                          f"{error.strerror or error}{weights_kept(run.config, run.updates)}")
+
+
+def save_weights_here(run: Run, modules: Any) -> None:
+    """``--save DIR`` from one process that holds every stage (the emulator): every shard written,
+    then all renamed, then the index; a shard that cannot be written leaves none."""
+    records: list[dict[str, Any] | None] = []
+    try:
+        for rank in weight_writers(run):
+            records.append(write_rank_shard(run, rank, modules))
+    except BaseException:
+        for record in records:
+            discard_rank_shard(run, record)
+        raise
+    for record in records:
+        commit_rank_shard(run, record)
+    write_weights_index(run, records)
+
+
+def weights_kept(config: Any, updates: int) -> str:
+    """Where the trained weights are when --save cannot be written: the run's last checkpoint
+    (step ``updates``), when it has one."""
+    if config.executor == "distributed" and config.checkpoint_dir:
+        from pipetrain.runtime.checkpoint import CheckpointError, open_checkpoint, step_dir
+
+        last = step_dir(config.checkpoint_dir, updates)
+        try:
+            open_checkpoint(last, verify=False)
+            return (f"; the trained weights are kept in the run's last checkpoint, {last}: the same command, run "
+                    f"again with space free, resumes there and writes {option('save')}")
+        except CheckpointError:
+            pass
+    return "; the trained weights were not written anywhere else"
 
 
 class UpdateLosses:
@@ -221,8 +297,14 @@ def describe_run(run: Run) -> str:
     return f"{head}; {choice.heading()}{data}\n" + "\n".join(lines)
 
 
-def evaluation_line(entry: dict[str, float], updates: int) -> str:
+def evaluation_line(entry: dict[str, Any], updates: int) -> str:
     """``after  90 of 450 updates: test loss 0.7416, test accuracy 77.50 %``."""
     width = len(str(updates))
-    return (f"after {int(entry['step']):>{width}} of {updates} updates: test loss {entry['loss']:.4f}, "
-            f"test accuracy {100 * entry['accuracy']:.2f} %")
+    return f"after {int(entry['step']):>{width}} of {updates} updates: {metrics_text(entry)}"
+
+
+def metrics_text(entry: dict[str, Any]) -> str:
+    """``test loss 0.7416, test accuracy 77.50 %``; the accuracy only where there is one (a
+    classifier's, not a regression's)."""
+    text = f"test loss {entry['loss']:.4f}"
+    return text if entry.get("accuracy") is None else text + f", test accuracy {100 * entry['accuracy']:.2f} %"

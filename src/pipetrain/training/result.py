@@ -128,6 +128,14 @@ def result_of(run: Any, executor: str, losses: Sequence[float], seconds: float, 
     if steady is not None:
         extra["steady_samples_per_s"] = steady
     extra["update_seconds"] = ends if isinstance(ends, array) else array("d", ends)  # loss curves against wall time
+    if executor == "distributed":  # ranks in parallel, as the simulator has them (the emulator takes turns)
+        from pipetrain.errors import PipetrainError
+        from pipetrain.training.prediction import prediction
+
+        try:
+            extra.update(prediction(run, timeline, ends))
+        except PipetrainError as error:  # a calibration gone since the start: the run's own figures stand
+            extra["prediction"] = f"not made: {error}"
     if resumed:
         extra["resumed_from"] = resumed
     if getattr(run, "stage_choice", None) is not None:

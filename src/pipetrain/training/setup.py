@@ -19,14 +19,18 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from pipetrain.errors import ConfigError, option, written
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
+from pipetrain.execution.failures import StageNames
+from pipetrain.runtime.errors import CheckpointMismatchError
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
+from pipetrain.schedule.presets import check_chunks, chunks_per_rank
+from pipetrain.schedule.vshape import V_SCHEDULES, check_v_parameters
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import RunParts
 from pipetrain.training.validate import loss_scale_of
 
-__all__ = ["Run", "prepare", "plan_recompute", "EXECUTORS", "AUTOCAST"]
+__all__ = ["Run", "prepare", "plan_recompute", "ranks_of_balance", "EXECUTORS", "AUTOCAST"]
 
 EXECUTORS = ("distributed", "emulate")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -178,6 +182,7 @@ class Run:
             units_per_update=self.layout.units_per_update,
             own_weights=own,
             update_in_backward=self._updates_in_backward(stage),
+            names=StageNames.of(self.schedule),
         )
 
     def _updates_in_backward(self, stage: int) -> bool:
@@ -230,8 +235,10 @@ def _stage_count(config: TrainConfig, name: str) -> int:
         stages = len(config.split_at) + 1
     else:
         stages = config.workers or 2
-    if name == "interleaved" and config.balance and len(config.balance) != stages * config.chunks:
-        stages = len(config.balance) // max(config.chunks, 1)
+    chunked = name == "interleaved" or name in V_SCHEDULES or name == "zb-auto"
+    if chunked and config.balance and not config.replicas and len(config.balance) != stages * chunks_per_rank(
+            name, stages, _units_per_update(config, name), config.chunks):
+        stages = ranks_of_balance(config, name, len(config.balance))  # the balance lists every chunk
     workers = (sum(config.replicas) if config.replicas else stages)
     if config.workers is not None and config.workers != workers:
         raise ConfigError(
@@ -240,6 +247,21 @@ def _stage_count(config: TrainConfig, name: str) -> int:
             + f" use {workers} workers; change {option('workers')} or {option('stages')}/{option('replicas')}"
         )
     return stages
+
+
+def ranks_of_balance(config: TrainConfig, name: str, pieces: int) -> int:
+    """The ranks that a cut into ``pieces`` stages fills: fewer where each rank holds several
+    chunks (interleaved, the V schedules, zb-auto when it picks a V)."""
+    if name == "zb-auto":
+        units = _units_per_update(config, name)
+        if chunks_per_rank(name, pieces, units) == 1:
+            return pieces
+        if pieces % 2 == 0 and chunks_per_rank(name, pieces // 2, units) == 2:
+            return pieces // 2
+        raise ConfigError(f"zb-auto cannot tell from {option('balance', config.balance)} how many ranks to use; "
+                          f"give {option('stages')} (ranks)")
+    per_rank = chunks_per_rank(name, pieces, 1, config.chunks)
+    return max(pieces // per_rank, 1)
 
 
 def apply_plan(config: TrainConfig) -> TrainConfig:
@@ -357,7 +379,7 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
         staged = split_model(model, stages=pieces, **trace)
         names = unit_names(model, pieces, **trace) if staged.balance is not None else None
         return staged, StageChoice.of(staged, "parameter count", names, note=why), None
-    costs = costs or _resumed_costs(config)
+    costs = costs or _resumed_costs(config, model, trace)
     inputs = target = None
     if costs is None:
         inputs, target = _first_microbatch(config, name, train_set, dtype)
@@ -394,7 +416,7 @@ def _first_microbatch(config: TrainConfig, name: str, train_set: Dataset, dtype:
         if isinstance(train_set, DataLoader):  # a microbatch's worth of its samples times the stages alike
             if isinstance(train_set.dataset, IterableDataset):
                 x, y = next(iter(train_set))
-                x, y = rows(x, start, stop), y[start:stop]
+                x, y = rows(x, start, stop), rows(y, start, stop)
             else:
                 x, y = get_batch(train_set.dataset, range(start, min(stop, len(train_set.dataset))))
         else:
@@ -416,7 +438,14 @@ def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, tr
     if dist.get_rank() == 0:
         staged, choice = split()
         shared[0] = choice.unit_seconds
-    dist.broadcast_object_list(shared, src=0)
+    try:
+        dist.broadcast_object_list(shared, src=0)
+    except RuntimeError as error:  # a rank died while this one set up (gloo's own error is 30 lines of C++)
+        from pipetrain.runtime.errors import PeerLostError
+
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PeerLostError(f"rank {dist.get_rank()}: sharing the measured unit times failed because a peer is gone "
+                            f"or stuck ({first})") from None
     if dist.get_rank() == 0:
         return staged, choice
     return split_by_time(model, pieces, None, None, None, costs=shared[0], **trace)  # type: ignore[arg-type]
@@ -440,11 +469,31 @@ def _resumed(config: TrainConfig):
         return None
 
 
-def _resumed_costs(config: TrainConfig) -> dict[str, float] | None:
+def _resumed_costs(config: TrainConfig, model: nn.Module, trace: dict[str, Any]) -> dict[str, float] | None:
     """The unit times of the run being resumed (its checkpoint's fingerprint), so that it is cut
-    as before."""
+    as before; a checkpoint of another model is refused as such (its times name other modules)."""
+    from pipetrain.runtime.checkpoint import MANIFEST
+    from pipetrain.stages.balance import cost_order
+
     checkpoint = _resumed(config)
-    return None if checkpoint is None else checkpoint.meta.get("stage_costs")
+    costs = None if checkpoint is None else checkpoint.meta.get("stage_costs")
+    if not costs:
+        return None
+    saved, tell = checkpoint.meta.get("model"), f"its {MANIFEST} names the model under \"model\""
+    if saved is not None and saved != config.model:
+        differs = f"written by a run of {option('model', saved)}, not {option('model', config.model)} ({tell})"
+    else:
+        try:
+            cost_order(model, costs, trace)
+            return costs
+        except ConfigError:
+            timed = ", ".join(list(costs)[:4]) + (", ..." if len(costs) > 4 else "")
+            differs = (f"its run timed the modules {timed} to cut the model (its {MANIFEST} lists them under "
+                       f"\"stage_costs\"), which are not this model's: the model changed since it was written")
+    raise CheckpointMismatchError(
+        f"checkpoint {checkpoint.path} is of another model: {differs}; resume it with the model it was written "
+        f"for, or start afresh with another {option('checkpoint_dir')}"
+    )
 
 
 def _drains(config: TrainConfig, name: str, updates: int) -> tuple[tuple[int, ...], str]:
@@ -513,9 +562,16 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
                           f"{option('precision', 'fp32')}")
     init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
 
-    pieces = stages * (config.chunks if name == "interleaved" else 1)
-    if config.chunks != 1 and name != "interleaved":
-        raise ConfigError(f"{option('chunks')} applies to the interleaved schedule only, not to {name}")
+    check_chunks(name, config.chunks)
+    if name in V_SCHEDULES:  # before the cut, which may time the model
+        check_v_parameters(name, stages, _units_per_update(config, name), config.replicas)
+    per_rank = chunks_per_rank(name, stages, _units_per_update(config, name), config.chunks)
+    pieces = stages * per_rank
+    if per_rank > 1 and parts.staged is None and isinstance(model, nn.Sequential) and pieces > len(model):
+        raise ConfigError(
+            f"the {name} schedule cuts the model into {per_rank} chunks per rank, {pieces} stages for {stages} ranks, "
+            f"but it has {len(model)} top-level modules: use {option('stages', max(len(model) // per_rank, 1))} "
+            f"or fewer (ranks), or a deeper model")
     if parts.staged is not None:
         staged = parts.staged
         from pipetrain.stages import StageChoice
@@ -533,7 +589,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
     if len(staged.stages) != pieces:
         raise ConfigError(
             f"the model was cut into {len(staged.stages)} stages but the {name} schedule needs {pieces}"
-            + (f" ({stages} ranks x {config.chunks} chunks)" if name == "interleaved" else "")
+            + (f" ({stages} ranks x {per_rank} chunks)" if per_rank > 1 else "")
         )
 
     asynchronous = name in ASYNCHRONOUS and name != "2bw"

@@ -32,11 +32,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from pipetrain.errors import ConfigError, PipetrainError
-from pipetrain.execution.failures import check_loss, forward_failure, loss_failure
+from pipetrain.execution.failures import StageNames, check_loss, forward_failure, loss_failure
 from pipetrain.spec import describe_exception
 from pipetrain.structure import arguments, flatten, map_values
 
-__all__ = ["check_data"]
+__all__ = ["check_data", "stage_output_bytes"]
 
 
 def check_data(run: Any) -> None:
@@ -59,7 +59,14 @@ def check_data(run: Any) -> None:
             verdict[0] = error
         except Exception as error:  # noqa: BLE001 - the other ranks must not wait for a verdict that never comes
             verdict[0] = PipetrainError(f"rank 0 could not check the data at set-up: {describe_exception(error)}")
-    dist.broadcast_object_list(verdict, src=0)
+    try:
+        dist.broadcast_object_list(verdict, src=0)
+    except RuntimeError as error:  # a rank died while this one set up
+        from pipetrain.runtime.errors import PeerLostError
+
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PeerLostError(f"rank {dist.get_rank()}: checking the data at set-up failed because a peer is gone or "
+                            f"stuck ({first})") from None
     if verdict[0] is not None:
         raise verdict[0]
 
@@ -111,6 +118,7 @@ def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
     """``x`` through every stage on meta, then the loss with ``y``; stops silently where the meta
     device cannot go on."""
     stages = run.staged.stages
+    names = StageNames.of(run.schedule)  # the user's stages, with model chunks
     value = map_values(x, _meta)
     target = map_values(y, _meta)
     with torch.no_grad():
@@ -119,23 +127,48 @@ def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
             try:
                 value = _call(module, value, training)
             except PipetrainError as error:  # a module's own refusal: said where it was met
-                raise type(error)(f"{what}, stage {stage}: {error}") from None
+                raise type(error)(f"{what}, {names(stage)}: {error}") from None
             except Exception as error:  # noqa: BLE001 - the user's forward may raise anything
                 if _unchecked(error):
                     return
                 raise forward_failure(stage, error, leaves, module, structure=structure,
                                       target=target if stage == len(stages) - 1 else None,
-                                      what=what) from None
+                                      what=what, names=names) from None
         last = len(stages) - 1
         try:
             loss = run.loss_fn(value, target)
         except PipetrainError as error:  # the loss's own refusal (pipetrain's cross entropy)
-            raise type(error)(f"{what}, the loss of stage {last}: {error}") from None
+            raise type(error)(f"{what}, the loss of {names(last)}: {error}") from None
         except Exception as error:  # noqa: BLE001 - the user's loss may raise anything
             if _unchecked(error):
                 return
-            raise loss_failure(last, error, value, target, what=what) from None
-        check_loss(last, loss, what=what)
+            raise loss_failure(last, error, value, target, what=what, names=names) from None
+        check_loss(last, loss, what=what, names=names)
+
+
+def stage_output_bytes(run: Any) -> list[int] | None:
+    """Bytes of each stage's output for the run's first training microbatch, computed on the
+    meta device as :func:`check_data` runs it (what a SEND_F carries besides the labels, and a
+    SEND_B back); None where the data or the meta device cannot tell (a ``DataLoader``, a step
+    fed by the caller, an operation with no meta kernel)."""
+    train_set = run.train_set
+    if isinstance(train_set, DataLoader) or getattr(train_set, "fed_by_step", False):
+        return None
+    from pipetrain.schedule import resolve_name
+    from pipetrain.training.setup import _first_microbatch
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            x, _ = _first_microbatch(run.config, resolve_name(run.config.schedule), train_set, run.dtype)
+            value = map_values(x, _meta)
+            sizes = []
+            for module in run.staged.stages:
+                value = _call(module, value, True)
+                leaves, _ = flatten(value)
+                sizes.append(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
+    except Exception:  # noqa: BLE001 - no verdict here: the run checked its data, this only sizes messages
+        return None
+    return sizes
 
 
 def _meta(tensor: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution.data import UnitLayout
-from pipetrain.structure import cast_floating, rows
+from pipetrain.structure import cast_floating, first_tensor, rows
 from pipetrain.training.result import TrainResult
 
 __all__ = ["FedBatches", "EmulatedSession", "DistributedSession"]
@@ -38,10 +38,14 @@ class FedBatches:
         self._batches: dict[int, tuple[Any, Tensor]] = {}
         self._reads: dict[int, int] = {}
 
-    def feed(self, update: int, inputs: Any, targets: Tensor) -> None:
-        targets = torch.as_tensor(targets)
+    def feed(self, update: int, inputs: Any, targets: Any) -> None:
+        """Hand over update ``update``'s batch; ``targets`` (a tensor or a structure of them) reach the
+        loss as given."""
+        if not isinstance(targets, (Tensor, tuple, list, dict)):
+            targets = torch.as_tensor(targets)
+        first = first_tensor(targets)
         size = self.layout.batch_size
-        rows = targets.shape[0] if targets.dim() else 0
+        rows = first.shape[0] if first is not None and first.dim() else 0
         if rows != size:
             raise ConfigError(
                 f"update {update}: the batch holds {rows} samples but the run was started with batch_size={size}; "
@@ -64,7 +68,7 @@ class FedBatches:
             del self._batches[update], self._reads[update]
         if start == 0 and stop == self.layout.batch_size:
             return x, y
-        return rows(x, start, stop), y[start:stop]
+        return rows(x, start, stop), rows(y, start, stop)
 
     def close(self) -> None:
         self._batches.clear()

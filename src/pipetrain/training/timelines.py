@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 from statistics import median
+from typing import Sequence
 
 from pipetrain.schedule.costs import Costs
 from pipetrain.schedule.ir import Kind
 from pipetrain.schedule.timeline import Timeline, simulate
 
-__all__ = ["measured_costs", "simulated_counterpart", "plot_measured_and_simulated"]
+__all__ = ["measured_costs", "simulated_counterpart", "update_ends", "seconds_per_update", "action_overhead", "plot_measured_and_simulated"]
+
+#: the share of a run's updates left out of its steady state as start-up
+SKIP = 0.2
 
 
 def measured_costs(measured: Timeline) -> Costs:
@@ -34,8 +38,33 @@ def measured_costs(measured: Timeline) -> Costs:
     )
 
 
-def simulated_counterpart(measured: Timeline) -> Timeline:
-    return simulate(measured.schedule, measured_costs(measured))
+def simulated_counterpart(measured: Timeline, costs: Costs | None = None) -> Timeline:
+    """``measured``'s schedule simulated with ``costs`` (default: its measured median action times)."""
+    return simulate(measured.schedule, measured_costs(measured) if costs is None else costs)
+
+
+def update_ends(timeline: Timeline) -> list[float]:
+    """End times of the last stage's updates (its first replica's STEPs)."""
+    schedule = timeline.schedule
+    last = schedule.num_stages - 1
+    rank = schedule.stage_ranks[last][0]
+    return [end for action, _, end in timeline.spans(rank) if action.kind is Kind.STEP and action.stage == last]
+
+
+def seconds_per_update(ends: Sequence[float], skip: float = SKIP) -> float | None:
+    """Steady-state time per update: the median gap between consecutive update ends after the
+    first ``skip`` of them (None with fewer than two left)."""
+    first = int(len(ends) * skip)
+    gaps = [b - a for a, b in zip(ends[first:-1], ends[first + 1:])]
+    return median(gaps) if gaps else None
+
+
+def action_overhead(measured: Timeline) -> float:
+    """The interpreter's time per action: the median gap between the end of one action and the
+    start of the next, over every rank (a wait for a message is inside its RECV, not in a gap)."""
+    gaps = [b[1] - a[2] for rank in range(measured.schedule.num_ranks)
+            for a, b in zip(measured.spans(rank), measured.spans(rank)[1:])]
+    return max(median(gaps), 0.0) if gaps else 0.0
 
 
 def crop(timeline: Timeline, first: int, stop: int) -> Timeline:
@@ -59,28 +88,42 @@ def crop(timeline: Timeline, first: int, stop: int) -> Timeline:
 
 
 def plot_measured_and_simulated(measured: Timeline, path: str, title: str, units_per_update: int = 1,
-                                updates_shown: int = 6) -> None:
-    """One picture: a window of the measured timeline above the same window simulated with the
-    measured median action times (a whole run has too many actions to read), on one time axis,
-    with a caption that says why the measured one is longer."""
+                                updates_shown: int = 6, costs: Costs | None = None) -> None:
+    """One picture: a window of the measured timeline above the same window simulated (a whole run
+    has too many actions to read), on one time axis, with a caption that gives the ratio of their
+    times per update and says what the simulation models. ``costs``: a calibrated model
+    (:func:`pipetrain.training.prediction.simulation_costs`); default: the measured median action
+    times alone."""
     from pipetrain.schedule.plot import plot_comparison
 
-    simulated = simulated_counterpart(measured)
+    simulated = simulated_counterpart(measured, costs)
     total = measured.schedule.total_microbatches
     shown = min(total, updates_shown * units_per_update)
     first = max(0, (total - shown) // 2 // units_per_update * units_per_update)
     window = (crop(measured, first, first + shown), crop(simulated, first, first + shown))
     label = f"units {first}..{first + shown - 1} of {total}"
-    ratio = measured.makespan / simulated.makespan if simulated.makespan > 0 else float("nan")
+    per_update = [seconds_per_update(update_ends(t)) for t in (measured, simulated)]
+    if per_update[0] and per_update[1]:
+        ratio, what = per_update[0] / per_update[1], "time per update (steady state)"
+    else:
+        ratio = measured.makespan / simulated.makespan if simulated.makespan > 0 else float("nan")
+        what = "time"
+    if costs is None:
+        model = "the measured median action times"
+        caption = (f"The measured run takes {ratio:.2f}x the simulated {what}. The simulation charges each action only "
+                   "its measured median compute time (F, B, W, STEP);\nmessages, the waits for them and the Python "
+                   "between actions are not in it (a calibration by pipetrain calibrate adds them).")
+    else:
+        model = "the measured median action times and the calibration"
+        caption = (f"The measured run takes {ratio:.2f}x the simulated {what}. Modelled: the measured median F, B, W "
+                   "and STEP times; each message's sender and receiver busy time and time in flight\nby size; the "
+                   "interpreter's time before every action; all-reduces. Not modelled: transfers overlapping compute "
+                   "on the rank's own core, the spread of action times\naround their median, the machine's other load.")
     plot_comparison(
         list(window),
         [f"{title}, {label}: measured ({window[0].makespan * 1e3:.3g} ms; whole run {measured.makespan:.3g} s)",
-         f"simulated with the measured median action times ({window[1].makespan * 1e3:.3g} ms; "
-         f"whole run {simulated.makespan:.3g} s)"],
+         f"simulated with {model} ({window[1].makespan * 1e3:.3g} ms; whole run {simulated.makespan:.3g} s)"],
         path,
         time_unit="seconds",
-        caption=(f"Why the measured run takes {ratio:.1f}x the simulated time: the simulation charges each action "
-                 "only its measured median compute time (F, B, W, STEP);\nmessages sent and received, the waits for "
-                 "them and the Python between actions are not in it. Numbers: microbatches, in the bars wide enough "
-                 "to hold them."),
+        caption=caption + " Numbers: microbatches, in the bars wide enough to hold them.",
     )

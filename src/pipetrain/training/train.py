@@ -7,6 +7,7 @@ built from the specs), the Python API with the user's objects (:class:`~pipetrai
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator
 
 from pipetrain.errors import PipetrainError, option
@@ -84,27 +85,33 @@ def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None
             with _writing("save", config.save, _weights_kept(config, result)):
                 save_state_dict(run.model.state_dict() if state_dict is None else state_dict, config.save)
         elif config.executor == "emulate":
-            from pipetrain.training.outputs import weight_writers, write_rank_shard, write_weights_index
+            from pipetrain.training.outputs import save_weights_here
 
-            modules = dict(enumerate(run.staged.stages))
             with _writing("save", config.save, _weights_kept(config, result)):
-                write_weights_index(run, [write_rank_shard(run, rank, modules) for rank in weight_writers(run)])
+                save_weights_here(run, dict(enumerate(run.staged.stages)))
     if config.report_json:
         with _writing("report_json", config.report_json):
             result.write_report(config.report_json)
+    costs = None
+    if (config.trace or config.plot) and result.timeline is not None and config.costs_file:
+        from pipetrain.training.prediction import load_calibration, simulation_costs
+
+        with warnings.catch_warnings():  # the report's figures warned already
+            warnings.simplefilter("ignore")
+            costs = simulation_costs(run, result.timeline, load_calibration(config.costs_file))
     if config.trace and result.timeline is not None:
         from pipetrain.schedule.trace import write_trace
         from pipetrain.training.timelines import simulated_counterpart
 
         with _writing("trace", config.trace):
-            write_trace(config.trace, result.timeline, simulated_counterpart(result.timeline),
+            write_trace(config.trace, result.timeline, simulated_counterpart(result.timeline, costs),
                         names=[f"{result.schedule} measured", f"{result.schedule} simulated"])
     if config.plot and result.timeline is not None:
         from pipetrain.training.timelines import plot_measured_and_simulated
 
         with _writing("plot", config.plot):
             plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})",
-                                        units_per_update=result.extra.get("units_per_update", 1))
+                                        units_per_update=result.extra.get("units_per_update", 1), costs=costs)
 
 
 @contextlib.contextmanager
@@ -119,14 +126,6 @@ def _writing(field: str, path: str, then: str = "") -> Iterator[None]:
 
 def _weights_kept(config: TrainConfig, result: TrainResult) -> str:
     """Where the trained weights are when --save cannot be written: the run's last checkpoint."""
-    if config.executor == "distributed" and config.checkpoint_dir:
-        from pipetrain.runtime.checkpoint import CheckpointError, open_checkpoint, step_dir
+    from pipetrain.training.outputs import weights_kept
 
-        last = step_dir(config.checkpoint_dir, result.updates)
-        try:
-            open_checkpoint(last, verify=False)
-            return (f"; the trained weights are kept in the run's last checkpoint, {last}: the same command, run "
-                    f"again with space free, resumes there and writes {option('save')}")
-        except CheckpointError:
-            pass
-    return "; the trained weights were not written anywhere else"
+    return weights_kept(config, result.updates)

@@ -14,11 +14,11 @@ import json
 import os
 
 from pipetrain.errors import ConfigError, option
-from pipetrain.paths import IMAGE, JSON, WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, is_weights_dir
+from pipetrain.paths import IMAGE, JSON, WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, check_save, is_weights_dir
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.options import declared, declared_check, one_of
 
-__all__ = ["check_config", "check_execution", "read_plan", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
+__all__ = ["check_config", "check_execution", "check_optimizer_specs", "read_plan", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
            "PRECISIONS"]
 
 #: Built-in names of ``--model`` and ``--data`` (``pipetrain.models.MODELS`` and
@@ -56,6 +56,8 @@ def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = 
     if rank is None:
         rank = int(os.environ.get("RANK", "0") or 0)
     _check_init(config)
+    if config.save:
+        check_save(config.save, option("save"))
     sharded = bool(config.save) and is_weights_dir(config.save)  # every rank writes a shard of a directory
     files = {option("save"): None if sharded else config.save, option("report_json"): config.report_json,
              option("trace"): config.trace, option("plot"): config.plot}
@@ -131,22 +133,29 @@ def _check_counts(config: TrainConfig) -> None:
 
 
 def _check_specs(config: TrainConfig) -> None:
-    from pipetrain.optim.compensation import (parse_compensation, parse_dlr_delay, parse_dts_delay, parse_dtsf_delay,
-                                              parse_dtt_delay, refuse_other_than_sgd)
-    from pipetrain.optim.lr_schedule import parse_lr_schedule
-    from pipetrain.optim.spec import parse_optimizer_spec
     from pipetrain.spec import parse_spec
 
     parse_spec(config.model, builtins=MODEL_NAMES, kind="model")
     parse_spec(config.data, builtins=DATA_NAMES, kind="data set")
     if config.test_data:
         parse_spec(config.test_data, builtins=DATA_NAMES, kind="data set")
-    optimizer = parse_optimizer_spec(config.optimizer)
-    methods = parse_compensation(config.compensation)
-    parse_dlr_delay(config.compensation)  # dlr0: a reference delay that is not > 0
-    parse_dts_delay(config.compensation)
-    parse_dtsf_delay(config.compensation)
-    parse_dtt_delay(config.compensation)
+    check_optimizer_specs(config.optimizer, config.compensation, config.lr_schedule)
+
+
+def check_optimizer_specs(optimizer_spec: str, compensation: str | None, lr_schedule: str | None) -> None:
+    """``--optimizer``, ``--compensation`` and ``--lr-schedule`` as spec strings, and what each
+    compensation needs of the optimizer (also checked by ``Pipeline(...)`` for its spec strings)."""
+    from pipetrain.optim.compensation import (parse_compensation, parse_dlr_delay, parse_dts_delay, parse_dtsf_delay,
+                                              parse_dtt_delay, refuse_other_than_sgd)
+    from pipetrain.optim.lr_schedule import parse_lr_schedule
+    from pipetrain.optim.spec import parse_optimizer_spec
+
+    optimizer = parse_optimizer_spec(optimizer_spec)
+    methods = parse_compensation(compensation)
+    parse_dlr_delay(compensation)  # dlr0: a reference delay that is not > 0
+    parse_dts_delay(compensation)
+    parse_dtsf_delay(compensation)
+    parse_dtt_delay(compensation)
     if "sc" in methods and optimizer.name != "sgd":
         raise ConfigError(
             f"spike compensation is defined for momentum SGD only, not {optimizer.name!r}; use "
@@ -158,8 +167,8 @@ def _check_specs(config: TrainConfig) -> None:
         from pipetrain.optim.compensation import time_scaled_settings
 
         time_scaled_settings(float(optimizer.options.get("momentum", 0.0)), 0.0, 1.0)  # momentum 0: refused
-    if config.lr_schedule:
-        parse_lr_schedule(config.lr_schedule)
+    if lr_schedule:
+        parse_lr_schedule(lr_schedule)
 
 
 def read_plan(config: TrainConfig) -> tuple[dict, list[int], list[int]]:
