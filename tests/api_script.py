@@ -65,11 +65,10 @@ def one_run(schedule: str, mode: str, executor: str, out: str) -> None:
             if index == STEPS:
                 break
             finished += pipe.step(x, y)
-            if index == 2:  # every rank evaluates between two steps; the last stage's rank gets the metrics
+            if index == 2:  # every rank evaluates between two steps, and gets the metrics
                 metrics = pipe.evaluate(data, batch_size=32)
-                if metrics is not None:
-                    with open(os.path.join(out, f"{schedule}-{mode}-eval.json"), "w") as handle:
-                        json.dump(metrics, handle)
+                with open(os.path.join(out, f"{schedule}-{mode}-eval-{pipe.rank}.json"), "w") as handle:
+                    json.dump(metrics, handle)
             if executor == "emulate":  # minibatches left in the pipeline between calls (no flush)
                 in_flight.append(sum(len(e.in_flight) for held in pipe._session.executors for e in held.values()))
         result = pipe.finish()

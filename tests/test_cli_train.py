@@ -277,3 +277,17 @@ def test_the_stages_and_each_evaluation_are_printed_without_a_terminal(capfd, ex
                  "--quiet"])
     out, err = capfd.readouterr()
     assert code == 0 and len(out.splitlines()) == 1, out
+
+
+def test_the_speed_is_a_real_figure_at_any_size():
+    """A large model on a small machine trains below one sample a second: not "0 samples/s"."""
+    from pipetrain.commands.train import speed
+    from pipetrain.training.result import TrainResult
+
+    def result(samples: int, seconds: float, updates: int = 10) -> TrainResult:
+        return TrainResult(schedule="1f1b", stages=4, workers=4, executor="distributed", updates=updates,
+                           samples=samples, seconds=seconds, losses=[1.0] * updates, stage_busy=[], stage_idle=[])
+
+    assert speed(result(21500, 10.0)) == "2150 samples/s"
+    assert speed(result(43, 10.0)) == "4.3 samples/s"
+    assert speed(result(80, 104.0)) == "0.77 samples/s (10.4 s per update)"

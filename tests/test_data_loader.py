@@ -198,3 +198,17 @@ def test_a_loader_whose_worker_dies_is_a_fault_not_bad_data(monkeypatch):
         assert caught.value.exit_status == 128 + 9  # restartable, as a killed worker is
     finally:
         batches.close()
+
+
+def test_the_data_line_counts_a_loader_in_batches(capsys):
+    """A loader of 10 batches of 8 (its items whole batches: batch_size=None) is "10 batches", not "10 samples"."""
+    from pipetrain import Pipeline
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(10)]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    Pipeline(model, stages=2, schedule="1f1b", executor="emulate").fit(DataLoader(batches, batch_size=None),
+                                                                      batch_size=8)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("1f1b: 2 stages on 2 emulated ranks, 10 updates of 8 samples"), lines
+    assert lines[1] == "data: 10 batches, read from the DataLoader, on the training thread", lines

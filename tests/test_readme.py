@@ -23,6 +23,12 @@ The pages: README.md and docs/examples.md (the README's longer runs). The rules,
   its length, so the lines a K-update run prints alike are compared: the heading, the data and
   stage lines, and the evaluation after K updates (the README's update count read as K). Their
   later lines are checked by nothing: keep such blocks few.
+* **Commands on workers at a reduced size** (:data:`REDUCED`: the model larger than one process):
+  the README's command runs as written, on its local workers (not the emulator), with a smaller
+  model, fewer updates and held-out samples, and must finish and write what it says it writes.
+  Its full size was run once on the project's 2-core machine (benchmarks/RESULTS.md, section 17).
+* **Every Python snippet runs when pasted** (of :data:`SNIPPET_PAGES`): it defines or imports every
+  name it uses (no ``train_set`` left to the reader).
 * A ``$`` line with a comment that says what else happened (``# rank 1 killed mid-run``) shows a
   failure the command alone does not cause: it is parsed, not run. A ``--plan FILE`` that the
   README made from a measured profile (a profile is timing) is written from the stages the
@@ -50,6 +56,12 @@ PAGES = [ROOT / "README.md", ROOT / "docs" / "examples.md"]
 
 #: commands (by a piece of their text) that run to their first evaluation, with its update count
 SHORTENED = {"--model resnet-gn-skip": 90, "--model gpt:n_layer=4": 100}
+
+#: the pages whose Python snippets must define what they use
+SNIPPET_PAGES = [ROOT / "README.md", ROOT / "docs" / "api.md"]
+
+#: commands (by a piece of their text) run on workers at a reduced size: the options replaced
+REDUCED = {"--init meta": {"--model": "gpt:n_layer=4,n_embd=32,n_head=2", "--steps": "2", "--eval-samples": "64"}}
 
 _OUTPUT = re.compile(r"^([\w-]+: \d+ (stages|steps) on \d+ |data: |stage \d+: |after +\d+ of \d+ updates|"
                      r"pipetrain \w+: error: )")
@@ -186,7 +198,7 @@ def _normalised(lines: list[str], steps: int | None) -> list[str]:
     out = []
     for line in lines:
         line = line.replace("emulated ranks", "workers")
-        line = re.sub(r"\b\d+ samples/s", "N samples/s", line)
+        line = re.sub(r"\b\d[\d.e+-]* samples/s( \([\d.e+-]+ s per update\))?", "N samples/s", line)
         line = re.sub(r",\s+[\d.]+ % of the measured time", ", T % of the measured time", line)
         if timed:
             line = re.sub(r"^(stage \d+): .*", r"\1: (cut by measured time)", line)
@@ -261,3 +273,66 @@ def _segments(lines: list[str]) -> list[list[str]]:
         else:
             segments[-1].append(line)
     return [segment for segment in segments if segment]
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if any(piece in c.text for piece in REDUCED)],
+                         ids=lambda c: f"{c.page}:{c.line}")
+def test_a_reduced_command_finishes_on_its_workers_and_writes_its_outputs(command, tmp_path):
+    """The README's model larger than one process, on 4 local workers at a reduced size: it ends
+    with status 0 after its final evaluation and saves the shard of every stage."""
+    import os
+    import subprocess
+    import sys
+
+    from pipetrain import load_weights
+    from pipetrain.data import load_data
+    from pipetrain.models import build_model
+
+    argv = list(command.argv)
+    for flag, value in next(r for piece, r in REDUCED.items() if piece in command.text).items():
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    result = subprocess.run([sys.executable, "-m", "pipetrain.cli", *argv, "--no-progress"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"steps on 4 workers, [\d.]+ samples/s.*, test loss \d", result.stdout), result.stdout
+    saved = tmp_path / argv[argv.index("--save") + 1]
+    assert sorted(p.name for p in saved.iterdir()) == [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)] + [
+        "model.safetensors.index.json"]
+    _, _, info, _ = load_data(argv[argv.index("--data") + 1])
+    model = build_model(argv[argv.index("--model") + 1], input_shape=info.input_shape, num_classes=info.num_classes,
+                        meta=True)
+    loaded = load_weights(model, saved)  # every tensor of the unsplit model, by name and shape
+    assert not any(t.is_meta for t in loaded.state_dict().values())
+
+
+SNIPPETS = [(page.relative_to(ROOT).as_posix(), block) for page in SNIPPET_PAGES
+            for block in _blocks(page.read_text(encoding="utf-8")) if block.lang == "python"]
+
+
+def _undefined(source: str) -> list[str]:
+    """The names a snippet reads that it neither assigns, imports, defines nor gets from builtins."""
+    import ast
+    import builtins
+
+    defined, read = set(dir(builtins)), []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (defined.add(node.id) if isinstance(node.ctx, ast.Store) else read.append(node.id))
+    return sorted({name for name in read if name not in defined})
+
+
+def test_the_python_snippets_define_what_they_use():
+    assert len(SNIPPETS) >= 4
+    assert _undefined("pipe.fit(train_set)\nimport torch") == ["pipe", "train_set"]  # the check sees them
+    missing = {f"{page}:{block.line}": names for page, block in SNIPPETS if (names := _undefined("\n".join(block.lines)))}
+    assert not missing, f"snippets that use names they do not define: {missing}"

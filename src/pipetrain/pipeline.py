@@ -316,8 +316,8 @@ class Pipeline:
 
     def evaluate(self, data: Any, batch_size: int | None = None) -> dict[str, float] | None:
         """Loss and accuracy of the current weights on ``data`` (a ``Dataset`` or a list of
-        ``(x, y)`` batches), between two steps; on every rank of a distributed run, with the
-        metrics returned where the last stage is (``None`` elsewhere)."""
+        ``(x, y)`` batches), between two steps. Every rank of a distributed run calls it (only
+        stage 0's reads ``data``), and every rank gets the metrics, once the last stage has them."""
         from pipetrain.training.outputs import HeldOut
 
         session = self._active("evaluate")

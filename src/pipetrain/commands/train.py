@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_arguments", "run", "config_from_args"]
+__all__ = ["add_arguments", "run", "config_from_args", "speed"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     line = (
         f"{result.schedule}: {result.updates} steps on {result.workers} "
         f"{'workers' if result.executor == 'distributed' else 'emulated ranks'}, "
-        f"{result.samples_per_s:.0f} samples/s, final loss {result.final_loss:.4f}"
+        f"{speed(result)}, final loss {result.final_loss:.4f}"
     )
     if result.evaluations:
         line += ", " + metrics_text(result.evaluations[-1])
@@ -73,6 +73,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {flag}: {path}")
     _finish_if_worker()
     return 0
+
+
+def speed(result) -> str:
+    """The run's speed in words that say something at any size: whole samples a second from 10
+    on, two significant digits below, and under one sample a second (a large model on a small
+    machine) the seconds each update took besides."""
+    rate = result.samples_per_s
+    if rate >= 10:
+        return f"{rate:.0f} samples/s"
+    text = f"{rate:.2g} samples/s"
+    if rate < 1 and result.updates:
+        text += f" ({result.seconds / result.updates:.3g} s per update)"
+    return text
 
 
 def _ranges(steps: list[int]) -> str:

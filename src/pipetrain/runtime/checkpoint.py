@@ -24,7 +24,7 @@ import torch
 
 from pipetrain.errors import option
 from pipetrain.paths import termination_deferred
-from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError, CheckpointPeerError
+from pipetrain.runtime.errors import CheckpointError, CheckpointMismatchError, CheckpointPeerError, PeerTimeoutError
 
 __all__ = [
     "MANIFEST",
@@ -273,6 +273,7 @@ def save_distributed(
     store: Any,
     timeout: float = 300.0,
     key: str | None = None,
+    liveness: Any = None,
 ) -> Path:
     """Collective checkpoint: every rank calls it at the same step with its own ``shards``
     (``{stage_file(s): state}``, or ``{}`` for a rank that saves nothing, such as a second replica).
@@ -285,6 +286,10 @@ def save_distributed(
     ``key`` names this save's entries in ``store``; it must differ between any two saves that use
     the same store server (a run's store serves every run of a script, and under torchrun every
     restart). By default saves through one store client are numbered.
+
+    ``liveness`` (a :class:`~pipetrain.runtime.liveness.Liveness`): the waits last as long as the
+    ranks waited for are heard from, ``timeout`` seconds of silence, not of work (a large shard
+    on a slow disk).
     """
     if key is None:
         n = _rounds[id(store)] = _rounds.get(id(store), 0) + 1
@@ -307,10 +312,12 @@ def save_distributed(
     if rank == 0:
         keys = [f"{prefix}/{r}" for r in range(world_size)]
         try:
-            store.wait(keys, td)
-        except RuntimeError:
+            _wait(store, keys, td, liveness, f"the checkpoint files of step {step}", list(range(world_size)))
+        except (RuntimeError, PeerTimeoutError):
             late = [r for r, k in enumerate(keys) if not store.check([k])]
-            reason = f"ranks {late} did not finish their checkpoint files of step {step} within {timeout:g} s"
+            reason = (f"ranks {late} fell silent for {timeout:g} s before finishing their checkpoint files of step {step}"
+                      if liveness is not None else
+                      f"ranks {late} did not finish their checkpoint files of step {step} within {timeout:g} s")
             store.set(commit, json.dumps({"error": reason, "peer": True}))
             raise CheckpointPeerError(reason) from None
         all_records: list[dict[str, Any]] = []
@@ -334,19 +341,35 @@ def save_distributed(
             raise
         store.set(commit, json.dumps({"ok": str(path)}))
         return path
-    try:
-        store.wait([commit], 2 * td)  # longer than rank 0 waits, to hear its verdict
-    except RuntimeError:
+    try:  # longer than rank 0 waits, to hear its verdict
+        _wait(store, [commit], 2 * td, liveness, f"rank 0's commit of the checkpoint of step {step}", [0])
+    except (RuntimeError, PeerTimeoutError):
         if failure is not None:
             raise failure from None
+        waited = f"heard nothing from rank 0 for {timeout:g} s" if liveness is not None else f"waited {2 * timeout:g} s"
         raise CheckpointPeerError(
-            f"rank {rank} waited {2 * timeout:g} s for rank 0 to commit the checkpoint of step "
+            f"rank {rank} {waited} while waiting for it to commit the checkpoint of step "
             f"{step}: rank 0 is gone or stuck"
         ) from None
     answer = json.loads(store.get(commit))
     if "error" in answer:
         raise (CheckpointPeerError if answer.get("peer") else CheckpointError)(answer["error"])
     return Path(answer["ok"])
+
+
+def _wait(store: Any, keys: list[str], td: timedelta, liveness: Any, what: str, ranks: list[int]) -> None:
+    """Until every key is in ``store``: at most ``td``, or with a ``liveness`` as long as the ranks
+    whose keys are missing (``keys[i]`` is ``ranks[i]``'s) are heard from."""
+    if liveness is None:
+        store.wait(keys, td)
+        return
+    missing = list(zip(ranks, keys))
+
+    def ready() -> bool:
+        missing[:] = [(r, k) for r, k in missing if not store.check([k])]
+        return not missing
+
+    liveness.wait_until(ready, lambda: [r for r, _ in missing], what)
 
 
 def _discard(d: Path, records: Iterable[Mapping[str, Any]]) -> None:

@@ -24,11 +24,14 @@ from a resumed cut, with the cuts where all ranks pause together (checkpoints, e
 that cross such a cut are waited for after it); ahead otherwise.
 
 Every wait is bounded by the run's timeout: a dead or stuck peer ends the run with a message that
-names the action this rank was waiting for and the last actions of every rank.
+names the action this rank was waiting for and the last actions of every rank. An evaluation's
+waits (with a :class:`~pipetrain.runtime.liveness.Liveness`) are bounded by the peer's silence
+instead: it is long work.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from bisect import bisect_right
 from typing import Any, Callable, MutableMapping
@@ -43,6 +46,7 @@ from pipetrain.execution.tied import TiedGradients
 from pipetrain.execution.losses import UnitLosses
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CheckpointMismatchError, CommunicationError, DataWorkerLost
+from pipetrain.runtime.liveness import Liveness
 from pipetrain.runtime.p2p import Messenger
 from pipetrain.runtime.transport import DistributedTransport
 from pipetrain.schedule.messages import Messages
@@ -81,6 +85,8 @@ class RankRunner:
         messages: the schedule's :class:`~pipetrain.schedule.messages.Messages`, if already built.
         tied: where the stages sharing a parameter sum its gradient (:mod:`pipetrain.execution.tied`;
             its groups come from :func:`sync_groups`).
+        liveness: an optional :class:`~pipetrain.runtime.liveness.Liveness`: evaluations then wait
+            on their peers for as long as those are heard from, and give every rank the metrics.
     """
 
     def __init__(
@@ -97,8 +103,11 @@ class RankRunner:
         receives: str = "auto",
         messages: Messages | None = None,
         tied: TiedGradients | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.schedule = schedule
+        self.liveness = liveness
+        self._evaluated = 0  # evaluations so far: every rank of the run counts the same ones
         self.tied = tied if tied else None
         self.rank = rank
         self.executors = executors
@@ -226,37 +235,58 @@ class RankRunner:
     def evaluate(self, count: int, batch_at: Callable[[int], tuple], metrics: Any) -> dict[str, float] | None:
         """Forward-only passes of ``count`` held-out batches through the first replica of every
         stage, on the current weights; on the rank of the last stage, each output and its labels
-        go to ``metrics.add(output, target)`` and ``metrics.result()`` is returned.
+        go to ``metrics.add(output, target)``, and ``metrics.result()`` is returned there (with a
+        :attr:`liveness`: on every rank, each returning once the last stage has the result).
 
         Every rank calls it at the same cut (between updates); ``batch_at(i)`` is called only where
         stage 0 lives, and its labels travel to the last stage. Its own channels keep training
-        messages in flight undisturbed.
+        messages in flight undisturbed. With a :attr:`liveness`, each message is announced in the
+        store when sent, and its receiver waits for the announcement as long as the sender is heard
+        from (an evaluation is long work, see :mod:`pipetrain.runtime.liveness`) before it waits for
+        the message itself.
         """
-        rank, last = self.rank, self.last_stage
+        rank, last, live = self.rank, self.last_stage, self.liveness
         owners = [ranks[0] for ranks in self.schedule.stage_ranks]
         mine = [s for s in sorted(self.executors) if owners[s] == rank]
-        if not mine:
-            return None
+        name = f"eval{self._evaluated}"
+        self._evaluated += 1
         sends = []
-        for index in range(count):
+        for index in range(count if mine else 0):
             value = labels = None
             if owners[0] == rank:
                 value, labels = batch_at(index)
                 if owners[last] != rank:
                     sends.append(self.messenger.isend(labels, owners[last], "eval-labels", tag=index))
+                    if live is not None:
+                        live.post(f"{name}/labels")
             for stage in mine:
                 if stage > 0 and owners[stage - 1] != rank:
+                    if live is not None:
+                        live.await_count(f"{name}/{stage}", index + 1, owners[stage - 1],
+                                         f"held-out batch {index} of stage {stage} from rank {owners[stage - 1]}")
                     value = self.messenger.recv(owners[stage - 1], f"eval{stage}", expect_tag=index)
                 value = self.executors[stage].evaluate(value)
                 if stage < last and owners[stage + 1] != rank:
                     sends.append(self.messenger.isend(value, owners[stage + 1], f"eval{stage + 1}", tag=index))
+                    if live is not None:
+                        live.post(f"{name}/{stage + 1}")
             if last in mine:
                 if owners[0] != rank:
+                    if live is not None:
+                        live.await_count(f"{name}/labels", index + 1, owners[0],
+                                         f"the labels of held-out batch {index} from rank {owners[0]}")
                     labels = self.messenger.recv(owners[0], "eval-labels", expect_tag=index)
                 metrics.add(value, labels)
-        for handle in sends:
+        result = metrics.result() if last in mine else None
+        if live is not None:  # the end of the evaluation for every rank: the last stage has the result
+            if last in mine:
+                live.put(f"{name}/metrics", json.dumps(result))
+            else:
+                result = json.loads(live.await_value(f"{name}/metrics", owners[last],
+                                                     f"the result of the evaluation from rank {owners[last]}"))
+        for handle in sends:  # every message was received by now, with a liveness
             handle.wait()
-        return metrics.result() if last in mine else None
+        return result
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -263,6 +263,7 @@ class Checkpoints:
                 self.directory, step, {rank_file(self.rank): runner.snapshot()},
                 dict(self.meta, updates=self.run.updates, layout=self.layout), rank=self.rank, world_size=self.world_size,
                 store=self._store, timeout=self.run.config.timeout, key=f"{self.serial}/{step}",
+                liveness=getattr(runner, "liveness", None),  # a long save is not a silence
             )
             if self.callbacks is not None:
                 self.callbacks.checkpoint(step, str(path))

@@ -151,6 +151,7 @@ class RankSetup:
 
     def __init__(self, run, env, data=None, start: int = 0) -> None:
         from pipetrain.runtime.executor import RankRunner, sync_groups
+        from pipetrain.runtime.liveness import Liveness, new_prefix
         from pipetrain.runtime.p2p import Messenger
         from pipetrain.runtime.status import StatusBoard
 
@@ -171,16 +172,35 @@ class RankSetup:
         if data is None and 0 in self.held:
             data = run.unit_data(prefetch=_updates_read(schedule, rank, run.layout))
         self.data = data if 0 in self.held else None
-        self.status = StatusBoard.from_env()
+        self._reading = True  # until close_data
+        self.status = StatusBoard.from_env()  # published until the end of the run (see close)
+        self.liveness = Liveness.for_board(self.status, run.config.timeout, new_prefix())
+        self._arrivals = 0
         self.messenger = Messenger(timeout=run.config.timeout, status=self.status)
         self.runner = RankRunner(schedule, rank, self.executors, self.data, run.layout, self.messenger, self.groups,
                                  self.status, start=start, receives=run.config.receives, messages=run.messages,
-                                 tied=run.tied)
+                                 tied=run.tied, liveness=self.liveness)
+
+    def close_data(self) -> None:
+        """Stop reading training data (its last update is read); once."""
+        data, self._reading = (self.data if self._reading else None), False
+        if data is not None:
+            data.close()
 
     def close(self) -> None:
-        self.status.close()
-        if self.data is not None:
-            self.data.close()
+        """Stop reading data and publishing this rank's status (once). The board publishes up to here,
+        through the final evaluation and the saving of the weights: a rank at long work is not silent."""
+        self.close_data()
+        status, self.status = self.status, None
+        if status is not None:
+            status.close()
+
+    def arrive(self, what: str) -> None:
+        """Every rank at ``what`` (before a collective that follows long work on some of them: an
+        evaluation's last batches, the writing of a shard): waited for as long as the ranks not there
+        yet are heard from (:mod:`pipetrain.runtime.liveness`), so the collective waits for no work."""
+        self._arrivals += 1
+        self.liveness.arrive(f"arrival{self._arrivals}", what)
 
     def write_back(self) -> dict[int, Any]:
         """The trained weights into the modules of this rank's first replicas; returns them by stage."""
@@ -206,7 +226,7 @@ class RankSetup:
             return written[0]
 
         try:
-            record = _together("saving the weights", write, world)
+            record = _together("saving the weights", write, world, arrive=self.arrive)
         except PipetrainError:  # a shard failed somewhere (a full disk): none is renamed into place
             discard_rank_shard(self.run, written[0] if written else None)
             raise
@@ -214,7 +234,7 @@ class RankSetup:
         _collective("saving the weights", lambda: dist.all_gather_object(records, record))
         _together("saving the weights", lambda: commit_rank_shard(self.run, record), world)
         _together("saving the weights", lambda: write_weights_index(self.run, records) if self.rank == 0 else None,
-                  world)
+                  world, arrive=self.arrive)
 
     def payload(self, seconds: float, evaluations: list) -> dict[str, Any]:
         """This rank's results for rank 0: losses, timings, and the trained weights of its first
@@ -243,6 +263,7 @@ class RankSetup:
 
         gathered = _collective("gathering the results", lambda: gather_to(payload, dst=0))
         result = _assemble(self.run, gathered, resumed) if self.rank == 0 else None
+        self.arrive("rank 0's outputs")  # rank 0 writes them (a whole model, perhaps) while the others wait
         shared = _collective("sharing the result",
                              lambda: broadcast_from(None if result is None else replace(result, timeline=None), src=0))
         self._release()
@@ -255,7 +276,8 @@ class RankSetup:
         script that trained several times ("terminate called without an active exception")."""
         import gc
 
-        self.runner = self.messenger = self.status = None
+        self.close()
+        self.runner = self.messenger = self.liveness = None
         gc.collect()
 
 
@@ -294,7 +316,8 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
     runner = setup.runner
     if resumed:  # a checkpoint that does not fit this run is refused by every rank, not by one
         try:
-            _together("resuming", lambda: runner.restore(resumed.state, resumed.cut), env.world_size)
+            _together("resuming", lambda: runner.restore(resumed.state, resumed.cut), env.world_size,
+                      arrive=setup.arrive)
         except BaseException:
             setup.close()
             raise
@@ -307,10 +330,12 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
     runner.keep_for_cuts(sorted(hooks))  # the versions its checkpoints must hold
     evaluations = runner.evaluations  # restored with the rest of a resumed rank's state
 
+    reports = rank == run.schedule.stage_ranks[-1][0]  # the last stage's: it computes the metrics
+
     def evaluate_at(step: int):
         def evaluate() -> None:
             metrics = runner.evaluate(len(held_out), held_out.__getitem__, Metrics(run.loss_fn))
-            if metrics is not None:
+            if metrics is not None and reports:  # (every rank has them)
                 evaluations.append({"step": step, **metrics})
                 if config.eval_every and not config.quiet:
                     from pipetrain.training.outputs import evaluation_line, say
@@ -331,25 +356,29 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
     from pipetrain.training.memory import MemoryProbe
 
     probe = MemoryProbe(next(iter(setup.executors.values())).device)
-    with setup_heap_frozen():
-        _collective("the start barrier", dist.barrier)
-        started = time.perf_counter()
-        try:
-            runner.run(progress, origin=started, at_positions=hooks, pauses=pauses)
-        finally:
-            if progress is not None and progress.progress is not None:
-                progress.progress.close()
-            setup.close()
-    seconds = time.perf_counter() - started - runner.paused
-    measured = probe.read()
-    if len(held_out) and (not run.config.eval_every):
-        evaluate_at(run.updates)()
-    _collective("the final barrier", dist.barrier)
-    from pipetrain.paths import is_weights_dir
+    try:
+        with setup_heap_frozen():
+            _collective("the start barrier", dist.barrier)
+            started = time.perf_counter()
+            try:
+                runner.run(progress, origin=started, at_positions=hooks, pauses=pauses)
+            finally:
+                if progress is not None and progress.progress is not None:
+                    progress.progress.close()
+                setup.close_data()
+        seconds = time.perf_counter() - started - runner.paused
+        measured = probe.read()
+        if len(held_out) and (not run.config.eval_every):
+            evaluate_at(run.updates)()
+        setup.arrive("the end of training")
+        _collective("the final barrier", dist.barrier)
+        from pipetrain.paths import is_weights_dir
 
-    if config.save and is_weights_dir(config.save):
-        setup.save_weights()
-    return setup.gather(setup.payload(seconds, evaluations) | {"memory": measured}, resumed=after)
+        if config.save and is_weights_dir(config.save):
+            setup.save_weights()
+        return setup.gather(setup.payload(seconds, evaluations) | {"memory": measured}, resumed=after)
+    finally:
+        setup.close()  # the board published to the end (a failure's report reads it)
 
 
 def _collective(what: str, call) -> Any:
@@ -363,10 +392,11 @@ def _collective(what: str, call) -> Any:
         raise PeerLostError(f"rank {_rank()}: {what} failed because a peer is gone or stuck ({first})") from None
 
 
-def _together(what: str, call, world_size: int) -> Any:
+def _together(what: str, call, world_size: int, arrive=None) -> Any:
     """Run ``call`` on every rank and return its value; when it raises a PipetrainError on any of
     them, every rank raises the first (by rank) instead of leaving the others to wait for it until
-    the timeout."""
+    the timeout. ``arrive(what)`` (:meth:`RankSetup.arrive`), when given, waits for every rank to
+    be done with ``call``, for as long as it takes them."""
     import torch.distributed as dist
 
     error = value = None
@@ -374,6 +404,8 @@ def _together(what: str, call, world_size: int) -> Any:
         value = call()
     except PipetrainError as failure:
         error = failure
+    if arrive is not None:
+        arrive(what)
     if world_size > 1:
         errors: list[Any] = [None] * world_size
         _collective(what, lambda: dist.all_gather_object(errors, error))

@@ -710,7 +710,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
         stage_choice=stage_choice, stage_costs=stage_costs, schedule_choice=choice, device=device, recompute=recompute, init=init, meta=meta,
         data_note="; ".join(filter(None, [
             "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
-            else f"data: {_samples(train_set)} samples, read {reading}", parts.data_note, extension])),
+            else f"data: {_samples(train_set)}, read {reading}", parts.data_note, extension])),
         drains=drains,
     )
     run.stage_optimizer(0)  # a bad optimizer (or --compensation) fails here, before any work
@@ -766,12 +766,13 @@ def _check_batch_size(config: TrainConfig, train_set: Any) -> None:
 
 
 def _samples(data: Any) -> str:
-    """How many samples the training data holds, in words (a DataLoader: its data set's)."""
-    data = data.dataset if isinstance(data, DataLoader) else data
+    """How much training data there is, in words: a data set's samples, a DataLoader's batches (its
+    data set's items may be samples or whole batches: a loader with ``batch_size=None``)."""
+    unit = "batches" if isinstance(data, DataLoader) else "samples"
     try:
-        return str(len(data))
+        return f"{len(data)} {unit}"
     except TypeError:
-        return "a stream of"
+        return f"a stream of {unit}"
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:

@@ -223,7 +223,7 @@ class DistributedSession(_Session):
         return self._take()
 
     def evaluate(self, count: int, batch_at) -> dict[str, float] | None:
-        """Every rank calls it between the same two steps; metrics come back where the last stage is."""
+        """Every rank calls it between the same two steps; the metrics come back on every rank."""
         from pipetrain.training.evaluate import Metrics
 
         metrics = self.setup.runner.evaluate(count, batch_at, Metrics(self.run.loss_fn))
@@ -240,6 +240,7 @@ class DistributedSession(_Session):
         runner = self.setup.runner
         runner.end()
         measured = self.probe.read()
-        self.setup.close()
+        self.setup.close_data()
+        self.setup.arrive("the end of training")
         _collective("the final barrier", dist.barrier)
         return self.setup.gather(self.setup.payload(self.seconds, self.evaluations) | {"memory": measured})
