@@ -30,9 +30,10 @@ def test_the_quick_run_prints_every_column_for_each_contender_and_torch_trains_t
     assert re.split(r"\s{2,}", lines[header].strip()) == list(COLUMNS)
     rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[header + 1:header + 3])}
     assert sorted(rows) == ["pipetrain 1f1b", "torch ZBVZeroBubble"]
-    for label, cells in rows.items():
+    for cells in rows.values():
         assert len(cells) == len(COLUMNS), cells
-        rate, ratio, seconds = float(cells[1]), cells[2], float(cells[3])
+        rate, ratio, seconds = float(cells[1]), float(cells[2]), float(cells[3])
+        assert ratio > 0
         assert rate > 0 and abs(seconds - SETUPS["quick"].batch / rate) < 1e-3 + 1e-2 * seconds
         peaks = [float(v) for v in cells[5].split("/")]
         assert len(peaks) == 2 and all(p >= 0 for p in peaks)
