@@ -25,7 +25,9 @@ Beside it:
   backward B, the rest of the backward W, the SGD step); torch's rows are simulated as pipetrain's
   schedule of the same order (interleaved, zb-v, dualpipev) where the installed pipetrain has it.
   No transfer cost is charged: the gap to ``s/upd`` (measured) is communication, waits and the
-  runtime's own overhead.
+  runtime's own overhead. ``sim rt``: the same with a split backward's W charged what pipetrain's
+  runtime spends on it, a second backward from the stage's output to its weights (measured here
+  too: the costs line's "runtime's W"), against the ideal W = full backward - B of ``sim s/upd``.
 * ``peak MB r0/r1``: each worker's peak RSS above its RSS when training starts (model built and
   cut), pipetrain's ``memory.stages[].peak_bytes - start_bytes``, measured the same way inside
   torch's workers; ``pred acts``: the memory report's predicted peak of microbatch activations
@@ -337,8 +339,10 @@ def _saved_bytes(fn) -> tuple[Any, int]:
 
 def measure_costs(setup: Setup, repeats: int = 3) -> dict[str, list[float]]:
     """Per quarter stage, at one thread, medians of ``repeats``: forward ``F``, input-gradient
-    backward ``B``, the rest of a full backward ``W``, the SGD ``step`` (seconds), and ``act``,
-    the bytes one microbatch's saved activations take (the stage's output included)."""
+    backward ``B``, the rest of a full backward ``W``, the SGD ``step`` (seconds), ``Wrt``, the
+    weight half as pipetrain's runtime computes it after ``B`` (a second backward from the stage's
+    output to the weights: ``StageExecutor.backward_weight``), and ``act``, the bytes one
+    microbatch's saved activations take (the stage's output included)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -351,11 +355,11 @@ def measure_costs(setup: Setup, repeats: int = 3) -> dict[str, list[float]]:
             inputs = [quarters[0][0](x)]
             for body in bodies[:-1]:
                 inputs.append(body(inputs[-1]))
-        costs: dict[str, list[float]] = {k: [] for k in ("F", "B", "W", "step", "act")}
+        costs: dict[str, list[float]] = {k: [] for k in ("F", "B", "W", "Wrt", "step", "act")}
         for s, (q, body) in enumerate(zip(quarters, bodies)):
             params = list(q.parameters())
             optimizer = torch.optim.SGD(params, lr=setup.lr)
-            times: dict[str, list[float]] = {k: [] for k in ("F", "full", "B", "step")}
+            times: dict[str, list[float]] = {k: [] for k in ("F", "full", "B", "Wrt", "step")}
             for _ in range(repeats + 1):
                 for full in (True, False):
                     inp = inputs[s].clone().requires_grad_(True)
@@ -366,10 +370,13 @@ def measure_costs(setup: Setup, repeats: int = 3) -> dict[str, list[float]]:
                     if full:
                         loss.backward()
                     else:
-                        torch.autograd.grad(loss, [inp])
+                        torch.autograd.grad(loss, [inp], retain_graph=True)
                     t2 = time.perf_counter()
                     times["F"].append(t1 - t0)
                     times["full" if full else "B"].append(t2 - t1)
+                    if not full:
+                        torch.autograd.backward(loss, inputs=params)
+                        times["Wrt"].append(time.perf_counter() - t2)
                 t3 = time.perf_counter()
                 optimizer.step()
                 optimizer.zero_grad()
@@ -378,6 +385,7 @@ def measure_costs(setup: Setup, repeats: int = 3) -> dict[str, list[float]]:
             costs["F"].append(median["F"])
             costs["B"].append(min(median["B"], median["full"]))
             costs["W"].append(max(median["full"] - median["B"], 0.0))
+            costs["Wrt"].append(median["Wrt"])
             costs["step"].append(median["step"])
             costs["act"].append(float(act + out.numel() * out.element_size()))
         return costs
@@ -385,13 +393,17 @@ def measure_costs(setup: Setup, repeats: int = 3) -> dict[str, list[float]]:
         torch.set_num_threads(threads)
 
 
-def simulated_seconds(name: str, setup: Setup, costs: dict[str, list[float]]) -> float:
-    """The simulated makespan of one update of pipetrain's schedule ``name`` under ``costs``."""
+def simulated_seconds(name: str, setup: Setup, costs: dict[str, list[float]], runtime_w: bool = False) -> float:
+    """The simulated makespan of one update of pipetrain's schedule ``name`` under ``costs``; with
+    ``runtime_w`` a split backward's W costs what pipetrain's runtime spends on it (``Wrt``)."""
     from pipetrain.schedule import Costs, simulate
+    from pipetrain.schedule.ir import Kind
 
     schedule = _schedule(name, setup.microbatches)
     per = {k: v if schedule.num_stages == 4 else [v[0] + v[1], v[2] + v[3]] for k, v in costs.items()}
-    return simulate(schedule, Costs(F=per["F"], B=per["B"], W=per["W"], step=per["step"])).makespan
+    split = any(action.kind is Kind.W for program in schedule.programs for action in program)
+    weight = per["Wrt"] if runtime_w and split else per["W"]
+    return simulate(schedule, Costs(F=per["F"], B=per["B"], W=weight, step=per["step"])).makespan
 
 
 def predicted_bytes(name: str, setup: Setup, costs: dict[str, list[float]], acts: Sequence[int]) -> list[float]:
@@ -415,13 +427,13 @@ def predicted_bytes(name: str, setup: Setup, costs: dict[str, list[float]], acts
 # -- the table -------------------------------------------------------------------------------------
 
 
-COLUMNS = ("contender", "samples/s", "x 1f1b", "s/upd", "sim s/upd", "peak MB r0/r1", "pred acts", "pred MB r0/r1",
-           "max|dp|")
+COLUMNS = ("contender", "samples/s", "x 1f1b", "s/upd", "sim s/upd", "sim rt", "peak MB r0/r1", "pred acts",
+           "pred MB r0/r1", "max|dp|")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The results as aligned text: a header of :data:`COLUMNS` and one line per contender."""
-    widths = (26, 10, 7, 8, 10, 15, 10, 15, 10)
+    widths = (26, 10, 7, 8, 10, 7, 15, 10, 15, 10)
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -462,8 +474,8 @@ def main() -> None:
           f"updates after {setup.warmup}, median of {rounds} rounds (order reversed on odd rounds)")
     costs = measure_costs(setup)
     print("costs per quarter stage (ms, one microbatch, 1 thread): "
-          + "; ".join(f"F {f * 1e3:.1f} B {b * 1e3:.1f} W {w * 1e3:.1f}"
-                      for f, b, w in zip(costs["F"], costs["B"], costs["W"])), flush=True)
+          + "; ".join(f"F {f * 1e3:.1f} B {b * 1e3:.1f} W {w * 1e3:.1f} (runtime's W {r * 1e3:.1f})"
+                      for f, b, w, r in zip(costs["F"], costs["B"], costs["W"], costs["Wrt"])), flush=True)
     results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as directory:
         for round_ in range(rounds):
@@ -488,6 +500,7 @@ def main() -> None:
             ratio = "-"
         same = TORCH[name][2] if name in TORCH else name
         sim = f"{simulated_seconds(same, setup, costs):.3f}" if same in known else "-"
+        sim_rt = f"{simulated_seconds(same, setup, costs, runtime_w=True):.3f}" if name in known else "-"
         peaks = [statistics.median(r["peaks"][k] for r in runs) for k in range(RANKS)]
         acts = runs[-1]["predicted"]
         pred = predicted_bytes(name, setup, costs, acts) if acts else None
@@ -499,8 +512,8 @@ def main() -> None:
         else:
             dp = "-"
         label = f"torch {TORCH[name][0][8:]}" if name in TORCH else f"pipetrain {name}"
-        rows.append({"name": name, "cells": [label, f"{rate:.1f}", ratio, f"{setup.batch / rate:.3f}", sim, _mb(peaks),
-                                             "/".join(map(str, acts)) if acts else "-", _mb(pred), dp]})
+        rows.append({"name": name, "cells": [label, f"{rate:.1f}", ratio, f"{setup.batch / rate:.3f}", sim, sim_rt,
+                                             _mb(peaks), "/".join(map(str, acts)) if acts else "-", _mb(pred), dp]})
     print()
     print(table(rows))
     if reference:
