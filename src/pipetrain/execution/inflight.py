@@ -38,6 +38,7 @@ class InFlight:
     rng: Any = None  # recomputation: the random state the forward started from (None: a per-microbatch seed)
     predicted: dict[str, Tensor] | None = None  # the tensors the optimizer's prediction wrote, if it made any
     structure: Structure | None = None  # how the inputs' leaves make the value the stage is called with
+    weight_half: Any = None  # after the I half of a split backward: what W starts from (split_backward.WeightHalf)
 
     def scaled(self, loss: Tensor) -> Tensor:
         """What the last stage differentiates: the loss times its share of the update's batch, and
@@ -101,7 +102,7 @@ class InFlightTable(dict[int, InFlight]):
 
     def awaits_recomputation(self, version: int) -> bool:
         """Whether a microbatch in flight will recompute its forward on ``version``'s tensors."""
-        return any(r.version == version and not r.roots for r in self.values())
+        return any(r.version == version and not r.roots and r.weight_half is None for r in self.values())
 
 
 def forward_inputs(inputs: Any, device: torch.device, take_grad: bool, constants: int) -> tuple[tuple, Any]:

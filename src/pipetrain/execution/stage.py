@@ -32,6 +32,7 @@ from pipetrain.execution.nonfinite import NonFiniteGuard
 from pipetrain.execution.recompute import Recomputation, is_stochastic, microbatch_seed
 from pipetrain.execution.scaling import LossScale, StageScale
 from pipetrain.execution.snapshot import restore_stage, stage_snapshot
+from pipetrain.execution.split_backward import input_half
 from pipetrain.execution.update import apply_update
 from pipetrain.execution.update_in_backward import fused_update
 from pipetrain.execution.versions import VersionStore
@@ -263,12 +264,17 @@ class StageExecutor:
     # -- backward --------------------------------------------------------------------------------
 
     def _input_gradients(self, record: InFlight, version: int, inputs: list[Tensor], grad_outputs):
-        """The I half of a split backward: gradients of ``inputs``, keeping the graph for W."""
+        """The I half of a split backward: gradients of ``inputs``, keeping for W what it needs
+        (:mod:`pipetrain.execution.split_backward`: the gradients entering the weights' part of the
+        graph, the roots dropped; where it cannot, the whole graph)."""
         roots, grads = self._recomputed(record).differentiable(grad_outputs)
         if not roots or not inputs:
             return [None] * len(inputs)
         with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
-            return torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)
+            results, record.weight_half = input_half(roots, grads, inputs, list(record.leaves.values()))
+        if record.weight_half is not None:
+            record.roots = record.weight_half.owner  # the graph above the weights' part goes now
+        return results
 
     def backward(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
         """Full backward: returns gradients for the stage inputs (None where an input has none) and
@@ -328,6 +334,12 @@ class StageExecutor:
         autograd (:mod:`pipetrain.execution.accumulation`), and returns the gradients of ``inputs``."""
         self.pending_samples += record.samples
         self.sums.open()
+        if weights_only and record.weight_half is not None:  # W from what I kept
+            self.sums.hold(record.leaf_set, record.leaves)
+            with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
+                record.weight_half.run()
+            record.weight_half = None
+            return []
         roots, grads = self._recomputed(record).differentiable(grad_outputs)
         if not roots or not (inputs or record.leaves):
             return [None] * len(inputs)
