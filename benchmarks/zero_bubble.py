@@ -26,8 +26,9 @@ Beside it:
   schedule of the same order (interleaved, zb-v, dualpipev) where the installed pipetrain has it.
   No transfer cost is charged: the gap to ``s/upd`` (measured) is communication, waits and the
   runtime's own overhead. ``sim rt``: the same with a split backward's W charged what pipetrain's
-  runtime spends on it, a second backward from the stage's output to its weights (measured here
-  too: the costs line's "runtime's W"), against the ideal W = full backward - B of ``sim s/upd``.
+  runtime spends on it, measured here too (the costs line's "runtime's W": since issue 35 the
+  weight part of the graph from the gradients the runtime's B kept, :mod:`pipetrain.execution.split_backward`;
+  before, a second backward from the stage's output), against the ideal W = full backward - B of ``sim s/upd``.
 * ``peak MB r0/r1``: each worker's peak RSS above its RSS when training starts (model built and
   cut), pipetrain's ``memory.stages[].peak_bytes - start_bytes``, measured the same way inside
   torch's workers; ``pred acts``: the memory report's predicted peak of microbatch activations
@@ -65,6 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from pipetrain.execution.split_backward import input_half
 from pipetrain.models.gpt import Block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,8 +342,9 @@ def _saved_bytes(fn) -> tuple[Any, int]:
 def measure_costs(setup: Setup, repeats: int = 3) -> dict[str, list[float]]:
     """Per quarter stage, at one thread, medians of ``repeats``: forward ``F``, input-gradient
     backward ``B``, the rest of a full backward ``W``, the SGD ``step`` (seconds), ``Wrt``, the
-    weight half as pipetrain's runtime computes it after ``B`` (a second backward from the stage's
-    output to the weights: ``StageExecutor.backward_weight``), and ``act``, the bytes one
+    weight half as pipetrain's runtime computes it (``StageExecutor.backward_weight``: since issue 35
+    from what the runtime's B kept, before it a second backward from the stage's output to the
+    weights), and ``act``, the bytes one
     microbatch's saved activations take (the stage's output included)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -369,13 +372,16 @@ def measure_costs(setup: Setup, repeats: int = 3) -> dict[str, list[float]]:
                     t1 = time.perf_counter()
                     if full:
                         loss.backward()
-                    else:
-                        torch.autograd.grad(loss, [inp], retain_graph=True)
+                    else:  # the runtime's I (execution/split_backward.py), keeping what its W starts from
+                        _, half = input_half([loss], None, [inp], params)
                     t2 = time.perf_counter()
                     times["F"].append(t1 - t0)
                     times["full" if full else "B"].append(t2 - t1)
                     if not full:
-                        torch.autograd.backward(loss, inputs=params)
+                        if half is not None:
+                            half.run()
+                        else:  # where the runtime keeps the plain path: a second backward
+                            torch.autograd.backward(loss, inputs=params)
                         times["Wrt"].append(time.perf_counter() - t2)
                 t3 = time.perf_counter()
                 optimizer.step()

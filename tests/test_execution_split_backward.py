@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,8 +38,10 @@ def _batches(count: int, seed: int = 1):
     return [(torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)) for _ in range(count)]
 
 
-def test_w_never_runs_the_input_part_again_and_adds_the_bits_of_a_full_backward():
-    split, full = StageExecutor(1, _module(), None), StageExecutor(1, _module(), None)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_w_never_runs_the_input_part_again_and_adds_the_bits_of_a_full_backward(recompute):
+    split = StageExecutor(1, _module(), None, recompute=recompute)
+    full = StageExecutor(1, _module(), None, recompute=recompute)
     batches = _batches(3)
     for k, (x, _) in enumerate(batches):
         split.forward(k, 0, x, samples=5)
@@ -51,6 +54,7 @@ def test_w_never_runs_the_input_part_again_and_adds_the_bits_of_a_full_backward(
         split.backward_weight(k, 0)
     # each GELU's backward ran once per microbatch over I and W together (a second backward: twice)
     assert [m.runs for m in split.module if isinstance(m, Counted)] == [3, 3]
+    assert split.in_flight == {}
     expected = full.grads
     for name, grad in split.grads.items():
         assert torch.equal(grad, expected[name]), name
@@ -92,3 +96,30 @@ def test_a_weight_whose_gradient_sums_three_contributions_keeps_the_plain_path()
     out = (x @ w) @ w + x @ w
     assert plan([out], [torch.ones(3, 4)], [x], [w]) is None
     assert plan([x @ w], [torch.ones(3, 4)], [x], [w]) is not None
+
+
+class Thrice(nn.Module):
+    """One Linear applied three times: its weight's gradient sums three contributions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(torch.tanh(self.linear(torch.tanh(self.linear(x)))))
+
+
+def test_the_plain_path_a_stage_keeps_adds_the_bits_of_a_full_backward():
+    split, full = StageExecutor(1, Thrice(), None), StageExecutor(1, Thrice(), None)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)) for _ in range(2)]
+    for k, (x, dy) in enumerate(batches):
+        split.forward(k, 0, x, samples=3)
+        full.forward(k, 0, x, samples=3)
+        assert torch.equal(split.backward_input(k, 0, (dy,))[0], full.backward(k, 0, (dy,))[0])
+        assert split.in_flight[k].weight_half is None and split.in_flight[k].roots  # kept for a second backward
+        split.backward_weight(k, 0)
+    expected = full.grads
+    for name, grad in split.grads.items():
+        assert torch.equal(grad, expected[name]), name
