@@ -272,8 +272,8 @@ class StageExecutor:
             return [None] * len(inputs)
         with self.saved.resolving(self.versions[version] if self.policy in _INCONSISTENT else None):
             results, record.weight_half = input_half(roots, grads, inputs, list(record.leaves.values()))
-        if record.weight_half is not None:
-            record.roots = record.weight_half.owner  # the graph above the weights' part goes now
+        if record.weight_half is not None:  # the graph above the weights' part goes now, and what arrived
+            record.roots, record.grad_outputs = record.weight_half.owner, None
         return results
 
     def backward(self, microbatch: int, version: int, grad_outputs: Sequence | None = None) -> Gradients:
