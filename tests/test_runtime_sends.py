@@ -88,3 +88,43 @@ def test_a_resumed_run_may_receive_on_demand(name, extra, resume_at):
     assert on_demand_is_safe(schedule, messages, start=start)
     later = [cut(schedule, resume_at + 1, messages).positions] if name == "pipedream" else []
     assert on_demand_is_safe(schedule, messages, later, start=start)
+
+
+class _Handle:
+    """A send handle that records that it was waited for."""
+
+    def __init__(self, name: str, waited: list) -> None:
+        self.name, self.waited = name, waited
+
+    def wait(self) -> None:
+        self.waited.append(self.name)
+
+
+def _waits_after_each_receive(name: str, rank: int = 0) -> list[tuple[str, list[str]]]:
+    """Rank ``rank``'s program run through a SendLedger with receives on demand: after each RECV,
+    the sends it waits for."""
+    from pipetrain.runtime.sends import SendLedger
+
+    schedule = build(name, stages=2, microbatches=8)
+    ledger = SendLedger(schedule, rank)
+    peer = 1 - rank
+    waited: list[str] = []
+    after = []
+    for position, action in enumerate(schedule.programs[rank]):
+        if action.kind in (Kind.SEND_F, Kind.SEND_B):
+            ledger.sent(position, peer, _Handle(f"{action.kind.value}{action.microbatch}", waited))
+        elif action.kind in (Kind.RECV_F, Kind.RECV_B):
+            waited.clear()
+            ledger.received_on_demand(position, peer)
+            after.append((f"{action.kind.value}{action.microbatch}", list(waited)))
+    return after
+
+
+def test_on_demand_a_rank_waits_only_for_the_sends_its_peer_takes_before_its_next_message():
+    # 1f1b: after receiving B(k), rank 0's open send F(k+1) is the peer's next receive: waited for
+    assert _waits_after_each_receive("1f1b")[:3] == [("RECV_B0", ["SEND_F0", "SEND_F1"]), ("RECV_B1", ["SEND_F2"]),
+                                                     ("RECV_B2", ["SEND_F3"])]
+    # zb-h2 sends two forwards ahead: waiting for F(k+2) after B(k) would hold rank 0 until the peer
+    # reaches it, lock-step; F(k+1), which the peer takes before it sends B(k+1), is waited for
+    assert _waits_after_each_receive("zb-h2")[:3] == [("RECV_B0", ["SEND_F0", "SEND_F1"]), ("RECV_B1", ["SEND_F2"]),
+                                                      ("RECV_B2", ["SEND_F3"])]

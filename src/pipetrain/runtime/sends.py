@@ -8,13 +8,14 @@ every action before ``s``, including the receive of each of our sends whose RECV
 Those sends are complete (or completing), so the ledger waits for them then; what remains is
 waited for at the end of the program.
 
-When receives are posted on demand (:func:`on_demand_is_safe`), the rank does the same after each
-receive completed. It used to wait for every open send there (much as torch.distributed.pipelining
-waits for its sends and receives together), but that holds a rank until its peer reaches the
-receive of each of them: with a warm-up deeper than 1F1B's (zb-h2 at 2 stages) the two ranks ran
-in lock-step, 0.58x of receives posted ahead. The dry run of :func:`on_demand_is_safe` still
-assumes those waits: every wait the ledger makes now is one it made then, so what it proves safe
-stays safe.
+When receives are posted on demand (:func:`on_demand_is_safe`), a rank waits after each receive
+for its sends to that peer that the peer takes before it sends its next message (much as
+torch.distributed.pipelining waits for its sends and receives together): those transfers happen
+while the rank is blocked anyway, instead of interrupting its computation. It used to wait for
+every open send there, but that holds a rank until its peer reaches the receive of each of them:
+with a warm-up deeper than 1F1B's (zb-h2 at 2 stages) the two ranks ran in lock-step, 0.58x of
+receives posted ahead. The dry run of :func:`on_demand_is_safe` still assumes the old waits: every
+wait the ledger makes now is one it made then, so what it proves safe stays safe.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from pipetrain.schedule.ir import Kind, Schedule
 from pipetrain.schedule.messages import Messages
 
 __all__ = ["SendLedger", "on_demand_is_safe"]
+
+_RECEIVES = (Kind.RECV_F, Kind.RECV_B)
+#: actions read ahead for the next receive from a peer (:meth:`SendLedger.received_on_demand`)
+_LOOKAHEAD = 256
 
 
 class SendLedger:
@@ -45,6 +50,33 @@ class SendLedger:
         """Our RECV at ``position`` from ``peer`` completed: wait for the sends it proves received."""
         if self._pending.get(peer):
             self._complete(peer, self._messages.sent_at[Messages.of(self._program[position])][1])
+
+    def received_on_demand(self, position: int, peer: int, before: Sequence[int] | None = None) -> None:
+        """Our RECV at ``position`` from ``peer``, posted on demand, completed: wait for our sends to
+        ``peer`` that it receives before it sends us its next message (and before its next pause,
+        ``before``). The peer takes those without waiting for this rank; the sends it receives
+        later are left open: waiting for them would hold this rank until the peer gets there, and
+        a warm-up deeper than 1F1B's (zb-h2's) would run in lock-step."""
+        if not self._pending.get(peer):
+            return
+        limit = self._next_sent_by(peer, position)
+        if before is not None:
+            limit = min(limit, before[peer])
+        self._complete(peer, limit)
+
+    def _next_sent_by(self, peer: int, position: int) -> float:
+        """Where in ``peer``'s program the message of our next RECV from it after ``position`` is
+        sent; infinity (wait for every open send, the rule of old) when there is none within
+        :data:`_LOOKAHEAD` actions, so that a long program is never read far ahead."""
+        program = self._program
+        for later in range(position + 1, min(position + 1 + _LOOKAHEAD, len(program))):
+            action = program[later]
+            key = Messages.of(action) if action.kind in _RECEIVES else None
+            if key is not None:
+                sender, at = self._messages.sent_at[key]
+                if sender == peer:
+                    return at
+        return math.inf
 
     def drain(self, before: Sequence[int] | None = None) -> None:
         """Wait for every send still under way (end of the program), or with ``before`` (each

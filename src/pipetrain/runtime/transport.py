@@ -192,10 +192,8 @@ class DistributedTransport:
                 channel[0], channel[1], what=_Waiting(action, channel[0]), expect_tag=action.microbatch
             )
             payload = handle.wait()
-            # after the receive: the sends it proves taken (waiting for every open send here would
-            # hold this rank until its peer reaches each of their receives: a deeper warm-up, zb-h2's,
-            # would run in lock-step)
-            self.sends.received(position, channel[0])
+            # after the receive: the sends the peer takes before its next message to this rank
+            self.sends.received_on_demand(position, channel[0], self.upcoming())
             return payload, handle
         handle = self._posted.pop(channel)
         payload = handle.wait()
