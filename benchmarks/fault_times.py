@@ -27,31 +27,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from launched_workers import workers
 
 BASE = ["--executor", "distributed", "--model", "mlp:depth=5,width=16", "--schedule", "pipedream", "--stages", "2",
         "--batch-size", "12", "--no-progress", "--quiet"]
 SYNTHETIC = ["--data", "synthetic:features=8,classes=3,samples=96"]
 READ_IN_WORKERS = ["--data", "dying_data:make", "--data-workers", "1"]  # a plain Dataset: DataLoader workers
-
-
-def workers(launcher: int) -> dict[int, int]:
-    """``{rank: pid}`` of the workers a launcher started (its children, by their RANK)."""
-    found = {}
-    for task in os.listdir(f"/proc/{launcher}/task"):
-        try:
-            with open(f"/proc/{launcher}/task/{task}/children") as f:
-                children = [int(p) for p in f.read().split()]
-        except OSError:
-            continue
-        for pid in children:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as e:
-                    variables = dict(v.split(b"=", 1) for v in e.read().split(b"\0") if b"=" in v)
-            except OSError:
-                continue
-            if b"RANK" in variables:
-                found[int(variables[b"RANK"])] = pid
-    return found
 
 
 def start(directory: Path, *argv: str) -> subprocess.Popen:

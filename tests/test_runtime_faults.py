@@ -15,6 +15,7 @@ import torch
 
 from pipetrain.schedule.cuts import cut
 from pipetrain.training import TrainConfig, prepare
+from launched_workers import workers
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "restart_script.py")
 BASE = ["--executor", "distributed", "--model", "mlp:depth=5,width=16",
@@ -162,22 +163,6 @@ def test_a_resumed_run_reports_the_evaluations_of_the_uninterrupted_one(tmp_path
     assert json.loads((tmp_path / "full.json").read_text())["receives"] == ["on-demand"] * 2
 
 
-def _workers(launcher: int) -> dict[int, int]:
-    """``{rank: pid}`` of the workers a launcher process started (its children, by their RANK)."""
-    found = {}
-    for task in os.listdir(f"/proc/{launcher}/task"):
-        with open(f"/proc/{launcher}/task/{task}/children") as f:
-            for pid in map(int, f.read().split()):
-                try:
-                    with open(f"/proc/{pid}/environ", "rb") as e:
-                        variables = dict(v.split(b"=", 1) for v in e.read().split(b"\0") if b"=" in v)
-                except OSError:
-                    continue
-                if b"RANK" in variables:
-                    found[int(variables[b"RANK"])] = pid
-    return found
-
-
 def _wait_for_checkpoint(directory, process, seconds=120):
     """Until a complete checkpoint is in ``directory`` (any step: a fast run prunes the first ones)."""
     deadline = time.monotonic() + seconds
@@ -196,7 +181,7 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout_and_two_seconds(tmp_pa
     stopped = None
     try:
         _wait_for_checkpoint(tmp_path / "ck", process)  # training is under way
-        stopped = _workers(process.pid)[1]
+        stopped = workers(process.pid)[1]
         os.kill(stopped, signal.SIGSTOP)
         started = time.monotonic()
         _, stderr = process.communicate(timeout=timeout + 60)
@@ -226,7 +211,7 @@ def test_a_second_run_in_a_checkpoint_directory_is_refused_and_a_stale_lock_take
                               "--checkpoint-every", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_checkpoint(directory, first)
-        for pid in [first.pid, *_workers(first.pid).values()]:  # held where it is: a lock and a checkpoint or two
+        for pid in [first.pid, *workers(first.pid).values()]:  # held where it is: a lock and a checkpoint or two
             os.kill(pid, signal.SIGSTOP)
         second = pipetrain(*common, "--steps", "3000")
     finally:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pipetrain.runtime.errors import PeerTimeoutError
 from pipetrain.runtime.liveness import Liveness
 from pipetrain.runtime.status import StatusBoard
+from launched_workers import workers
 
 
 def _client(port: int):
@@ -147,7 +148,7 @@ def test_a_worker_stopped_during_an_evaluation_ends_the_run_within_the_timeout_a
             assert process.poll() is None, process.communicate()
             assert time.monotonic() < deadline, "the evaluation never started"
             time.sleep(0.05)
-        stopped = _workers(process.pid)[0]  # stage 0, in its 60 s of held-out work
+        stopped = workers(process.pid)[0]  # stage 0, in its 60 s of held-out work
         os.kill(stopped, signal.SIGSTOP)
         started = time.monotonic()
         lines = []
@@ -173,22 +174,6 @@ def test_a_worker_stopped_during_an_evaluation_ends_the_run_within_the_timeout_a
         assert f"rank 1 heard nothing from rank 0 for {timeout} s while waiting for held-out batch 0 of stage 1" in err
         assert "rank(s) 0 silent (stopped or frozen): killing them (SIGKILL)" in err
         assert last.startswith("pipetrain train: error: worker rank 1 exited with status 3"), err
-
-
-def _workers(launcher: int) -> dict[int, int]:
-    """``{rank: pid}`` of the workers a launcher process started (its children, by their RANK)."""
-    found = {}
-    for task in os.listdir(f"/proc/{launcher}/task"):
-        with open(f"/proc/{launcher}/task/{task}/children") as f:
-            for pid in map(int, f.read().split()):
-                try:
-                    with open(f"/proc/{pid}/environ", "rb") as e:
-                        variables = dict(v.split(b"=", 1) for v in e.read().split(b"\0") if b"=" in v)
-                except OSError:
-                    continue
-                if b"RANK" in variables:
-                    found[int(variables[b"RANK"])] = pid
-    return found
 
 
 def test_a_peer_that_stopped_on_its_own_error_is_given_up_at_once(store):
