@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pipetrain.data.info import class_labels
 from pipetrain.errors import ConfigError
 from pipetrain.structure import describe, first_tensor
 
@@ -38,8 +39,7 @@ IGNORE_INDEX = -100
 def _class_indices(target: Any) -> torch.Tensor:
     """``target`` as the class indices cross entropy takes (any integer dtype, as int64), or one
     ConfigError saying that these targets are not class labels and what to do instead."""
-    if isinstance(target, torch.Tensor) and not (target.dtype.is_floating_point or target.dtype.is_complex
-                                                 or target.dtype == torch.bool):
+    if class_labels(target):
         return target if target.dtype == torch.int64 else target.to(torch.int64)
     got = (f"{str(target.dtype).replace('torch.', '')} targets" if isinstance(target, torch.Tensor)
            else f"targets {describe(target)}")
@@ -134,8 +134,7 @@ cross_entropy.accuracy_counts = _DEFAULT.accuracy_counts  # type: ignore[attr-de
 def _classifies(output: Any, target: Any) -> bool:
     """Whether ``output`` reads as class scores for ``target``: integer labels ``(...)`` against
     scores ``(..., C)``."""
-    return (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)
-            and not (target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool)
+    return (isinstance(output, torch.Tensor) and class_labels(target)
             and output.dim() == target.dim() + 1 and output.shape[:-1] == target.shape)
 
 

@@ -11,8 +11,42 @@ from torch.utils.data import Dataset
 
 from pipetrain.data.info import get_batch
 from pipetrain.models.loss import LossFn, accuracy_counts, cross_entropy, target_count
+from pipetrain.structure import map_values
 
-__all__ = ["evaluate"]
+__all__ = ["Metrics", "evaluate"]
+
+
+class Metrics:
+    """Running loss and accuracy over held-out batches, following the loss: each batch's mean loss
+    is weighted by the number of targets it averages over (non-ignored tokens for a cross entropy,
+    else samples), and accuracy compares predictions with targets as the loss does
+    (:func:`~pipetrain.models.loss.accuracy_counts`), for class predictions only."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.loss_fn = loss_fn
+        self.loss = 0.0
+        self.samples = self.correct = self.counted = 0
+        self.classifies = True  # every batch so far had an accuracy
+
+    def add(self, output: Any, target: Any) -> None:
+        if isinstance(output, torch.Tensor):  # targets read on the CPU, on the output's device
+            device = output.device
+            target = map_values(target, lambda t: t if t.device == device else t.to(device))
+        n = target_count(output, target, self.loss_fn)
+        if n:
+            self.loss += float(self.loss_fn(output, target)) * n
+        self.samples += n
+        counts = accuracy_counts(output, target, self.loss_fn)
+        if counts is None:  # not a classification: no accuracy (regression, structured targets)
+            self.classifies = False
+        elif self.classifies:
+            self.correct += counts[0]
+            self.counted += counts[1]
+
+    def result(self) -> dict[str, float | None]:
+        """``{"loss", "accuracy"}``; ``accuracy`` is None where predictions are not classes."""
+        return {"loss": self.loss / max(self.samples, 1),
+                "accuracy": self.correct / max(self.counted, 1) if self.classifies else None}
 
 
 def model_modules(model: Any) -> list[nn.Module]:
@@ -46,34 +80,20 @@ def evaluate(
     modes = [[m.training for m in module.modules()] for module in modules]
     for module in modules:
         module.eval()
-    total_loss = 0.0
-    correct = 0
-    targets = 0
-    weight = 0  # targets the losses average over
-    classifies = True
+    metrics = Metrics(loss_fn)
     n = len(dataset)  # type: ignore[arg-type]
     try:
         for start in range(0, n, batch_size):
             x, y = get_batch(dataset, torch.arange(start, min(start + batch_size, n)))
-            out = model(x)
-            counts = accuracy_counts(out, y, loss_fn)
-            count = target_count(out, y, loss_fn)
-            if count:
-                total_loss += float(loss_fn(out, y)) * count
-            weight += count
-            if counts is None:  # not class predictions: no accuracy
-                classifies = False
-            correct += counts[0] if counts else 0
-            targets += counts[1] if counts else count
+            metrics.add(model(x), y)
     finally:
         for module, flags in zip(modules, modes):
             for m, flag in zip(module.modules(), flags):
                 m.training = flag
-    loss = total_loss / max(weight, 1)
+    result = metrics.result()
     return {
-        "loss": loss,
-        "accuracy": correct / max(targets, 1) if classifies else None,
-        "bits_per_target": loss / math.log(2),
+        **result,
+        "bits_per_target": result["loss"] / math.log(2),
         "samples": float(n),
-        "targets": float(targets),
+        "targets": float(metrics.counted if metrics.classifies else metrics.samples),
     }

@@ -298,7 +298,7 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
 
     from pipetrain.training.checkpoints import chain
     from pipetrain.training.collector import setup_heap_frozen
-    from pipetrain.training.evaluate import Metrics
+    from pipetrain.models.metrics import Metrics
     from pipetrain.training.outputs import eval_batches
 
     config = run.config

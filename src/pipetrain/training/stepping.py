@@ -224,7 +224,7 @@ class DistributedSession(_Session):
 
     def evaluate(self, count: int, batch_at) -> dict[str, float] | None:
         """Every rank calls it between the same two steps; the metrics come back on every rank."""
-        from pipetrain.training.evaluate import Metrics
+        from pipetrain.models.metrics import Metrics
 
         metrics = self.setup.runner.evaluate(count, batch_at, Metrics(self.run.loss_fn))
         if metrics is not None:
