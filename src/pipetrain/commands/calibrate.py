@@ -156,19 +156,14 @@ def _costs_file(args: argparse.Namespace, figures, overhead: float, one_rank: st
         data.update(costs)
         transport = figures.transport
     else:
-        import torch
 
         data["step_per_byte"] = measure_step(args.optimizer, "cuda" if args.device == "cuda" else "cpu").slope
-        if args.device == "cuda":
-            torch.cuda.synchronize()
         transport = "none"
     data["overhead"] = overhead
     about: dict = {**machine_facts(), "transport": transport, "device": args.device, "optimizer": args.optimizer}
     if one_rank is not None:
         about["note"] = (f"one rank ({one_rank}): no transport measured; compute-only costs (communication "
                          "charged nothing)")
-    elif figures.notes:
-        about["note"] = "; ".join(figures.notes)
     data["measured_on"] = about
     return data
 
@@ -189,6 +184,4 @@ def format_figures(figures, data: dict) -> str:
     lines.append(f"all-reduce {data['sync'] * 1e6:.1f} us + {data['sync_per_byte'] * 1e9:.3f} ns/B; optimizer step "
                  f"{data['step_per_byte'] * 1e9:.3f} ns per parameter byte; interpreter {data['overhead'] * 1e6:.1f} us "
                  "per action")
-    for note in figures.notes:
-        lines.append(note)
     return "\n".join(lines)

@@ -87,7 +87,7 @@ def _generate(name: str, args: argparse.Namespace, costs=None, *, comparing: boo
         microbatches, steps = microbatches * steps, 1
     replicas = args.replicas if name in ("gpipe", "1f1b", "pipedream", "2bw") or not comparing else None
     auto = name == "zb-auto"
-    if args.memory_limit is not None and not auto and not comparing:
+    if args.memory_limit is not None and not auto and not comparing:  # said here: `plan` names the field --memory
         raise ScheduleError(f"--memory-limit applies to zb-auto only, not to {name}")
     return build(
         name, _stages(args), microbatches, steps=steps, chunks=chunks, replicas=replicas,

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pipetrain.errors import ConfigError, PipetrainError, option
+from pipetrain.schedule.presets import LOOPED, V_SHAPED
 
 __all__ = ["CANDIDATES", "AutoChoice", "choose_schedule", "parse_auto", "is_auto"]
 
 #: what ``auto`` compares, in the order that breaks exact ties
 CANDIDATES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipev", "interleaved", "interleaved-zb",
               "bfs", "gpipe")
-_LOOPED = {"interleaved", "interleaved-zb", "bfs"}
-_V = {"zb-v", "v-half", "v-min", "dualpipev"}
+#: the candidates whose backward runs split into I and W somewhere in their order (costed F : I : W)
 _SPLIT = {"zb-h1", "zb-h2", "interleaved-zb", "zb-v", "v-half", "v-min", "dualpipev"}
 
 
@@ -100,14 +100,14 @@ def choose_schedule(unit_costs: Sequence[float], ranks: int, microbatches: int, 
     found: list[dict] = []
     best: dict | None = None
     for name in CANDIDATES:
-        chunks = 2 if name in _LOOPED or name in _V else 1
+        chunks = 2 if name in LOOPED or name in V_SHAPED else 1
         pieces = ranks * chunks
         entry: dict = {"schedule": name, "chunks": chunks}
         found.append(entry)
         if pieces > len(unit_costs):
             entry["skipped"] = f"needs {pieces} units, the model has {len(unit_costs)}"
             continue
-        if chunks > 1 and ranks == 1 and name in _LOOPED:
+        if chunks > 1 and ranks == 1 and name in LOOPED:
             entry["skipped"] = "one rank"
             continue
         bounds = block_partition(list(unit_costs), pieces)
@@ -116,7 +116,7 @@ def choose_schedule(unit_costs: Sequence[float], ranks: int, microbatches: int, 
         costs = Costs(F=[t / 3 for t in stage], B=[t / 3 if split else 2 * t / 3 for t in stage],
                       W=[t / 3 for t in stage] if split else 0.0)
         try:
-            looped = chunks if name in _LOOPED else 1
+            looped = chunks if name in LOOPED else 1
             spans = [simulate(build(name, ranks, microbatches, steps=steps, chunks=looped), costs).makespan
                      for steps in (2, 4)]
             seconds = (spans[1] - spans[0]) / 2

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 __all__ = ["SIZES", "Fit", "TransportFigures", "fit_line", "measure_transport", "measure_step"]
@@ -51,9 +51,6 @@ class Fit:
     intercept: float
     slope: float
     points: tuple[tuple[int, float], ...] = ()
-
-    def at(self, nbytes: float) -> float:
-        return self.intercept + self.slope * nbytes
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> Fit:
@@ -90,7 +87,6 @@ class TransportFigures:
     receiver: Fit
     all_reduce: Fit
     step: Fit | None = None
-    notes: list[str] = field(default_factory=list)
 
     def costs(self) -> dict[str, float]:
         """The simulator's scalars: sender and receiver busy times, and the rest in flight."""

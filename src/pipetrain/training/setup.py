@@ -23,7 +23,7 @@ from pipetrain.execution.failures import StageNames
 from pipetrain.runtime.errors import CheckpointMismatchError
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.plan.choose import is_auto
-from pipetrain.schedule.presets import LOOPED, check_chunks, chunks_per_rank
+from pipetrain.schedule.presets import LOOPED, V_SHAPED, check_chunks, chunks_per_rank
 from pipetrain.schedule.vshape import V_SCHEDULES, check_v_parameters
 from pipetrain.schedule.drains import drained
 from pipetrain.schedule.recompute import recompute_stages
@@ -237,7 +237,7 @@ def _stage_count(config: TrainConfig, name: str) -> int:
         stages = len(config.split_at) + 1
     else:
         stages = config.workers or 2
-    chunked = name == "interleaved" or name in V_SCHEDULES or name == "zb-auto"
+    chunked = name in LOOPED or name in V_SHAPED or name == "zb-auto"
     if chunked and config.balance and not config.replicas and len(config.balance) != stages * chunks_per_rank(
             name, stages, _units_per_update(config, name), config.chunks):
         stages = ranks_of_balance(config, name, len(config.balance))  # the balance lists every chunk
