@@ -51,7 +51,6 @@ def _class_indices(target: Any) -> torch.Tensor:
 
 
 def _flat(output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    target = _class_indices(target)
     if not isinstance(output, torch.Tensor) or output.dim() != target.dim() + 1:
         shape = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise ConfigError(

@@ -171,9 +171,7 @@ def chunked_plan(cuts: Cuts, topology: Topology, name: str, microbatches: int,
     plan.data_parallel_time = data_parallel_time(plan.single_worker_time,
                                                  sum(st.parameter_bytes for st in plan.stages), topology,
                                                  cost_model)
-    for stage, peak in zip(plan.stages, chunked_memory(plan)):
-        stage.memory_bytes = peak
-    plan.extra["stages_of_worker"] = ranks
+    plan.extra["stages_of_worker"] = ranks  # each stage's memory_bytes: search() sets them from the simulation
     return plan
 
 

@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointPeerError",
     "DataWorkerLost",
+    "collective",
 ]
 
 
@@ -60,3 +61,15 @@ class CheckpointPeerError(CheckpointError):
     it is gone or stuck (a lost or timed-out peer, not a bad checkpoint)."""
 
     exit_status = 3
+
+
+def collective(what: str, call):
+    """``call()``, a collective of torch.distributed, whose failure (a peer died or is stuck: gloo's
+    own error is 30 lines of C++) becomes one :class:`PeerLostError` naming ``what``."""
+    try:
+        return call()
+    except RuntimeError as error:
+        import torch.distributed as dist
+
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PeerLostError(f"rank {dist.get_rank()}: {what} failed because a peer is gone or stuck ({first})") from None

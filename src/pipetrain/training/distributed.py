@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any, Iterator
 
 from pipetrain.errors import ConfigError, PipetrainError, option
+from pipetrain.runtime.errors import collective
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.result import TrainResult, loss_scale_report, scale_payload
 
@@ -231,7 +232,7 @@ class RankSetup:
             discard_rank_shard(self.run, written[0] if written else None)
             raise
         records: list[Any] = [None] * world
-        _collective("saving the weights", lambda: dist.all_gather_object(records, record))
+        collective("saving the weights", lambda: dist.all_gather_object(records, record))
         _together("saving the weights", lambda: commit_rank_shard(self.run, record), world)
         _together("saving the weights", lambda: write_weights_index(self.run, records) if self.rank == 0 else None,
                   world, arrive=self.arrive)
@@ -261,10 +262,10 @@ class RankSetup:
         the step the run resumed from (the updates before it were not timed here)."""
         from pipetrain.runtime.share import broadcast_from, gather_to
 
-        gathered = _collective("gathering the results", lambda: gather_to(payload, dst=0))
+        gathered = collective("gathering the results", lambda: gather_to(payload, dst=0))
         result = _assemble(self.run, gathered, resumed) if self.rank == 0 else None
         self.arrive("rank 0's outputs")  # rank 0 writes them (a whole model, perhaps) while the others wait
-        shared = _collective("sharing the result",
+        shared = collective("sharing the result",
                              lambda: broadcast_from(None if result is None else replace(result, timeline=None), src=0))
         self._release()
         return result if result is not None else replace(shared, is_main=False)
@@ -358,7 +359,7 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
     probe = MemoryProbe(next(iter(setup.executors.values())).device)
     try:
         with setup_heap_frozen():
-            _collective("the start barrier", dist.barrier)
+            collective("the start barrier", dist.barrier)
             started = time.perf_counter()
             try:
                 runner.run(progress, origin=started, at_positions=hooks, pauses=pauses)
@@ -371,7 +372,7 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
         if len(held_out) and (not run.config.eval_every):
             evaluate_at(run.updates)()
         setup.arrive("the end of training")
-        _collective("the final barrier", dist.barrier)
+        collective("the final barrier", dist.barrier)
         from pipetrain.paths import is_weights_dir
 
         if config.save and is_weights_dir(config.save):
@@ -379,17 +380,6 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
         return setup.gather(setup.payload(seconds, evaluations) | {"memory": measured}, resumed=after)
     finally:
         setup.close()  # the board published to the end (a failure's report reads it)
-
-
-def _collective(what: str, call) -> Any:
-    """A collective call whose failure (a peer died) becomes one clear message."""
-    from pipetrain.runtime.errors import PeerLostError
-
-    try:
-        return call()
-    except RuntimeError as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise PeerLostError(f"rank {_rank()}: {what} failed because a peer is gone or stuck ({first})") from None
 
 
 def _together(what: str, call, world_size: int, arrive=None) -> Any:
@@ -408,7 +398,7 @@ def _together(what: str, call, world_size: int, arrive=None) -> Any:
         arrive(what)
     if world_size > 1:
         errors: list[Any] = [None] * world_size
-        _collective(what, lambda: dist.all_gather_object(errors, error))
+        collective(what, lambda: dist.all_gather_object(errors, error))
         error = next((e for e in errors if e is not None), None)
     if error is not None:
         raise error

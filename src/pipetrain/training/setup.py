@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from pipetrain.errors import ConfigError, option, written
 from pipetrain.execution import StageExecutor, TiedGradients, UnitData, UnitLayout
 from pipetrain.execution.failures import StageNames
-from pipetrain.runtime.errors import CheckpointMismatchError
+from pipetrain.runtime.errors import CheckpointMismatchError, collective
 from pipetrain.schedule import ASYNCHRONOUS, Schedule, build, check, resolve_name, staleness, units_per_update
 from pipetrain.plan.choose import is_auto
 from pipetrain.schedule.presets import LOOPED, V_SHAPED, check_chunks, chunks_per_rank
@@ -488,14 +488,7 @@ def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, tr
     if dist.get_rank() == 0:
         staged, choice = split()
         shared[0] = choice.unit_seconds
-    try:
-        dist.broadcast_object_list(shared, src=0)
-    except RuntimeError as error:  # a rank died while this one set up (gloo's own error is 30 lines of C++)
-        from pipetrain.runtime.errors import PeerLostError
-
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise PeerLostError(f"rank {dist.get_rank()}: sharing the measured unit times failed because a peer is gone "
-                            f"or stuck ({first})") from None
+    collective("sharing the measured unit times", lambda: dist.broadcast_object_list(shared, src=0))
     if dist.get_rank() == 0:
         return staged, choice
     return split_by_time(model, pieces, None, None, None, costs=shared[0], **trace)  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.execution.failures import StageNames, check_loss, forward_failure, loss_failure
+from pipetrain.runtime.errors import collective
 from pipetrain.spec import describe_exception
 from pipetrain.structure import arguments, flatten, map_values
 
@@ -59,14 +60,7 @@ def check_data(run: Any) -> None:
             verdict[0] = error
         except Exception as error:  # noqa: BLE001 - the other ranks must not wait for a verdict that never comes
             verdict[0] = PipetrainError(f"rank 0 could not check the data at set-up: {describe_exception(error)}")
-    try:
-        dist.broadcast_object_list(verdict, src=0)
-    except RuntimeError as error:  # a rank died while this one set up
-        from pipetrain.runtime.errors import PeerLostError
-
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise PeerLostError(f"rank {dist.get_rank()}: checking the data at set-up failed because a peer is gone or "
-                            f"stuck ({first})") from None
+    collective("checking the data at set-up", lambda: dist.broadcast_object_list(verdict, src=0))
     if verdict[0] is not None:
         raise verdict[0]
 
