@@ -185,7 +185,8 @@ class DistributedSession(_Session):
         import torch.distributed as dist
 
         from pipetrain.schedule.cuts import feed_cuts
-        from pipetrain.training.distributed import RankSetup, _collective
+        from pipetrain.runtime.errors import collective
+        from pipetrain.training.distributed import RankSetup
         from pipetrain.training.outputs import UpdateLosses
 
         super().__init__(run, callbacks)
@@ -202,7 +203,7 @@ class DistributedSession(_Session):
         from pipetrain.training.memory import MemoryProbe
 
         self.probe = MemoryProbe(next(iter(self.setup.executors.values())).device)
-        _collective("the start barrier", dist.barrier)
+        collective("the start barrier", dist.barrier)
         # every piece's end is a pause: no send is waited for across it (the peer may be in user code)
         self.setup.runner.begin(self.losses, pauses=everyone[:-1])
 
@@ -234,7 +235,7 @@ class DistributedSession(_Session):
     def finish(self) -> TrainResult:
         import torch.distributed as dist
 
-        from pipetrain.training.distributed import _collective
+        from pipetrain.runtime.errors import collective
 
         self._check_finished()
         runner = self.setup.runner
@@ -242,5 +243,5 @@ class DistributedSession(_Session):
         measured = self.probe.read()
         self.setup.close_data()
         self.setup.arrive("the end of training")
-        _collective("the final barrier", dist.barrier)
+        collective("the final barrier", dist.barrier)
         return self.setup.gather(self.setup.payload(self.seconds, self.evaluations) | {"memory": measured})
