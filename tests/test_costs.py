@@ -99,3 +99,23 @@ def test_a_calibration_file_from_elsewhere_is_used_with_a_warning_naming_both(tm
     path.write_text(json.dumps({"measured_on": "my laptop"}))
     with pytest.raises(ScheduleError, match="measured_on must be an object"):
         load_costs(str(path))
+
+
+def test_with_a_quantum_a_message_leaves_when_its_sender_waits_or_the_quantum_ends():
+    """gpipe, 2 stages, 2 microbatches, F=1, B=2, quantum 0.5: F0's message, sent at 1 while rank 0
+    computes F1, leaves at 1.5 (the quantum); F1's, sent at 2, leaves at 2 as rank 0 enters its
+    RECV; B0's, sent at 5.5 while rank 1 computes B1, at 6; B1's, sent last, at rank 1's end (7.5)."""
+    from pipetrain.schedule import build, simulate
+
+    timeline = simulate(build("gpipe", 2, 2), Costs(F=1, B=2, quantum=0.5))
+    ends = {str(a).split("@")[0]: e for r in range(2) for a, _, e in timeline.spans(r)}
+    assert (ends["1RECV_F0<0"], ends["1RECV_F1<0"]) == (1.5, 2.5)  # F1's arrived at 2, before rank 1 asked
+    assert (ends["0RECV_B0<1"], ends["0RECV_B1<1"]) == (6.0, 8.0)
+    assert timeline.makespan == 10.0
+    at_once = simulate(build("gpipe", 2, 2), Costs(F=1, B=2))  # no quantum: every message leaves at once
+    assert [e for _, _, e in at_once.spans(1)][0] == 1.0 and at_once.makespan == 9.0
+
+
+def test_bandwidth_may_differ_per_stage_boundary():
+    resolved = Costs(bandwidth=[1e3, 1e6], bytes=[2e3, 2e3]).resolve(2, 2, 1)
+    assert resolved.transfer == [2.0, 0.002]

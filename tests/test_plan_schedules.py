@@ -210,3 +210,46 @@ def test_an_interleaved_plan_carries_its_chunks_to_train(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "interleaved: 4 stages on 2 emulated ranks" in out
+
+
+def test_a_calibration_charges_the_plans_actions_and_messages_and_can_change_the_choice():
+    """With an overhead per action (``pipetrain calibrate``'s), each plan's simulation costs more, by
+    more for more microbatches (more actions); a large one turns auto away from many microbatches."""
+    from pipetrain.plan.search import simulate_plan
+    from pipetrain.schedule import Costs
+
+    topology = Topology.flat(2, 1e9)
+    plain = search(uniform(8), topology, schedules=["1f1b"], microbatches=[1, 2, 4, 8, 16, 32])
+    assert plain.microbatches == 32
+    slow = Costs(overhead=0.5, send=0.1, recv=0.1)
+    charged = search(uniform(8), topology, schedules=["1f1b"], microbatches=[1, 2, 4, 8, 16, 32], calibration=slow)
+    assert charged.microbatches < plain.microbatches
+    for m in (2, 8):
+        plan = make_plan(uniform(8), topology, schedule="1f1b", microbatches=m)
+        alone = simulate_plan(plan, uniform(8), topology).time_per_minibatch
+        assert simulate_plan(plan, uniform(8), topology, Costs(overhead=1e-3)).time_per_minibatch > alone
+        step = Costs(step_per_byte=1.0)  # the step costs its stage's parameter bytes, in seconds
+        assert simulate_plan(plan, uniform(8), topology, step).time_per_minibatch == pytest.approx(alone + 400)
+
+
+def test_plan_reads_a_costs_file(tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    save_profile(uniform(8), str(profile))
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"overhead": 0.5, "send": 0.1, "recv": 0.1}))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(profile), "--workers", "2", "--schedule", "auto", "--costs-file", str(calibration),
+                 "--out", str(out), "--no-baselines"]) == 0
+    data = json.loads(out.read_text())
+    assert data["calibration"]["file"] == str(calibration) and data["microbatches"] < 32
+
+
+def test_auto_with_a_calibration_charges_actions_and_turns_from_the_schedules_with_more_of_them():
+    from pipetrain.schedule import Costs
+
+    assert choose_schedule([1.0] * 8, 2, 8).schedule == "zb-v"  # the V removes the bubble when actions are free
+    costly = choose_schedule([1.0] * 8, 2, 8, calibration=Costs(overhead=0.2, send=0.1, recv=0.1))
+    assert costly.schedule in ("1f1b", "zb-h1")  # one stage per rank: half the messages of a V
+    seconds = {c["schedule"]: c["seconds"] for c in costly.candidates if "seconds" in c}
+    free = {c["schedule"]: c["seconds"] for c in choose_schedule([1.0] * 8, 2, 8).candidates if "seconds" in c}
+    assert all(seconds[name] > free[name] for name in free)

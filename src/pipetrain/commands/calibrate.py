@@ -71,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
         if ranks == 2 and torch.cuda.device_count() < 2:
             ranks, why = 1, f"{torch.cuda.device_count()} GPU here (NCCL needs a GPU per rank)"
     if ranks == 2:
-        figures, overhead = _measure_transport(args)
+        figures, worker = _measure_transport(args)
     else:
-        figures, overhead = None, measure_overhead(args.device, distributed=False)
-    data = _costs_file(args, figures, overhead, None if ranks == 2 else why)
+        figures, worker = None, measure_overhead(args.device, distributed=False)
+    data = _costs_file(args, figures, worker, None if ranks == 2 else why)
     from pipetrain.training.result import write_json_atomic
 
     write_json_atomic(args.out, data)
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if figures is None:
         print(f"one rank ({why}): no transport to measure; wrote compute-only costs (overhead "
-              f"{overhead * 1e6:.1f} us per action, optimizer step {data['step_per_byte'] * 1e9:.3f} ns per "
+              f"{worker[0] * 1e6:.1f} us per action, optimizer step {data['step_per_byte'] * 1e9:.3f} ns per "
               "parameter byte): the simulator charges no communication with them")
     else:
         print(format_figures(figures, data))
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure_transport(args: argparse.Namespace):
-    """The transport's figures and the interpreter's overhead, from one start of two workers (on
+    """The transport's figures and :func:`measure_overhead`'s, from one start of two workers (on
     a GPU the overhead's run, over gloo as training's runtime sends, is started on its own)."""
     from pipetrain.runtime.calibrate import SIZES
     from pipetrain.runtime.errors import LaunchError
@@ -105,8 +105,8 @@ def _measure_transport(args: argparse.Namespace):
                     2, threads_per_worker=1, timeout=args.timeout, quiet=True)
     if result.returncode != 0 or result.results[0] is None:
         raise LaunchError(f"the calibration's workers failed ({result.message or f'exit status {result.returncode}'})")
-    figures, overhead = result.results[0]
-    return figures, measure_overhead(args.device) if overhead is None else overhead
+    figures, measured = result.results[0]
+    return figures, measure_overhead(args.device) if measured is None else measured
 
 
 def _worker(device: str, sizes: tuple[int, ...], optimizer: str, timeout: float, overhead: bool):
@@ -124,13 +124,25 @@ def _worker(device: str, sizes: tuple[int, ...], optimizer: str, timeout: float,
         result = worker(TrainConfig(**OVERHEAD_RUN, quiet=True, progress=False, seed=0, timeout=timeout))
         if figures is None:
             return None
-        measured = action_overhead(result.timeline)
+        measured = action_overhead(result.timeline), worker_bytes(result)
     return figures, measured
 
 
-def measure_overhead(device: str = "cpu", distributed: bool = True) -> float:
+def worker_bytes(result) -> int | None:
+    """What a worker of the small run added above its start beyond the memory model's prediction
+    (the libraries' and transport's first-use buffers): the median over its stages."""
+    import statistics
+
+    stages = (result.extra.get("memory") or {}).get("stages") or []
+    extra = [s["peak_bytes"] - s["start_bytes"] - s.get("predicted_bytes", 0) for s in stages
+             if s.get("peak_bytes") is not None and s.get("start_bytes") is not None]
+    return max(int(statistics.median(extra)), 0) if extra else None
+
+
+def measure_overhead(device: str = "cpu", distributed: bool = True) -> tuple[float, int | None]:
     """The interpreter's time per action, from a short run of :data:`OVERHEAD_RUN` on the runtime
-    (``distributed``) or the emulator: the median gap between consecutive actions."""
+    (``distributed``) or the emulator: the median gap between consecutive actions; and the memory a
+    worker adds whatever the model (:func:`worker_bytes`)."""
     from pipetrain.training.config import TrainConfig
     from pipetrain.training.timelines import action_overhead
     from pipetrain.training.train import train
@@ -140,11 +152,12 @@ def measure_overhead(device: str = "cpu", distributed: bool = True) -> float:
     result = train(config)
     if result is None or result.timeline is None:
         raise ConfigError("the calibration's short training run returned no timeline")
-    return action_overhead(result.timeline)
+    return action_overhead(result.timeline), worker_bytes(result)
 
 
-def _costs_file(args: argparse.Namespace, figures, overhead: float, one_rank: str | None) -> dict:
-    """The JSON object: scalar costs (seconds, bytes) and where they were measured."""
+def _costs_file(args: argparse.Namespace, figures, worker: tuple[float, int | None], one_rank: str | None) -> dict:
+    """The JSON object: scalar costs (seconds, bytes) and where they were measured; ``worker``: the
+    interpreter's time per action and a worker's own memory (:func:`measure_overhead`)."""
     from pipetrain.runtime.calibrate import measure_step
     from pipetrain.schedule.costs import machine_facts
 
@@ -159,7 +172,9 @@ def _costs_file(args: argparse.Namespace, figures, overhead: float, one_rank: st
 
         data["step_per_byte"] = measure_step(args.optimizer, "cuda" if args.device == "cuda" else "cpu").slope
         transport = "none"
-    data["overhead"] = overhead
+    data["overhead"], memory = worker
+    if memory is not None:
+        data["worker_bytes"] = memory
     about: dict = {**machine_facts(), "transport": transport, "device": args.device, "optimizer": args.optimizer}
     if one_rank is not None:
         about["note"] = (f"one rank ({one_rank}): no transport measured; compute-only costs (communication "
@@ -183,5 +198,6 @@ def format_figures(figures, data: dict) -> str:
                  + (f"{bandwidth / 1e9:.2f} GB/s" if bandwidth else "unlimited"))
     lines.append(f"all-reduce {data['sync'] * 1e6:.1f} us + {data['sync_per_byte'] * 1e9:.3f} ns/B; optimizer step "
                  f"{data['step_per_byte'] * 1e9:.3f} ns per parameter byte; interpreter {data['overhead'] * 1e6:.1f} us "
-                 "per action")
+                 "per action" + (f"; a worker's own memory {data['worker_bytes'] / 1e6:.1f} MB" if "worker_bytes" in data
+                                 else ""))
     return "\n".join(lines)

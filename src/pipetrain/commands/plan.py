@@ -6,6 +6,7 @@ Examples::
     pipetrain plan vgg16.txt --workers 16 --topology 4x4 --bandwidth 10e9,1.25e9 --json
     pipetrain plan profile.json --workers 8 --memory 16GB --schedule auto --plot plan.png
     pipetrain plan profile.json --workers 4 --memory 2GB --schedule 1f1b --recompute auto --out plan.json
+    pipetrain plan profile.json --workers 2 --schedule auto --costs-file calibration.json
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["pipedream-code", "paper"],
                         help="pipedream-code: compute + all-reduce added (the public code); "
                              "paper: max of compute and all-reduce (default pipedream-code)")
+    parser.add_argument("--costs-file", default=None, metavar="FILE",
+                        help="a calibration (pipetrain calibrate): --schedule auto's and the chunked schedules' "
+                             "simulations also charge its per-action overhead, message costs and optimizer step "
+                             "(default: the profile's compute and the topology's bandwidths only)")
     parser.add_argument("--straight", action="store_true",
                         help="a straight pipeline: no replication of stages")
     parser.add_argument("--fewer-machines", action="store_true",
@@ -91,19 +96,26 @@ def run(args: argparse.Namespace) -> int:
     if args.recompute == "auto" and args.schedule == "zb-h1":
         raise ConfigError("--recompute auto is not planned under zb-h1 (its split backward keeps each recomputed "
                           "graph until the weight gradient; docs/planner.md): use another --schedule, or auto")
+    calibration = None
+    if args.costs_file:
+        from pipetrain.training.prediction import load_calibration
+
+        calibration = load_calibration(args.costs_file)
     profile = load_profile(args.profile)
     started = time.perf_counter()
     cuts = build_cuts(profile)
     plan = make_plan(cuts, topology, schedule=args.schedule, cost_model=args.cost_model,
                      straight=args.straight, fewer_machines=args.fewer_machines,
                      memory_limit=memory, microbatches=args.microbatches, progress=True,
-                     recompute=args.recompute == "auto")
+                     recompute=args.recompute == "auto", calibration=calibration)
     plan.solve_seconds = time.perf_counter() - started
     baselines = [] if args.no_baselines else compare_baselines(  # straight pipelines: 1f1b's memory for chunked
         cuts, topology, cost_model=args.cost_model, schedule="1f1b" if plan.chunks > 1 else plan.schedule,
         microbatches=plan.microbatches)
     data = plan.to_json()
     data["profile"] = str(args.profile)
+    if calibration is not None:
+        data["calibration"] = {"file": args.costs_file, "measured_on": calibration.measured_on}
     data.update(training_hints(plan, profile))
     data["baselines"] = [{"method": b.method, "predicted_time_per_minibatch":
                           b.predicted_time_per_minibatch, "replicas": b.replicas,

@@ -8,7 +8,10 @@ schedules' backward split into equal input- and weight-gradient halves (the usua
 F : I : W). Each is scored by its time per step in steady state, as the planner scores plans: the
 simulated makespan of 4 steps less that of 2, halved (a step's drain may overlap the next step's
 fill, as zb-h2's and zb-v's do). Communication is not charged (the run's messages are
-small beside its compute on one machine; ``pipetrain plan`` prices them for a profile).
+small beside its compute on one machine; ``pipetrain plan`` prices them for a profile), unless a
+calibration is given with unit costs in seconds: then every action pays its overhead and every
+message its sender's and receiver's busy time and its latency (sizes unknown here: the per-message
+parts), which count against the schedules with many small actions.
 
 Peak activations are counted in microbatches of the whole model, each stage holding an equal share
 (units' activations are not measured): rank r of 1f1b holds ``min(R - r, m)`` microbatches of a
@@ -30,6 +33,7 @@ from typing import Sequence
 
 from pipetrain.errors import ConfigError, PipetrainError, option
 from pipetrain.schedule.presets import LOOPED, V_SHAPED
+from pipetrain.schedule.costs import Costs
 
 __all__ = ["CANDIDATES", "AutoChoice", "choose_schedule", "parse_auto", "is_auto"]
 
@@ -87,12 +91,13 @@ def parse_auto(name: str) -> float:
 
 
 def choose_schedule(unit_costs: Sequence[float], ranks: int, microbatches: int, *,
-                    memory: float = 1.0) -> AutoChoice:
+                    memory: float = 1.0, calibration: Costs | None = None) -> AutoChoice:
     """The fastest candidate over ``ranks`` ranks and ``microbatches`` per step for units costing
     ``unit_costs`` (forward + backward, in execution order), holding at most ``memory`` times
-    1f1b's peak activations (module docstring)."""
+    1f1b's peak activations (module docstring); ``calibration``: per-action and per-message costs
+    to charge too (``unit_costs`` must then be seconds)."""
     from pipetrain.plan.baselines import block_partition
-    from pipetrain.schedule import Costs, build, memory_by_rank, simulate
+    from pipetrain.schedule import build, memory_by_rank, simulate
 
     if ranks < 1 or microbatches < 1:
         raise ConfigError(f"schedule auto needs at least one rank and microbatch, got {ranks} and {microbatches}")
@@ -115,6 +120,9 @@ def choose_schedule(unit_costs: Sequence[float], ranks: int, microbatches: int, 
         split = name in _SPLIT
         costs = Costs(F=[t / 3 for t in stage], B=[t / 3 if split else 2 * t / 3 for t in stage],
                       W=[t / 3 for t in stage] if split else 0.0)
+        if calibration is not None:
+            for scalar in ("latency", "send", "recv", "quantum", "overhead"):
+                setattr(costs, scalar, getattr(calibration, scalar))
         try:
             looped = chunks if name in LOOPED else 1
             spans = [simulate(build(name, ranks, microbatches, steps=steps, chunks=looped), costs).makespan

@@ -12,6 +12,7 @@ from pipetrain.plan.pipedream import optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology
+from pipetrain.schedule.costs import Costs
 
 __all__ = ["make_plan", "compare_baselines", "training_hints", "smallest_fitting"]
 
@@ -20,7 +21,7 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
               cost_model: str = "pipedream-code", straight: bool = False,
               fewer_machines: bool = False, memory_limit: float | None = None,
               microbatches: int | None = None, progress: bool = False,
-              recompute: bool = False) -> Plan:
+              recompute: bool = False, calibration: Costs | None = None) -> Plan:
     """PipeDream's optimizer for one schedule, or a simulated search with ``schedule="auto"``.
 
     ``auto`` (:func:`pipetrain.plan.search.search`) tries every schedule and microbatch count
@@ -32,6 +33,9 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
     time including that forward (one-level topologies; not under zb-h1). The chunked schedules
     (interleaved, bfs, interleaved-zb, zb-v, v-half, v-min, dualpipev) are planned by that search
     alone, with ``microbatches`` (default twice the worker count), without recomputation.
+    ``calibration`` (``pipetrain calibrate``'s costs): the simulations of ``auto`` and of the
+    chunked schedules also charge its per-action and per-message costs
+    (:func:`~pipetrain.plan.search.simulate_plan`).
     """
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
@@ -41,7 +45,7 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
         return search(cuts.profile, topology, memory_limit=memory_limit,
                       microbatches=[microbatches] if microbatches else None,
                       cost_model=cost_model, straight=straight, fewer_machines=fewer_machines,
-                      cuts=cuts, recompute=recompute)
+                      cuts=cuts, recompute=recompute, calibration=calibration)
     name = check_schedule(schedule)
     m = 1 if name == "pipedream" else (microbatches or topology.workers)
     if name in CHUNKED:  # several stages per worker: cut by time and simulated (search's docstring)
@@ -49,7 +53,7 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
 
         m = microbatches or 2 * topology.workers  # the V schedules need 2W-1 to fill their V
         return search(cuts.profile, topology, memory_limit=memory_limit, schedules=[name], microbatches=[m],
-                      cost_model=cost_model, cuts=cuts)
+                      cost_model=cost_model, cuts=cuts, calibration=calibration)
     plan = optimize(cuts, topology, cost_model=cost_model, straight=straight,
                     fewer_machines=fewer_machines, memory_limit=memory_limit, schedule=name,
                     microbatches=m, progress=progress, recompute=recompute)

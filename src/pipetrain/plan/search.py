@@ -43,6 +43,7 @@ from pipetrain.plan.pipedream import data_parallel_time, optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology
+from pipetrain.schedule.costs import Costs
 
 __all__ = ["search", "simulate_plan", "Simulated", "DEFAULT_MICROBATCHES"]
 
@@ -59,9 +60,12 @@ class Simulated:
     bubble_fraction: float
 
 
-def simulate_plan(plan: Plan, profile: Profile, topology: Topology) -> Simulated:
-    """Simulate ``plan`` under ``plan.schedule``; raises ScheduleError if the generator refuses."""
-    from pipetrain.schedule import Costs, build, memory_by_rank, simulate
+def simulate_plan(plan: Plan, profile: Profile, topology: Topology, calibration: Costs | None = None) -> Simulated:
+    """Simulate ``plan`` under ``plan.schedule``; raises ScheduleError if the generator refuses.
+    ``calibration`` (``pipetrain calibrate``'s costs) adds what the profile does not hold: the
+    runner's overhead per action, each message's sender and receiver busy time and latency, the
+    optimizer step per parameter byte (the topology still gives the bandwidths)."""
+    from pipetrain.schedule import build, memory_by_rank, simulate
 
     layers = {layer.name: layer for layer in profile.layers}
     stages = plan.stages
@@ -80,16 +84,21 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology) -> Simulated
         bandwidth = topology.bandwidths[max(spanned)] if spanned else min(topology.bandwidths)
         sync.append(4 * (stage.replicas - 1) * stage.parameter_bytes /
                     (bandwidth * stage.replicas))
-    # seconds in flight per microbatch across the cut after stage s
-    transfer = [stages[s + 1].input_bytes / stages[s + 1].input_bandwidth / m
-                if stages[s + 1].input_bandwidth > 0 else 0.0 for s in range(count - 1)] + [0.0]
+    # bytes per microbatch across the cut after stage s, at the bandwidth of the level it crosses
+    message = [stages[s + 1].input_bytes / m for s in range(count - 1)] + [0.0]
+    bandwidth = [stages[s + 1].input_bandwidth if stages[s + 1].input_bandwidth > 0 else math.inf
+                 for s in range(count - 1)] + [math.inf]
     split = plan.schedule in SPLIT
     again = [s for s, stage in enumerate(stages) if stage.recompute]
     # a recomputing stage runs its forward once more before its backward (before I when split)
     bwd_first = [(b / (2 if split else 1)) + (f if s in again else 0.0) for s, (f, b) in enumerate(zip(fwd, bwd))]
     costs = Costs(F=[f / m for f in fwd], B=[b / m for b in bwd_first],
-                  W=[b / m / 2 for b in bwd] if split else 0.0, sync=sync, bytes=transfer,
-                  bandwidth=1.0)
+                  W=[b / m / 2 for b in bwd] if split else 0.0, sync=sync, bytes=message,
+                  bandwidth=bandwidth)
+    if calibration is not None:
+        for name in ("latency", "send", "send_per_byte", "recv", "recv_per_byte", "quantum", "overhead"):
+            setattr(costs, name, getattr(calibration, name))
+        costs.step = [calibration.step_per_byte * stage.parameter_bytes for stage in stages]
     if plan.chunks > 1:
         return _simulate_chunked(plan, costs, fwd, bwd)
     replicas = plan.replicas
@@ -179,10 +188,11 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
            schedules: Sequence[str] = SCHEDULES,
            microbatches: Sequence[int] | None = None, cost_model: str = "pipedream-code",
            straight: bool = False, fewer_machines: bool = False,
-           cuts: Cuts | None = None, recompute: bool = False) -> Plan:
+           cuts: Cuts | None = None, recompute: bool = False, calibration: Costs | None = None) -> Plan:
     """The schedule and microbatch count with the least simulated time that fit the memory (of
     equal times, the one with less peak memory); ``recompute``: stages that would not fit may
-    recompute their activations (not the chunked schedules, which are cut by time alone)."""
+    recompute their activations (not the chunked schedules, which are cut by time alone);
+    ``calibration``: see :func:`simulate_plan`."""
     started = time.perf_counter()
     cuts = cuts or build_cuts(profile)
     names = [check_schedule(name) for name in schedules]
@@ -195,9 +205,10 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
             if (name, m) in planned:
                 continue
             unreplicated = name in ("zb-h1", "zb-h2")
-            outcome = _chunked_candidate(cuts, profile, topology, name, m, cost_model) if name in CHUNKED else \
+            outcome = _chunked_candidate(cuts, profile, topology, name, m, cost_model, calibration) \
+                if name in CHUNKED else \
                 _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, straight or unreplicated,
-                           fewer_machines or unreplicated, planned, recompute)
+                           fewer_machines or unreplicated, planned, recompute, calibration)
             if outcome is None:
                 continue                # m was rounded up to a count already tried
             if isinstance(outcome, str):
@@ -248,17 +259,17 @@ def _better(sim: Simulated, best: Simulated) -> bool:
         max(sim.memory_bytes) < max(best.memory_bytes)
 
 
-def _chunked_candidate(cuts, profile, topology, name, m, cost_model):
+def _chunked_candidate(cuts, profile, topology, name, m, cost_model, calibration=None):
     """A chunked plan and its simulation, or the reason there is none (the generator's refusal)."""
     try:
         plan = chunked_plan(cuts, topology, name, m, cost_model)
-        return plan, simulate_plan(plan, profile, topology)
+        return plan, simulate_plan(plan, profile, topology, calibration)
     except PipetrainError as error:
         return str(error)
 
 
 def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, straight, fewer, planned,
-               recompute=False):
+               recompute=False, calibration=None):
     """A plan and its simulation, the reason there is none, or None when ``m`` had to be rounded
     up to a count already in ``planned``."""
     plan = None
@@ -267,7 +278,7 @@ def _candidate(cuts, profile, topology, name, m, memory_limit, cost_model, strai
             plan = optimize(cuts, topology, cost_model=cost_model, straight=straight,
                             fewer_machines=fewer, memory_limit=memory_limit, schedule=name,
                             microbatches=m, recompute=recompute)
-            return plan, simulate_plan(plan, profile, topology)
+            return plan, simulate_plan(plan, profile, topology, calibration)
         except ScheduleError as error:
             # replicas must share the microbatches evenly: round m up once
             unit = math.lcm(*plan.replicas) if plan is not None else 1

@@ -6,8 +6,12 @@ gradient all-reduce ``sync`` among replicas. Per message: ``latency + bytes / ba
 flight, where ``bytes`` is the stage's output activation size (the gradient that flows back has
 the same size); the sender is busy ``send + bytes * send_per_byte`` (packing it, handing it to the
 transport: on a CPU whose core the rank has to itself that work is not overlapped with compute)
-and the receiver ``recv + bytes * recv_per_byte`` once it has arrived. ``overhead``: the runner's
-own time before every action (the interpreter between actions). ``pipetrain calibrate`` measures
+and the receiver ``recv + bytes * recv_per_byte`` once it has arrived. ``quantum``: where the
+transport moves a message on the sender's own core (gloo on a CPU whose core the rank has to
+itself), a message leaves only when its sender next waits (a RECV or SYNC, or its program's end)
+or after ``quantum`` seconds, when the operating system gives the transport its turn; 0 (the
+default): it leaves at once, as on a transport of its own (NCCL). ``overhead``: the runner's own
+time before every action (the interpreter between actions). ``pipetrain calibrate`` measures
 the scalar ones on the machine and transport it runs on (:mod:`pipetrain.runtime.calibrate`).
 
 A value may be one number (every stage) or a list: one entry per stage, or for interleaved and V
@@ -33,8 +37,10 @@ Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
 
 _PER_STAGE = ("F", "B", "W", "step", "sync", "bytes")
-_SCALAR = ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "overhead", "sync_per_byte",
-           "step_per_byte")
+_SCALAR = ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "quantum", "overhead",
+           "sync_per_byte", "step_per_byte", "worker_bytes")
+#: per-stage figures that a rank's chunks do not share out (a time is split among them)
+_NOT_SHARED = ("bytes", "bandwidth")
 #: what a calibration file says about where it was measured (not costs): checked, not charged
 _ABOUT = ("measured_on",)
 _ALIASES = {
@@ -58,17 +64,23 @@ class Costs:
     sync: PerStage = 0.0
     bytes: PerStage = 0.0
     latency: float = 0.0
-    bandwidth: float = math.inf
+    #: bytes per second in flight: one number, or per stage boundary (the level of a topology a cut
+    #: crosses)
+    bandwidth: PerStage = math.inf
     send: float = 0.0
     send_per_byte: float = 0.0
     recv: float = 0.0
     recv_per_byte: float = 0.0
+    quantum: float = 0.0
     overhead: float = 0.0
     #: a calibration's all-reduce and optimizer step per byte of a stage's parameters: not charged
     #: here (the simulator knows no parameter sizes); a caller that knows them adds
     #: ``sync_per_byte * bytes`` to ``sync`` and makes ``step`` ``step_per_byte * bytes``
     sync_per_byte: float = 0.0
     step_per_byte: float = 0.0
+    #: a calibration's memory that a training worker adds above its start whatever the model (the
+    #: libraries' and the transport's buffers on first use): not a time; the memory report adds it
+    worker_bytes: float = 0.0
     #: where a calibration measured these (machine, torch, transport), None for given costs
     measured_on: dict | None = None
 
@@ -79,11 +91,11 @@ class Costs:
         of stage s (default ``s % num_positions``, the interleaved placement; a V puts stage s and
         ``2R-1-s`` on one rank)."""
         values = {}
-        for name in _PER_STAGE:
+        for name in _PER_STAGE + ("bandwidth",):
             values[name] = _expand(name, getattr(self, name), num_stages, num_positions, chunks, position_of)
-        if self.bandwidth <= 0:
+        if min(values["bandwidth"]) <= 0:
             raise ScheduleError(f"bandwidth must be positive, got {self.bandwidth}")
-        transfer = [self.latency + b / self.bandwidth if b else self.latency for b in values["bytes"]]
+        transfer = [self.latency + b / w if b else self.latency for b, w in zip(values["bytes"], values["bandwidth"])]
         return StageCosts(
             forward=values["F"],
             backward=values["B"],
@@ -94,6 +106,7 @@ class Costs:
             sending=[self.send + b * self.send_per_byte for b in values["bytes"]],
             receiving=[self.recv + b * self.recv_per_byte for b in values["bytes"]],
             overhead=float(self.overhead),
+            quantum=float(self.quantum),
         )
 
 
@@ -102,7 +115,8 @@ class StageCosts:
     """Resolved per-(virtual-)stage costs; ``transfer[s]`` is the time a message crossing the
     boundary after stage s spends in flight (either direction), ``sending[s]`` and ``receiving[s]``
     the time its sender and its receiver are busy with it; ``overhead`` the runner's time before
-    every action."""
+    every action; ``quantum`` the longest a sent message waits for its sender to wait (see the
+    module docstring)."""
 
     forward: list[float]
     backward: list[float]
@@ -113,6 +127,7 @@ class StageCosts:
     sending: list[float] = field(default_factory=list)
     receiving: list[float] = field(default_factory=list)
     overhead: float = 0.0
+    quantum: float = 0.0
     full_backward: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -125,7 +140,7 @@ def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chu
             position_of: Sequence[int] | None = None) -> list[float]:
     if isinstance(value, (int, float)):
         values = [float(value)] * num_stages
-        per_position = chunks > 1 and name not in ("bytes",)
+        per_position = chunks > 1 and name not in _NOT_SHARED
         return [v / chunks for v in values] if per_position else values
     values = [float(v) for v in value]
     if any(v < 0 or math.isnan(v) for v in values):
@@ -133,7 +148,7 @@ def _expand(name: str, value: PerStage, num_stages: int, num_positions: int, chu
     if len(values) == num_stages:
         return values
     if chunks > 1 and len(values) == num_positions:
-        scale = 1.0 if name == "bytes" else 1.0 / chunks
+        scale = 1.0 if name in _NOT_SHARED else 1.0 / chunks
         where = position_of if position_of is not None else [s % num_positions for s in range(num_stages)]
         return [values[where[s]] * scale for s in range(num_stages)]
     if len(values) == 1:

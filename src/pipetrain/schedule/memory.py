@@ -19,13 +19,13 @@ backward too. docs/design.md 3.3: ``d`` microbatches in flight hold ``d * A_in +
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection
+from typing import Collection, Sequence
 
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.ir import Kind, Schedule, halves
 from pipetrain.schedule.recompute import recompute_stages
 
-__all__ = ["StageMemory", "memory_by_rank"]
+__all__ = ["StageMemory", "memory_by_rank", "StageSizes", "bytes_by_rank"]
 
 
 @dataclass
@@ -58,6 +58,72 @@ def memory_by_rank(schedule: Schedule, *, recompute: bool | str | Collection[int
     again = recompute_stages(recompute, schedule.num_stages)
     with gc_paused():
         return [_rank_memory(rank, program, again) for rank, program in enumerate(schedule.programs)]
+
+
+@dataclass(frozen=True)
+class StageSizes:
+    """Bytes of one stage: ``parameters``, its trainable parameters (one weight version, and its
+    gradient sums); ``optimizer``, the optimizer's state; ``held``, what a microbatch in flight
+    keeps (autograd's saved tensors, the stage's input and output); ``inputs``, what a microbatch
+    keeps instead on a stage that recomputes."""
+
+    parameters: int
+    optimizer: int
+    held: int
+    inputs: int = 0
+
+
+def bytes_by_rank(schedule: Schedule, sizes: Sequence[StageSizes], *,
+                  recompute: bool | str | Collection[int] = False) -> list[dict[str, int]]:
+    """Per rank, the bytes training adds to what the rank held before it (its stages' modules:
+    weight version 0): ``gradients`` (one sum per trainable parameter), ``optimizer`` (its state),
+    ``versions`` (the weight versions held beyond the first), ``activations`` (the peak over the
+    program of what the microbatches in flight hold; a split backward keeps a microbatch's graph
+    from F until its W) and their ``total``. ``sizes[s]``: stage s's :class:`StageSizes`."""
+    if len(sizes) != schedule.num_stages:
+        raise ValueError(f"bytes_by_rank: {len(sizes)} stage sizes for {schedule.num_stages} stages")
+    from pipetrain.schedule.pattern import pattern_of
+
+    pattern = pattern_of(schedule)
+    sample = pattern.check_sample if pattern is not None else schedule
+    again = recompute_stages(recompute, schedule.num_stages)
+    counts = memory_by_rank(sample, recompute=again)
+    out = []
+    for rank, stages in enumerate(schedule.rank_stages()):
+        held = set(stages)
+        parts = {
+            "gradients": sum(sizes[s].parameters for s in held),
+            "optimizer": sum(sizes[s].optimizer for s in held),
+            "versions": sum((counts[rank].peak_versions.get(s, 1) - 1) * sizes[s].parameters for s in held),
+            "activations": _peak_activation_bytes(sample.programs[rank], sizes, again),
+        }
+        parts["total"] = sum(parts.values())
+        out.append(parts)
+    return out
+
+
+def _peak_activation_bytes(program, sizes: Sequence[StageSizes], recompute: frozenset[int]) -> int:
+    """The most bytes the program's microbatches in flight hold at once: a microbatch's ``held``
+    from its F until its B or W (its inputs alone until the backward on a stage that recomputes,
+    which makes the whole again)."""
+    F, B, I, W = Kind.F, Kind.B, Kind.I, Kind.W
+    now = peak = 0
+    for kind, stage, _, _, _ in _flat(program):
+        held, inputs = sizes[stage].held, sizes[stage].inputs
+        again = stage in recompute
+        if kind is F:
+            now += inputs if again else held
+        elif kind is I and again:
+            now += held - inputs
+        elif kind is B and again:
+            now += held - inputs
+            peak = max(peak, now)
+            now -= held
+            continue
+        elif kind is B or kind is W:
+            now -= held
+        peak = max(peak, now)
+    return peak
 
 
 def _rank_memory(rank: int, program, recompute: frozenset[int] = frozenset()) -> StageMemory:

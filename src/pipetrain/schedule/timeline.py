@@ -3,7 +3,9 @@
 Each rank runs its program in order. An action starts when the rank is free, after the runner's
 ``overhead``; a RECV ends when the message has arrived (sent at the end of the SEND plus
 ``transfer`` time) plus the receiver's ``receiving`` time; a SEND keeps its rank busy for its
-``sending`` time, then the rank goes on (like ``isend``) while the message is in flight; a SYNC
+``sending`` time, then the rank goes on (like ``isend``) while the message is in flight. With a
+``quantum`` (a transport that shares the sender's core) the message leaves only when its sender
+next enters a RECV or SYNC or ends its program, or ``quantum`` after the SEND, whichever is first. A SYNC
 ends when all replicas of its stage have reached it plus the all-reduce time. The run is a longest-path computation over that dependency graph,
 processed with a worklist, so it also serves as the dry run that finds deadlocks: if ranks remain
 blocked with nothing left to wake them, :class:`~pipetrain.errors.DeadlockError` names them and
@@ -86,7 +88,7 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
     num_stages = schedule.num_stages
     forward, backward, weight = costs.forward, costs.backward, costs.weight
     full, step, sync_cost, transfer = costs.full_backward, costs.step, costs.sync, costs.transfer
-    sending, receiving, overhead = costs.sending, costs.receiving, costs.overhead
+    sending, receiving, overhead, quantum = costs.sending, costs.receiving, costs.overhead, costs.quantum
     F, B, I, W, FB = Kind.F, Kind.B, Kind.I, Kind.W, Kind.FB
     SEND_F, RECV_F, SEND_B, RECV_B, SYNC, STEP = (
         Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.SYNC, Kind.STEP,
@@ -104,6 +106,23 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
     sync_seen = [dict() for _ in range(n)]
     ready = deque(range(n))
     queued = [True] * n
+    #: per rank, messages sent but not yet left (with a quantum): [due, key, time in flight]
+    unsent: list[list[list]] = [[] for _ in range(n)]
+
+    def depart(rank: int, now: float, everything: bool) -> None:
+        """The rank's unsent messages leave: those due by ``now``, or all (the rank waits)."""
+        kept = []
+        for message in unsent[rank]:
+            due, key, flight = message
+            if everything or due <= now:
+                arrivals[key] = min(due, now) + flight
+                waiter = waiting.pop(key, None)
+                if waiter is not None and not queued[waiter]:
+                    queued[waiter] = True
+                    ready.append(waiter)
+            else:
+                kept.append(message)
+        unsent[rank] = kept
 
     while ready:
         rank = ready.popleft()
@@ -150,15 +169,20 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                     key = (action[2] * num_stages + stage + 1) << 1
                 else:
                     key = ((action[2] * num_stages + stage - 1) << 1) | 1
-                arrivals[key] = t + transfer[boundary]
-                waiter = waiting.pop(key, None)
-                if waiter is not None and not queued[waiter]:
-                    queued[waiter] = True
-                    ready.append(waiter)
+                if quantum:
+                    unsent[rank].append([t + quantum, key, transfer[boundary]])
+                else:
+                    arrivals[key] = t + transfer[boundary]
+                    waiter = waiting.pop(key, None)
+                    if waiter is not None and not queued[waiter]:
+                        queued[waiter] = True
+                        ready.append(waiter)
             elif kind is RECV_F or kind is RECV_B:
                 key = (action[2] * num_stages + stage) << 1
                 if kind is RECV_B:
                     key |= 1
+                if unsent[rank]:  # the rank enters the transport: its own messages go
+                    depart(rank, t, True)
                 arrival = arrivals.get(key)
                 if arrival is None:
                     waiting[key] = rank
@@ -169,6 +193,8 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                     t = arrival
                 t += receiving[stage - 1 if kind is RECV_F else stage]
             elif kind is SYNC:
+                if unsent[rank]:
+                    depart(rank, t, True)
                 index = sync_seen[rank].get(stage, 0)
                 state = syncs.get((stage, index))
                 if state is None:
@@ -195,6 +221,8 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                 work += step[stage]
             en[pc] = t
             pc += 1
+            if unsent[rank]:
+                depart(rank, t, pc == length)
         pcs[rank] = pc
         clocks[rank] = t
         busy[rank] = work

@@ -11,7 +11,15 @@ stage in one process, so its stages share that process's figures.
 
 The prediction is :func:`pipetrain.schedule.memory_by_rank` of the run's schedule, with
 recomputation when the run recomputes: microbatches whose activations are held at once (and
-inputs kept for recomputation) and weight versions alive at once, per stage.
+inputs kept for recomputation) and weight versions alive at once, per stage; and in bytes,
+``predicted_bytes``, what training adds above the start (:func:`pipetrain.schedule.bytes_by_rank`):
+gradient sums, optimizer state, weight versions beyond the first and the activations in flight,
+each microbatch's sized on the meta device (:func:`~pipetrain.training.shapes.microbatch_bytes`).
+With a calibration (``--costs-file``) each process also gets the calibration's ``worker_bytes``,
+what a worker adds whatever the model (the libraries' and the transport's buffers on first use).
+Set beside ``peak_bytes - start_bytes``. Not in it: the allocator's slack, temporaries of one
+operation (an optimizer step's, a kernel's workspace), messages queued in the transport and the
+data loader's batches; on the CPU also what the interpreter and libraries allocate on first use.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["MemoryProbe", "memory_report"]
+__all__ = ["MemoryProbe", "memory_report", "predicted_bytes"]
 
 
 def _rss_now() -> int | None:
@@ -81,6 +89,8 @@ def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: boo
     schedule = run.schedule
     recompute = frozenset(getattr(run, "recompute", ()))
     model = memory_by_rank(schedule, recompute=recompute)
+    predicted = predicted_bytes(run, recompute)
+    worker = _worker_bytes(run)
     held_stages = schedule.rank_stages()
     stages = []
     for position, ranks in enumerate(positions(schedule)):
@@ -106,11 +116,46 @@ def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: boo
         }
         if any(recompute.intersection(held_stages[r]) for r in ranks):
             entry["predicted_peak_inputs"] = inputs
+        if predicted is not None:
+            entry["predicted_bytes"] = max(predicted[r]["total"] for r in ranks) + (worker if per_rank else 0)
+            entry["predicted_parts"] = {**predicted[ranks[0]], **({"worker": worker} if per_rank and worker else {})}
         stages.append(entry)
     first = measured[0] if measured else {}
-    return {
+    out = {
         "measure": first.get("measure"),
         "per": "process of each rank" if per_rank else "the one process of every stage (emulator)",
         "recompute": format_recompute(recompute, schedule.num_stages),
         "stages": stages,
     }
+    if predicted is not None and not per_rank:  # one process holds every rank's part (an upper bound: peaks apart)
+        out["predicted_bytes"] = sum(p["total"] for p in predicted) + worker
+    return out
+
+
+def _worker_bytes(run: Any) -> int:
+    """The calibration's ``worker_bytes`` (0 without one)."""
+    from pipetrain.training.prediction import load_calibration
+
+    calibration = load_calibration(getattr(run.config, "costs_file", None))
+    return int(calibration.worker_bytes) if calibration is not None else 0
+
+
+def predicted_bytes(run: Any, recompute: frozenset[int] = frozenset()) -> list[dict[str, int]] | None:
+    """Per rank, :func:`pipetrain.schedule.bytes_by_rank` of the run's schedule with its stages'
+    sizes (trainable parameters, the optimizer's state slots, a microbatch's held bytes); None
+    where a microbatch cannot be sized (see :func:`~pipetrain.training.shapes.microbatch_bytes`)."""
+    from pipetrain.schedule.memory import StageSizes, bytes_by_rank
+    from pipetrain.training.shapes import microbatch_bytes
+
+    stages = run.staged.stages
+    if len(stages) != run.schedule.num_stages:
+        return None
+    held = microbatch_bytes(run)
+    if held is None:
+        return None
+    sizes = []
+    for index, (module, microbatch) in enumerate(zip(stages, held)):
+        parameters = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        slots = getattr(run.stage_optimizer(index), "state_slots", 0) or 0
+        sizes.append(StageSizes(parameters, slots * parameters, microbatch.held, microbatch.inputs))
+    return bytes_by_rank(run.schedule, sizes, recompute=recompute)

@@ -36,7 +36,7 @@ def calibrated_costs(compute: Costs, calibration: Costs, message_bytes: Sequence
         F=compute.F, B=compute.B, W=compute.W, step=compute.step, sync=sync,
         bytes=list(message_bytes) if message_bytes is not None else 0.0,
     )
-    for name in ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "overhead"):
+    for name in ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "quantum", "overhead"):
         setattr(costs, name, getattr(calibration, name))
     costs.measured_on = calibration.measured_on
     return costs

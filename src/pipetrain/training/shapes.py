@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -37,7 +38,7 @@ from pipetrain.runtime.errors import collective
 from pipetrain.spec import describe_exception
 from pipetrain.structure import arguments, flatten, map_values
 
-__all__ = ["check_data", "stage_output_bytes"]
+__all__ = ["check_data", "stage_output_bytes", "microbatch_bytes", "MicrobatchBytes"]
 
 
 def check_data(run: Any) -> None:
@@ -140,11 +141,31 @@ def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
         check_loss(last, loss, what=what, names=names)
 
 
+@dataclass(frozen=True)
+class MicrobatchBytes:
+    """What one training microbatch occupies on a stage, by the meta device's shapes: ``output``,
+    the stage's output (a SEND_F's payload besides the labels, and a SEND_B's back); ``held``, what
+    the stage keeps from its forward until its backward: the tensors autograd saves, the received
+    input and the output (each storage once; the stage's own parameters not); ``inputs``, the
+    received input alone (what recomputation keeps instead)."""
+
+    output: int
+    held: int
+    inputs: int
+
+
 def stage_output_bytes(run: Any) -> list[int] | None:
-    """Bytes of each stage's output for the run's first training microbatch, computed on the
-    meta device as :func:`check_data` runs it (what a SEND_F carries besides the labels, and a
-    SEND_B back); None where the data or the meta device cannot tell (a ``DataLoader``, a step
-    fed by the caller, an operation with no meta kernel)."""
+    """Bytes of each stage's output for the run's first training microbatch (see
+    :func:`microbatch_bytes`)."""
+    sizes = microbatch_bytes(run)
+    return None if sizes is None else [s.output for s in sizes]
+
+
+def microbatch_bytes(run: Any) -> list[MicrobatchBytes] | None:
+    """Each stage's :class:`MicrobatchBytes` for the run's first training microbatch, run through
+    the stages with gradients on the meta device as :func:`check_data` runs it; None where the data
+    or the meta device cannot tell (a ``DataLoader``, a step fed by the caller, an operation with
+    no meta kernel)."""
     train_set = run.train_set
     if isinstance(train_set, DataLoader) or getattr(train_set, "fed_by_step", False):
         return None
@@ -152,33 +173,74 @@ def stage_output_bytes(run: Any) -> list[int] | None:
     from pipetrain.training.setup import _first_microbatch
 
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with torch.random.fork_rng(devices=[]):
             x, _ = _first_microbatch(run.config, resolve_name(run.config.schedule), train_set, run.dtype)
             value = map_values(x, _meta)
             sizes = []
-            for module in run.staged.stages:
-                value = _call(module, value, True)
-                leaves, _ = flatten(value)
-                sizes.append(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
-    except Exception:  # noqa: BLE001 - no verdict here: the run checked its data, this only sizes messages
+            for index, module in enumerate(run.staged.stages):
+                if index:  # a received input is a leaf that requires its gradient, as the runtime makes it
+                    value = map_values(value, _received)
+                inputs = _storages(value)
+                saved: dict[int, int] = {}
+                state = _stand_ins(module, grads=True)
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep_in(saved), _same):
+                    value = _call(module, value, True, state)
+                own = _storages(state)
+                output = _storages(value)
+                held = {**inputs, **output, **{k: v for k, v in saved.items() if k not in own}}
+                sizes.append(MicrobatchBytes(sum(output.values()), sum(held.values()), sum(inputs.values())))
+                value = map_values(value, lambda t: t.detach())
+    except Exception:  # noqa: BLE001 - no verdict here: the run checked its data, this only sizes memory
         return None
     return sizes
+
+
+def _storages(value: Any) -> dict[int, int]:
+    """The bytes of each storage among ``value``'s tensors (views of one storage once)."""
+    leaves, _ = flatten(value)
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor)}
+
+
+def _keep_in(saved: dict[int, int]):
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    return pack
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _received(tensor: torch.Tensor) -> torch.Tensor:
+    meta = _meta(tensor)
+    return meta.requires_grad_() if meta.is_floating_point() else meta
 
 
 def _meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(tensor, device="meta")
 
 
-def _call(module: nn.Module, value: Any, training: bool) -> Any:
+def _call(module: nn.Module, value: Any, training: bool, state: dict[str, torch.Tensor] | None = None) -> Any:
     """``module`` on ``value`` under the boundary convention, with meta stand-ins of its tensors
-    and every submodule in training or evaluation mode (each put back as it was)."""
+    (``state``, default :func:`_stand_ins`) and every submodule in training or evaluation mode
+    (each put back as it was)."""
     modes = [(m, m.training) for m in module.modules()]
     module.train(training)
     try:
-        state = {name: _meta(t) for name, t in module.named_parameters()}
-        state.update((name, _meta(t)) for name, t in module.named_buffers())
         args, kwargs = arguments(value)
-        return torch.func.functional_call(module, state, tuple(args), kwargs, strict=False)
+        return torch.func.functional_call(module, _stand_ins(module) if state is None else state, tuple(args),
+                                          kwargs, strict=False)
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+def _stand_ins(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Meta tensors in place of ``module``'s parameters and buffers; ``grads``: the trainable
+    parameters' stand-ins require their gradient, as the real ones do."""
+    state = {name: _meta(t).requires_grad_(grads and t.requires_grad) for name, t in module.named_parameters()}
+    state.update((name, _meta(t)) for name, t in module.named_buffers())
+    return state
