@@ -10,6 +10,7 @@ import math
 import pytest
 
 from pipetrain.cli import main
+from pipetrain.errors import PipetrainError
 from pipetrain.runtime.calibrate import Fit, TransportFigures, fit_line
 from pipetrain.schedule import build, load_costs, simulate
 
@@ -78,3 +79,40 @@ def test_calibrate_refuses_bad_options(capsys):
     assert "--sizes needs two or more sizes" in capsys.readouterr()[1]
     assert main(["calibrate", "--optimizer", "nosuch"]) == 2
     assert "nosuch" in capsys.readouterr()[1]
+
+
+def test_train_calibrates_first_when_asked_and_reports_against_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    report = tmp_path / "report.json"
+    assert main(["train", "--model", "mlp:depth=2,width=8", "--data", "synthetic:features=6,classes=2,samples=64",
+                 "--batch-size", "8", "--microbatches", "2", "--stages", "2", "--steps", "6",
+                 "--calibrate", "--report-json", str(report), "--quiet", "--no-progress"]) == 0
+    data = json.loads((tmp_path / "calibration.json").read_text())  # the default place
+    assert data["overhead"] > 0 and data["measured_on"]["transport"] == "gloo"
+    written = json.loads(report.read_text())
+    assert written["calibrated"] is True and written["calibration"]["file"] == "calibration.json"
+
+
+def test_a_torchrun_worker_reads_the_calibration_its_launcher_wrote(tmp_path, monkeypatch):
+    from pipetrain.training.config import TrainConfig
+    from pipetrain.training.train import _calibrated
+
+    monkeypatch.chdir(tmp_path)
+    for name, value in dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+                            LOCAL_RANK="1").items():
+        monkeypatch.setenv(name, value)
+    config = TrainConfig(calibrate=True, costs_file="mine.json")
+    with pytest.raises(PipetrainError, match="pipetrain calibrate --out mine.json"):
+        _calibrated(config, None)
+    (tmp_path / "mine.json").write_text(json.dumps({"overhead": 1e-5}))
+    assert _calibrated(config, None).costs_file == "mine.json"
+
+
+def test_profile_calibrates_for_plan(tmp_path, capsys):
+    profile, calibration = tmp_path / "p.json", tmp_path / "c.json"
+    assert main(["profile", "--model", "mlp", "--data", "digits", "--out", str(profile), "--calibrate",
+                 str(calibration), "--no-progress", "--iterations", "2", "--warmup", "1"]) == 0
+    assert f"wrote calibration to {calibration}" in capsys.readouterr()[0]
+    assert main(["plan", str(profile), "--workers", "2", "--costs-file", str(calibration), "--schedule", "auto",
+                 "--no-baselines", "--json"]) == 0
+    assert json.loads(capsys.readouterr()[0])["calibration"]["file"] == str(calibration)

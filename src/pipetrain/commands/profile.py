@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads while measuring (default 1)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    parser.add_argument("--calibrate", default=None, metavar="FILE",
+                        help="also measure this machine's message and per-action costs (pipetrain calibrate, "
+                             "about 10 s) into FILE, for pipetrain plan --costs-file (default: not measured)")
     parser.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -53,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pipetrain.paths import JSON, check_outputs
 
-    check_outputs(files={"--out": args.out}, formats={"--out": JSON})  # before PyTorch and the measurement
+    check_outputs(files={"--out": args.out, "--calibrate": args.calibrate},
+                  formats={"--out": JSON, "--calibrate": JSON})  # before PyTorch and the measurement
     import torch
 
     from pipetrain.data import dataset_info, get_batch, load_dataset
@@ -94,12 +98,18 @@ def run(args: argparse.Namespace) -> int:
                                 statistic=args.statistic, meta=described)
     if args.out:
         save_profile(profile, args.out)
+    if args.calibrate:
+        from pipetrain.training.calibration import calibrate
+        from pipetrain.training.result import write_json_atomic
+
+        write_json_atomic(args.calibrate, calibrate("cuda" if args.device.startswith("cuda") else "cpu")[0])
     if args.json:
         print(json.dumps(profile.to_json()))
         return 0
     print(format_profile(profile))
-    if args.out:
-        print(f"wrote profile to {args.out}")
+    for path, what in ((args.out, "profile"), (args.calibrate, "calibration")):
+        if path:
+            print(f"wrote {what} to {path}")
     return 0
 
 

@@ -285,6 +285,11 @@ class TrainConfig:
         help="a calibration from `pipetrain calibrate`: the report's and the plot's simulated time "
              "charge its communication and per-action costs besides the measured unit times "
              "(default: none, compute only)")
+    calibrate: bool = option(
+        False, group=_OUTPUTS, action="store_true", api="fit",
+        help="measure this machine's message and per-action costs first (pipetrain calibrate, about 10 s) "
+             "and use them as the costs file, written to --costs-file (default calibration.json); a "
+             "worker of a run started by torchrun reads the file rank 0's launcher wrote before")
     trace: str | None = option(
         None, group=_OUTPUTS, api="fit",
         help="write the measured per-action timeline as a Chrome/Perfetto trace (default: none)")

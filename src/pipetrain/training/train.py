@@ -7,6 +7,7 @@ built from the specs), the Python API with the user's objects (:class:`~pipetrai
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any, Iterator
 
@@ -32,6 +33,8 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     from pipetrain.training.setup import prepare
     from pipetrain.training.validate import check_config
 
+    if config.calibrate:
+        config = _calibrated(config, parts)
     check_config(config, specs=parts is None)  # options and output paths, before any work
 
     callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or ())
@@ -67,6 +70,42 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     result = distributed.run_worker(prepare(config, parts), env, callbacks or None)
     callbacks.end(result)
     return result
+
+
+#: where ``calibrate`` writes its costs file when no ``costs_file`` is named
+CALIBRATION = "calibration.json"
+
+
+def _calibrated(config: TrainConfig, parts: RunParts | None) -> TrainConfig:
+    """``config`` with the costs file that ``calibrate`` asked for: measured here
+    (:func:`pipetrain.training.calibration.calibrate`) after the other options passed their checks,
+    unless this process is a worker of a started run (the process that started it measured)."""
+    from dataclasses import replace
+
+    from pipetrain.runtime.launch import detect
+    from pipetrain.training.validate import check_config
+
+    path = config.costs_file or CALIBRATION
+    config = replace(config, costs_file=None, calibrate=False)
+    if detect() is None:
+        check_config(config, specs=parts is None)  # nothing measured for a run that would be refused
+        from pipetrain.paths import JSON, check_outputs
+        from pipetrain.training.calibration import calibrate
+        from pipetrain.training.result import write_json_atomic
+
+        check_outputs(files={option("costs_file"): path}, formats={option("costs_file"): JSON})
+        if not config.quiet:
+            print(f"calibrating this machine for the simulator (about 10 s; {option('costs_file', path)})")
+        import torch
+
+        cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        data, _ = calibrate("cuda" if cuda else "cpu")
+        write_json_atomic(path, data)
+    elif not os.path.exists(path):
+        raise PipetrainError(f"{option('calibrate')} in a worker of a run started by torchrun: no {path} here to "
+                             f"read; run `pipetrain calibrate --out {path}` before the run and pass "
+                             f"{option('costs_file', path)} instead")
+    return replace(config, costs_file=path)
 
 
 def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None) -> None:
