@@ -37,6 +37,8 @@ def stage_units(stage: nn.Module) -> list[nn.Module]:
 
 @dataclass
 class Member:
+    """One run's stage's unit at ``position`` inside the stage: a row of its group."""
+
     run: int
     stage: int
     position: int
