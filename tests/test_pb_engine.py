@@ -12,7 +12,8 @@ from pipetrain.errors import PipetrainError
 from pipetrain.models import build_model
 from pipetrain.optim import Adam, build_stage_optimizers
 from pipetrain.pb import pb_sequential
-from pipetrain.pb.engine import BatchedPB, NotBatchable, stage_units
+from pipetrain.pb.engine import BatchedPB
+from pipetrain.pb.groups import NotBatchable, stage_units
 from pipetrain.schedule import pb_delays
 from pipetrain.stages import split_model
 

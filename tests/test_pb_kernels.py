@@ -8,7 +8,9 @@ from torch import nn
 from torch.func import functional_call
 
 from pipetrain.models import BasicBlock, BlockHead, BlockTail, ResidualBlock, Shortcut
+from pipetrain.pb import block_kernels as blocks
 from pipetrain.pb import kernels as K
+from pipetrain.pb import layer_kernels as layers
 from pipetrain.pb.latest import LatestWeights
 from pipetrain.pb.lowering import LOWERINGS, lower, register_lowering
 
@@ -103,7 +105,7 @@ def test_convolution_on_many_members_runs_grouped(count, batch):
 
 
 def test_outer_gradient_is_the_weight_gradient():
-    kernel = K.Linear(3, 2, bias=True)
+    kernel = layers.Linear(3, 2, bias=True)
     kernel.bind((3,))
     x = torch.randn(4, 1, 3, dtype=D)
     w = torch.randn(4, 2, 3, dtype=D)
@@ -145,7 +147,7 @@ def test_register_lowering_for_a_user_module():
             return self.lin(x)
 
     assert lower(Scale2()) is None
-    register_lowering(Scale2, lambda m: K.Chain([("lin", lower(m.lin))]))
+    register_lowering(Scale2, lambda m: blocks.Chain([("lin", lower(m.lin))]))
     try:
         _check(Scale2(), (3,))
     finally:

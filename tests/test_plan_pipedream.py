@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from pipetrain.errors import PipetrainError
 from pipetrain.plan.graphtxt import parse_graph_txt
 from pipetrain.plan.memory import stage_memory
-from pipetrain.plan import pipedream
+from pipetrain.plan import level as dp_level
+from pipetrain.plan import mirror as dp_mirror
+from pipetrain.plan import solver as dp_solver
 from pipetrain.plan.graph import build_cuts
 from pipetrain.plan.pipedream import optimize
 from pipetrain.plan.profile import LayerProfile, Profile
@@ -445,7 +447,7 @@ def test_banded_chain_solve_equals_full_solve(seed, layers, machines, model, few
     results = []
     for start in (math.inf, 2.0, 0.5, 1.0 + 1e-12):     # inf: no band
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(pipedream, "_BAND_START", start)
+            patch.setattr(dp_solver, "BAND_START", start)
             try:
                 results.append(plan_signature(optimize(profile, topology, **options)))
             except PipetrainError as error:
@@ -460,16 +462,16 @@ def test_band_is_narrow_on_a_long_chain_over_many_workers():
                     list(rng.uniform(0, 5e6, n)))
     topology = Topology((4, 4, 16), (1e10, 1e9, 1e8))
     cuts = build_cuts(profile)
-    solver = pipedream._Solver(cuts, topology, "pipedream-code", False, False,
-                               pipedream._Memory(None, "pipedream", 1, topology.workers))
-    value = solver.solve()
-    band = solver._band(value)
+    planner = dp_solver.Solver(cuts, topology, "pipedream-code", False, False,
+                               dp_level.MemoryBudget(None, "pipedream", 1, topology.workers))
+    value = planner.solve()
+    band = planner._band(value)
     nested = nested_ranges(band, cuts.ancestors, True)
     # the last level may use a few hundred of its 45,150 ranges, inner levels solve well under
     # a quarter of theirs
     assert band.sum() < 2_000 and nested.sum() < cuts.ancestors.sum() / 4
     # every last-level stage of the optimal plan is in the band of its time
-    for _, _, path in solver.stages():
+    for _, _, path in planner.stages():
         _, _, start, end = path[-1]
         assert band[start, end]
     assert optimize(profile, topology).predicted_time_per_minibatch == value
@@ -507,8 +509,8 @@ def test_banded_dag_solve_equals_full_solve(seed, blocks, machines, model, fewer
     results = []
     for start, jump in ((math.inf, 0.5), (2.0, 0.5), (2.0, 2.0), (0.5, 2.0)):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(pipedream, "_BAND_START", start)
-            patch.setattr(pipedream, "_BAND_JUMP", jump)
+            patch.setattr(dp_solver, "BAND_START", start)
+            patch.setattr(dp_solver, "BAND_JUMP", jump)
             try:
                 results.append(plan_signature(optimize(profile, topology, **options)))
             except PipetrainError as error:
@@ -548,7 +550,8 @@ def test_windowed_solve_equals_the_whole_table(seed, dag, workers, model, fewer,
     results = []
     for threshold in (10**9, 1):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(pipedream, "_WINDOW_MACHINES", threshold)
+            for module in (dp_level, dp_solver, dp_mirror):
+                patch.setattr(module, "WINDOW_MACHINES", threshold)
             try:
                 results.append(plan_signature(optimize(profile, Topology.flat(workers,
                                                                               bandwidth),
@@ -608,7 +611,8 @@ def test_large_plans_equal_the_earlier_solver(name, machines, bandwidths, time, 
 def test_reference_table_in_machine_windows(monkeypatch, name, machines, bandwidths, straight,
                                             replicas, single, predicted, speedup, vs_dp):
     """The reference table again, with the windows of large worker counts used at every size."""
-    monkeypatch.setattr(pipedream, "_WINDOW_MACHINES", 1)
+    for module in (dp_level, dp_solver, dp_mirror):
+        monkeypatch.setattr(module, "WINDOW_MACHINES", 1)
     topology = Topology(machines, bandwidths or (1e9,) * len(machines))
     plan = optimize(load(name), topology, cost_model="pipedream-code", straight=straight)
     assert plan.predicted_time_per_minibatch == pytest.approx(predicted, rel=1e-6, abs=1e-9)

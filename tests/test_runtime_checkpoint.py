@@ -445,7 +445,7 @@ def full_disk(monkeypatch, room: int = 1000, only: str = "") -> None:
     """Every file the checkpoint module writes (whose name holds ``only``) fills up after ``room`` bytes."""
     import builtins
 
-    import pipetrain.runtime.checkpoint as module
+    import pipetrain.runtime.checkpoint_write as module
 
     def opened(path, mode="r", *args, **kwargs):
         f = builtins.open(path, mode, *args, **kwargs)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 from pipetrain.models import cross_entropy
-from pipetrain.execution.balance import measure_unit_costs, split_by_time
+from pipetrain.execution.unit_timing import measure_unit_costs, split_by_time
 from pipetrain.stages import StageChoice, split_model, unit_names
 from pipetrain.training import TrainConfig
 from pipetrain.training.setup import prepare
@@ -174,12 +174,12 @@ def test_dropout_and_tied_weights_keep_the_parameter_count_under_auto(factory):
 
 def test_given_stage_costs_cut_without_measuring_and_reach_the_report(factory, tmp_path, capsys, monkeypatch):
     """The unit times a launcher hands its workers (beside the configuration, not in it) cut alike."""
-    from pipetrain.execution import balance
+    from pipetrain.execution import unit_timing
     from pipetrain.training.emulated import train_emulated
 
     costs = {"0": 1.0, "1": 1.0, "2": 1.0, "3": 1.0, "4": 5.0, "5": 1.0}
     report = tmp_path / "report.json"
-    monkeypatch.setattr(balance, "measure_unit_costs", lambda *a, **k: pytest.fail("timed although given the costs"))
+    monkeypatch.setattr(unit_timing, "measure_unit_costs", lambda *a, **k: pytest.fail("timed although given the costs"))
     run = prepare(config(factory, report_json=str(report)), stage_costs=costs)
     assert run.stage_costs == costs and "stage_costs" not in vars(run.config)
     write_outputs(run.config, train_emulated(run), run)

@@ -22,7 +22,7 @@ The loader keeps everything it was built with (its sampler, ``num_workers``, ``p
 * **Reading ahead.** The loader's own workers read ahead; a receiving thread takes their batches
   so that the training thread only picks one up. With ``num_workers=0`` batches are read on the
   training thread when needed (as the loader itself would). The loader's ``worker_init_fn`` is
-  wrapped (:func:`~pipetrain.data.prefetch.settle_worker`): its workers first close the TCP
+  wrapped (:func:`~pipetrain.data.worker_setup.settle_worker`): its workers first close the TCP
   sockets of a distributed rank that the fork duplicated (held there, they hid the rank's death
   from its peers for seconds) and, on a rank that pipetrain's launcher pinned to its own cores,
   may run on any core: pinned beside the rank they fall behind whenever its core is busy.
@@ -109,7 +109,7 @@ class LoaderBatches:
         self._epoch_batches = 0  # full batches of the epoch being read
         self._threaded = int(getattr(loader, "num_workers", 0) or 0) > 0
         if self._threaded and hasattr(loader, "worker_init_fn"):
-            from pipetrain.data.prefetch import Unpinned
+            from pipetrain.data.worker_setup import Unpinned
 
             if not isinstance(loader.worker_init_fn, Unpinned):  # see the module docstring, "Reading ahead"
                 loader.worker_init_fn = Unpinned(loader.worker_init_fn)
@@ -163,7 +163,7 @@ class LoaderBatches:
         for sampler in (getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
             if callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(self.epoch)
-        from pipetrain.data.prefetch import unpinned_workers
+        from pipetrain.data.worker_setup import unpinned_workers
 
         workers = getattr(self.loader, "num_workers", 0)
         with seeded(data_seed(self.seed, self.epoch, stream=1)), unpinned_workers(workers):
@@ -206,7 +206,7 @@ class LoaderBatches:
         except PipetrainError:
             raise
         except Exception as error:
-            from pipetrain.data.prefetch import lost_data_worker
+            from pipetrain.data.worker_deaths import lost_data_worker
 
             lost = lost_data_worker(error)  # a worker process that died is a fault, not bad data
             if lost is not None:

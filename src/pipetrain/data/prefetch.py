@@ -22,52 +22,25 @@ the rank will need the batches:
 
 from __future__ import annotations
 
-import contextlib
-import os
 import queue
-import re
-import signal
 import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from torch.utils.data import DataLoader
 
+from pipetrain.data.worker_deaths import (death_behind, give_worker_deaths_back, keep_worker_deaths, pending_death,
+                                          signal_report)
+from pipetrain.data.worker_setup import settle_worker, unpinned_workers
 from pipetrain.structure import map_values, tensors_of
 
-__all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "Unpinned", "pack", "unpack", "pin", "pin_available",
-           "tensors_of", "unpin_worker", "unpinned_workers", "PACK_LIMIT", "lost_data_worker", "drop_rank_sockets",
-           "die_with_rank", "settle_worker"]
+__all__ = ["BatchPrefetcher", "WorkerPrefetcher", "Receiver", "pack", "unpack", "pin", "pin_available", "tensors_of",
+           "PACK_LIMIT"]
 
 #: batches of at most this many bytes of tensors are packed as bytes between processes (see above)
 PACK_LIMIT = 512 * 1024
-
-
-#: how torch reports a DataLoader worker that died (its SIGCHLD handler, or the loader's own check)
-_WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
-                          r"(?:is killed by signal: ([^.]+)\.|exited unexpectedly(?: with exit code (-?\d+))?)")
-
-
-def lost_data_worker(error: BaseException, rank: int | None = None):
-    """The :class:`~pipetrain.runtime.errors.DataWorkerLost` that ``error`` (torch's RuntimeError
-    for a DataLoader worker that died) stands for, or None for any other error. torch raises it
-    from its SIGCHLD handler wherever the training thread is, or where the batch is taken."""
-    from pipetrain.errors import DataWorkerLost, option
-
-    found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
-    if found is None:
-        return None
-    pids, described, code = found.groups()
-    number = next((s for s in signal.valid_signals() if described and signal.strsignal(s) == described.strip()), None)
-    how = (f"was killed by {signal.Signals(number).name}" if number else f"was killed by signal '{described}'"
-           if described else f"exited with status {code}" if code else "exited unexpectedly")
-    oom = " (the kernel's out-of-memory killer sends SIGKILL: check the machine's memory)" if number == 9 else ""
-    whose = f"rank {rank}: " if rank is not None else ""
-    return DataWorkerLost(f"{whose}the DataLoader worker process (pid {pids.strip()}) reading its batches {how}{oom}; "
-                          f"a fault, not bad data ({option('max_restarts')} starts the workers again, to resume from "
-                          f"{option('checkpoint_dir')})", number)
-
 
 class BatchPrefetcher:
     """``get(update)`` returns ``load(update)``, read on a background thread; asking for an update
@@ -222,90 +195,19 @@ def pin_available(asked: bool) -> bool:
 _END = object()
 
 
-_died: list[RuntimeError] = []  # torch's report of a data worker that died, kept for the next take
-_held: list[Any] = []  # while receivers are open: the SIGCHLD handler they replaced (torch's)
-
-
-def _on_child(signum: int, frame: Any) -> None:
-    try:
-        torch._C._error_if_any_worker_fails()
-    except RuntimeError as error:
-        _died.append(error)
-
-
-def _death_behind(error: BaseException, iterator: Any) -> BaseException:
-    """torch's report of a DataLoader worker that died, when one did, instead of ``error``: the
-    iterator itself may only see a pipe to it break (``ConnectionResetError``), a moment before
-    the worker's exit is seen (so a broken pipe waits up to a second for it), or say it "exited
-    unexpectedly" after reaping it, when only the worker's own exit code still tells the signal."""
-    import time
-
-    deadline = time.monotonic() + (1.0 if isinstance(error, (OSError, EOFError)) else 0.0)
-    while True:
-        for process in getattr(iterator, "_workers", ()):  # a DataLoader iterator's worker processes
-            code = process.exitcode
-            if code is not None and code < 0:  # in torch's words, which lost_data_worker reads
-                return RuntimeError(f"DataLoader worker (pid {process.pid}) is killed by signal: "
-                                    f"{signal.strsignal(-code)}. ")
-        try:
-            torch._C._error_if_any_worker_fails()
-        except RuntimeError as death:
-            return death
-        if time.monotonic() >= deadline:
-            return error
-        time.sleep(0.02)
-
-
-def _signal_report(error: BaseException) -> BaseException:
-    """For an error that says a data worker is gone without saying how (torch's "exited
-    unexpectedly", a broken pipe to it), the SIGCHLD handler's report, which names the signal,
-    when it comes within a second (it runs on this, the main, thread: sleeping lets it)."""
-    import time
-
-    if not (isinstance(error, (OSError, EOFError)) or (lost_data_worker(error) is not None
-                                                        and lost_data_worker(error).signal is None)):
-        return error
-    deadline = time.monotonic() + (1.0 if _held else 0.0)
-    while not _died and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return _died.pop(0) if _died else error
-
-
-def _keep_worker_deaths() -> bool:
-    """Replace torch's SIGCHLD handler, which raises the death of a DataLoader worker in whatever
-    the training thread does at that moment (a forward, a checkpoint, a collective: each would
-    report it as its own failure), by one that keeps it for :meth:`Receiver.take`, until the last
-    receiver closes. Called after the loader's iterator exists (its creation installs torch's
-    handler); main thread only. True if this call replaced it (the caller gives it back)."""
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    if not _held:
-        _died.clear()  # deaths before this run are not its business
-        _held.append(signal.signal(signal.SIGCHLD, _on_child))
-    else:
-        _held.append(None)
-    return True
-
-
-def _give_worker_deaths_back() -> None:
-    previous = _held.pop()
-    if not _held and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGCHLD, previous if previous is not None else signal.SIG_DFL)
-
-
 class Receiver:
     """Takes the items of ``iterator`` on a background thread, ``convert`` s them there and hands
     them over in order, at most ``depth`` ahead (:meth:`take`). An exception raised by the
     iterator or ``convert`` is raised by the :meth:`take` that would have returned the item, and
     so is the death of a DataLoader worker process, as torch reports it (a RuntimeError, see
-    :func:`lost_data_worker`), at the first take after it.
+    :func:`~pipetrain.data.worker_deaths.lost_data_worker`), at the first take after it.
 
     The thread only calls ``next(iterator)`` and ``convert``: creating the iterator (which may draw
     random numbers) is the caller's business, on the caller's thread."""
 
     def __init__(self, iterator: Iterator[Any], convert: Callable[[Any], Any] = lambda item: item,
                  depth: int = 2, name: str = "pipetrain-data") -> None:
-        self._replaced = _keep_worker_deaths()
+        self._replaced = keep_worker_deaths()
         self._iterator = iterator
         self._convert = convert
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -330,7 +232,7 @@ class Receiver:
                     return
             self._put((True, _END))
         except BaseException as error:  # noqa: BLE001 - handed to the training thread
-            self._put((False, _death_behind(error, self._iterator)))
+            self._put((False, death_behind(error, self._iterator)))
         finally:
             self._iterator = None  # a DataLoader iterator shuts its workers down when dropped
 
@@ -339,9 +241,10 @@ class Receiver:
         if self._ended:
             return False, None
         while True:
-            if _died:  # a worker died: torch's own check would see it only seconds later
+            death = pending_death()
+            if death is not None:  # a worker died: torch's own check would see it only seconds later
                 self._ended = True
-                raise _died.pop(0)
+                raise death
             try:
                 ok, item = self._queue.get(timeout=0.05)
                 break
@@ -349,7 +252,7 @@ class Receiver:
                 continue
         if not ok:
             self._ended = True
-            raise _signal_report(item)
+            raise signal_report(item)
         if item is _END:
             self._ended = True
             return False, None
@@ -366,123 +269,8 @@ class Receiver:
         self._thread.join(timeout)
         if self._replaced:  # the last receiver gives torch's SIGCHLD handler back
             self._replaced = False
-            _give_worker_deaths_back()
+            give_worker_deaths_back()
 
-
-@contextlib.contextmanager
-def unpinned_workers(workers: int) -> Iterator[None]:
-    """Silence DataLoader's warning that ``workers`` exceed this rank's cores: it counts the cores
-    the launcher pinned the rank to, but the workers may use every core (:func:`unpin_worker`).
-    More workers than the machine's cores still warn."""
-    with warnings.catch_warnings():
-        if workers <= (os.cpu_count() or 1):
-            warnings.filterwarnings("ignore", message="This DataLoader will create")
-        yield
-
-
-def unpin_worker(_worker_id: int = 0) -> None:
-    """In a data worker of a rank that pipetrain's launcher pinned to its own cores
-    (``PIPETRAIN_CPUS``): let the worker run on any core. Pinned beside its rank it competes with
-    that rank for one core and falls behind whenever the core is busy (benchmarks/RESULTS.md,
-    "Data path": the training thread waited 1.3-1.7 s per run for batches pinned, 0.08-0.35 s
-    unpinned). Under another launcher (torchrun, numactl) the affinity it was given stays."""
-    if os.environ.get("PIPETRAIN_CPUS"):
-        try:
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps it inside the cgroup's cpuset
-        except (OSError, AttributeError):
-            pass
-
-
-def drop_rank_sockets() -> int:
-    """In a data worker forked from a rank of a distributed run: close the rank's TCP sockets
-    (gloo's connections to its peers, its store clients), which the fork duplicated. The worker
-    never uses them, but while it holds them a peer of a rank that died sees no end of stream
-    until the worker notices its parent is gone (torch checks every 5 s): a killed rank that
-    reads data was noticed 4.8-4.9 s late. Each is replaced by /dev/null, so that its number is
-    not reused. Returns how many were dropped (0 outside a distributed rank, or without /proc)."""
-    import socket
-
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
-        return 0
-    dropped = 0
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        for fd in fds:
-            try:
-                if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                    continue
-                probe = socket.socket(fileno=fd)  # reads the family and type; detached below
-            except OSError:
-                continue
-            tcp = probe.family in (socket.AF_INET, socket.AF_INET6) and probe.type == socket.SOCK_STREAM
-            probe.detach()
-            if tcp:
-                os.dup2(null, fd)
-                dropped += 1
-    finally:
-        os.close(null)
-    return dropped
-
-
-#: Whether the last fork of this process came from its main thread, and the forking process's
-#: pid: read in a data worker (see :func:`die_with_rank`).
-_forked = {"main": False, "parent": 0}
-
-
-def _note_fork() -> None:
-    _forked["main"] = threading.current_thread() is threading.main_thread()
-    _forked["parent"] = os.getpid()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_note_fork)
-
-
-def die_with_rank() -> bool:
-    """In a data worker: end (SIGKILL) when the rank that forked it dies (PR_SET_PDEATHSIG,
-    Linux), instead of up to 5 s later when torch's check of its parent comes round: meanwhile an
-    orphaned worker held the rank's stderr, so that a command's pipe (``| tee log``) stayed open
-    after the run had ended. Only for a worker forked by the rank's main thread (the signal comes
-    when the forking *thread* ends, and the main thread ends with the rank). Returns whether set."""
-    if not _forked["main"]:
-        return False
-    try:
-        import ctypes
-
-        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != _forked["parent"]:  # the rank died before the prctl took effect
-        os._exit(1)
-    return True
-
-
-def settle_worker(worker_id: int = 0) -> None:
-    """A data worker's own settings: :func:`drop_rank_sockets`, :func:`die_with_rank`, then
-    :func:`unpin_worker`."""
-    drop_rank_sockets()
-    die_with_rank()
-    unpin_worker(worker_id)
-
-
-class Unpinned:
-    """A DataLoader ``worker_init_fn``: :func:`settle_worker` (the rank's sockets closed, any core),
-    then the loader's own (``then``)."""
-
-    def __init__(self, then: Callable[[int], Any] | None = None) -> None:
-        self.then = then
-
-    def __call__(self, worker_id: int) -> None:
-        settle_worker(worker_id)
-        if self.then is not None:
-            self.then(worker_id)
 
 
 class _GroupsOf:
@@ -526,8 +314,6 @@ class WorkerPrefetcher:
 
     def __init__(self, reads: Any, order: Sequence[int], *, workers: int, pin_memory: bool = False,
                  prefetch_factor: int = 2, keep: int = 16, group: int = 1) -> None:
-        from torch.utils.data import DataLoader
-
         if workers < 1 or group < 1:
             raise ValueError(f"WorkerPrefetcher needs at least one worker and a group of one, got {workers}, {group}")
         self._groups = _Groups(reads)
@@ -541,7 +327,7 @@ class WorkerPrefetcher:
         self._stream: Receiver | None = None
         self._arrived: list[Any] = []  # the rest of the group taken last, in order
         self._next = 0  # position in order of the next update the stream delivers
-        self._loader = DataLoader  # bound here so that a restart needs no import
+        self._loader = DataLoader  # what every (re)start of the stream builds
 
     def _start(self, position: int) -> None:
         self._stop()

@@ -33,11 +33,11 @@ from torch import Tensor
 from pipetrain.errors import ConfigError
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.schedule.ir import Kind, Schedule, halves
+from pipetrain.schedule.presets import ASYNCHRONOUS
 from pipetrain.stages.tied import TiedParameter, refuse_tied
 
 __all__ = ["TiedGradients", "gradient_of", "tied_sum"]
 
-_ASYNCHRONOUS = frozenset({"pipedream", "2bw", "pb"})
 _CHANGES_GRADIENT = frozenset({Kind.B, Kind.W, Kind.SYNC})
 
 
@@ -70,7 +70,7 @@ class TiedGradients:
     def __init__(self, tied: Sequence[TiedParameter], schedule: Schedule, grad_scales: Sequence[float] = ()) -> None:
         self.tied = [t for t in tied if t.trainable]
         name = schedule.name
-        if name in _ASYNCHRONOUS or schedule.policy != "flush":
+        if name in ASYNCHRONOUS or schedule.policy != "flush":
             refuse_tied(
                 self.tied,
                 f"the {name} schedule (version policy {schedule.policy}) keeps several weight versions per stage "

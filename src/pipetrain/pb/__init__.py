@@ -1,6 +1,7 @@
 """Pipelined Backpropagation: exact reference, fast batched engine, and the PB study."""
 
-from pipetrain.pb.engine import BatchedPB, NotBatchable
+from pipetrain.pb.engine import BatchedPB
+from pipetrain.pb.groups import NotBatchable
 from pipetrain.pb.latest import LatestWeights
 from pipetrain.pb.lowering import lower, register_lowering
 from pipetrain.pb.methods import Method, parse_method, parse_methods

@@ -23,7 +23,9 @@ from typing import Callable
 from torch import nn
 
 from pipetrain.models import BasicBlock, BlockHead, BlockTail, ResidualBlock, Shortcut
+from pipetrain.pb import block_kernels as blocks
 from pipetrain.pb import kernels as K
+from pipetrain.pb import layer_kernels as layers
 
 __all__ = ["LOWERINGS", "lower", "register_lowering"]
 
@@ -31,35 +33,35 @@ Lowering = Callable[[nn.Module], "K.Kernel | None"]
 
 
 def _linear(m: nn.Linear) -> K.Kernel:
-    return K.Linear(m.in_features, m.out_features, m.bias is not None)
+    return layers.Linear(m.in_features, m.out_features, m.bias is not None)
 
 
 def _group_norm(m: nn.GroupNorm) -> K.Kernel:
-    return K.GroupNorm(m.num_groups, m.num_channels, m.eps, m.affine)
+    return layers.GroupNorm(m.num_groups, m.num_channels, m.eps, m.affine)
 
 
 def _layer_norm(m: nn.LayerNorm) -> K.Kernel:
-    return K.LayerNorm(tuple(m.normalized_shape), m.eps, m.weight is not None, m.bias is not None)
+    return layers.LayerNorm(tuple(m.normalized_shape), m.eps, m.weight is not None, m.bias is not None)
 
 
 def _gelu(m: nn.GELU) -> K.Kernel:
-    return K.Activation("gelu", m.approximate)
+    return layers.Activation("gelu", m.approximate)
 
 
 def _conv2d(m: nn.Conv2d) -> K.Kernel | None:
     if m.padding_mode != "zeros" or isinstance(m.padding, str):
         return None
-    return K.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation,
+    return layers.Conv2d(m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation,
                     m.groups, m.bias is not None)
 
 
 def _pool(m: nn.AdaptiveAvgPool2d) -> K.Kernel | None:
     size = m.output_size
-    return K.GlobalAvgPool() if size in (1, (1, 1)) else None
+    return layers.GlobalAvgPool() if size in (1, (1, 1)) else None
 
 
 def _dropout(m: nn.Dropout) -> K.Kernel | None:
-    return K.Reshape("identity") if m.p == 0 or not m.training else None
+    return layers.Reshape("identity") if m.p == 0 or not m.training else None
 
 
 def _sequential(m: nn.Sequential) -> K.Kernel | None:
@@ -69,44 +71,44 @@ def _sequential(m: nn.Sequential) -> K.Kernel | None:
         if kernel is None:
             return None
         children.append((name, kernel))
-    return K.Chain(children)
+    return blocks.Chain(children)
 
 
 def _residual_block(m: ResidualBlock) -> K.Kernel | None:
     inner = [("norm", lower(m.norm)), ("fc1", lower(m.fc1)), ("act", lower(m.act)), ("fc2", lower(m.fc2))]
     if any(k is None for _, k in inner):
         return None
-    return K.Residual(K.Chain(inner))  # type: ignore[arg-type]
+    return blocks.Residual(blocks.Chain(inner))  # type: ignore[arg-type]
 
 
-def _shortcut(m: Shortcut) -> K.Shortcut:
-    return K.Shortcut(m.in_channels, m.out_channels, m.stride)
+def _shortcut(m: Shortcut) -> blocks.Shortcut:
+    return blocks.Shortcut(m.in_channels, m.out_channels, m.stride)
 
 
 def _basic_block(m: BasicBlock) -> K.Kernel | None:
-    inner = [("conv1", lower(m.conv1)), ("norm1", lower(m.norm1)), ("relu", K.Activation("relu")),
+    inner = [("conv1", lower(m.conv1)), ("norm1", lower(m.norm1)), ("relu", layers.Activation("relu")),
              ("conv2", lower(m.conv2)), ("norm2", lower(m.norm2))]
     if any(k is None for _, k in inner) or type(m.shortcut) is not Shortcut:
         return None
     short = m.shortcut
     shortcut = None if (short.stride, short.in_channels) == (1, short.out_channels) else _shortcut(short)
-    residual = K.Residual(K.Chain(inner), shortcut)  # type: ignore[arg-type]
-    return K.Chain([("", residual), ("out", K.Activation("relu"))])
+    residual = blocks.Residual(blocks.Chain(inner), shortcut)  # type: ignore[arg-type]
+    return blocks.Chain([("", residual), ("out", layers.Activation("relu"))])
 
 
 def _block_head(m: BlockHead) -> K.Kernel | None:
-    inner = [("conv1", lower(m.conv1)), ("norm1", lower(m.norm1)), ("relu", K.Activation("relu"))]
+    inner = [("conv1", lower(m.conv1)), ("norm1", lower(m.norm1)), ("relu", layers.Activation("relu"))]
     if any(k is None for _, k in inner) or type(m.shortcut) is not Shortcut:
         return None
-    return K.Fork(_shortcut(m.shortcut), K.Chain(inner))  # type: ignore[arg-type]
+    return blocks.Fork(_shortcut(m.shortcut), blocks.Chain(inner))  # type: ignore[arg-type]
 
 
 def _block_tail(m: BlockTail) -> K.Kernel | None:
     inner = [("conv2", lower(m.conv2)), ("norm2", lower(m.norm2))]
     if any(k is None for _, k in inner):
         return None
-    join = K.Join(K.Chain(inner), m.channels)  # type: ignore[arg-type]
-    return K.Chain([("", join), ("out", K.Activation("relu"))])
+    join = blocks.Join(blocks.Chain(inner), m.channels)  # type: ignore[arg-type]
+    return blocks.Chain([("", join), ("out", layers.Activation("relu"))])
 
 
 #: exact module type -> function returning its kernel (or None when the instance is not covered)
@@ -114,13 +116,13 @@ LOWERINGS: dict[type, Lowering] = {
     nn.Linear: _linear,
     nn.GroupNorm: _group_norm,
     nn.LayerNorm: _layer_norm,
-    nn.ReLU: lambda m: K.Activation("relu"),
+    nn.ReLU: lambda m: layers.Activation("relu"),
     nn.GELU: _gelu,
-    nn.Tanh: lambda m: K.Activation("tanh"),
-    nn.Sigmoid: lambda m: K.Activation("sigmoid"),
-    nn.Identity: lambda m: K.Reshape("identity"),
-    nn.Flatten: lambda m: K.Reshape("flatten", m.start_dim, m.end_dim),
-    nn.Unflatten: lambda m: K.Reshape("unflatten", start=m.dim, sizes=tuple(m.unflattened_size)),
+    nn.Tanh: lambda m: layers.Activation("tanh"),
+    nn.Sigmoid: lambda m: layers.Activation("sigmoid"),
+    nn.Identity: lambda m: layers.Reshape("identity"),
+    nn.Flatten: lambda m: layers.Reshape("flatten", m.start_dim, m.end_dim),
+    nn.Unflatten: lambda m: layers.Reshape("unflatten", start=m.dim, sizes=tuple(m.unflattened_size)),
     nn.Conv2d: _conv2d,
     nn.AdaptiveAvgPool2d: _pool,
     nn.Dropout: _dropout,

@@ -28,7 +28,8 @@ from pipetrain.data import BatchSampler, dataset_info, get_batch, load_dataset, 
 from pipetrain.errors import ConfigError, name_options, option
 from pipetrain.models import build_model, refuse_batchnorm
 from pipetrain.optim import EndDecayLR, build_stage_optimizers, translate_hyperparameters
-from pipetrain.pb.engine import BatchedPB, NotBatchable
+from pipetrain.pb.engine import BatchedPB
+from pipetrain.pb.groups import NotBatchable
 from pipetrain.pb.methods import Method
 from pipetrain.pb.reference import pb_sequential
 from pipetrain.schedule import pb_delays

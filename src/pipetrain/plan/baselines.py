@@ -19,10 +19,10 @@ import time
 import numpy as np
 
 from pipetrain.errors import ConfigError
+from pipetrain.plan.cost_model import COST_MODELS, data_parallel_time, stage_time, transfer_in, transfer_out
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.memory import check_schedule
-from pipetrain.plan.pipedream import (COST_MODELS, _stage_time, _transfer_in, _transfer_out,
-                                      attach_inputs_and_memory, data_parallel_time)
+from pipetrain.plan.pipedream import attach_inputs_and_memory
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.topology import Topology
@@ -95,11 +95,11 @@ def evaluate_straight(cuts: Cuts, bounds: list[int], topology: Topology, method:
     for s in range(count):
         lo, hi = bounds[s], bounds[s + 1]
         comp = float(compute[hi] - compute[lo])
-        t = float(_stage_time(cost_model, comp, float(params[hi] - params[lo]), 1, bandwidth))
-        tin = float(_transfer_in(cost_model, crossing[s], 1, bandwidth)) if s > 0 else 0.0
+        t = float(stage_time(cost_model, comp, float(params[hi] - params[lo]), 1, bandwidth))
+        tin = float(transfer_in(cost_model, crossing[s], 1, bandwidth)) if s > 0 else 0.0
         worst = max(t, tin)
         if s > 0:
-            worst = max(worst, float(_transfer_out(cost_model, crossing[s + 1], 1, bandwidth,
+            worst = max(worst, float(transfer_out(cost_model, crossing[s + 1], 1, bandwidth,
                                                    s == count - 1)))
         stages.append(Stage(layers=[cuts.nodes[i] for i in range(lo, hi)], replicas=1,
                             compute_s=comp, time_s=t,

@@ -28,7 +28,11 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError
+from pipetrain.execution.unit_timing import each_piece_alone
 from pipetrain.plan.profile import LayerProfile, Profile
+from pipetrain.stages import unit_pieces
+from pipetrain.stages.staged import call_stage
+from pipetrain.structure import flatten, map_values
 
 __all__ = ["profile_model", "profile_by_unit", "STATISTICS"]
 
@@ -315,7 +319,8 @@ def profile_by_unit(model: nn.Module, example: tuple[Any, torch.Tensor],
     """A profile of ``model`` by pipeline unit (the pieces an automatic split chooses between, see
     :func:`~pipetrain.stages.unit_names`), each unit materialised alone, measured and freed: how a
     model built on the meta device (:mod:`pipetrain.stages.materialize`, first values from
-    ``init`` under ``seed``) is profiled without ever holding it whole.
+    ``init`` under ``seed``) is profiled without ever holding it whole (one unit at a time, as
+    :func:`pipetrain.execution.unit_timing.each_piece_alone` gives them).
 
     First the forwards alone give every unit its input; then each unit runs ``warmup`` +
     ``iterations`` forwards and backwards on it (the last with ``loss_fn``, the others with the
@@ -323,11 +328,6 @@ def profile_by_unit(model: nn.Module, example: tuple[Any, torch.Tensor],
     ``activation_bytes`` are what it hands on (all values crossing to the next unit); the layers
     form a chain.
     """
-    from pipetrain.stages import unit_pieces
-    from pipetrain.stages.materialize import materialize
-    from pipetrain.stages.staged import call_stage
-    from pipetrain.structure import flatten, map_values
-
     if iterations < 1 or warmup < 0:
         raise ConfigError("iterations must be >= 1 and warmup >= 0")
     if statistic not in STATISTICS:
@@ -339,46 +339,34 @@ def profile_by_unit(model: nn.Module, example: tuple[Any, torch.Tensor],
     last = len(pieces) - 1
     given_bytes = sum(t.numel() * t.element_size() for t in flatten(inputs)[0] if isinstance(t, torch.Tensor))
     layers = [LayerProfile(name="input", kind="Input", activation_bytes=float(given_bytes), input=True)]
-    with torch.random.fork_rng(devices=[]):
-        values = [inputs]
-        for piece in pieces.stages[:-1]:  # every unit's input, from the forwards alone
-            made = materialize(model, piece, init, seed=seed)
-            try:
-                with torch.no_grad():
-                    values.append(call_stage(piece, values[-1]))
-            finally:
-                made.release()
-        for s, (name, piece) in enumerate(zip(names, pieces.stages)):
-            made = materialize(model, piece, init, seed=seed)
-            try:
-                params = [p for p in piece.parameters() if p.requires_grad]
-                forward, backward = [], []
-                for it in range(warmup + iterations):
-                    given = map_values(values[s], lambda t: t.detach().requires_grad_(t.is_floating_point()))
-                    start = clock()
-                    out = call_stage(piece, given)
-                    middle = clock()
-                    if s == last:
-                        loss = loss_fn(out, target)
-                    else:
-                        loss = sum(t.sum() for t in flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad)
-                    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                        loss.backward()
-                    end = clock()
-                    for p in params:
-                        p.grad = None
-                    if it >= warmup:
-                        forward.append(middle - start)
-                        backward.append(end - middle)
-                handed = 0 if s == last else sum(t.numel() * t.element_size() for t in flatten(values[s + 1])[0]
-                                                 if isinstance(t, torch.Tensor))
-                weights = sum(p.numel() * p.element_size() for p in piece.parameters())
-                layers.append(LayerProfile(name=name, kind=_unit_kind(model, name, piece), forward_s=summarise(forward),
-                                           backward_s=summarise(backward), activation_bytes=float(handed),
-                                           parameter_bytes=float(weights),
-                                           optimizer_bytes=float(weights * optimizer_states)))
-            finally:
-                made.release()
+    for s, piece, values in each_piece_alone(model, pieces, inputs, init, seed):
+        name = names[s]
+        params = [p for p in piece.parameters() if p.requires_grad]
+        forward, backward = [], []
+        for it in range(warmup + iterations):
+            given = map_values(values[s], lambda t: t.detach().requires_grad_(t.is_floating_point()))
+            start = clock()
+            out = call_stage(piece, given)
+            middle = clock()
+            if s == last:
+                loss = loss_fn(out, target)
+            else:
+                loss = sum(t.sum() for t in flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+            end = clock()
+            for p in params:
+                p.grad = None
+            if it >= warmup:
+                forward.append(middle - start)
+                backward.append(end - middle)
+        handed = 0 if s == last else sum(t.numel() * t.element_size() for t in flatten(values[s + 1])[0]
+                                         if isinstance(t, torch.Tensor))
+        weights = sum(p.numel() * p.element_size() for p in piece.parameters())
+        layers.append(LayerProfile(name=name, kind=_unit_kind(model, name, piece), forward_s=summarise(forward),
+                                   backward_s=summarise(backward), activation_bytes=float(handed),
+                                   parameter_bytes=float(weights),
+                                   optimizer_bytes=float(weights * optimizer_states)))
     first = next(iter(flatten(inputs)[0]), None)
     batch = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
     info = {"model": type(model).__name__, "device": "cpu", "iterations": iterations, "warmup": warmup,

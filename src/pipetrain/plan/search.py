@@ -38,8 +38,9 @@ from typing import Sequence
 from pipetrain.errors import PipetrainError, ScheduleError, option
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.baselines import block_partition, evaluate_straight
+from pipetrain.plan.cost_model import data_parallel_time
 from pipetrain.plan.memory import CHUNKED, SCHEDULES, SPLIT, check_schedule, chunks_of, format_bytes, order_memory
-from pipetrain.plan.pipedream import data_parallel_time, optimize
+from pipetrain.plan.pipedream import optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology

@@ -408,7 +408,7 @@ def _after(program, position: int):
 
 
 def _runtime_error(rank: int, action: Action, error: RuntimeError) -> PipetrainError:
-    from pipetrain.data.prefetch import lost_data_worker
+    from pipetrain.data.worker_deaths import lost_data_worker
 
     lost = lost_data_worker(error, rank)  # a fault, not bad input: the run may be restarted
     if lost is not None:

@@ -438,7 +438,7 @@ def _run_and_exit(run: Callable[[], None], rank: int) -> None:
             sys.stdout.flush()
             os._exit(code)
     except BaseException as error:
-        from pipetrain.data.prefetch import lost_data_worker
+        from pipetrain.data.worker_deaths import lost_data_worker
 
         lost = lost_data_worker(error, rank)  # torch raises it wherever the worker was when its data worker died
         if lost is not None:

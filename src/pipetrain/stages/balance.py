@@ -1,6 +1,6 @@
 """The units an automatic split chooses from, and the record of which stages were chosen and why.
 
-The timing itself runs the units as stage executors run them: :mod:`pipetrain.execution.balance`.
+The timing itself runs the units as stage executors run them: :mod:`pipetrain.execution.unit_timing`.
 
 Parameter counts say little about time: an attention layer's cost grows with the sequence and has
 no parameters, a classifier head to many classes is mostly parameters and little work. So an

@@ -414,7 +414,7 @@ def _cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, train_se
     split balanced time (None otherwise). ``costs``: unit times measured before (by the launcher,
     so that worker processes cut alike; or by the run being resumed), used instead of timing. A
     model built on meta is timed one unit at a time, each materialised with ``init`` and freed."""
-    from pipetrain.execution.balance import split_by_time
+    from pipetrain.execution.unit_timing import split_by_time
     from pipetrain.stages import StageChoice, split_model, unit_names
 
     trace = dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
@@ -482,7 +482,7 @@ def _measured_once(split: Callable[[], tuple], model: nn.Module, pieces: int, tr
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return split()
-    from pipetrain.execution.balance import split_by_time
+    from pipetrain.execution.unit_timing import split_by_time
 
     shared: list[Any] = [None]
     if dist.get_rank() == 0:

@@ -1,4 +1,4 @@
-"""Balancing stages by measured time: each unit timed as a stage executor runs it.
+"""Timing a model's pipeline units as a stage executor runs them, and balancing stages by those times.
 
 Parameter counts say little about time: an attention layer's cost grows with the sequence and has
 no parameters, a classifier head to many classes is mostly parameters and little work. So an
@@ -14,12 +14,15 @@ then minimises the slowest stage's summed cost (:func:`~pipetrain.stages.split_m
 Times vary from run to run, and so may the chosen cut: it is recorded
 (:class:`~pipetrain.stages.StageChoice`, printed and in the run's report) with the measurements,
 which reproduce it.
+
+A model built on the meta device is timed one unit at a time (:func:`each_piece_alone`, which
+:func:`pipetrain.plan.profiler.profile_by_unit` uses too).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,11 +31,13 @@ from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.stages.balance import (StageChoice, cost_order, cut_between_children, startable, unit_names,
                                       unit_pieces, unit_positions)
+from pipetrain.stages.materialize import has_meta, materialize
 from pipetrain.stages.points import largest_block, open_unit
 from pipetrain.stages.split import declared_units, split_model
-from pipetrain.stages.staged import StagedModel
+from pipetrain.stages.staged import StagedModel, call_stage
+from pipetrain.structure import flatten
 
-__all__ = ["measure_unit_costs", "split_by_time"]
+__all__ = ["measure_unit_costs", "split_by_time", "each_piece_alone"]
 
 
 def measure_unit_costs(
@@ -70,8 +75,6 @@ def measure_unit_costs(
     on meta; first forwards alone, to find every piece's input, then each piece's forward and
     backward on its input (with gradients of ones arriving for its outputs).
     """
-    from pipetrain.stages.materialize import has_meta
-
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"repeats must be a positive integer, got {repeats!r}")
     names, pieces = unit_pieces(model, stages, leaf_modules=leaf_modules, concrete_args=concrete_args, names=units)
@@ -125,42 +128,50 @@ def _measure_one_at_a_time(model: nn.Module, names: Sequence[str], pieces: Stage
                            target: torch.Tensor, loss_fn: Callable, init: Any, seed: int,
                            rounds: dict[str, Any]) -> dict[str, float]:
     """:func:`measure_unit_costs` of a model built on meta: one materialised piece at a time."""
-    from pipetrain.stages.materialize import materialize
-    from pipetrain.stages.staged import call_stage
-    from pipetrain.structure import flatten
-
     last = len(pieces) - 1
     samples = int(target.shape[0]) if isinstance(target, torch.Tensor) and target.dim() else 1
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     costs: dict[str, float] = {}
     try:
-        with torch.random.fork_rng(devices=[]):
-            values = [inputs]
-            for piece in pieces.stages[:-1]:  # every piece's input, from the forwards alone
-                made = materialize(model, piece, init, seed=seed)
-                try:
-                    with torch.no_grad():
-                        values.append(call_stage(piece, values[-1]))
-                finally:
-                    made.release()
-            for s, (name, piece) in enumerate(zip(names, pieces.stages)):
-                made = materialize(model, piece, init, seed=seed)
-                try:
-                    executor = StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)
+        for s, piece, values in each_piece_alone(model, pieces, inputs, init, seed):
+            executor = StageExecutor(s, piece, None, loss_fn=loss_fn if s == last else None)
 
-                    def round_trip(r: int, s: int = s, executor: StageExecutor = executor) -> None:
-                        out = executor.forward(r, 0, values[s], target=target if s == last else None, samples=samples)
-                        grads = None if s == last else tuple(
-                            torch.ones_like(t) if t.is_floating_point() else None for t in flatten(out)[0])
-                        executor.backward(r, 0, grads)
+            def round_trip(r: int, s: int = s, executor: StageExecutor = executor) -> None:
+                out = executor.forward(r, 0, values[s], target=target if s == last else None, samples=samples)
+                grads = None if s == last else tuple(
+                    torch.ones_like(t) if t.is_floating_point() else None for t in flatten(out)[0])
+                executor.backward(r, 0, grads)
 
-                    costs[name] = _fastest(round_trip, clock, **rounds)
-                    del executor
-                finally:
-                    made.release()
+            costs[names[s]] = _fastest(round_trip, clock, **rounds)
+            del executor
     except PipetrainError as error:
         raise ConfigError(f"cannot time the model's units to balance its stages: {error}") from None
     return costs
+
+
+def each_piece_alone(model: nn.Module, pieces: StagedModel, inputs: Any, init: Any,
+                     seed: int) -> Iterator[tuple[int, nn.Module, list[Any]]]:
+    """Each piece of a model built on meta, materialised alone (``init`` under ``seed``) while the
+    caller times it, then put back on meta: ``(s, piece, values)``, ``values[s]`` its input.
+
+    First the forwards alone give every piece its input (``values``, each piece materialised and
+    released in turn); all of it under a forked random state, so the caller's is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        values = [inputs]
+        for piece in pieces.stages[:-1]:  # every piece's input, from the forwards alone
+            made = materialize(model, piece, init, seed=seed)
+            try:
+                with torch.no_grad():
+                    values.append(call_stage(piece, values[-1]))
+            finally:
+                made.release()
+        for s, piece in enumerate(pieces.stages):
+            made = materialize(model, piece, init, seed=seed)
+            try:
+                yield s, piece, values
+            finally:
+                made.release()
 
 
 def _fastest(run: Callable[[int], Any], clock: Callable[[], float], *, repeats: int, warmup: int, budget: float,
