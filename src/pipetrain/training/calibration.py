@@ -62,21 +62,22 @@ def _measure_transport(device: str, sizes: tuple[int, ...] | None, optimizer: st
 
 
 def _worker(device: str, sizes: tuple[int, ...], optimizer: str, timeout: float, overhead: bool):
-    """One of the two calibration workers: the transport, then (``overhead``) the short training
-    run of :data:`OVERHEAD_RUN` in the same process group; rank 0 returns both."""
+    """One of the two calibration workers: (``overhead``) the short training run of
+    :data:`OVERHEAD_RUN`, first, so that its memory holds what a fresh worker adds on first use
+    (the transport's connections and buffers), then the transport in the same process group;
+    rank 0 returns both."""
     from pipetrain.runtime.calibrate import measure_transport
     from pipetrain.training.config import TrainConfig
     from pipetrain.training.distributed import worker
     from pipetrain.training.timelines import action_overhead
 
-    figures = measure_transport(device, sizes, optimizer, timeout)
     measured = None
     if overhead:
         result = worker(TrainConfig(**OVERHEAD_RUN, quiet=True, progress=False, seed=0, timeout=timeout))
-        if figures is None:
-            return None
-        measured = action_overhead(result.timeline), worker_bytes(result)
-    return figures, measured
+        if result is not None and result.timeline is not None:  # rank 0's
+            measured = action_overhead(result.timeline), worker_bytes(result)
+    figures = measure_transport(device, sizes, optimizer, timeout)
+    return None if figures is None else (figures, measured)
 
 
 def worker_bytes(result: Any) -> int | None:

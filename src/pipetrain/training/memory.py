@@ -54,27 +54,55 @@ def _rss_peak() -> int | None:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
+def _reset_rss_peak() -> bool:
+    """Start the kernel's high-water mark of this process's resident set again from its size now
+    (Linux 4.0 and later: ``/proc/self/clear_refs``); False where it cannot be reset."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return _rss_since_reset() is not None
+
+
+def _rss_since_reset() -> int | None:
+    """The high-water mark of the resident set (``VmHWM``), in bytes, or ``None``."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class MemoryProbe:
-    """Started before training on ``device``, read after it: this process's peak memory."""
+    """Started before training on ``device``, read after it: this process's peak memory during
+    training. On the CPU the kernel's high-water mark is reset at the start where Linux allows it
+    (else the process's lifetime peak, set-up's transient peak included, is all there is)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
+        self.since_start = False
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
         else:
             self.start = _rss_now()
+            self.since_start = _reset_rss_peak()
 
     def read(self) -> dict[str, Any]:
         """``{"measure", "device", "peak_bytes", "start_bytes"}``."""
         if self.device.type == "cuda":
             return {"measure": "cuda_max_memory_allocated", "device": str(self.device),
                     "peak_bytes": int(torch.cuda.max_memory_allocated(self.device)), "start_bytes": int(self.start)}
-        # Linux updates the high-water mark behind ru_maxrss lazily (when the set shrinks), so the
-        # set as it is now may stand above it: the peak is at least that
-        peaks = [value for value in (_rss_peak(), _rss_now()) if value is not None]
-        return {"measure": "peak_rss", "device": str(self.device), "peak_bytes": max(peaks) if peaks else None,
-                "start_bytes": self.start}
+        # Linux updates the high-water mark lazily (when the set shrinks), so the set as it is now
+        # may stand above it: the peak is at least that
+        peak = _rss_since_reset() if self.since_start else _rss_peak()
+        peaks = [value for value in (peak, _rss_now()) if value is not None]
+        return {"measure": "peak_rss" if self.since_start else "peak_rss_of_the_process",
+                "device": str(self.device), "peak_bytes": max(peaks) if peaks else None, "start_bytes": self.start}
 
 
 def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: bool) -> dict[str, Any]:
