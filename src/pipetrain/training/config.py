@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from pipetrain.errors import ConfigError, name_options
+from pipetrain.errors import ConfigError, PipetrainError, name_options
 from pipetrain.errors import option as option_name
+from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
+from pipetrain.schedule.costs import load_costs
 from pipetrain.training.options import (Flag, at_least, declared, entries_at_least, flag_of, int_list, key_values,
                                         keyword_of, name_list, one_of, option, whole_number)
 
@@ -29,11 +32,6 @@ def _init(args: argparse.Namespace) -> str | None:
 def _calibration(field: str, path: str) -> None:
     """A costs file that cannot be read, or is malformed, is refused before the run, naming the
     option and the field (its warning, if it was measured elsewhere, comes with the report)."""
-    import warnings
-
-    from pipetrain.errors import PipetrainError
-    from pipetrain.schedule.costs import load_costs
-
     if not isinstance(path, str):
         raise ConfigError(f"{option_name(field)} must be the path of a costs file, got {path!r}")
     try:
@@ -48,7 +46,6 @@ def _optimizer(args: argparse.Namespace) -> str:
     """``--optimizer``, translated by ``--translate-from-batch`` (docs/design.md 3.5)."""
     if not args.translate_from_batch:
         return args.optimizer
-    from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
 
     spec = parse_optimizer_spec(args.optimizer)
     if spec.name != "sgd":

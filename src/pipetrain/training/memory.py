@@ -16,10 +16,15 @@ inputs kept for recomputation) and weight versions alive at once, per stage.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Sequence
 
 import torch
+
+from pipetrain.schedule.memory import memory_by_rank
+from pipetrain.schedule.recompute import format_recompute
+from pipetrain.schedule.timeline import positions
 
 __all__ = ["MemoryProbe", "memory_report"]
 
@@ -31,7 +36,6 @@ def _rss_now() -> int | None:
             pages = int(handle.read().split()[1])
     except (OSError, ValueError, IndexError):
         return None
-    import os
 
     return pages * os.sysconf("SC_PAGE_SIZE")
 
@@ -39,7 +43,7 @@ def _rss_now() -> int | None:
 def _rss_peak() -> int | None:
     """The peak resident set size of this process so far, in bytes (``None`` where unknown)."""
     try:
-        import resource
+        import resource  # imported here: Unix only, tried where it is needed
     except ImportError:  # Windows
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -73,11 +77,6 @@ def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: boo
     """The report's ``memory`` object: per stage, the measured figures of the processes holding it
     (``measured[rank]``, or one figure for every stage when not ``per_rank``: the emulator) and
     the memory model's prediction."""
-    from pipetrain.schedule.memory import memory_by_rank
-    from pipetrain.schedule.timeline import positions
-
-    from pipetrain.schedule.recompute import format_recompute
-
     schedule = run.schedule
     recompute = frozenset(getattr(run, "recompute", ()))
     model = memory_by_rank(schedule, recompute=recompute)
