@@ -138,7 +138,7 @@ class Pipeline:
                                                       values.pop("lr_schedule"), values["compensation"])
         config = TrainConfig(
             **values, model=describe_model(model), data="", optimizer=spec, lr_schedule=lr_schedule, dtype=None,
-            progress=sys.stderr.isatty(), init=_describe_init(init),
+            progress=sys.stderr.isatty(), init=init,
         )
 
         check_config(config, specs=False)  # each option's own check, as fit() makes them again: here, at once
@@ -178,7 +178,7 @@ class Pipeline:
 
         self._parts = RunParts(model=model, train_set=None, test_set=None,
                                loss_fn=loss_fn or loss_for(unsplit), optimizer=factory, staged=self.staged,
-                               stage_choice=StageChoice.of(self.staged, how, unit_names_of(unsplit)), init=init,
+                               stage_choice=StageChoice.of(self.staged, how, unit_names_of(unsplit)),
                                schedule_choice=choice)
         self._session: Any = None
         self._run: Any = None
@@ -442,15 +442,6 @@ def _check_loss_fn(loss_fn: Any) -> None:
         f"loss_fn must be called as loss_fn(output, target), returning the mean loss: pass a callable such as "
         f"torch.nn.MSELoss() or a function, not {type(loss_fn).__name__} {repr(loss_fn)[:40]}"
     )
-
-
-def _describe_init(init: Any) -> str | None:
-    """The configuration's words for ``init`` (a function is described by its name)."""
-    if init is None or isinstance(init, str):
-        return init
-    if callable(init):
-        return f"function {getattr(init, '__qualname__', type(init).__name__)}"
-    return str(init)
 
 
 def _dataset(data: Any, what: str):

@@ -24,7 +24,7 @@ def plot_loss_curves(reports: Mapping[str, Mapping[str, Any]], path: str, title:
     import matplotlib  # imported here: an optional dependency, needed only for a plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for label, report in reports.items():

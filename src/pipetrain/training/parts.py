@@ -41,9 +41,8 @@ class RunParts:
     ``stage_choice``: how ``staged`` was chosen (a :class:`~pipetrain.stages.StageChoice`, for the
     run's heading and report; default: "the caller's cut").
     ``train_set`` may also be a ``DataLoader``: its batches are the updates
-    (:class:`~pipetrain.data.LoaderBatches`). ``init``: how each rank gives the stages of a model
-    built on the meta device their first values (``"reset"``, a function ``(module, name)`` or a
-    weights directory, :mod:`pipetrain.stages.materialize`), or ``None`` for the configuration's.
+    (:class:`~pipetrain.data.LoaderBatches`). How each rank gives the stages of a model built on
+    the meta device their first values is the configuration's ``init``.
     """
 
     model: nn.Module | Sequence[nn.Module]
@@ -55,7 +54,6 @@ class RunParts:
     stage_choice: Any = None
     data_note: str = ""  # where the held-out data came from (pipetrain.data.load_data), for the report
     schedule_choice: Any = None  # pipetrain.plan.choose.AutoChoice: how schedule="auto" chose (Pipeline's choice)
-    init: Any = None
 
 
 def parts_from_config(config: TrainConfig) -> RunParts:

@@ -106,7 +106,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
         raise ConfigError(f"{option('precision', config.precision)} autocasts a float32 model (its master weights), "
                           f"not a {str(dtype).replace('torch.', '')} one: use a float32 model or "
                           f"{option('precision', 'fp32')}")
-    init, meta = _initialiser(model, parts.init if parts.init is not None else config.init)
+    init, meta = _initialiser(model, config.init)  # resolved here, once: the Init every stage materialises with
     choice = parts.schedule_choice
     if auto:
         config, choice, stage_costs = choose_auto(config, model, stages, units, train_set, dtype, parts.loss_fn, init,

@@ -198,7 +198,7 @@ def _check_plan(config: TrainConfig) -> None:
 def _check_init(config: TrainConfig) -> None:
     """``--init-from DIR`` names a weights directory (its index is read once PyTorch is there)."""
     path = config.init
-    if not path or path == "reset" or path.startswith("function "):
+    if not isinstance(path, str) or not path or path == "reset":  # a function is the Python API's own
         return
     if os.path.isfile(path) and path.endswith(".safetensors"):
         return
