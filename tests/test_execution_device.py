@@ -21,7 +21,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refus
 
 
 def test_the_names_known_without_pytorch_are_those_of_the_set_up():
-    from pipetrain.training.setup import AUTOCAST
+    from pipetrain.training.run import AUTOCAST
     from pipetrain.training.validate import DEVICES as checked, PRECISIONS
 
     assert checked == DEVICES and tuple(AUTOCAST) == PRECISIONS

@@ -133,3 +133,65 @@ def test_the_readme_draws_these_layers():
         names = row.split("  ")[0].split(",")
         drawn.append({name.strip().removesuffix("/").removesuffix(".py") for name in names})
     assert drawn == [layer - {"__init__", "__main__"} for layer in LAYERS]
+
+
+#: the modules whose imports all stand at the top (training/ and the Python API); the other packages
+#: follow as their hoisting lands
+HOISTED = ("pipetrain.training", "pipetrain.pipeline")
+
+
+def _hoisted(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in HOISTED)
+
+
+def test_no_module_level_import_cycle():
+    """No two modules of :data:`HOISTED` import each other at module level, through any chain."""
+    top, _ = imports_by_place()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in top[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1 and any(_hoisted(m) for m in component):
+                cycles.append(sorted(component))
+
+    for module in sorted(top):
+        if module not in index:
+            visit(module)
+    assert not cycles, "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_imports_inside_functions_say_why():
+    """In :data:`HOISTED` (but the package face, which loads the set-up on first use), an import inside
+    a function is deliberate: an optional or platform dependency, or PyTorch kept out of the checks
+    that run before it; a comment on its line says so."""
+    unexplained = []
+    for module, path in MODULES.items():
+        if not _hoisted(module) or path.name == "__init__.py":
+            continue
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for function in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        text = lines[node.lineno - 1]
+                        before = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+                        if "#" not in text and not before.startswith("#"):
+                            unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text.strip()}")
+    assert not unexplained, "\n".join(unexplained)

@@ -20,7 +20,7 @@ from pipetrain.execution.unit_timing import measure_unit_costs, split_by_time
 from pipetrain.stages import StageChoice, split_model, unit_names
 from pipetrain.training import TrainConfig
 from pipetrain.training.setup import prepare
-from pipetrain.training.train import write_outputs
+from pipetrain.training.files import write_outputs
 
 WIDTH = 128
 

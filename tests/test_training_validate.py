@@ -17,7 +17,7 @@ def test_the_names_known_without_pytorch_are_those_of_the_registries():
     from pipetrain.data import DATASETS
     from pipetrain.execution.nonfinite import NONFINITE as executor_modes
     from pipetrain.models import MODELS
-    from pipetrain.training.setup import BALANCE_BY as setup_balance_by
+    from pipetrain.training.cutting import BALANCE_BY as setup_balance_by
     from pipetrain.training.setup import EXECUTORS as setup_executors
 
     assert BALANCE_BY == setup_balance_by

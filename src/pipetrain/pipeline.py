@@ -20,6 +20,8 @@ model, and only the rank of stage 0 reads data. See docs/api.md.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import os
 import sys
 from typing import Any, Callable, Iterable, Sequence
 
@@ -27,11 +29,27 @@ import torch
 from torch import Tensor, nn
 
 from pipetrain.errors import ArgumentError, ConfigError, option
+from pipetrain.models.loss import loss_for
+from pipetrain.optim import build_stage_optimizer, parse_compensation
+from pipetrain.optim.torch_optim import SchedulerLR, TorchOptimizer, as_spec, is_torch_optimizer
+from pipetrain.plan.choose import choose_schedule, is_auto, parse_auto
+from pipetrain.runtime.launch import detect
+from pipetrain.schedule import resolve_name
+from pipetrain.schedule.presets import chunks_per_rank
+from pipetrain.stages import StageChoice, split_model, unit_names, unit_pieces
+from pipetrain.training import distributed
 from pipetrain.training.api_types import checked_value
 from pipetrain.training.config import TrainConfig
+from pipetrain.training.cutting import check_auto, unit_names_of
 from pipetrain.training.options import api_signature, api_values
+from pipetrain.training.outputs import HeldOut
 from pipetrain.training.parts import OptimizerFactory, RunParts, describe_data, describe_model
 from pipetrain.training.result import TrainResult
+from pipetrain.training.scheduling import ranks_of_balance, resolved_microbatches
+from pipetrain.training.setup import apply_plan, prepare
+from pipetrain.training.stepping import DistributedSession, EmulatedSession
+from pipetrain.training.train import train
+from pipetrain.training.validate import check_config, check_optimizer_specs
 
 __all__ = ["Pipeline"]
 
@@ -110,13 +128,6 @@ class Pipeline:
     ) -> None:
         """``options``: the keywords declared ``api="pipeline"`` in
         :class:`~pipetrain.training.config.TrainConfig` (the signature lists them)."""
-        from pipetrain.models.loss import loss_for
-        from pipetrain.plan.choose import is_auto
-        from pipetrain.schedule import resolve_name
-        from pipetrain.schedule.presets import chunks_per_rank
-        from pipetrain.stages import split_model
-        from pipetrain.training.setup import apply_plan, ranks_of_balance
-
         _check_model(model)
         _check_loss_fn(loss_fn)
         values = api_values(TrainConfig, "pipeline", options, "Pipeline()")
@@ -127,9 +138,8 @@ class Pipeline:
                                                       values.pop("lr_schedule"), values["compensation"])
         config = TrainConfig(
             **values, model=describe_model(model), data="", optimizer=spec, lr_schedule=lr_schedule, dtype=None,
-            progress=sys.stderr.isatty(), init=_describe_init(init),
+            progress=sys.stderr.isatty(), init=init,
         )
-        from pipetrain.training.validate import check_config, check_optimizer_specs
 
         check_config(config, specs=False)  # each option's own check, as fit() makes them again: here, at once
         config = apply_plan(config)  # after the check, which refuses stages beside a plan (the plan's own too)
@@ -142,11 +152,12 @@ class Pipeline:
         if self.schedule_name == "zb-auto" and config.microbatches is None:
             raise ConfigError(f"zb-auto chooses its order (and whether each rank holds two chunks) for a number of "
                               f"microbatches: give {option('microbatches')}")
+        units = resolved_microbatches(config, self.schedule_name)
         if config.stages is None and config.balance and not config.replicas:
-            ranks = ranks_of_balance(config, self.schedule_name, len(config.balance))
+            ranks = ranks_of_balance(config, self.schedule_name, len(config.balance), units)
         else:
             ranks = config.stages or 2
-        pieces_per_rank = chunks_per_rank(self.schedule_name, ranks, config.microbatches or 1, config.chunks)
+        pieces_per_rank = chunks_per_rank(self.schedule_name, ranks, units, config.chunks)
         if isinstance(model, (list, tuple)):
             self.staged = split_model(list(model))
             how = "stage modules"
@@ -164,12 +175,10 @@ class Pipeline:
             config, stages=len(self.staged.stages) // pieces_per_rank, balance=None, split_at=None, plan=None
         )
         unsplit = nn.Sequential(*model) if isinstance(model, (list, tuple)) else model
-        from pipetrain.stages import StageChoice
-        from pipetrain.training.setup import _names
 
         self._parts = RunParts(model=model, train_set=None, test_set=None,
                                loss_fn=loss_fn or loss_for(unsplit), optimizer=factory, staged=self.staged,
-                               stage_choice=StageChoice.of(self.staged, how, _names(unsplit)), init=init,
+                               stage_choice=StageChoice.of(self.staged, how, unit_names_of(unsplit)),
                                schedule_choice=choice)
         self._session: Any = None
         self._run: Any = None
@@ -190,8 +199,6 @@ class Pipeline:
     @property
     def rank(self) -> int:
         """This process's rank in a distributed run (0 on the emulator and before one starts)."""
-        import os
-
         return int(os.environ.get("RANK", "0")) if self.executor == "distributed" else 0
 
     @property
@@ -247,8 +254,6 @@ class Pipeline:
         continues a finished asynchronous run for more ``steps`` or ``epochs`` (``--extend``): its
         pipeline drains where it ended, so the result is not the uninterrupted longer run.
         """
-        from pipetrain.training.train import train
-
         self._refuse_during_session("fit")
         values = api_values(TrainConfig, "fit", options, "fit()")
         eval_data, batch_size, progress = values.pop("test_data"), values.pop("batch_size"), values.pop("progress")
@@ -280,11 +285,6 @@ class Pipeline:
         Distributed, outside torchrun, this starts the script once per worker and exits with
         their status when they are done (every worker runs the whole script, this call included).
         """
-        from pipetrain.runtime.launch import detect
-        from pipetrain.training import distributed
-        from pipetrain.training.setup import prepare
-        from pipetrain.training.stepping import DistributedSession, EmulatedSession
-
         self._refuse_during_session("start")
         steps = checked_value("steps", "steps", steps, "int", "start()")
         batch_size = checked_value("batch_size", "batch_size", batch_size, "int", "start()")
@@ -318,8 +318,6 @@ class Pipeline:
         """Loss and accuracy of the current weights on ``data`` (a ``Dataset`` or a list of
         ``(x, y)`` batches), between two steps. Every rank of a distributed run calls it (only
         stage 0's reads ``data``), and every rank gets the metrics, once the last stage has them."""
-        from pipetrain.training.outputs import HeldOut
-
         session = self._active("evaluate")
         held = HeldOut.of(data, batch_size or max(self._run.layout.batch_size, 64), self._run.dtype)
         if self.executor == "emulate":
@@ -371,8 +369,6 @@ class Pipeline:
 def _signatures() -> None:
     """The keywords of ``Pipeline(...)`` and ``fit(...)`` as their signatures show them: those
     declared in :class:`~pipetrain.training.config.TrainConfig`, after the ones of their own."""
-    import inspect
-
     def own(function) -> list[inspect.Parameter]:
         return [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
 
@@ -400,11 +396,7 @@ def _choose_auto(config: TrainConfig, model: Any, leaf_modules: Any, concrete_ar
     """``(config naming the chosen schedule, AutoChoice)`` for ``schedule="auto"``: the schedule
     that simulates fastest over ``stages`` ranks (:mod:`pipetrain.plan.choose`), each unit priced by
     its parameter count, as the Pipeline cuts the model (here, before any data to time it on)."""
-    from pipetrain.plan.choose import choose_schedule, parse_auto
-    from pipetrain.stages import unit_names, unit_pieces
-    from pipetrain.training.setup import _check_auto
-
-    _check_auto(config)
+    check_auto(config)
     if isinstance(model, (list, tuple)):
         raise ConfigError(f"{option('schedule', config.schedule)} cuts the model for the schedule it chooses: give "
                           f"the model as one module, not a list of stages, or name a schedule")
@@ -452,15 +444,6 @@ def _check_loss_fn(loss_fn: Any) -> None:
     )
 
 
-def _describe_init(init: Any) -> str | None:
-    """The configuration's words for ``init`` (a function is described by its name)."""
-    if init is None or isinstance(init, str):
-        return init
-    if callable(init):
-        return f"function {getattr(init, '__qualname__', type(init).__name__)}"
-    return str(init)
-
-
 def _dataset(data: Any, what: str):
     """The map-style data set of ``data`` (a ``DataLoader``'s own, for evaluation)."""
     if isinstance(data, torch.utils.data.DataLoader):
@@ -476,8 +459,6 @@ def _optimizer_parts(
     """``(spec text, lr-schedule spec, factory)`` for the run: a spec string wherever pipetrain's own
     optimizer computes the same (so runs and checkpoints describe it in words), a factory where a
     torch optimizer or scheduler object must be built on each rank."""
-    from pipetrain.optim.torch_optim import SchedulerLR, TorchOptimizer, as_spec, is_torch_optimizer
-
     if options is not None and not is_torch_optimizer(optimizer):
         raise ConfigError("optimizer_options go with a torch.optim class (optimizer=torch.optim.SGD); "
                           "a spec string carries its own options (sgd:lr=0.1,momentum=0.9)")
@@ -509,8 +490,6 @@ def _optimizer_parts(
             return optimizer, schedule_spec, None
 
         def build(stage: int, delay: int):
-            from pipetrain.optim import build_stage_optimizer
-
             built = build_stage_optimizer(optimizer, stage_delay=delay, compensation=compensation or "none")
             built.lr_schedule = SchedulerLR(scheduler, built)
             return built
@@ -519,7 +498,6 @@ def _optimizer_parts(
     if callable(optimizer):
         if lr_scheduler is not None:
             raise ConfigError("an optimizer factory builds each stage's optimizer itself: give it its lr schedule")
-        from pipetrain.optim import parse_compensation
 
         # sc, dlr, dts, dtsf and dtt live only in the optimizer the factory builds (lwp also has the forward predict)
         unused = sorted(parse_compensation(compensation or "none") - {"lwp"})

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from pipetrain.models import build_model
     from pipetrain.plan.profile_files import save_profile
     from pipetrain.plan.profiler import profile_model
+    from pipetrain.training.config import init_flags
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     dataset = load_dataset(args.data)
     info = dataset_info(dataset)
-    meta = args.init == "meta" or (args.init is None and args.init_from is not None)
+    meta, first_values = init_flags(args.init, args.init_from)  # as `pipetrain train` reads them
     model = build_model(args.model, input_shape=info.input_shape, num_classes=info.num_classes,
                         seed=args.seed, meta=meta)
     count = len(dataset)
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
         if args.device != "cpu":
             raise ConfigError("--init meta profiles on the CPU (each unit materialised there): drop --device")
-        profile = profile_by_unit(model, batch, loss_for(model), init=resolve_init(args.init_from or "reset"),
+        profile = profile_by_unit(model, batch, loss_for(model), init=resolve_init(first_values),
                                   seed=args.seed, iterations=args.iterations, warmup=args.warmup,
                                   optimizer_states=args.optimizer_states, statistic=args.statistic, meta=described)
     else:

@@ -55,7 +55,7 @@ from pipetrain.schedule.pipedream import pipedream, two_bw
 from pipetrain.schedule.versions import POLICIES, assign_versions
 from pipetrain.schedule.vshape import V_SCHEDULES, v_schedule
 
-__all__ = ["SCHEDULES", "ASYNCHRONOUS", "LOOPED", "V_SHAPED", "build", "order", "resolve_name", "estimated_seconds",
+__all__ = ["SCHEDULES", "ASYNCHRONOUS", "LOOPED", "V_SHAPED", "build", "build_updates", "order", "resolve_name", "estimated_seconds",
            "LIMIT_SECONDS", "check_chunks", "chunks_per_rank"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw", "pb", "zb-h2", "zb-v", "v-half", "v-min",
@@ -157,6 +157,19 @@ def _check_size(name: str, stages: int, microbatches: int, steps: int, chunks: i
         + (f", or {most_microbatches:,} microbatches with {stages:,} stages"
            if most_microbatches else "")
         + f": lower {option('stages')} or {option('microbatches')}")
+
+
+def build_updates(name: str, stages: int, units_per_update: int, updates: int, *, chunks: int = 1,
+                  replicas: Sequence[int] | None = None, policy: str | None = None, pattern: bool = False) -> Schedule:
+    """The schedule of ``updates`` optimizer updates of ``units_per_update`` microbatches each: the
+    two numbers mean the same for every schedule (a training run's). :func:`build` counts otherwise
+    for pipedream and pb, which have no steps: all their units in ``microbatches``, an update every
+    ``update_every`` of them."""
+    if resolve_name(name) in ("pipedream", "pb"):
+        return build(name, stages, updates * units_per_update, replicas=replicas, policy=policy,
+                     update_every=units_per_update, pattern=pattern)
+    return build(name, stages, units_per_update, steps=updates, chunks=chunks, replicas=replicas, policy=policy,
+                 pattern=pattern)
 
 
 def _largest(fits: Callable[[int], bool], guess: int) -> int:

@@ -17,7 +17,18 @@ import math
 import statistics
 from typing import Any
 
+import torch
+
 from pipetrain.errors import ConfigError
+from pipetrain.runtime.calibrate import SIZES, measure_step, measure_transport
+from pipetrain.runtime.errors import LaunchError
+from pipetrain.runtime.launch import launch
+from pipetrain.schedule.costs import machine_facts
+from pipetrain.training.config import TrainConfig
+from pipetrain.training.distributed import train_distributed, worker
+from pipetrain.training.emulated import train_emulated
+from pipetrain.training.setup import prepare
+from pipetrain.training.timelines import action_overhead
 
 __all__ = ["OVERHEAD_RUN", "calibrate", "measure_overhead", "worker_bytes"]
 
@@ -30,8 +41,6 @@ def calibrate(device: str = "cpu", ranks: int = 2, optimizer: str = "sgd:lr=0.01
               sizes: tuple[int, ...] | None = None, timeout: float = 120.0) -> tuple[dict, Any]:
     """The costs file's object, and the transport's figures (None with one rank). ``ranks`` 2 on a
     machine with fewer GPUs than that (``device="cuda"``) falls back to one rank, saying why."""
-    import torch
-
     why = "asked for"
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -48,9 +57,6 @@ def calibrate(device: str = "cpu", ranks: int = 2, optimizer: str = "sgd:lr=0.01
 def _measure_transport(device: str, sizes: tuple[int, ...] | None, optimizer: str, timeout: float):
     """The transport's figures and :func:`measure_overhead`'s, from one start of two workers (on
     a GPU the overhead's run, over gloo as training's runtime sends, is started on its own)."""
-    from pipetrain.runtime.calibrate import SIZES
-    from pipetrain.runtime.errors import LaunchError
-    from pipetrain.runtime.launch import launch
 
     cuda = device == "cuda"
     result = launch(_worker, (device, tuple(sizes or SIZES), optimizer, timeout, not cuda),
@@ -66,10 +72,6 @@ def _worker(device: str, sizes: tuple[int, ...], optimizer: str, timeout: float,
     :data:`OVERHEAD_RUN`, first, so that its memory holds what a fresh worker adds on first use
     (the transport's connections and buffers), then the transport in the same process group;
     rank 0 returns both."""
-    from pipetrain.runtime.calibrate import measure_transport
-    from pipetrain.training.config import TrainConfig
-    from pipetrain.training.distributed import worker
-    from pipetrain.training.timelines import action_overhead
 
     measured = None
     if overhead:
@@ -93,13 +95,10 @@ def measure_overhead(device: str = "cpu", distributed: bool = True) -> tuple[flo
     """The interpreter's time per action, from a short run of :data:`OVERHEAD_RUN` on the runtime
     (``distributed``) or the emulator: the median gap between consecutive actions; and the memory a
     worker adds whatever the model (:func:`worker_bytes`)."""
-    from pipetrain.training.config import TrainConfig
-    from pipetrain.training.timelines import action_overhead
-    from pipetrain.training.train import train
 
     config = TrainConfig(**OVERHEAD_RUN, executor="distributed" if distributed else "emulate", device=device,
                          quiet=True, progress=False, seed=0)
-    result = train(config)
+    result = train_distributed(config) if distributed else train_emulated(prepare(config))
     if result is None or result.timeline is None:
         raise ConfigError("the calibration's short training run returned no timeline")
     return action_overhead(result.timeline), worker_bytes(result)
@@ -109,8 +108,6 @@ def _costs_file(device: str, optimizer: str, figures: Any, worker: tuple[float, 
                 one_rank: str | None) -> dict:
     """The JSON object: scalar costs (seconds, bytes) and where they were measured; ``worker``: the
     interpreter's time per action and a worker's own memory (:func:`measure_overhead`)."""
-    from pipetrain.runtime.calibrate import measure_step
-    from pipetrain.schedule.costs import machine_facts
 
     data: dict = {}
     if figures is not None:

@@ -19,10 +19,22 @@ import itertools
 import math
 from typing import Any
 
-from pipetrain.errors import ConfigError, option, written
+import torch.distributed as dist
+
+from pipetrain.errors import ConfigError, PipetrainError, option, written
+from pipetrain.runtime.checkpoint import (Checkpoint, check_step_dir, find_latest, open_checkpoint, prune, resolve,
+                                          save_distributed)
+from pipetrain.runtime.errors import PeerLostError
+from pipetrain.runtime.lock import DirectoryLock
+from pipetrain.runtime.status import env_store
+from pipetrain.schedule.cuts import split_counts
+from pipetrain.training.config import TrainConfig
+from pipetrain.training.outputs import say
+from pipetrain.training.recut import layout_of, rank_file, recut_needed, recut_state
+from pipetrain.training.run import Run
 
 __all__ = ["Checkpoints", "Resumed", "DEFAULT_KEEP", "DEFAULT_CHECKPOINTS", "checkpoint_period", "rank_file", "chain",
-           "claim_directory"]
+           "claim_directory", "resumed_checkpoint"]
 
 #: Complete checkpoints kept by default (``--keep``).
 DEFAULT_KEEP = 2
@@ -32,12 +44,7 @@ DEFAULT_CHECKPOINTS = 10
 _runs = itertools.count()  # runs of this process: every rank counts the same runs in the same order
 
 
-def rank_file(rank: int) -> str:
-    """The file of a rank's state in a checkpoint: ``rank-3.pt``."""
-    return f"rank-{rank}.pt"
-
-
-def checkpoint_period(run) -> int:
+def checkpoint_period(run: Run) -> int:
     """The updates between two checkpoints: ``--checkpoint-every``, or by default a tenth of the run
     (:data:`DEFAULT_CHECKPOINTS`), moved up to the next period whose pauses do not split an update
     that the replicas of a stage make together. 0 without ``--checkpoint-dir``."""
@@ -48,8 +55,6 @@ def checkpoint_period(run) -> int:
         return config.checkpoint_every
     period = max(1, math.ceil(run.updates / DEFAULT_CHECKPOINTS))
     if any(len(ranks) > 1 for ranks in run.schedule.stage_ranks):
-        from pipetrain.schedule.cuts import split_counts
-
         units = run.layout.units_per_update
         split = split_counts(run.schedule)
         while period < run.updates and any(step * units in split for step in range(period, run.updates, period)):
@@ -57,20 +62,16 @@ def checkpoint_period(run) -> int:
     return period
 
 
-def claim_directory(config, run: str | None = None):
+def claim_directory(config: TrainConfig, run: str | None = None) -> DirectoryLock | None:
     """Take the lock of ``--checkpoint-dir`` for this run (:mod:`pipetrain.runtime.lock`), or
     refuse with one line naming the run that holds it; None without a checkpoint directory.
     ``run``: the run's identity (default: this process's, see
     :func:`~pipetrain.runtime.lock.run_identity`). Says so when it takes over a stale lock."""
     if not config.checkpoint_dir:
         return None
-    from pipetrain.runtime.lock import DirectoryLock
-
     lock = DirectoryLock(config.checkpoint_dir, run)
     note = lock.acquire()
     if note and not config.quiet:
-        from pipetrain.training.outputs import say
-
         say(note)
     return lock
 
@@ -101,8 +102,6 @@ class Checkpoints:
             self.meta["stage_costs"] = run.stage_costs
         if run.drains:  # an extended run's (--extend): where its pipeline drained, checked apart
             self.meta["drains"] = list(run.drains)
-        from pipetrain.training.recut import layout_of
-
         self.layout = layout_of(run)  # what another cut needs to resume a synchronous run (training.recut)
 
     # -- where the run starts ----------------------------------------------------------------------
@@ -123,9 +122,6 @@ class Checkpoints:
             raise path
         if path is None:
             return None
-        from pipetrain.runtime.checkpoint import open_checkpoint
-        from pipetrain.training.recut import recut_needed, recut_state
-
         checkpoint = open_checkpoint(path, verify=False)  # rank 0 verified it; load verifies this rank's file again
         if recut_needed(checkpoint.meta, self.meta, _compared(self.meta), self.run, where=f"checkpoint {checkpoint.path}"):
             state = recut_state(checkpoint, self.run, self.rank)  # a synchronous run on another cut
@@ -138,9 +134,6 @@ class Checkpoints:
         checkpoint that is missing or damaged, one written by a different run, one past this
         run's end (the workers choose again when they start: after a restart, a newer one); and
         a symbolic link where the run would write a checkpoint."""
-        from pipetrain.runtime.checkpoint import check_step_dir, open_checkpoint
-        from pipetrain.training.recut import recut_needed
-
         path = self._choose(say=False)
         if isinstance(path, BaseException):
             raise path
@@ -161,8 +154,6 @@ class Checkpoints:
     def _claim_and_choose(self) -> str | None | BaseException:
         """Rank 0: the directory's lock first (a second run is refused before it reads anything),
         then :meth:`_choose`."""
-        from pipetrain.errors import PipetrainError
-
         try:
             self._lock = claim_directory(self.run.config)
         except PipetrainError as error:
@@ -172,9 +163,6 @@ class Checkpoints:
     def _choose(self, say: bool = True) -> str | None | BaseException:
         """Rank 0: the path of the checkpoint to resume (None: afresh), or the error that refuses
         the resume (handed to every rank); ``say``: print which."""
-        from pipetrain.errors import PipetrainError
-        from pipetrain.runtime.checkpoint import find_latest, resolve
-
         tell = self._say if say else (lambda text: None)
         if not self.run.config.resume and not self.directory:
             return None
@@ -229,8 +217,6 @@ class Checkpoints:
 
     def _say(self, text: str) -> None:
         if not self.run.config.quiet:
-            from pipetrain.training.outputs import say
-
             say(text)
 
     # -- where the run checkpoints -------------------------------------------------------------
@@ -254,9 +240,6 @@ class Checkpoints:
 
     def _saver(self, runner, step: int):
         def save() -> None:
-            from pipetrain.runtime.checkpoint import prune, save_distributed
-            from pipetrain.runtime.status import env_store
-
             if self._store is None:  # one store client for the whole run
                 self._store = env_store(self.run.config.timeout)
             path = save_distributed(
@@ -281,10 +264,6 @@ def _compared(meta: dict) -> list[str]:
 
 def _broadcast(value: Any) -> Any:
     """Rank 0's ``value`` on every rank."""
-    import torch.distributed as dist
-
-    from pipetrain.runtime.errors import PeerLostError
-
     box = [value]
     try:
         dist.broadcast_object_list(box, src=0)
@@ -302,3 +281,19 @@ def chain(first, second):
         second()
 
     return call
+
+
+def resumed_checkpoint(config: TrainConfig) -> Checkpoint | None:
+    """The checkpoint the run will resume (None: afresh, or none usable), read before the run is
+    built: the named checkpoint, or the newest one in ``--checkpoint-dir`` (which a run with that
+    option alone resumes). The runtime chooses again, and reports, when it resumes."""
+    if not config.resume and not config.checkpoint_dir:
+        return None
+    try:
+        if isinstance(config.resume, str):
+            return resolve(config.resume)
+        if config.resume:
+            return resolve(config.checkpoint_dir or "")
+        return find_latest(config.checkpoint_dir, verify=False, skipped=[])  # the runtime warns
+    except Exception:  # noqa: BLE001 - no usable checkpoint: the runtime reports it when it resumes
+        return None

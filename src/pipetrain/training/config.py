@@ -6,34 +6,39 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from pipetrain.errors import ConfigError, name_options
+from pipetrain.errors import ConfigError, PipetrainError, name_options
 from pipetrain.errors import option as option_name
+from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
+from pipetrain.schedule.costs import load_costs
 from pipetrain.training.options import (Flag, at_least, declared, entries_at_least, flag_of, int_list, key_values,
                                         keyword_of, name_list, one_of, option, whole_number)
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "init_flags"]
+
+
+def init_flags(init: str | None, init_from: str | None) -> tuple[bool, str | None]:
+    """``--init`` and ``--init-from`` read together (`pipetrain train` and `pipetrain profile`):
+    whether the model is built on the meta device (``--init meta``, or ``--init-from`` without
+    ``--init eager``), and its first values: the weights directory, ``"reset"`` on meta, else None."""
+    meta = init == "meta" or (init is None and init_from is not None)
+    return meta, init_from or ("reset" if meta else None)
 
 
 def _meta(args: argparse.Namespace) -> bool:
-    """Whether the model is built on the meta device: ``--init meta``, or ``--init-from`` without ``--init eager``."""
-    return args.init == "meta" or (args.init is None and args.init_from is not None)
+    return init_flags(args.init, args.init_from)[0]
 
 
 def _init(args: argparse.Namespace) -> str | None:
-    return args.init_from or ("reset" if _meta(args) else None)
+    return init_flags(args.init, args.init_from)[1]
 
 
 def _calibration(field: str, path: str) -> None:
     """A costs file that cannot be read, or is malformed, is refused before the run, naming the
     option and the field (its warning, if it was measured elsewhere, comes with the report)."""
-    import warnings
-
-    from pipetrain.errors import PipetrainError
-    from pipetrain.schedule.costs import load_costs
-
     if not isinstance(path, str):
         raise ConfigError(f"{option_name(field)} must be the path of a costs file, got {path!r}")
     try:
@@ -48,7 +53,6 @@ def _optimizer(args: argparse.Namespace) -> str:
     """``--optimizer``, translated by ``--translate-from-batch`` (docs/design.md 3.5)."""
     if not args.translate_from_batch:
         return args.optimizer
-    from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
 
     spec = parse_optimizer_spec(args.optimizer)
     if spec.name != "sgd":
@@ -114,10 +118,10 @@ class TrainConfig:
                     "materialises only its own stages, initialised by each module's reset_parameters() under "
                     "--seed, or from --init-from (default: eager, unless --init-from is given)",
                     {"choices": ["eager", "meta"], "default": None}),))
-    init: str | None = option(
+    init: str | Callable[[Any, str], Any] | None = option(
         None, group=_DATA, from_cli=_init, api="pipeline", api_type="str | Callable[[nn.Module, str], Any] | None",
         help="first values of a model built on meta: \"reset\", a weights directory (--init-from), or the "
-             "description of the Python API's init function; None: the model's own values",
+             "Python API's init function (module, name); None: the model's own values",
         flags=(Flag("--init-from", "start from the weights in DIR (written by --save DIR, or a HuggingFace "
                     "save_pretrained directory): each worker reads only its stages' tensors; implies --init meta "
                     "unless --init eager (default: none)", {"metavar": "DIR"}),))

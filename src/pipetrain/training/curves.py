@@ -21,10 +21,10 @@ def _smooth(values: list[float], window: int) -> list[float]:
 def plot_loss_curves(reports: Mapping[str, Mapping[str, Any]], path: str, title: str, *, window: int = 20) -> None:
     """Training loss (running mean of ``window`` updates) and held-out loss of each report
     (``--report-json`` content) against updates (left) and wall time (right)."""
-    import matplotlib
+    import matplotlib  # imported here: an optional dependency, needed only for a plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for label, report in reports.items():

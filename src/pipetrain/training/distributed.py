@@ -22,16 +22,43 @@ start every worker again (torchrun's own ``--max-restarts`` under torchrun), and
 from __future__ import annotations
 
 import contextlib
+import gc
+import hashlib
 import os
+import signal
 import sys
 import time
 from dataclasses import replace
 from typing import Any, Iterator
 
+import torch
+import torch.distributed as dist
+
 from pipetrain.errors import ConfigError, PipetrainError, option
+from pipetrain.execution.losses import UnitLosses
+from pipetrain.execution.timing import measured_timeline
+from pipetrain.models.metrics import Metrics
+from pipetrain.paths import is_weights_dir
 from pipetrain.runtime.errors import collective
+from pipetrain.runtime.executor import RankRunner, sync_groups
+from pipetrain.runtime.launch import detect, init_distributed, launch, launch_script
+from pipetrain.runtime.liveness import Liveness, new_prefix
+from pipetrain.runtime.lock import RUN_ID, new_run_identity
+from pipetrain.runtime.p2p import Messenger
+from pipetrain.runtime.share import broadcast_from, gather_to
+from pipetrain.runtime.status import StatusBoard
+from pipetrain.schedule.ir import Kind, halves
+from pipetrain.schedule.pattern import pattern_of
+from pipetrain.stages.tied import check_tied_copies
+from pipetrain.training.checkpoints import Checkpoints, chain, claim_directory
+from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.config import TrainConfig
-from pipetrain.training.result import TrainResult, loss_scale_report, scale_payload
+from pipetrain.training.files import write_outputs
+from pipetrain.training.memory import MemoryProbe, memory_report
+from pipetrain.training.outputs import (Progress, UpdateLosses, commit_rank_shard, describe_run, discard_rank_shard,
+                                        eval_batches, evaluation_line, say, write_rank_shard, write_weights_index)
+from pipetrain.training.result import TrainResult, loss_scale_report, result_of, scale_payload
+from pipetrain.training.setup import prepare
 
 __all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", "RankSetup", "WorkersFailed",
            "refuse_restarts_here"]
@@ -40,10 +67,6 @@ __all__ = ["train_distributed", "worker", "join", "run_worker", "spawn_script", 
 def train_distributed(config: TrainConfig) -> TrainResult | None:
     """Train the command line's configuration: as a worker if a launcher set the environment,
     else spawn the workers (each builds the run from the configuration's specs)."""
-    from pipetrain.runtime.launch import detect, launch
-    from pipetrain.training.checkpoints import Checkpoints
-    from pipetrain.training.setup import prepare
-
     if detect() is not None:
         refuse_restarts_here(config)
         return worker(config)
@@ -51,8 +74,6 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
         run = prepare(replace(config, progress=False))  # checks the configuration before spawning
         Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
         if not config.quiet:
-            from pipetrain.training.outputs import describe_run, say
-
             say(describe_run(run))
         workers = run.schedule.num_ranks
         result = launch(worker, (config, run.stage_costs),  # the workers cut as measured here
@@ -66,14 +87,9 @@ def train_distributed(config: TrainConfig) -> TrainResult | None:
 def spawn_script(run) -> None:
     """Start the user's script once per rank of ``run`` (already prepared here, so a bad
     configuration fails before any worker starts), wait for them, and exit with their status."""
-    from pipetrain.runtime.launch import launch_script
-    from pipetrain.training.checkpoints import Checkpoints
-
     with _directory_held(run.config) as env:
         Checkpoints(run, 0, run.schedule.num_ranks).check()  # a resume every worker would refuse: refused here
         if not run.config.quiet:
-            from pipetrain.training.outputs import describe_run, say
-
             say(describe_run(run))
         result = launch_script(run.schedule.num_ranks, threads_per_worker=run.config.threads_per_worker,
                                restarts=run.config.max_restarts, env=env, silence=run.config.timeout)
@@ -87,9 +103,6 @@ def _directory_held(config: TrainConfig) -> Iterator[dict[str, str]]:
     """The launcher holds ``--checkpoint-dir``'s lock for the whole run, every restart included,
     and names the run to its workers (the environment to give them), whose rank 0 then finds
     the lock held for its own run."""
-    from pipetrain.runtime.lock import RUN_ID, new_run_identity
-    from pipetrain.training.checkpoints import claim_directory
-
     run = new_run_identity()
     lock = claim_directory(config, run)
     try:
@@ -101,8 +114,6 @@ def _directory_held(config: TrainConfig) -> Iterator[dict[str, str]]:
 
 def refuse_restarts_here(config: TrainConfig) -> None:
     """``max_restarts`` restarts the workers pipetrain starts; torchrun's are torchrun's to restart."""
-    from pipetrain.runtime.launch import detect
-
     env = detect()
     if config.max_restarts and env is not None and env.launcher != "pipetrain":
         raise ConfigError(
@@ -126,8 +137,6 @@ class WorkersFailed(PipetrainError):
 def worker(config: TrainConfig, stage_costs: dict[str, float] | None = None) -> TrainResult | None:
     """One worker's whole run of the command line's configuration; rank 0 returns the result.
     ``stage_costs``: the unit times the launcher measured, so that every worker cuts as it did."""
-    from pipetrain.training.setup import prepare
-
     env = join(config)
     return run_worker(prepare(config, stage_costs=stage_costs), env)
 
@@ -135,10 +144,6 @@ def worker(config: TrainConfig, stage_costs: dict[str, float] | None = None) -> 
 def join(config: TrainConfig):
     """Join the run's process group from the environment (torchrun's, or a pipetrain launcher's)
     and set this worker's threads; returns the :class:`~pipetrain.runtime.launch.DistEnv`."""
-    import torch
-
-    from pipetrain.runtime.launch import init_distributed
-
     env = init_distributed("gloo", timeout=config.timeout)
     if "PIPETRAIN_THREADS" not in os.environ:
         torch.set_num_threads(config.threads_per_worker)
@@ -151,11 +156,6 @@ class RankSetup:
     (:func:`run_worker`) and runs fed one batch at a time (:mod:`pipetrain.training.stepping`)."""
 
     def __init__(self, run, env, data=None, start: int = 0) -> None:
-        from pipetrain.runtime.executor import RankRunner, sync_groups
-        from pipetrain.runtime.liveness import Liveness, new_prefix
-        from pipetrain.runtime.p2p import Messenger
-        from pipetrain.runtime.status import StatusBoard
-
         schedule = run.schedule
         if env.world_size != schedule.num_ranks:
             raise ConfigError(
@@ -214,12 +214,6 @@ class RankSetup:
     def save_weights(self) -> None:
         """``--save DIR``: every rank writes the shard of its own stages, then rank 0 the index
         (a failure on any rank stops every rank with its message)."""
-        import torch.distributed as dist
-
-        from pipetrain.training.outputs import (
-            commit_rank_shard, discard_rank_shard, write_rank_shard, write_weights_index,
-        )
-
         world, written = self.env.world_size, []
 
         def write() -> Any:
@@ -260,8 +254,6 @@ class RankSetup:
         """Every rank's payload to rank 0, which assembles the run's result (and writes its
         outputs); every rank returns it (the others without the measured timeline). ``resumed``:
         the step the run resumed from (the updates before it were not timed here)."""
-        from pipetrain.runtime.share import broadcast_from, gather_to
-
         gathered = collective("gathering the results", lambda: gather_to(payload, dst=0))
         result = _assemble(self.run, gathered, resumed) if self.rank == 0 else None
         self.arrive("rank 0's outputs")  # rank 0 writes them (a whole model, perhaps) while the others wait
@@ -275,8 +267,6 @@ class RankSetup:
         now, while the process group lives: left to the end of the process, torch.distributed
         objects of earlier runs destroyed during interpreter shutdown aborted a worker of a
         script that trained several times ("terminate called without an active exception")."""
-        import gc
-
         self.close()
         self.runner = self.messenger = self.liveness = None
         gc.collect()
@@ -285,8 +275,6 @@ class RankSetup:
 def run_worker(run, env, callbacks: Any = None) -> TrainResult:
     """This rank's part of the whole ``run`` (see the module docstring); every rank returns the
     run's result, rank 0's with the measured timeline."""
-    from pipetrain.training.checkpoints import Checkpoints
-
     checkpoints = Checkpoints(run, env.rank, env.world_size, callbacks)
     try:
         return _run_rank(run, env, checkpoints, callbacks)
@@ -295,17 +283,9 @@ def run_worker(run, env, callbacks: Any = None) -> TrainResult:
 
 
 def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
-    import torch.distributed as dist
-
-    from pipetrain.training.checkpoints import chain
-    from pipetrain.training.collector import setup_heap_frozen
-    from pipetrain.models.metrics import Metrics
-    from pipetrain.training.outputs import eval_batches
-
     config = run.config
     rank = env.rank
     if rank == 0 and env.launcher != "pipetrain" and not config.quiet:  # torchrun: no launcher said it
-        from pipetrain.training.outputs import describe_run, say
 
         say(describe_run(run))
     if config.resume or config.checkpoint_dir:  # each rank reads its own file: one refused, all refuse
@@ -339,8 +319,6 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
             if metrics is not None and reports:  # (every rank has them)
                 evaluations.append({"step": step, **metrics})
                 if config.eval_every and not config.quiet:
-                    from pipetrain.training.outputs import evaluation_line, say
-
                     say(evaluation_line(evaluations[-1], run.updates), progress.progress if progress else None)
                 if callbacks is not None:
                     callbacks.evaluation(step, metrics)
@@ -354,7 +332,6 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
         hooks[position] = hook if position not in hooks else chain(hook, hooks[position])
     _inject_fault(rank, hooks, env.restart)
     progress = _progress(run, config, callbacks)
-    from pipetrain.training.memory import MemoryProbe
 
     probe = MemoryProbe(next(iter(setup.executors.values())).device)
     try:
@@ -373,7 +350,6 @@ def _run_rank(run, env, checkpoints, callbacks: Any = None) -> TrainResult:
             evaluate_at(run.updates)()
         setup.arrive("the end of training")
         collective("the final barrier", dist.barrier)
-        from pipetrain.paths import is_weights_dir
 
         if config.save and is_weights_dir(config.save):
             setup.save_weights()
@@ -387,8 +363,6 @@ def _together(what: str, call, world_size: int, arrive=None) -> Any:
     them, every rank raises the first (by rank) instead of leaving the others to wait for it until
     the timeout. ``arrive(what)`` (:meth:`RankSetup.arrive`), when given, waits for every rank to
     be done with ``call``, for as long as it takes them."""
-    import torch.distributed as dist
-
     error = value = None
     try:
         value = call()
@@ -414,8 +388,6 @@ def _inject_fault(rank: int, hooks: dict, restart: int = 0) -> None:
         return
     target, _, position = spec.partition(":")
     if int(target) == rank:
-        import signal
-
         hooks[int(position)] = lambda: os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -429,7 +401,6 @@ def _progress(run, config, callbacks=None):
     shows = config.progress and run.schedule.rank_of(last, 0) == rank
     if not shows and callbacks is None:
         return None
-    from pipetrain.training.outputs import Progress, UpdateLosses
 
     bar = Progress(run.updates, shows, f"{run.schedule.name} ({run.schedule.num_ranks} workers)")
     return UpdateLosses(run, bar, rank=rank, on_update=None if callbacks is None else callbacks.update)
@@ -438,9 +409,6 @@ def _progress(run, config, callbacks=None):
 def _updates_read(schedule, rank: int, layout) -> list[int]:
     """The updates whose batches ``rank`` reads (its forwards of stage 0), each once, in the order
     of their first read."""
-    from pipetrain.schedule.ir import Kind, halves
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None:  # a long schedule: every update or every r-th, if its sample reads them so
         sample = _updates_read(pattern.sample, rank, layout)
@@ -463,10 +431,6 @@ def _rank() -> int:
 
 def _digest(params) -> str:
     """A hash of a stage's parameter bytes: replicas must end bitwise identical."""
-    import hashlib
-
-    import torch
-
     h = hashlib.sha256()
     for name in sorted(params):
         h.update(name.encode())
@@ -486,16 +450,9 @@ def _check_replicas(run, gathered: list[dict]) -> None:
 
 def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     """Rank 0: the run's result from every rank's payload; writes the outputs."""
-    from pipetrain.execution.timing import measured_timeline
-    from pipetrain.training.outputs import UpdateLosses
-    from pipetrain.training.result import result_of
-    from pipetrain.training.train import write_outputs
-
     _check_replicas(run, gathered)
-    from pipetrain.stages.tied import check_tied_copies
 
     check_tied_copies(run.staged.tied, {s: state for p in gathered for s, state in p["states"].items()})
-    from pipetrain.execution.losses import UnitLosses
 
     losses = UnitLosses()
     states = {}
@@ -520,7 +477,6 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
                 scales.setdefault(stage, {})[run.schedule.replica_of(p["rank"], stage)] = value
         result.extra["loss_scale"] = loss_scale_report(
             [[scales[stage][r] for r in sorted(scales[stage])] for stage in range(run.num_stages)])
-    from pipetrain.training.memory import memory_report
 
     if all("memory" in p for p in gathered):
         result.extra["memory"] = memory_report(run, [p["memory"] for p in gathered], per_rank=True)

@@ -10,9 +10,9 @@ from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.timing import measured_timeline
 from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.evaluate import evaluate_chain
+from pipetrain.training.memory import MemoryProbe, memory_report
 from pipetrain.training.outputs import Progress, UpdateLosses, describe_run, eval_batches, evaluation_line, say
-from pipetrain.training.result import TrainResult, result_of
-from pipetrain.training.result import loss_scale_report, scale_payload
+from pipetrain.training.result import TrainResult, loss_scale_report, result_of, scale_payload
 from pipetrain.training.setup import Run
 
 __all__ = ["train_emulated", "emulated_result", "chain_forward"]
@@ -58,7 +58,6 @@ def train_emulated(run: Run, callbacks: Any = None) -> TrainResult:
 
     steps = run.evaluation_steps() if len(held_out) else []
     cuts = [(c.positions, evaluate_at(s)) for s, c in zip(steps, run.cuts_after(steps))]
-    from pipetrain.training.memory import MemoryProbe
 
     probe = MemoryProbe(first_replicas[0].device)
     with setup_heap_frozen():
@@ -81,8 +80,6 @@ def emulated_result(run: Run, emulator: Emulator, executors: list[list[StageExec
                     seconds: float, evaluations: list[dict[str, float]], measured: Any) -> TrainResult:
     """The result of an emulated run (by ``fit`` or by the per-step entry): timeline, skipped
     updates, fp16's loss scales and memory beside the losses."""
-    from pipetrain.training.memory import memory_report
-
     schedule = run.schedule
     timeline = measured_timeline(schedule, [t.payload() for t in emulator.times])
     result = result_of(run, "emulate", losses, seconds, timeline, evaluations)

@@ -24,10 +24,18 @@ data loader's batches; on the CPU also what the interpreter and libraries alloca
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Sequence
 
 import torch
+
+from pipetrain.schedule.memory import StageSizes, bytes_by_rank, memory_by_rank
+from pipetrain.schedule.recompute import format_recompute
+from pipetrain.schedule.timeline import positions
+from pipetrain.training.prediction import load_calibration
+from pipetrain.training.run import Run
+from pipetrain.training.shapes import microbatch_bytes
 
 __all__ = ["MemoryProbe", "memory_report", "predicted_bytes"]
 
@@ -39,7 +47,6 @@ def _rss_now() -> int | None:
             pages = int(handle.read().split()[1])
     except (OSError, ValueError, IndexError):
         return None
-    import os
 
     return pages * os.sysconf("SC_PAGE_SIZE")
 
@@ -47,7 +54,7 @@ def _rss_now() -> int | None:
 def _rss_peak() -> int | None:
     """The peak resident set size of this process so far, in bytes (``None`` where unknown)."""
     try:
-        import resource
+        import resource  # imported here: Unix only, tried where it is needed
     except ImportError:  # Windows
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -109,11 +116,6 @@ def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: boo
     """The report's ``memory`` object: per stage, the measured figures of the processes holding it
     (``measured[rank]``, or one figure for every stage when not ``per_rank``: the emulator) and
     the memory model's prediction."""
-    from pipetrain.schedule.memory import memory_by_rank
-    from pipetrain.schedule.timeline import positions
-
-    from pipetrain.schedule.recompute import format_recompute
-
     schedule = run.schedule
     recompute = frozenset(getattr(run, "recompute", ()))
     model = memory_by_rank(schedule, recompute=recompute)
@@ -160,21 +162,16 @@ def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: boo
     return out
 
 
-def _worker_bytes(run: Any) -> int:
+def _worker_bytes(run: Run) -> int:
     """The calibration's ``worker_bytes`` (0 without one)."""
-    from pipetrain.training.prediction import load_calibration
-
     calibration = load_calibration(getattr(run.config, "costs_file", None))
     return int(calibration.worker_bytes) if calibration is not None else 0
 
 
-def predicted_bytes(run: Any, recompute: frozenset[int] = frozenset()) -> list[dict[str, int]] | None:
+def predicted_bytes(run: Run, recompute: frozenset[int] = frozenset()) -> list[dict[str, int]] | None:
     """Per rank, :func:`pipetrain.schedule.bytes_by_rank` of the run's schedule with its stages'
     sizes (trainable parameters, the optimizer's state slots, a microbatch's held bytes); None
     where a microbatch cannot be sized (see :func:`~pipetrain.training.shapes.microbatch_bytes`)."""
-    from pipetrain.schedule.memory import StageSizes, bytes_by_rank
-    from pipetrain.training.shapes import microbatch_bytes
-
     stages = run.staged.stages
     if len(stages) != run.schedule.num_stages:
         return None

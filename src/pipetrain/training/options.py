@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipetrain.errors import ArgumentError, ConfigError
 from pipetrain.errors import option as option_name
+from pipetrain.spec import parse_value
 from pipetrain.training.api_types import checked_value
 
 __all__ = ["Flag", "Option", "option", "declared", "flag_of", "keyword_of", "api_values", "api_signature",
@@ -143,8 +146,6 @@ def api_values(config_type: type, stage: str, given: dict[str, Any], caller: str
     keyword, or a value outside the type the signature shows, is an
     :class:`~pipetrain.errors.ArgumentError` (a ConfigError and a TypeError, as Python's own),
     an unknown keyword naming the closest one."""
-    import difflib
-
     keywords = _keywords(config_type, stage)
     known = {keyword for keyword, _, _ in keywords}
     for name in given:
@@ -165,8 +166,6 @@ def api_values(config_type: type, stage: str, given: dict[str, Any], caller: str
 def api_signature(config_type: type, stage: str, head: list, returns: Any, tail: list | None = None):
     """The :class:`inspect.Signature` of a function taking ``head``'s parameters, the keywords of
     ``stage`` and ``tail``'s: what ``help()`` and editors show of the keywords taken as ``**options``."""
-    import inspect
-
     declared_keywords = [
         inspect.Parameter(keyword, inspect.Parameter.KEYWORD_ONLY, default=_api_default(field, declaration),
                           annotation=declaration.api_type or field.type)
@@ -232,8 +231,6 @@ def name_list(text: str) -> list[str]:
 
 def key_values(text: str) -> dict:
     """``k=v,...`` with values parsed as in specs (true/false/none, numbers, else strings)."""
-    from pipetrain.spec import parse_value
-
     options = {}
     for item in (part for part in text.split(",") if part.strip()):
         key, eq, value = item.partition("=")

@@ -10,9 +10,14 @@ from typing import Any
 
 import torch
 
+from pipetrain.data import data_seed, get_batch, seeded
 from pipetrain.errors import PipetrainError, option
+from pipetrain.paths import is_safetensors_file
+from pipetrain.runtime.checkpoint import CheckpointError, open_checkpoint, save_torch_file, step_dir
 from pipetrain.structure import cast_floating
-from pipetrain.training.setup import Run
+from pipetrain.training.run import Run
+from pipetrain.weights import (INDEX, commit_shards, discard_shards, model_config_json, shard_name, write_index,
+                               write_shard)
 
 __all__ = ["HeldOut", "eval_batches", "save_state_dict", "Progress", "UpdateLosses", "say", "describe_run",
            "evaluation_line", "metrics_text", "weight_writers", "rank_weights", "write_rank_shard", "commit_rank_shard",
@@ -42,8 +47,6 @@ class HeldOut:
         return self.total if self.batches is not None else -(-self.total // self.size)
 
     def __getitem__(self, index: int) -> tuple[Any, torch.Tensor]:
-        from pipetrain.data import data_seed, get_batch, seeded
-
         if not 0 <= index < len(self):
             raise IndexError(index)
         if self.batches is not None:
@@ -66,13 +69,8 @@ def save_state_dict(state: dict[str, torch.Tensor], path: str) -> None:
     stored once, under its first, as ``save_pretrained`` does) to a temporary name, then rename: a
     crash never leaves a half-written file, and a failed write (a full disk) leaves no temporary
     and raises its ``OSError``."""
-    from pipetrain.paths import is_safetensors_file
-    from pipetrain.runtime.checkpoint import save_torch_file
-
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if is_safetensors_file(path):
-        from pipetrain.weights import write_shard
-
         write_shard(os.path.dirname(os.path.abspath(path)), os.path.basename(path), state)
         return
     cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}  # loads on any machine
@@ -112,8 +110,6 @@ def write_rank_shard(run: Run, rank: int, modules: Any) -> dict[str, Any] | None
     name until :func:`commit_rank_shard`: its record, or ``None`` for a rank that runs only further
     replicas. A write that fails (a full disk) is one line naming the file and where the trained
     weights are kept; nothing of the shard is left."""
-    from pipetrain.weights import shard_name, write_shard
-
     writers = weight_writers(run)
     if rank not in writers:
         return None
@@ -126,8 +122,6 @@ def write_rank_shard(run: Run, rank: int, modules: Any) -> dict[str, Any] | None
 
 def commit_rank_shard(run: Run, record: dict[str, Any] | None) -> None:
     """Rename ``rank``'s written shard into place: once every writer has written its own."""
-    from pipetrain.weights import commit_shards
-
     if record is not None:
         try:
             commit_shards(run.config.save, [record])
@@ -138,15 +132,11 @@ def commit_rank_shard(run: Run, record: dict[str, Any] | None) -> None:
 
 def discard_rank_shard(run: Run, record: dict[str, Any] | None) -> None:
     """Remove ``rank``'s written shard: another writer failed, so this save leaves nothing."""
-    from pipetrain.weights import discard_shards
-
     discard_shards(run.config.save, [record])
 
 
 def write_weights_index(run: Run, records: list[dict[str, Any] | None]) -> None:
     """The commit of ``--save DIR``: the index of every shard (and a HuggingFace model's config)."""
-    from pipetrain.weights import INDEX, model_config_json, write_index
-
     written = [r for r in records if r is not None]
     try:
         write_index(run.config.save, written, model_config_json(run.model))
@@ -184,8 +174,6 @@ def weights_kept(config: Any, updates: int) -> str:
     """Where the trained weights are when --save cannot be written: the run's last checkpoint
     (step ``updates``), when it has one."""
     if config.executor == "distributed" and config.checkpoint_dir:
-        from pipetrain.runtime.checkpoint import CheckpointError, open_checkpoint, step_dir
-
         last = step_dir(config.checkpoint_dir, updates)
         try:
             open_checkpoint(last, verify=False)
@@ -243,7 +231,7 @@ class Progress:
     def __init__(self, total: int, enabled: bool, description: str) -> None:
         self.bar = None
         if enabled:
-            from tqdm import tqdm
+            from tqdm import tqdm  # imported here: only a run that shows its progress needs it
 
             self.bar = tqdm(total=total, desc=description, unit="step", dynamic_ncols=True, leave=True)
         self.samples = 0

@@ -8,6 +8,7 @@ set-up, executors and outputs, is the same code for both.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -15,6 +16,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from pipetrain.data import load_data
+from pipetrain.models import build_model
+from pipetrain.models.loss import loss_for
 from pipetrain.training.config import TrainConfig
 
 __all__ = ["RunParts", "OptimizerFactory", "parts_from_config", "describe_model", "describe_data"]
@@ -37,9 +41,8 @@ class RunParts:
     ``stage_choice``: how ``staged`` was chosen (a :class:`~pipetrain.stages.StageChoice`, for the
     run's heading and report; default: "the caller's cut").
     ``train_set`` may also be a ``DataLoader``: its batches are the updates
-    (:class:`~pipetrain.data.LoaderBatches`). ``init``: how each rank gives the stages of a model
-    built on the meta device their first values (``"reset"``, a function ``(module, name)`` or a
-    weights directory, :mod:`pipetrain.stages.materialize`), or ``None`` for the configuration's.
+    (:class:`~pipetrain.data.LoaderBatches`). How each rank gives the stages of a model built on
+    the meta device their first values is the configuration's ``init``.
     """
 
     model: nn.Module | Sequence[nn.Module]
@@ -51,17 +54,12 @@ class RunParts:
     stage_choice: Any = None
     data_note: str = ""  # where the held-out data came from (pipetrain.data.load_data), for the report
     schedule_choice: Any = None  # pipetrain.plan.choose.AutoChoice: how schedule="auto" chose (Pipeline's choice)
-    init: Any = None
 
 
 def parts_from_config(config: TrainConfig) -> RunParts:
     """The parts named by the command line's specs: ``--data``/``--test-data``/``--holdout``
     loaded (:func:`pipetrain.data.load_data`), ``--model`` built for the data's input shape and
     class count (initialised under ``--seed``, or on the meta device with ``--init meta``), its loss."""
-    from pipetrain.data import load_data
-    from pipetrain.models import build_model
-    from pipetrain.models.loss import loss_for
-
     train_set, test_set, info, note = load_data(config.data, config.test_data, config.holdout)
     model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed,
                         meta=config.meta)
@@ -73,7 +71,6 @@ def describe_model(model: nn.Module | Sequence[nn.Module]) -> str:
     and the shapes of its parameters (a checkpoint of another model is then refused)."""
     modules = list(model) if isinstance(model, (list, tuple)) else [model]
     shapes = [tuple(p.shape) for m in modules for p in m.parameters()]
-    import hashlib
 
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:12]
     name = "+".join(type(m).__qualname__ for m in modules) if len(modules) < 4 else f"{len(modules)} stages"

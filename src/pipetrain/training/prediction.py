@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from pipetrain.schedule.costs import Costs, load_costs
 from pipetrain.schedule.timeline import Timeline, simulate
+from pipetrain.training.shapes import stage_output_bytes
 from pipetrain.training.timelines import measured_costs, seconds_per_update, update_ends
 
 __all__ = ["calibrated_costs", "simulation_costs", "load_calibration", "prediction"]
@@ -49,8 +50,6 @@ def _parameter_bytes(run: Any) -> list[int]:
 
 def simulation_costs(run: Any, measured: Timeline, calibration: Costs | None = None) -> Costs:
     """The costs that simulate ``run``: its measured unit times, with ``calibration`` if given."""
-    from pipetrain.training.shapes import stage_output_bytes
-
     compute = measured_costs(measured)
     if calibration is None:
         return compute

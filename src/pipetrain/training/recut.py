@@ -25,20 +25,26 @@ which also hold what only its schedules have (versions in flight, stamps, losses
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterable, Mapping
 
+from pipetrain.runtime.checkpoint import check_compatible
 from pipetrain.runtime.errors import CheckpointMismatchError
+from pipetrain.stages.materialize import first_names
 
-__all__ = ["CUT_KEYS", "layout_of", "recut_needed", "recut_state"]
+__all__ = ["CUT_KEYS", "rank_file", "layout_of", "recut_needed", "recut_state"]
 
 #: what a synchronous run may change when it resumes: the cut (the schedule stays the same)
 CUT_KEYS = frozenset({"stages", "balance", "split_at", "replicas", "chunks", "stage_costs", "workers"})
 
 
+def rank_file(rank: int) -> str:
+    """The file of a rank's state in a checkpoint: ``rank-3.pt``."""
+    return f"rank-{rank}.pt"
+
+
 def _unsplit_names(model, module) -> dict[str, str]:
     """``{name in module: first qualified name in model}`` for ``module``'s parameters and buffers."""
-    from pipetrain.stages.materialize import first_names
-
     first = first_names(model)
     names = {}
     for name, value in [*module.named_parameters(), *module.named_buffers()]:
@@ -63,8 +69,6 @@ def recut_needed(saved: Mapping[str, Any], current: Mapping[str, Any], keys: Ite
     compared on ``keys``) on another cut: ``False`` when nothing differs, ``True`` when only the cut does and both runs are
     synchronous; otherwise a :class:`CheckpointMismatchError` that names the differences and,
     where only the cut differs, why this run cannot take it."""
-    from pipetrain.runtime.checkpoint import check_compatible
-
     keys = list(keys)
     try:
         check_compatible(saved, current, keys, where=where)
@@ -89,8 +93,6 @@ def _raise(error: Exception) -> bool:
 
 
 def _differs(a: Any, b: Any) -> bool:
-    import json
-
     return json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True, default=str)
 
 
@@ -111,8 +113,6 @@ def _why_not(layout: Mapping[str, Any] | None, run) -> str:
 def recut_state(checkpoint, run, rank: int) -> dict[str, Any]:
     """This rank's state, as :meth:`RankRunner.snapshot` makes it, built from the old ranks' files
     of ``checkpoint`` for the stages ``rank`` runs in ``run`` (each file is read once)."""
-    from pipetrain.training.checkpoints import rank_file
-
     layout = checkpoint.meta["layout"]
     owners: dict[str, tuple[int, int, str]] = {}  # unsplit name -> (old rank, old stage, old stage's name)
     for old_rank, stages in enumerate(layout["rank_stages"]):

@@ -16,6 +16,10 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+from pipetrain.errors import PipetrainError
+from pipetrain.schedule.ir import Kind
+from pipetrain.training.prediction import prediction
+
 __all__ = ["TrainResult", "result_of", "write_json_atomic", "scale_payload", "loss_scale_report"]
 
 
@@ -129,8 +133,6 @@ def result_of(run: Any, executor: str, losses: Sequence[float], seconds: float, 
         extra["steady_samples_per_s"] = steady
     extra["update_seconds"] = ends if isinstance(ends, array) else array("d", ends)  # loss curves against wall time
     if executor == "distributed":  # ranks in parallel, as the simulator has them (the emulator takes turns)
-        from pipetrain.errors import PipetrainError
-        from pipetrain.training.prediction import prediction
 
         try:
             extra.update(prediction(run, timeline, ends))
@@ -163,8 +165,6 @@ def result_of(run: Any, executor: str, losses: Sequence[float], seconds: float, 
 
 def _last_stage_updates(timeline: Any) -> Sequence[float]:
     """End times of the last stage's updates (its first replica's STEP actions)."""
-    from pipetrain.schedule.ir import Kind
-
     if getattr(timeline, "update_ends", None) is not None:  # a window of a long run: the whole run's
         return timeline.update_ends  # an array of floats (8 bytes an update), listed in the report
     schedule = timeline.schedule

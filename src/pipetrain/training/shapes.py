@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -37,19 +38,20 @@ from pipetrain.execution.failures import StageNames, check_loss, forward_failure
 from pipetrain.runtime.errors import collective
 from pipetrain.spec import describe_exception
 from pipetrain.structure import arguments, flatten, map_values
+from pipetrain.training.cutting import first_microbatch
+from pipetrain.training.outputs import eval_batches
+from pipetrain.training.run import Run
 
 __all__ = ["check_data", "stage_output_bytes", "microbatch_bytes", "MicrobatchBytes"]
 
 
-def check_data(run: Any) -> None:
+def check_data(run: Run) -> None:
     """Refuse, in one :class:`~pipetrain.errors.ModelError`, the first training microbatch or the
-    first held-out batch of ``run`` (a prepared :class:`~pipetrain.training.setup.Run`) that the
+    first held-out batch of ``run`` (a prepared :class:`~pipetrain.training.run.Run`) that the
     stages or the loss cannot take (see the module docstring). Under torchrun rank 0, which
     reads the data, checks, and every rank raises its verdict."""
     if os.environ.get("PIPETRAIN_LAUNCHER") == "1":
         return
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         _check(run)
         return
@@ -66,20 +68,15 @@ def check_data(run: Any) -> None:
         raise verdict[0]
 
 
-def _check(run: Any) -> None:
+def _check(run: Run) -> None:
     with torch.random.fork_rng(devices=[]):
         train_set = run.train_set
         if not isinstance(train_set, DataLoader) and not getattr(train_set, "fed_by_step", False):
-            from pipetrain.schedule import resolve_name
-            from pipetrain.training.setup import _first_microbatch
-
             what = "the first training microbatch"
             with _reading(what):
-                x, y = _first_microbatch(run.config, resolve_name(run.config.schedule), train_set, run.dtype)
+                x, y = first_microbatch(run.config, run.layout.units_per_update, train_set, run.dtype)
             _through(run, x, y, f"at set-up (on the meta device), on {what}", training=True)
         if run.test_set is not None:
-            from pipetrain.training.outputs import eval_batches
-
             held_out, what = eval_batches(run), "the first held-out batch"
             if len(held_out):
                 with _reading(what):
@@ -109,7 +106,7 @@ def _unchecked(error: BaseException) -> bool:
 _FUNCTIONAL_CALL = (os.path.join("nn", "utils", "stateless.py"), os.path.join("_functorch", "functional_call.py"))
 
 
-def _through(run: Any, x: Any, y: Any, what: str, *, training: bool) -> None:
+def _through(run: Run, x: Any, y: Any, what: str, *, training: bool) -> None:
     """``x`` through every stage on meta, then the loss with ``y``; stops silently where the meta
     device cannot go on."""
     stages = run.staged.stages
@@ -154,14 +151,14 @@ class MicrobatchBytes:
     inputs: int
 
 
-def stage_output_bytes(run: Any) -> list[int] | None:
+def stage_output_bytes(run: Run) -> list[int] | None:
     """Bytes of each stage's output for the run's first training microbatch (see
     :func:`microbatch_bytes`)."""
     sizes = microbatch_bytes(run)
     return None if sizes is None else [s.output for s in sizes]
 
 
-def microbatch_bytes(run: Any) -> list[MicrobatchBytes] | None:
+def microbatch_bytes(run: Run) -> list[MicrobatchBytes] | None:
     """Each stage's :class:`MicrobatchBytes` for the run's first training microbatch, run through
     the stages with gradients on the meta device as :func:`check_data` runs it; None where the data
     or the meta device cannot tell (a ``DataLoader``, a step fed by the caller, an operation with
@@ -169,12 +166,9 @@ def microbatch_bytes(run: Any) -> list[MicrobatchBytes] | None:
     train_set = run.train_set
     if isinstance(train_set, DataLoader) or getattr(train_set, "fed_by_step", False):
         return None
-    from pipetrain.schedule import resolve_name
-    from pipetrain.training.setup import _first_microbatch
-
     try:
         with torch.random.fork_rng(devices=[]):
-            x, _ = _first_microbatch(run.config, resolve_name(run.config.schedule), train_set, run.dtype)
+            x, _ = first_microbatch(run.config, run.layout.units_per_update, train_set, run.dtype)
             value = map_values(x, _meta)
             sizes = []
             for index, module in enumerate(run.staged.stages):

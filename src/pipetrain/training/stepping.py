@@ -14,11 +14,21 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from pipetrain.emulate.executor import Emulator
 from pipetrain.errors import ConfigError
 from pipetrain.execution.data import UnitLayout
+from pipetrain.models.metrics import Metrics
+from pipetrain.runtime.errors import collective
+from pipetrain.schedule.cuts import feed_cuts
 from pipetrain.structure import cast_floating, first_tensor, rows
+from pipetrain.training.distributed import RankSetup
+from pipetrain.training.emulated import chain_forward, emulated_result
+from pipetrain.training.evaluate import evaluate_chain
+from pipetrain.training.memory import MemoryProbe
+from pipetrain.training.outputs import UpdateLosses
 from pipetrain.training.result import TrainResult
 
 __all__ = ["FedBatches", "EmulatedSession", "DistributedSession"]
@@ -114,10 +124,6 @@ class EmulatedSession(_Session):
     """A run on the emulator, one update per :meth:`step`."""
 
     def __init__(self, run, callbacks: Any = None) -> None:
-        from pipetrain.emulate.executor import Emulator
-        from pipetrain.schedule.cuts import feed_cuts
-        from pipetrain.training.outputs import UpdateLosses
-
         super().__init__(run, callbacks)
         schedule = run.schedule
         self.executors = run.make_executors()
@@ -127,7 +133,6 @@ class EmulatedSession(_Session):
         self.emulator = Emulator(schedule, self.executors, self.data, tied=run.tied)
         self.pieces = feed_cuts(schedule, run.layout.units_per_update, run.messages)
         self.losses = UpdateLosses(run, on_update=self._done)
-        from pipetrain.training.memory import MemoryProbe
 
         self.probe = MemoryProbe(self.first_replicas[0].device)  # peak memory from here to finish()
         self.emulator.begin(self.losses)
@@ -142,16 +147,11 @@ class EmulatedSession(_Session):
         return self._take()
 
     def evaluate(self, batches) -> dict[str, float]:
-        from pipetrain.training.emulated import chain_forward
-        from pipetrain.training.evaluate import evaluate_chain
-
         metrics = evaluate_chain(chain_forward(self.first_replicas), batches, self.run.loss_fn)
         self.evaluations.append({"step": self.fed, **metrics})
         return metrics
 
     def finish(self) -> TrainResult:
-        from pipetrain.training.emulated import emulated_result
-
         self._check_finished()
         self.emulator.end()
         for executor in self.first_replicas:
@@ -182,13 +182,6 @@ class DistributedSession(_Session):
     given; the labels travel with the activations)."""
 
     def __init__(self, run, env, callbacks: Any = None) -> None:
-        import torch.distributed as dist
-
-        from pipetrain.schedule.cuts import feed_cuts
-        from pipetrain.runtime.errors import collective
-        from pipetrain.training.distributed import RankSetup
-        from pipetrain.training.outputs import UpdateLosses
-
         super().__init__(run, callbacks)
         schedule, rank = run.schedule, env.rank
         held = schedule.rank_stages()[rank]
@@ -200,7 +193,6 @@ class DistributedSession(_Session):
         self.losses = None
         if rank in schedule.stage_ranks[run.num_stages - 1]:
             self.losses = UpdateLosses(run, rank=rank, on_update=self._done)
-        from pipetrain.training.memory import MemoryProbe
 
         self.probe = MemoryProbe(next(iter(self.setup.executors.values())).device)
         collective("the start barrier", dist.barrier)
@@ -225,18 +217,12 @@ class DistributedSession(_Session):
 
     def evaluate(self, count: int, batch_at) -> dict[str, float] | None:
         """Every rank calls it between the same two steps; the metrics come back on every rank."""
-        from pipetrain.models.metrics import Metrics
-
         metrics = self.setup.runner.evaluate(count, batch_at, Metrics(self.run.loss_fn))
         if metrics is not None:
             self.evaluations.append({"step": self.fed, **metrics})
         return metrics
 
     def finish(self) -> TrainResult:
-        import torch.distributed as dist
-
-        from pipetrain.runtime.errors import collective
-
         self._check_finished()
         runner = self.setup.runner
         runner.end()

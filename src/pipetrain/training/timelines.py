@@ -8,6 +8,7 @@ from typing import Sequence
 
 from pipetrain.schedule.costs import Costs
 from pipetrain.schedule.ir import Kind
+from pipetrain.schedule.plot import plot_comparison
 from pipetrain.schedule.timeline import Timeline, simulate
 
 __all__ = ["measured_costs", "simulated_counterpart", "update_ends", "seconds_per_update", "action_overhead", "plot_measured_and_simulated"]
@@ -94,8 +95,6 @@ def plot_measured_and_simulated(measured: Timeline, path: str, title: str, units
     times per update and says what the simulation models. ``costs``: a calibrated model
     (:func:`pipetrain.training.prediction.simulation_costs`); default: the measured median action
     times alone."""
-    from pipetrain.schedule.plot import plot_comparison
-
     simulated = simulated_counterpart(measured, costs)
     total = measured.schedule.total_microbatches
     shown = min(total, updates_shown * units_per_update)

@@ -6,17 +6,27 @@ built from the specs), the Python API with the user's objects (:class:`~pipetrai
 
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
-from typing import Any, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
 
 from pipetrain.errors import PipetrainError, option
+from pipetrain.paths import JSON, check_outputs
+from pipetrain.runtime.launch import detect
+from pipetrain.training import distributed
+from pipetrain.training.calibration import calibrate
+from pipetrain.training.callbacks import Callbacks
 from pipetrain.training.config import TrainConfig
+from pipetrain.training.emulated import train_emulated
+from pipetrain.training.files import write_outputs
 from pipetrain.training.parts import RunParts
-from pipetrain.training.result import TrainResult
+from pipetrain.training.result import TrainResult, write_json_atomic
+from pipetrain.training.setup import prepare
+from pipetrain.training.validate import check_config
 
-__all__ = ["train", "write_outputs"]
+__all__ = ["train"]
 
 
 def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = None) -> TrainResult | None:
@@ -29,19 +39,12 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     workers is raised as :class:`SystemExit` here: the workers ran the script, this process only
     watched them.
     """
-    from pipetrain.training.callbacks import Callbacks
-    from pipetrain.training.setup import prepare
-    from pipetrain.training.validate import check_config
-
     if config.calibrate:
         config = _calibrated(config, parts)
     check_config(config, specs=parts is None)  # options and output paths, before any work
 
     callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or ())
     if config.executor == "emulate":  # check_config refused checkpoint options here
-        import torch
-
-        from pipetrain.training.emulated import train_emulated
 
         # the same thread count as a runtime worker: matrix kernels then round the same way,
         # and the emulator's parameters equal the runtime's bitwise; the caller's count comes back after
@@ -55,8 +58,6 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
             torch.set_num_threads(threads)
         callbacks.end(result)
         return result
-    from pipetrain.runtime.launch import detect
-    from pipetrain.training import distributed
 
     if parts is None:
         result = distributed.train_distributed(config)
@@ -80,24 +81,13 @@ def _calibrated(config: TrainConfig, parts: RunParts | None) -> TrainConfig:
     """``config`` with the costs file that ``calibrate`` asked for: measured here
     (:func:`pipetrain.training.calibration.calibrate`) after the other options passed their checks,
     unless this process is a worker of a started run (the process that started it measured)."""
-    from dataclasses import replace
-
-    from pipetrain.runtime.launch import detect
-    from pipetrain.training.validate import check_config
-
     path = config.costs_file or CALIBRATION
     config = replace(config, costs_file=None, calibrate=False)
     if detect() is None:
         check_config(config, specs=parts is None)  # nothing measured for a run that would be refused
-        from pipetrain.paths import JSON, check_outputs
-        from pipetrain.training.calibration import calibrate
-        from pipetrain.training.result import write_json_atomic
-
         check_outputs(files={option("costs_file"): path}, formats={option("costs_file"): JSON})
         if not config.quiet:
             print(f"calibrating this machine for the simulator (about 10 s; {option('costs_file', path)})")
-        import torch
-
         cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         data, _ = calibrate("cuda" if cuda else "cpu")
         write_json_atomic(path, data)
@@ -106,65 +96,3 @@ def _calibrated(config: TrainConfig, parts: RunParts | None) -> TrainConfig:
                              f"read; run `pipetrain calibrate --out {path}` before the run and pass "
                              f"{option('costs_file', path)} instead")
     return replace(config, costs_file=path)
-
-
-def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None) -> None:
-    """--save, --report-json, --trace and --plot, each written atomically. ``state_dict``: the
-    trained unsplit model's, for a one-file ``--save`` (default: ``run.model``'s); a weights
-    directory is written here only when every stage lives in this process (the emulator: the
-    runtime's ranks write their own shards). One that cannot be written (a full disk) stops the
-    run with one line naming it; for --save, the line says where the trained weights are kept
-    instead, if anywhere."""
-    if config.save:
-        from pipetrain.paths import is_weights_dir
-
-        if not is_weights_dir(config.save):
-            from pipetrain.training.outputs import save_state_dict
-
-            with _writing("save", config.save, _weights_kept(config, result)):
-                save_state_dict(run.model.state_dict() if state_dict is None else state_dict, config.save)
-        elif config.executor == "emulate":
-            from pipetrain.training.outputs import save_weights_here
-
-            with _writing("save", config.save, _weights_kept(config, result)):
-                save_weights_here(run, dict(enumerate(run.staged.stages)))
-    if config.report_json:
-        with _writing("report_json", config.report_json):
-            result.write_report(config.report_json)
-    costs = None
-    if (config.trace or config.plot) and result.timeline is not None and config.costs_file:
-        from pipetrain.training.prediction import load_calibration, simulation_costs
-
-        with warnings.catch_warnings():  # the report's figures warned already
-            warnings.simplefilter("ignore")
-            costs = simulation_costs(run, result.timeline, load_calibration(config.costs_file))
-    if config.trace and result.timeline is not None:
-        from pipetrain.schedule.trace import write_trace
-        from pipetrain.training.timelines import simulated_counterpart
-
-        with _writing("trace", config.trace):
-            write_trace(config.trace, result.timeline, simulated_counterpart(result.timeline, costs),
-                        names=[f"{result.schedule} measured", f"{result.schedule} simulated"])
-    if config.plot and result.timeline is not None:
-        from pipetrain.training.timelines import plot_measured_and_simulated
-
-        with _writing("plot", config.plot):
-            plot_measured_and_simulated(result.timeline, config.plot, f"{result.schedule} ({result.executor})",
-                                        units_per_update=result.extra.get("units_per_update", 1), costs=costs)
-
-
-@contextlib.contextmanager
-def _writing(field: str, path: str, then: str = "") -> Iterator[None]:
-    """An output's ``OSError`` as one line: ``cannot write --save PATH: No space left on device``
-    (``field``: the option that names the output)."""
-    try:
-        yield
-    except OSError as error:
-        raise PipetrainError(f"cannot write {option(field, path)}: {error.strerror or error}{then}") from None
-
-
-def _weights_kept(config: TrainConfig, result: TrainResult) -> str:
-    """Where the trained weights are when --save cannot be written: the run's last checkpoint."""
-    from pipetrain.training.outputs import weights_kept
-
-    return weights_kept(config, result.updates)

@@ -14,7 +14,15 @@ import json
 import os
 
 from pipetrain.errors import ConfigError, option
+from pipetrain.optim.compensation import (parse_compensation, parse_dlr_delay, parse_dts_delay, parse_dtsf_delay,
+                                          parse_dtt_delay, refuse_other_than_sgd, time_scaled_settings)
+from pipetrain.optim.lr_schedule import parse_lr_schedule
+from pipetrain.optim.spec import parse_optimizer_spec
 from pipetrain.paths import IMAGE, JSON, WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, check_save, is_weights_dir
+from pipetrain.plan.choose import is_auto, parse_auto
+from pipetrain.schedule import POLICIES, resolve_name
+from pipetrain.schedule.recompute import parse_recompute
+from pipetrain.spec import parse_spec
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.options import declared, declared_check, one_of
 
@@ -28,7 +36,7 @@ DATA_NAMES = ("digits", "synthetic", "text")
 EXECUTORS = ("distributed", "emulate")
 #: ``pipetrain.execution.nonfinite.NONFINITE`` (a test keeps them equal)
 NONFINITE = ("stop", "skip", "off")
-#: ``pipetrain.training.setup.BALANCE_BY`` (a test keeps them equal)
+#: ``pipetrain.training.cutting.BALANCE_BY`` (a test keeps them equal)
 BALANCE_BY = ("auto", "time", "params")
 #: ``--recompute``: keep every activation (none), or only each stage's inputs (stage; ``stage:0,2``
 #: for those stages): ``pipetrain.schedule.recompute.RECOMPUTE`` (a test keeps them equal)
@@ -77,12 +85,8 @@ def _check_options(config: TrainConfig) -> None:
 
 
 def _check_choices(config: TrainConfig) -> None:
-    from pipetrain.schedule import POLICIES, resolve_name
-
     check_execution(config)
     if config.schedule is not None:
-        from pipetrain.plan.choose import is_auto, parse_auto
-
         parse_auto(config.schedule) if is_auto(config.schedule) else resolve_name(config.schedule)
     if config.policy is not None:
         one_of(*POLICIES)("policy", config.policy)
@@ -91,7 +95,6 @@ def _check_choices(config: TrainConfig) -> None:
 def check_execution(config: TrainConfig) -> None:
     """``--recompute``, ``--device`` and ``--precision`` (also checked by the set-up, for the Python API)."""
     if config.recompute is not None:  # the stage numbers are checked once the schedule is known
-        from pipetrain.schedule.recompute import parse_recompute
 
         parse_recompute(config.recompute)
     for name in ("device", "precision"):
@@ -108,6 +111,7 @@ def loss_scale_of(config: TrainConfig):
     from ``--loss-scale``, ``--loss-scale-init`` and ``--loss-scale-growth``."""
     if config.precision != "fp16":
         return None
+    # imported here: it imports PyTorch, which check_config runs without (the set-up calls this)
     from pipetrain.execution.scaling import LossScale, check_power_of_two
 
     text = str(config.loss_scale).strip()
@@ -135,8 +139,6 @@ def _check_counts(config: TrainConfig) -> None:
 
 
 def _check_specs(config: TrainConfig) -> None:
-    from pipetrain.spec import parse_spec
-
     parse_spec(config.model, builtins=MODEL_NAMES, kind="model")
     parse_spec(config.data, builtins=DATA_NAMES, kind="data set")
     if config.test_data:
@@ -147,11 +149,6 @@ def _check_specs(config: TrainConfig) -> None:
 def check_optimizer_specs(optimizer_spec: str, compensation: str | None, lr_schedule: str | None) -> None:
     """``--optimizer``, ``--compensation`` and ``--lr-schedule`` as spec strings, and what each
     compensation needs of the optimizer (also checked by ``Pipeline(...)`` for its spec strings)."""
-    from pipetrain.optim.compensation import (parse_compensation, parse_dlr_delay, parse_dts_delay, parse_dtsf_delay,
-                                              parse_dtt_delay, refuse_other_than_sgd)
-    from pipetrain.optim.lr_schedule import parse_lr_schedule
-    from pipetrain.optim.spec import parse_optimizer_spec
-
     optimizer = parse_optimizer_spec(optimizer_spec)
     methods = parse_compensation(compensation)
     parse_dlr_delay(compensation)  # dlr0: a reference delay that is not > 0
@@ -166,8 +163,6 @@ def check_optimizer_specs(optimizer_spec: str, compensation: str | None, lr_sche
     for name in sorted(methods & {"dts", "dtsf", "dtt"}):
         refuse_other_than_sgd(name, optimizer.name)
     if methods & {"dts", "dtsf", "dtt"}:
-        from pipetrain.optim.compensation import time_scaled_settings
-
         time_scaled_settings(float(optimizer.options.get("momentum", 0.0)), 0.0, 1.0)  # momentum 0: refused
     if lr_schedule:
         parse_lr_schedule(lr_schedule)
@@ -203,7 +198,7 @@ def _check_plan(config: TrainConfig) -> None:
 def _check_init(config: TrainConfig) -> None:
     """``--init-from DIR`` names a weights directory (its index is read once PyTorch is there)."""
     path = config.init
-    if not path or path == "reset" or path.startswith("function "):
+    if not isinstance(path, str) or not path or path == "reset":  # a function is the Python API's own
         return
     if os.path.isfile(path) and path.endswith(".safetensors"):
         return
