@@ -13,7 +13,7 @@ __all__ = ["plot_plan"]
 def plot_plan(plan: Plan, profile: Profile, path: str | Path,
               baselines: list[Plan] | None = None) -> None:
     """Draw per-layer compute (bars) and each stage's predicted time (spans) into ``path``."""
-    import matplotlib
+    import matplotlib  # slow to import: only when a figure is drawn
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
