@@ -129,7 +129,7 @@ def test_no_import_inside_a_function_hides_a_cycle():
 
 #: the modules that may import pipetrain modules inside functions: the command line and the
 #: package's face, which import late so that ``pipetrain --help`` and the checks of options and
-#: paths run before PyTorch is imported (each says so where it does)
+#: paths run before PyTorch is imported
 ENTRY = ("pipetrain/__init__.py", "pipetrain/cli.py", "pipetrain/commands/")
 
 #: TEMPORARY (issue 37): modules that still import pipetrain modules inside functions while their
