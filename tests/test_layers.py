@@ -268,12 +268,12 @@ def function_level_imports() -> dict[str, list[tuple[int, str]]]:
     found: dict[str, list[tuple[int, str]]] = {}
     for module, path in sorted(MODULES.items()):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        lines = set()
+        seen = set()  # an import in a nested function is inside the outer one too: count it once
         for function in ast.walk(tree):
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 for node in ast.walk(function):
-                    if isinstance(node, (ast.Import, ast.ImportFrom)) and (node.lineno, id(node)) not in lines:
-                        lines.add((node.lineno, id(node)))
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in seen:
+                        seen.add(id(node))
                         found.setdefault(module, []).extend((node.lineno, t) for t in targets(module, node))
     return {module: sorted(set(imports)) for module, imports in found.items() if imports}
 
