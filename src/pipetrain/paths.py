@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import tempfile
+import threading
 from typing import Iterator, Mapping, NamedTuple
 
 from pipetrain.errors import ConfigError
@@ -205,9 +207,6 @@ def termination_deferred() -> Iterator[None]:
     noted; when the block ends (renamed, or the temporary removed) it is delivered again to the
     handler that was there before, so the process ends as it would have, a moment later. Only the
     main thread can hold signals: elsewhere the block runs as is."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return

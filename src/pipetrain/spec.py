@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from pipetrain.errors import ConfigError, PipetrainError
+from pipetrain.usercode import where
 
 __all__ = ["Spec", "parse_spec", "parse_value", "format_spec", "resolve_factory", "call_factory", "describe_exception"]
 
@@ -204,8 +205,6 @@ def describe_exception(error: BaseException) -> str:
     """``"ValueError: bad record (data.py:12, in __getitem__)"``: an exception raised by a user's
     code in one line, with the place in the user's code it came from
     (:func:`pipetrain.usercode.where`), instead of a traceback."""
-    from pipetrain.usercode import where
-
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}{': ' + text[0] if text else ''}{where(error)}"
 

@@ -58,7 +58,7 @@ _SHARD = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 
 def _safetensors() -> Any:
     try:
-        import safetensors.torch
+        import safetensors.torch  # late, so that a broken environment gets this message, not a traceback
     except ImportError:  # a dependency of pipetrain; missing only in a broken environment
         raise ConfigError("weights directories need the safetensors package: pip install safetensors") from None
     return safetensors

@@ -184,7 +184,7 @@ def format_table(plan, baselines, source: str) -> str:
         table = [("schedule", "m", "replicas", "simulated s", "peak memory", "fits")]
         for c in candidates:
             if "error" in c:
-                from pipetrain.plan.planner import smallest_fitting
+                from pipetrain.plan.memory import smallest_fitting
 
                 need = smallest_fitting([c["error"]])
                 why = f"no (needs {need[1]})" if need else "no: " + c["error"].split(";")[0][:60]

@@ -28,8 +28,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from pipetrain.data.info import reads_by_index
+from pipetrain.data.prefetch import BatchPrefetcher, PACK_LIMIT, WorkerPrefetcher, pin, pin_available
 from pipetrain.data.updates import UpdateBatches, raise_failed
 from pipetrain.errors import ConfigError, option, written
+from pipetrain.structure import tensors_of
 
 __all__ = ["DatasetBatches", "DEFAULT_WORKERS", "resolve_workers", "describe_reading", "group_size"]
 
@@ -60,9 +62,6 @@ def group_size(batch: Any, seconds: float) -> int:
     :data:`GROUP_SECONDS` of reading, at most :data:`MAX_GROUP`, at least 1. Small, quick batches
     share one message between processes (about 0.3-1 ms each on the project's machine, more than
     reading 32 small samples); large or slow ones gain nothing from it. It changes no result."""
-    from pipetrain.data.prefetch import PACK_LIMIT
-    from pipetrain.structure import tensors_of
-
     size = sum(t.numel() * t.element_size() for t in tensors_of(batch))
     return max(1, min(MAX_GROUP, PACK_LIMIT // max(size, 1), int(GROUP_SECONDS / max(seconds, 1e-9))))
 
@@ -102,8 +101,6 @@ class DatasetBatches:
         pin_memory: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
-        from pipetrain.data.prefetch import BatchPrefetcher, WorkerPrefetcher, pin, pin_available
-
         self.reads = UpdateBatches(dataset, indices_of_update, seed=seed, dtype=dtype)
         self.workers = resolve_workers(workers)
         self._thread: BatchPrefetcher | None = None

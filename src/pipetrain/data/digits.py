@@ -26,7 +26,7 @@ _SPLITS = ("train", "test", "all")
 
 @functools.lru_cache(maxsize=1)
 def _arrays() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits as sklearn_digits
+    from sklearn.datasets import load_digits as sklearn_digits  # scikit-learn is slow to import: when first read
 
     bunch = sklearn_digits()
     features = (bunch.data / 16.0).astype(np.float32)

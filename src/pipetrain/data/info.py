@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
+from pipetrain.data.seeding import seeded
 from pipetrain.errors import ConfigError
 from pipetrain.spec import describe_exception
 from pipetrain.structure import describe, first_tensor, flatten, leaf_paths, stack
@@ -279,8 +280,6 @@ def dataset_info(dataset: Dataset, first: object = None) -> DataInfo:
     if num_classes is None and class_labels(y0):
         labels = _stored_labels(dataset)
         if labels is None:
-            from pipetrain.data.seeding import seeded
-
             parts = [y0.reshape(-1)]
             try:
                 with seeded(0):

@@ -35,19 +35,19 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator, TYPE_CHECKING
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from pipetrain.data.info import DataInfo, DataReadError, check_sample, class_labels, dataset_info
+from pipetrain.data.prefetch import Receiver
+from pipetrain.data.worker_deaths import lost_data_worker
+from pipetrain.data.worker_setup import Unpinned, unpinned_workers
 from pipetrain.data.seeding import data_seed, seeded
-from pipetrain.data.info import DataReadError
 from pipetrain.errors import ConfigError, PipetrainError, option
 from pipetrain.spec import describe_exception
 from pipetrain.structure import cast_floating, first_tensor
-
-if TYPE_CHECKING:
-    from pipetrain.data.info import DataInfo
 
 __all__ = ["LoaderBatches", "loader_info"]
 
@@ -57,8 +57,6 @@ def loader_info(loader: DataLoader, where: str = "the DataLoader") -> DataInfo:
     of its (map-style) data set, one sample read; an ``IterableDataset`` must declare
     ``num_classes`` when its targets are class labels (others have none), and gives the input shape
     of its first sample."""
-    from pipetrain.data.info import DataInfo, check_sample, class_labels, dataset_info
-
     dataset = loader.dataset
     if not isinstance(dataset, IterableDataset):
         return dataset_info(dataset)
@@ -109,8 +107,6 @@ class LoaderBatches:
         self._epoch_batches = 0  # full batches of the epoch being read
         self._threaded = int(getattr(loader, "num_workers", 0) or 0) > 0
         if self._threaded and hasattr(loader, "worker_init_fn"):
-            from pipetrain.data.worker_setup import Unpinned
-
             if not isinstance(loader.worker_init_fn, Unpinned):  # see the module docstring, "Reading ahead"
                 loader.worker_init_fn = Unpinned(loader.worker_init_fn)
 
@@ -163,15 +159,12 @@ class LoaderBatches:
         for sampler in (getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
             if callable(getattr(sampler, "set_epoch", None)):
                 sampler.set_epoch(self.epoch)
-        from pipetrain.data.worker_setup import unpinned_workers
 
         workers = getattr(self.loader, "num_workers", 0)
         with seeded(data_seed(self.seed, self.epoch, stream=1)), unpinned_workers(workers):
             iterator = iter(self.loader)
         self._epoch_batches = 0
         if self._threaded:
-            from pipetrain.data.prefetch import Receiver
-
             self._receiver = Receiver(iterator, depth=2, name="pipetrain-loader")
         else:
             self._iterator = iterator
@@ -206,8 +199,6 @@ class LoaderBatches:
         except PipetrainError:
             raise
         except Exception as error:
-            from pipetrain.data.worker_deaths import lost_data_worker
-
             lost = lost_data_worker(error)  # a worker process that died is a fault, not bad data
             if lost is not None:
                 raise lost from None

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from pipetrain.data.digits import load_digits
 from pipetrain.data.info import DataInfo, check_sample, dataset_info, read_sample
+from pipetrain.data.loader import loader_info
 from pipetrain.data.synthetic import load_synthetic
 from pipetrain.data.text import load_text
 from pipetrain.errors import ConfigError, option
@@ -186,7 +187,5 @@ def load_data(
             f"give --test-data SPEC or --holdout FRACTION to evaluate"
         )
     if isinstance(train, DataLoader):
-        from pipetrain.data.loader import loader_info
-
         return RunData(train, test, loader_info(train, f"data spec {spec.text!r}"), note)
     return RunData(train, test, dataset_info(train, first), note)

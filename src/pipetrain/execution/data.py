@@ -15,8 +15,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 from torch.utils.data import Dataset
 
-from pipetrain.errors import ConfigError, option
+from pipetrain.data import get_batch as default_get_batch
+from pipetrain.data.info import reads_by_index
 from pipetrain.data.prefetch import BatchPrefetcher
+from pipetrain.errors import ConfigError, option
 from pipetrain.structure import rows
 
 __all__ = ["UnitLayout", "UnitData", "BatchSource"]
@@ -63,9 +65,6 @@ class _Calls:
     a data set read by index, on a background thread one update ahead."""
 
     def __init__(self, dataset, indices_of_update, get_batch, prefetch) -> None:
-        from pipetrain.data import get_batch as default_get_batch
-        from pipetrain.data.info import reads_by_index
-
         self.dataset = dataset
         self.indices_of_update = indices_of_update
         self.get_batch = get_batch or default_get_batch

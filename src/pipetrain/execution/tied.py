@@ -33,6 +33,7 @@ from torch import Tensor
 from pipetrain.errors import ConfigError
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.schedule.ir import Kind, Schedule, halves
+from pipetrain.schedule.pattern import pattern_of
 from pipetrain.schedule.presets import ASYNCHRONOUS
 from pipetrain.stages.tied import TiedParameter, refuse_tied
 
@@ -83,8 +84,6 @@ class TiedGradients:
                     f"the stages sharing parameter {t.describe()} scale their updates differently "
                     f"({sorted(scales)}); give them the same replicas"
                 )
-        from pipetrain.schedule.pattern import pattern_of
-
         # a long schedule's pattern repeats where the holders sum: read off its sample
         self._pattern = pattern_of(schedule) if self.tied else None
         self.schedule = schedule if self._pattern is None else self._pattern.sample

@@ -10,9 +10,13 @@ STEP) and the end of each update of the last stage.
 from __future__ import annotations
 
 from array import array
+from dataclasses import replace
 from typing import Sequence
 
+from pipetrain.errors import PipetrainError
+from pipetrain.schedule.cuts import cuts
 from pipetrain.schedule.ir import Action, Kind
+from pipetrain.schedule.timeline import Timeline
 
 __all__ = ["ActionTimes", "WINDOW", "window_lengths", "measured_timeline"]
 
@@ -28,9 +32,6 @@ def window_lengths(schedule, units_per_update: int = 1) -> list[int]:
     actions; else the actions before a consistent cut (:mod:`~pipetrain.schedule.cuts`) within
     :data:`WINDOW` actions of every rank, so that the window is itself a schedule the simulator can
     run (the measured timeline's simulated counterpart, traces and plots)."""
-    from pipetrain.errors import PipetrainError
-    from pipetrain.schedule.cuts import cuts
-
     lengths = [len(program) for program in schedule.programs]
     if max(lengths, default=0) <= WINDOW:
         return lengths
@@ -95,10 +96,6 @@ def measured_timeline(schedule, payloads: Sequence[dict]):
     """The measured :class:`~pipetrain.schedule.timeline.Timeline` of a run from every rank's
     :meth:`ActionTimes.payload` (in rank order): the whole run, or for a long one the window of
     each rank's first actions, with the whole run's busy times and update ends."""
-    from dataclasses import replace
-
-    from pipetrain.schedule.timeline import Timeline
-
     starts = [p["starts"] for p in payloads]
     ends = [p["ends"] for p in payloads]
     if not any("busy" in p for p in payloads):

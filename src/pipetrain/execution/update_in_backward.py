@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipetrain.optim.base import StageOptimizer
+
 __all__ = ["UpdateInBackward", "can_update_in_backward", "fused_update"]
 
 
 def can_update_in_backward(optimizer: Any) -> bool:
     """Whether ``optimizer`` updates each parameter alone, as its ``step`` would (pipetrain's own
     optimizers, unless a subclass changes what ``step`` does)."""
-    from pipetrain.optim.base import StageOptimizer
-
     return isinstance(optimizer, StageOptimizer) and type(optimizer).step is StageOptimizer.step
 
 

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from pipetrain.errors import PipetrainError
 from pipetrain.schedule.ir import Action, Kind, halves
+from pipetrain.schedule.pattern import PeriodicProgram, ShiftedReleases
 
 __all__ = ["VersionStore", "version_release_points"]
 
@@ -186,8 +187,6 @@ def version_release_points(program: Sequence[Action]) -> dict[int, list[tuple[in
     later. For a long program expanded from a pattern, a table read off the sample's
     (:class:`~pipetrain.schedule.pattern.ShiftedReleases`).
     """
-    from pipetrain.schedule.pattern import PeriodicProgram, ShiftedReleases
-
     if isinstance(program, PeriodicProgram) and program.pattern is not None:
         sample = program.pattern.sample.programs[program.rank]
         table = program.pattern.cached(("releases", program.rank), lambda: version_release_points(sample))

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError, option
+from pipetrain.models.hf_seq2seq import bart_units, t5_units
 from pipetrain.models.loss import CrossEntropy
 
 __all__ = ["bart", "bert_mlm", "bert_units", "declare_units", "gpt2", "gpt2_units", "t5"]
@@ -48,7 +49,7 @@ __all__ = ["bart", "bert_mlm", "bert_units", "declare_units", "gpt2", "gpt2_unit
 
 def _transformers() -> Any:
     try:
-        import transformers
+        import transformers  # optional (pipetrain[hf]): imported when an HF model is asked for
     except ImportError:
         raise ConfigError(
             "the HuggingFace models need the transformers package: pip install 'pipetrain[hf]' (transformers>=5)"
@@ -83,6 +84,7 @@ def _attention_mask(config: Any, hidden: torch.Tensor, mask: torch.Tensor | None
     """A layer's attention mask from the batch's raw one, as the HF model builds it once for all
     its layers (``create_causal_mask`` / ``create_bidirectional_mask``: None where the attention
     kernel needs none, full-length sequences under SDPA)."""
+    # transformers is optional (see _transformers); an HF model imported it already
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
     if causal:
@@ -280,8 +282,6 @@ def t5(
     the units keep no cache, and ``model(..., labels=y)`` then computes bit for bit what they
     compute (with HF's default cache its decoder's attention rounds differently, about 1e-6).
     Further options go to ``T5Config``."""
-    from pipetrain.models.hf_seq2seq import t5_units
-
     transformers = _transformers()
     _length(input_shape, seq2seq=True)
     settings = dict(vocab_size=num_classes, d_model=d_model, d_kv=d_kv or d_model // num_heads, d_ff=d_ff or 4 * d_model,
@@ -310,8 +310,6 @@ def bart(
     ``max_position_embeddings`` (default: the sample length ``input_shape[0]``, at least 64). Token 0
     is the padding and decoder start token. ``dropout`` sets BART's dropouts (HF's default is 0.1).
     Further options go to ``BartConfig``."""
-    from pipetrain.models.hf_seq2seq import bart_units
-
     transformers = _transformers()
     length = _length(input_shape, seq2seq=True)
     settings = dict(vocab_size=num_classes, d_model=d_model, encoder_layers=encoder_layers,

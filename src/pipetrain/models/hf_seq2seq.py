@@ -63,6 +63,7 @@ def seq2seq_inputs(x: Any) -> dict[str, torch.Tensor]:
 def _masks(config: Any, hidden: torch.Tensor, state: dict[str, torch.Tensor]) -> tuple[Any, Any]:
     """A decoder layer's self-attention and cross-attention masks, as the HF decoder stack builds
     them (from the raw masks and the shape, dtype and device of ``hidden``)."""
+    # transformers is optional (pipetrain[hf]); the HF model imported it already
     from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
     mask = create_causal_mask(config=config, inputs_embeds=hidden, attention_mask=state.get("decoder_attention_mask"),
@@ -73,7 +74,7 @@ def _masks(config: Any, hidden: torch.Tensor, state: dict[str, torch.Tensor]) ->
 
 
 def _encoder_mask(config: Any, hidden: torch.Tensor, state: dict[str, torch.Tensor]) -> Any:
-    from transformers.masking_utils import create_bidirectional_mask
+    from transformers.masking_utils import create_bidirectional_mask  # optional, as in _masks
 
     return create_bidirectional_mask(config=config, inputs_embeds=hidden, attention_mask=state.get("attention_mask"))
 

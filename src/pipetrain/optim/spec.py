@@ -47,12 +47,20 @@ _OPTIONS: dict[str, dict[str, Callable[[str, str], Any]]] = {
 }
 _CLASSES = {"sgd": ("pipetrain.optim.sgd", "SGD"), "adam": ("pipetrain.optim.adam", "Adam"),
             "adamw": ("pipetrain.optim.adam", "AdamW")}
+#: SGD with DTS-F's rate-following momentum (the ``dtsf`` compensation)
+_RATE_FOLLOWING = ("pipetrain.optim.sgd", "RateFollowingSGD")
+
+
+def _class_at(where: tuple[str, str]) -> "type[StageOptimizer]":
+    """The class ``(module, name)``, its module imported on first use: the optimizers import
+    PyTorch, and parsing a spec (the checks of ``pipetrain train``) must not."""
+    module, attribute = where
+    return getattr(importlib.import_module(module), attribute)
 
 
 def optimizer_class(name: str) -> "type[StageOptimizer]":
     """The :class:`StageOptimizer` class of spec name ``name`` (imported on first use)."""
-    module, attribute = _CLASSES[name]
-    return getattr(importlib.import_module(module), attribute)
+    return _class_at(_CLASSES[name])
 
 
 def __getattr__(name: str):
@@ -181,9 +189,8 @@ def build_stage_optimizer(
         momentum = float(kwargs.get("momentum", 0.0))
         fast, _ = time_scaled_settings(momentum, stage_delay, reference)  # type: ignore[arg-type]
         if fast != 1.0:  # a stage at or below D* is plain SGD, bit for bit
-            from pipetrain.optim.sgd import RateFollowingSGD  # imports PyTorch: on first use
-
-            return RateFollowingSGD(**kwargs, stage_delay=stage_delay, reference_delay=reference)
+            return _class_at(_RATE_FOLLOWING)(**kwargs, stage_delay=stage_delay,  # type: ignore[call-arg]
+                                              reference_delay=reference)
     optimizer = optimizer_class(parsed.name)(**kwargs)
     if dts_factor != 1.0:
         optimizer.lr = optimizer.lr * dts_factor

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,6 @@ name_options({"folder": "--out"}, {})  # StudyJournal(folder): `pipetrain pb --o
 
 def _shared(config: StudyConfig) -> dict[str, Any]:
     """The settings that every run of ``config`` shares, as JSON values."""
-    from dataclasses import fields
-
     return {f.name: getattr(config, f.name) for f in fields(config) if f.name not in _GRID}
 
 

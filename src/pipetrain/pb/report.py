@@ -6,11 +6,13 @@ import csv
 import dataclasses
 import json
 import math
+import shlex
 import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
-from pipetrain.pb.study import RunResult, StudyResult, untrained_text
+from pipetrain.pb.methods import parse_method
+from pipetrain.pb.study import RunResult, StudyConfig, StudyResult, untrained_text
 
 __all__ = ["summarize", "markdown_tables", "write_outputs", "study_json", "load_results", "study_command",
            "plot_accuracy", "plot_curves"]
@@ -128,8 +130,6 @@ def _find(rows, method, stages, delay):
 
 def study_command(config) -> str:
     """The ``pipetrain pb`` command line that trains ``config``."""
-    import shlex
-
     join = lambda values: ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)  # noqa: E731
     parts = ["pipetrain", "pb", "--model", config.model, "--data", config.data]
     if config.test_data:
@@ -161,9 +161,6 @@ def _config_dict(config) -> dict[str, Any]:
 
 def load_results(path: str | Path) -> StudyResult:
     """A study back from the ``results.json`` that :func:`write_outputs` wrote (to redraw it)."""
-    from pipetrain.pb.methods import parse_method
-    from pipetrain.pb.study import StudyConfig
-
     payload = json.loads(Path(path).read_text())
     options = dict(payload["config"])
     options["methods"] = tuple(parse_method(m) for m in options["methods"])
@@ -244,10 +241,10 @@ def write_outputs(result: StudyResult, out: str | Path, *, command: str | None =
 def plot_accuracy(result: StudyResult, path: str | Path, rows: list[dict[str, Any]] | None = None) -> Path:
     """Test accuracy (top) and median final training loss (bottom) against S, one column per lr
     scale; batch-1 SGD and batch-B SGD as horizontal lines; diverged runs counted on the x axis."""
-    import matplotlib
+    import matplotlib  # slow to import: only when a figure is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend, which must come first
 
     rows = summarize(result.runs) if rows is None else rows
     config = result.config
@@ -307,10 +304,10 @@ def plot_accuracy(result: StudyResult, path: str | Path, rows: list[dict[str, An
 def plot_curves(result: StudyResult, path: str | Path, lr_scale: float | None = None) -> Path:
     """Online training loss (median over seeds) against epochs for every method, one panel per
     stage count, at ``lr_scale`` (default: the scale closest to 1)."""
-    import matplotlib
+    import matplotlib  # slow to import: only when a figure is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend, which must come first
 
     config = result.config
     if lr_scale is None:

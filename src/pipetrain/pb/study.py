@@ -15,7 +15,10 @@ runs per engine; any other run falls back to the reference implementation.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import queue as queue_module
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence, TYPE_CHECKING
 
@@ -474,10 +477,6 @@ def _train_in_worker(config: StudyConfig, chunk: list[RunSpec], queue: Any) -> l
 
 
 def _train_parallel(config, chunks, progress, finished) -> list[tuple[RunSpec, RunResult]]:
-    import multiprocessing
-    import queue as queue_module
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
     context = multiprocessing.get_context("spawn")
     pairs: list[tuple[RunSpec, RunResult]] = []
     with context.Manager() as manager, ProcessPoolExecutor(config.workers, mp_context=context) as pool:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from pipetrain.plan.baselines import BASELINES, baseline
@@ -25,8 +26,6 @@ __all__ = ["LayerProfile", "Profile", "load_profile", "save_profile", "profile_m
 
 
 def __getattr__(name: str) -> Any:
-    if name == "profile_model":
-        from pipetrain.plan.profiler import profile_model
-
-        return profile_model
+    if name == "profile_model":  # the profiler imports PyTorch: loaded when first asked for
+        return importlib.import_module("pipetrain.plan.profiler").profile_model
     raise AttributeError(f"module 'pipetrain.plan' has no attribute {name!r}")

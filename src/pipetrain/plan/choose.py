@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pipetrain.errors import ConfigError, PipetrainError, option
+from pipetrain.plan.baselines import block_partition
+from pipetrain.schedule import Costs, build, memory_by_rank, simulate
 from pipetrain.schedule.presets import LOOPED, V_SHAPED
-from pipetrain.schedule.costs import Costs
 
 __all__ = ["CANDIDATES", "AutoChoice", "choose_schedule", "parse_auto", "is_auto"]
 
@@ -96,9 +97,6 @@ def choose_schedule(unit_costs: Sequence[float], ranks: int, microbatches: int, 
     ``unit_costs`` (forward + backward, in execution order), holding at most ``memory`` times
     1f1b's peak activations (module docstring); ``calibration``: per-action and per-message costs
     to charge too (``unit_costs`` must then be seconds)."""
-    from pipetrain.plan.baselines import block_partition
-    from pipetrain.schedule import build, memory_by_rank, simulate
-
     if ranks < 1 or microbatches < 1:
         raise ConfigError(f"schedule auto needs at least one rank and microbatch, got {ranks} and {microbatches}")
     bound = memory * min(ranks, microbatches) / ranks

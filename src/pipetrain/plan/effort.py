@@ -78,7 +78,7 @@ class Effort:
         if not enabled or self.seconds < NOTE_SECONDS:
             return None, (lambda: None)
         if sys.stderr.isatty():
-            from tqdm import tqdm
+            from tqdm import tqdm  # only for a bar on a terminal (slow to import beside a plan)
 
             bar = tqdm(total=self.machines, desc=f"planning {self.what}", unit="machines",
                        leave=False, file=sys.stderr)

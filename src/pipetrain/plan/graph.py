@@ -18,6 +18,7 @@ the stage of their producer, as in PipeDream's optimizer.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,7 +90,6 @@ def _topological(names: list[str], preds: dict[str, list[str]],
     indegree = {name: len(preds[name]) for name in names}
     ready = sorted((n for n in names if indegree[n] == 0), key=order_of.__getitem__)
     out: list[str] = []
-    import heapq
     heap = [(order_of[n], n) for n in ready]
     heapq.heapify(heap)
     while heap:

@@ -57,10 +57,11 @@ from functools import lru_cache
 import numpy as np
 
 from pipetrain.errors import ConfigError
+from pipetrain.schedule import build, memory_by_rank
 
 __all__ = ["SCHEDULES", "CHUNKED", "LOOPED_CHUNKS", "SPLIT", "RECOMPUTES", "check_schedule", "is_flush",
            "in_flight", "weight_versions", "stage_memory", "order_memory", "chunks_of", "parse_bytes",
-           "format_bytes"]
+           "format_bytes", "smallest_fitting"]
 
 #: the schedules PipeDream's optimizer partitions (one stage per worker, replicas allowed where the
 #: generator has them)
@@ -154,6 +155,17 @@ def format_bytes(value: float) -> str:
     return f"{value:.0f} B"
 
 
+def smallest_fitting(messages: list[str]) -> tuple[float, str] | None:
+    """The smallest "smallest memory limit that fits" among error messages (as :func:`format_bytes`
+    writes it, with its bytes), with its text."""
+    found = []
+    for text in messages:
+        match = re.search(r"smallest memory limit that fits is ([^(]+)\((\d+) bytes\)", text)
+        if match:
+            found.append((float(match.group(2)), match.group(1).strip()))
+    return min(found) if found else None
+
+
 def chunks_of(schedule: str) -> int:
     """Stages each rank holds when the planner plans ``schedule``."""
     return LOOPED_CHUNKS if schedule in ("interleaved", "bfs", "interleaved-zb") else \
@@ -166,8 +178,6 @@ def order_memory(schedule: str, ranks: int, microbatches: int) -> tuple:
     the stages it holds, each one's peak microbatches held and weight versions, and the rank's peak
     count of microbatches held over all its stages, read off the generated order (module
     docstring). Raises :class:`~pipetrain.errors.ScheduleError` where the generator refuses."""
-    from pipetrain.schedule import build, memory_by_rank
-
     built = build(schedule, ranks, microbatches, chunks=chunks_of(schedule) if schedule in
                   ("interleaved", "bfs", "interleaved-zb") else 1, communication=False)
     out = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 
 from pipetrain.plan.baselines import BASELINES, baseline
@@ -11,10 +10,11 @@ from pipetrain.plan.memory import CHUNKED, check_schedule
 from pipetrain.plan.pipedream import optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
+from pipetrain.plan.search import search
 from pipetrain.plan.topology import Topology
 from pipetrain.schedule.costs import Costs
 
-__all__ = ["make_plan", "compare_baselines", "training_hints", "smallest_fitting"]
+__all__ = ["make_plan", "compare_baselines", "training_hints"]
 
 
 def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "pipedream",
@@ -40,8 +40,6 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
     started = time.perf_counter()
     cuts = profile if isinstance(profile, Cuts) else build_cuts(profile)
     if schedule == "auto":
-        from pipetrain.plan.search import search
-
         return search(cuts.profile, topology, memory_limit=memory_limit,
                       microbatches=[microbatches] if microbatches else None,
                       cost_model=cost_model, straight=straight, fewer_machines=fewer_machines,
@@ -49,8 +47,6 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
     name = check_schedule(schedule)
     m = 1 if name == "pipedream" else (microbatches or topology.workers)
     if name in CHUNKED:  # several stages per worker: cut by time and simulated (search's docstring)
-        from pipetrain.plan.search import search
-
         m = microbatches or 2 * topology.workers  # the V schedules need 2W-1 to fill their V
         return search(cuts.profile, topology, memory_limit=memory_limit, schedules=[name], microbatches=[m],
                       cost_model=cost_model, cuts=cuts, calibration=calibration)
@@ -59,16 +55,6 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
                     microbatches=m, progress=progress, recompute=recompute)
     plan.solve_seconds = time.perf_counter() - started
     return plan
-
-
-def smallest_fitting(messages: list[str]) -> tuple[float, str] | None:
-    """The smallest "smallest memory limit that fits" among error messages, with its text."""
-    found = []
-    for text in messages:
-        match = re.search(r"smallest memory limit that fits is ([^(]+)\((\d+) bytes\)", text)
-        if match:
-            found.append((float(match.group(2)), match.group(1).strip()))
-    return min(found) if found else None
 
 
 def compare_baselines(profile: Profile | Cuts, topology: Topology, *,

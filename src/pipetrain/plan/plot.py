@@ -13,10 +13,10 @@ __all__ = ["plot_plan"]
 def plot_plan(plan: Plan, profile: Profile, path: str | Path,
               baselines: list[Plan] | None = None) -> None:
     """Draw per-layer compute (bars) and each stage's predicted time (spans) into ``path``."""
-    import matplotlib
+    import matplotlib  # slow to import: only when a figure is drawn
 
     matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
+    from matplotlib import pyplot as plt  # after choosing the backend, which must come first
 
     layers = {layer.name: layer for layer in profile.layers}
     order = [name for stage in plan.stages for name in stage.layers]

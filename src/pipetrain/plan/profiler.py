@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.fx
 from torch import nn
 
 from pipetrain.errors import ConfigError
@@ -116,7 +117,6 @@ def _sequential_units(model: nn.Sequential) -> tuple[list[_Unit], Callable[[dict
 
 
 def _fx_units(model: nn.Module) -> tuple[list[_Unit], Callable[[dict], Any]]:
-    import torch.fx
 
     try:
         traced = torch.fx.symbolic_trace(model)
@@ -164,7 +164,6 @@ def _fx_units(model: nn.Module) -> tuple[list[_Unit], Callable[[dict], Any]]:
 
 def _node_runner(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Callable[..., Any]:
     """A callable taking a dict of computed node values, filling the fx node's arguments."""
-    import torch.fx
 
     def resolve(value: Any, env: dict[str, Any]) -> Any:
         if isinstance(value, torch.fx.Node):
@@ -224,7 +223,7 @@ def profile_model(model: nn.Module, example: tuple[Any, torch.Tensor],
         sizes: dict[str, int] = {}
         rounds = range(warmup + iterations)
         if progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # an optional dependency, for the progress bar alone
 
             rounds = tqdm(rounds, desc="profiling", unit="it", leave=False)
         for it in rounds:

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipetrain.plan.memory import is_flush
+
 __all__ = ["Stage", "Plan"]
 
 
@@ -80,8 +82,6 @@ class Plan:
 
     @property
     def time_per_minibatch_with_bubble(self) -> float:
-        from pipetrain.plan.memory import is_flush
-
         if not is_flush(self.schedule):
             return self.predicted_time_per_minibatch
         if self.chunks > 1:  # no closed form over every chunked order: the simulated time, when known

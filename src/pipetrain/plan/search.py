@@ -36,15 +36,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pipetrain.errors import PipetrainError, ScheduleError, option
-from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.baselines import block_partition, evaluate_straight
 from pipetrain.plan.cost_model import data_parallel_time
-from pipetrain.plan.memory import CHUNKED, SCHEDULES, SPLIT, check_schedule, chunks_of, format_bytes, order_memory
+from pipetrain.plan.graph import Cuts, build_cuts
+from pipetrain.plan.memory import (CHUNKED, SCHEDULES, SPLIT, check_schedule, chunks_of, format_bytes, order_memory,
+                                   smallest_fitting)
 from pipetrain.plan.pipedream import optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology
-from pipetrain.schedule.costs import Costs
+from pipetrain.schedule import Costs, build, memory_by_rank, simulate
 
 __all__ = ["search", "simulate_plan", "Simulated", "DEFAULT_MICROBATCHES"]
 
@@ -66,8 +67,6 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology, calibration:
     ``calibration`` (``pipetrain calibrate``'s costs) adds what the profile does not hold: the
     runner's overhead per action, each message's sender and receiver busy time and latency, the
     optimizer step per parameter byte (the topology still gives the bandwidths)."""
-    from pipetrain.schedule import build, memory_by_rank, simulate
-
     layers = {layer.name: layer for layer in profile.layers}
     stages = plan.stages
     count = len(stages)
@@ -134,8 +133,6 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology, calibration:
 
 def _simulate_chunked(plan: Plan, costs, fwd: list[float], bwd: list[float]) -> Simulated:
     """:func:`simulate_plan` for a plan whose workers hold ``plan.chunks`` stages each."""
-    from pipetrain.schedule import build, simulate
-
     ranks, m = len(plan.stages) // plan.chunks, plan.microbatches
     looped = plan.chunks if plan.schedule in ("interleaved", "bfs", "interleaved-zb") else 1
     spans = [simulate(build(plan.schedule, ranks, m, steps=steps, chunks=looped), costs).makespan
@@ -228,8 +225,6 @@ def search(profile: Profile, topology: Topology, *, memory_limit: float | None =
             if fits and (best is None or _better(sim, best[2])):
                 best = (sim.time_per_minibatch, plan, sim)
     if best is None:
-        from pipetrain.plan.planner import smallest_fitting
-
         needs = [t["peak_memory_bytes"] for t in tried if "peak_memory_bytes" in t]
         smallest = smallest_fitting([t["error"] for t in tried if "error" in t])
         options = ([smallest[0]] if smallest else []) + needs

@@ -34,6 +34,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
+import torch.distributed as dist
+
+from pipetrain.optim.spec import build_stage_optimizer
+from pipetrain.runtime.launch import init_distributed
+from pipetrain.runtime.p2p import Messenger
+
 __all__ = ["SIZES", "Fit", "TransportFigures", "fit_line", "measure_transport", "measure_step"]
 
 #: message sizes measured (bytes): 1 KB .. 4 MB
@@ -117,12 +124,6 @@ def measure_transport(device: str = "cpu", sizes: Sequence[int] = SIZES, optimiz
     """The worker of a 2-rank calibration (started by :func:`~pipetrain.runtime.launch.launch`):
     ping-pong, all-reduce, and on rank 0 the optimizer step. Rank 0 returns the figures, rank 1
     None."""
-    import torch
-    import torch.distributed as dist
-
-    from pipetrain.runtime.launch import init_distributed
-    from pipetrain.runtime.p2p import Messenger
-
     cuda = device.startswith("cuda")
     env = init_distributed("nccl" if cuda else "gloo", timeout=timeout)
     where = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
@@ -199,10 +200,6 @@ def measure_step(optimizer: str = "sgd:lr=0.01,momentum=0.9", device: Any = "cpu
                  sizes: Sequence[int] = (64 << 10, 1 << 20, 4 << 20)) -> Fit:
     """Seconds of one optimizer update of a stage holding ``bytes`` of float32 parameters, fitted
     over ``sizes``: the slope is the step per parameter byte."""
-    import torch
-
-    from pipetrain.optim.spec import build_stage_optimizer
-
     cuda = str(device).startswith("cuda")
     points = []
     for nbytes in sizes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from pipetrain.errors import DataWorkerLost, PipetrainError  # noqa: F401 - DataWorkerLost: (re-exported)
 
 __all__ = [
@@ -69,7 +71,5 @@ def collective(what: str, call):
     try:
         return call()
     except RuntimeError as error:
-        import torch.distributed as dist
-
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise PeerLostError(f"rank {dist.get_rank()}: {what} failed because a peer is gone or stuck ({first})") from None

@@ -38,19 +38,22 @@ from typing import Any, Callable, MutableMapping
 
 import torch.distributed as dist
 
+from pipetrain.data.worker_deaths import lost_data_worker
 from pipetrain.errors import NonFiniteError, PipetrainError, option
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.interpreter import Interpreter
+from pipetrain.execution.losses import UnitLosses
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.tied import TiedGradients
-from pipetrain.execution.losses import UnitLosses
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CheckpointMismatchError, CommunicationError, DataWorkerLost
 from pipetrain.runtime.liveness import Liveness
 from pipetrain.runtime.p2p import Messenger
 from pipetrain.runtime.transport import DistributedTransport
-from pipetrain.schedule.messages import Messages
+from pipetrain.schedule.cuts import in_flight
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action, halves
+from pipetrain.schedule.messages import Messages
+from pipetrain.schedule.pattern import PeriodicProgram
 
 __all__ = ["RankRunner", "sync_groups"]
 
@@ -311,8 +314,6 @@ class RankRunner:
         """Keep every version that a forward in flight at one of these cuts (this rank's positions
         of the cuts where it checkpoints) read, up to the cut, so that the checkpoint holds it
         (see :func:`~pipetrain.schedule.cuts.in_flight`); released right after the cut."""
-        from pipetrain.schedule.cuts import in_flight
-
         if not positions:
             return
         released = self._released()
@@ -344,8 +345,6 @@ class RankRunner:
     def restore(self, state: dict[str, Any], cut) -> int:
         """Load this rank's state at ``cut``, replay the forwards in flight and re-send what
         crossed the cut; returns the program position to continue from."""
-        from pipetrain.schedule.cuts import in_flight
-
         schedule, rank, program = self.schedule, self.rank, self.program
         position = cut.positions[rank]
         forwards = in_flight(program, [position])[0]
@@ -400,16 +399,12 @@ def _check_in_flight(state: dict[str, Any], forwards: list[Action], rank: int, s
 def _after(program, position: int):
     """The actions of ``program`` from ``position`` on; of a long one, those within a period's
     reach (where the forwards of the microbatches in flight at ``position`` lie)."""
-    from pipetrain.schedule.pattern import PeriodicProgram
-
     if isinstance(program, PeriodicProgram) and program.pattern is not None:
         return program[position: position + program.pattern.lag(program.rank)]
     return program[position:]
 
 
 def _runtime_error(rank: int, action: Action, error: RuntimeError) -> PipetrainError:
-    from pipetrain.data.worker_deaths import lost_data_worker
-
     lost = lost_data_worker(error, rank)  # a fault, not bad input: the run may be restarted
     if lost is not None:
         return lost

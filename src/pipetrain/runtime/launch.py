@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime
+import json
 import os
 import pickle
-import signal
+import runpy
+import shutil
 import sys
 import tempfile
 import time
 import traceback
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
+import torch.distributed as dist
+
+from pipetrain.data.worker_deaths import lost_data_worker
 from pipetrain.errors import PipetrainError
-from pipetrain.runtime.errors import LaunchError
+from pipetrain.runtime.errors import CommunicationError, DataWorkerLost, JoinError, LaunchError
+from pipetrain.runtime.rendezvous import GENERATION, agree, generation, interface_towards
+from pipetrain.runtime.settle import die_with_parent
+from pipetrain.runtime.status import env_store, publish_error, read_errors
 from pipetrain.runtime.supervise import EXIT_PEER_FAILURE, EXIT_USER_ERROR, LaunchResult, run_workers
 
 __all__ = [
@@ -29,11 +38,13 @@ __all__ = [
     "EXIT_USER_ERROR",
     "report_worker_error",
     "EXIT_PEER_FAILURE",
-    "die_with_parent",
 ]
 
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: a spawned worker's program: settle the process (its cores), then import PyTorch with this module
+_ENTRY = ("from pipetrain.runtime.settle import settle; settle(); "
+          "from pipetrain.runtime.launch import {0}; {0}()")
 
 
 @dataclass(frozen=True)
@@ -109,12 +120,6 @@ def init_distributed(backend: str = "gloo", timeout: float = 300.0) -> DistEnv:
 
     With ``backend="nccl"`` the process first selects GPU LOCAL_RANK. Idempotent.
     """
-    import torch
-    import torch.distributed as dist
-
-    from pipetrain.runtime.errors import JoinError
-    from pipetrain.runtime.rendezvous import GENERATION, agree, generation, interface_towards
-
     env = detect()
     if env is None:
         raise LaunchError(
@@ -229,7 +234,7 @@ def launch(
             f"cannot hand {getattr(fn, '__qualname__', fn)!r} and its arguments to the workers: "
             f"{error}; use a module-level function and picklable arguments"
         ) from None
-    command = [sys.executable, "-c", "from pipetrain.runtime.launch import _worker_main; _worker_main()"]
+    command = [sys.executable, "-c", _ENTRY.format("_worker_main")]
     extra = dict(env or {}, PIPETRAIN_ENTRY=payload, PIPETRAIN_MAIN=main_path)
     try:
         result = run_workers(command, nprocs, threads_per_worker=threads_per_worker,
@@ -263,10 +268,8 @@ def launch_script(
     interpreter's own command line (``python script.py``, ``python -m package.module``); an
     interactive session or a test runner cannot be re-run and is refused.
     """
-    import json
-
     head, script = _script_command()
-    command = [sys.executable, *head, "-c", "from pipetrain.runtime.launch import _script_main; _script_main()"]
+    command = [sys.executable, *head, "-c", _ENTRY.format("_script_main")]
     return run_workers(command, nprocs, threads_per_worker=threads_per_worker,
                        cores=plan_cores(nprocs, threads_per_worker) if pin else None, grace=grace, timeout=timeout,
                        env=dict(env or {}, PIPETRAIN_SCRIPT=json.dumps(script)), quiet=quiet, restarts=restarts,
@@ -325,9 +328,6 @@ def _load_main() -> None:
     path = os.environ.get("PIPETRAIN_MAIN")
     if not path:
         return
-    import runpy
-    import types
-
     module = types.ModuleType("__mp_main__")
     module.__dict__.update(runpy.run_path(path, run_name="__mp_main__"))
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
@@ -343,39 +343,19 @@ def _read_result(workdir: str, rank: int) -> Any:
 
 
 def _rmtree(path: str) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
 
 
-def die_with_parent(parent: int) -> None:
-    """End this process (SIGKILL) when its parent ``parent`` dies (PR_SET_PDEATHSIG, Linux): a
-    worker must not outlive the launcher or the torchrun agent that watches it, or a lost
-    launcher leaves it training alone to the end."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if parent and os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _settle() -> None:
-    """A spawned worker's own process settings: die with the launcher, pin to its cores, one
-    thread per core."""
-    die_with_parent(int(os.environ.get("PIPETRAIN_PARENT", "0")))
-    cpus = os.environ.get("PIPETRAIN_CPUS")
-    if cpus:
-        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
-    import torch
-
+def _threads() -> None:
+    """A spawned worker's thread count (its cores were set by :func:`~pipetrain.runtime.settle.settle`
+    before PyTorch was imported)."""
     torch.set_num_threads(int(os.environ.get("PIPETRAIN_THREADS", "1")))
 
 
 def _worker_main() -> None:
-    """Entry of a spawned worker: pin, run the pickled function, store its result."""
-    _settle()
+    """Entry of a spawned worker (pinned by its command first): run the pickled function, store its
+    result."""
+    _threads()
     rank = int(os.environ["RANK"])
     entry = os.environ["PIPETRAIN_ENTRY"]
 
@@ -398,10 +378,9 @@ def _worker_main() -> None:
 
 def _script_main() -> None:
     """Entry of a worker that runs the user's script (see :func:`launch_script`): as ``python
-    script.py`` or ``python -m module`` would, with the script's own arguments."""
-    _settle()
-    import json
-    import runpy
+    script.py`` or ``python -m module`` would, with the script's own arguments (pinned by its
+    command first)."""
+    _threads()
 
     kind, target, arguments = json.loads(os.environ["PIPETRAIN_SCRIPT"])
 
@@ -438,8 +417,6 @@ def _run_and_exit(run: Callable[[], None], rank: int) -> None:
             sys.stdout.flush()
             os._exit(code)
     except BaseException as error:
-        from pipetrain.data.worker_deaths import lost_data_worker
-
         lost = lost_data_worker(error, rank)  # torch raises it wherever the worker was when its data worker died
         if lost is not None:
             if not report_worker_error(rank, lost):
@@ -458,9 +435,6 @@ def report_worker_error(rank: int, error: PipetrainError) -> bool:
     data, a NaN loss) is left in the launcher's store; a lost peer is not reported when another
     rank left its error there first (the peers of a failed rank only echo its failure). Under
     torchrun, or when the store does not answer, False: the worker prints the error itself."""
-    from pipetrain.runtime.errors import CommunicationError, DataWorkerLost
-    from pipetrain.runtime.status import env_store, publish_error, read_errors
-
     if "PIPETRAIN_LAUNCHER" not in os.environ:
         return False
     try:
@@ -484,8 +458,6 @@ def finish_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 from pipetrain.errors import option
 from pipetrain.runtime.errors import PeerLostError, PeerTimeoutError
+from pipetrain.runtime.status import env_store
 
 __all__ = ["Liveness", "new_prefix"]
 
@@ -74,8 +75,6 @@ class Liveness:
     def for_board(cls, board: Any, timeout: float, prefix: str) -> Liveness:
         """For a run's board made by :meth:`StatusBoard.from_env`: a store client of its own on
         the same server."""
-        from pipetrain.runtime.status import env_store
-
         return cls(env_store(timeout), board.rank, board.world_size, timeout, prefix=prefix,
                    status_prefix=board.prefix, board=board)
 

@@ -18,6 +18,7 @@ dead predecessor left. Held locks are released at the end of the run (the file i
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import socket
@@ -70,8 +71,6 @@ class DirectoryLock:
     def acquire(self) -> str:
         """Take the lock. Returns a line to print when a lock left by a run that no longer runs was
         taken over ("" otherwise, and when this run's launcher already holds it)."""
-        import fcntl
-
         self._made = not self.directory.exists()
         self.directory.mkdir(parents=True, exist_ok=True)
         for _ in range(5):  # the holder may remove the file between our open and our flock

@@ -29,6 +29,8 @@ import time
 import uuid
 from typing import Any
 
+import torch.distributed as dist
+
 from pipetrain.errors import option
 from pipetrain.runtime.errors import JoinError
 
@@ -47,8 +49,6 @@ def generation() -> str:
 
 def run_store(store: Any, name: str | None = None) -> Any:
     """``store`` seen through the key prefix of generation ``name`` (default: this worker's)."""
-    import torch.distributed as dist
-
     return dist.PrefixStore(f"pipetrain/{generation() if name is None else name}/", store)
 
 

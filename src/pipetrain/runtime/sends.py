@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from pipetrain.schedule.ir import Kind, Schedule
 from pipetrain.schedule.messages import Messages
+from pipetrain.schedule.pattern import pattern_of
 
 __all__ = ["SendLedger", "on_demand_is_safe"]
 
@@ -129,8 +130,6 @@ def on_demand_is_safe(
     A long schedule expanded from a pattern is dry-run as its sample, with the pauses and the
     start moved to the same places of the sample (the pattern repeats, so the dry run does too).
     """
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None:
         moved = _to_sample(pattern, pauses, start)

@@ -11,6 +11,10 @@ from collections import deque
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch.distributed as dist
+
+from pipetrain.runtime.rendezvous import run_store
+
 __all__ = [
     "StatusBoard", "read_status", "format_status", "diagnose", "env_store", "default_prefix", "publish_error",
     "read_errors",
@@ -35,10 +39,6 @@ def env_store(timeout: float = 10.0) -> Any:
     (:func:`~pipetrain.runtime.rendezvous.run_store`: torchrun keeps one store for all restarts).
     A separate connection, so status traffic never queues behind the process group's own store
     operations."""
-    import torch.distributed as dist
-
-    from pipetrain.runtime.rendezvous import run_store
-
     return run_store(dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),

@@ -21,11 +21,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import torch.distributed as dist
+
 from pipetrain.errors import PipetrainError, option, written
+from pipetrain.runtime.rendezvous import GENERATION, loopback_interface, loopback_listener, run_store
+from pipetrain.runtime.status import diagnose, format_status, read_errors, read_status
 
 __all__ = ["LaunchResult", "run_workers", "describe_exit", "EXIT_USER_ERROR", "EXIT_PEER_FAILURE",
            "restartable"]
@@ -128,10 +133,6 @@ def _start(
     silence: float | None = None,
 ) -> LaunchResult:
     """One start of the workers (generation ``attempt``), watched to its end."""
-    import torch.distributed as dist
-
-    from pipetrain.runtime.rendezvous import GENERATION, loopback_interface, loopback_listener, run_store
-
     listener = loopback_listener()
     port = listener.getsockname()[1]
     store = dist.TCPStore(
@@ -191,8 +192,6 @@ def _start(
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -218,8 +217,6 @@ def _watch(
     named, the run ending ``silence`` seconds after it was last heard, whatever its peers were
     doing meanwhile (a peer that went on computing would time out only ``silence`` seconds after
     its own wait began)."""
-    from pipetrain.runtime.status import diagnose, format_status, read_errors, read_status
-
     start = time.monotonic()
     listened = start  # when the boards were last read for silence
     first: tuple[int, int] | None = None

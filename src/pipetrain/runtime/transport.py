@@ -15,6 +15,7 @@ waits, the failure report naming the action); sends are completed by a
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import Any, Sequence
 
 import torch
@@ -26,6 +27,7 @@ from pipetrain.runtime.p2p import Messenger, RecvHandle
 from pipetrain.runtime.sends import SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 from pipetrain.schedule.messages import Messages
+from pipetrain.schedule.pattern import PeriodicProgram
 from pipetrain.structure import append, split_last
 
 __all__ = ["DistributedTransport"]
@@ -144,10 +146,6 @@ class DistributedTransport:
 
     def _receive_counts(self, start: int) -> dict[tuple[int, str], int]:
         """Per channel, the receives of the program at positions ``start`` on."""
-        from itertools import islice
-
-        from pipetrain.schedule.pattern import PeriodicProgram
-
         program, counts = self.program, {}
 
         def add(actions, times: int) -> None:

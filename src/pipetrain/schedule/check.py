@@ -13,6 +13,7 @@ from __future__ import annotations
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.ir import Kind, Schedule, format_action, halves
+from pipetrain.schedule.pattern import pattern_of
 from pipetrain.schedule.timeline import dry_run
 
 __all__ = ["check", "problems"]
@@ -27,8 +28,6 @@ def check(schedule: Schedule, *, deadlock: bool = True) -> None:
     sample of the head, two more periods than the pattern was read from, and the tail: every rule on
     the pattern and on each seam (head to body, body to body, body to tail).
     """
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None:
         schedule = pattern.check_sample
@@ -48,8 +47,6 @@ class _TooMany(Exception):
 def problems(schedule: Schedule) -> list[str]:
     """Every static rule violation, as one readable line each (empty when valid); of a long
     schedule's pattern, its sample's (see :func:`check`)."""
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None:
         schedule = pattern.check_sample

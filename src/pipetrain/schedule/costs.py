@@ -27,6 +27,7 @@ import os
 import platform
 import warnings
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Sequence, Union
 
 from pipetrain.errors import ScheduleError, option
@@ -222,8 +223,6 @@ def load_costs(path: str) -> Costs:
 def machine_facts() -> dict[str, str | int]:
     """What a calibration says about where it ran: host, processor, cores and torch's version
     (read without importing torch)."""
-    from importlib import metadata
-
     try:
         version = metadata.version("torch")
     except metadata.PackageNotFoundError:

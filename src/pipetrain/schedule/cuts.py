@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from pipetrain.errors import ConfigError, option
-from pipetrain.schedule.messages import Messages
 from pipetrain.schedule.ir import Kind, Schedule, halves
+from pipetrain.schedule.messages import Messages
+from pipetrain.schedule.pattern import PeriodicProgram, pattern_of
 
 __all__ = ["Cut", "cut", "cuts", "feed_cuts", "shared_updates", "split_counts", "in_flight"]
 
@@ -70,8 +71,6 @@ class _SplitCounts:
     replicas of a stage make together (of a long schedule: at the same place of its sample)."""
 
     def __init__(self, schedule: Schedule) -> None:
-        from pipetrain.schedule.pattern import pattern_of
-
         self.pattern = pattern_of(schedule)
         self.split = {c for _, first, last in shared_updates(schedule if self.pattern is None else self.pattern.sample)
                       for c in range(first + 1, last + 1)}
@@ -92,8 +91,6 @@ def cut(schedule: Schedule, units: int, messages: Messages | None = None) -> Cut
     """The cut after ``units`` units, or a ConfigError if it is not consistent or leaves a split
     backward half done. ``messages``: the schedule's :class:`~pipetrain.schedule.messages.Messages`,
     if already built."""
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None:
         return cuts(schedule, [units], messages)[0]
@@ -141,8 +138,6 @@ def cuts(schedule: Schedule, counts: Sequence[int], messages: Messages | None = 
     """:func:`cut` for many unit counts at once, in one pass over the programs and messages
     (evaluating or checkpointing after every update would otherwise scan the programs once per
     update). Raises :func:`cut`'s error for the smallest count that has one."""
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None:  # each cut is the sample's at the same place of its middle periods, shifted
         shifts = [pattern.shift_of_units(units) for units in counts]
@@ -207,8 +202,6 @@ def feed_cuts(schedule: Schedule, units_per_update: int, messages: Messages | No
     For a long schedule expanded from a pattern: a sequence that computes each update's piece from
     its sample's (:class:`FeedCuts`), instead of a list of them all.
     """
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None and pattern.units % units_per_update == 0:
         return FeedCuts(pattern, feed_cuts(pattern.sample, units_per_update), units_per_update,
@@ -297,8 +290,6 @@ def in_flight(program: Sequence, positions: Sequence[int]) -> list[list]:
     as the forward is done, since the backward reads the current weights; a rank that checkpoints
     keeps such versions up to the cut (:meth:`~pipetrain.runtime.executor.RankRunner.keep_for_cuts`).
     """
-    from pipetrain.schedule.pattern import PeriodicProgram
-
     if isinstance(program, PeriodicProgram) and program.pattern is not None:  # the sample's, shifted
         pattern, rank = program.pattern, program.rank
         mapped = [pattern.to_sample(rank, position) for position in positions]

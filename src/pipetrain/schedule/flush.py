@@ -14,6 +14,7 @@ Every microbatch of step t reads version t: one weight version, exact gradient a
 from __future__ import annotations
 
 import functools
+from math import lcm
 from typing import Sequence
 
 from pipetrain.errors import ScheduleError, option
@@ -79,8 +80,6 @@ def _check(stages: int, microbatches: int, steps: int, replicas: Sequence[int] |
 
 
 def _multiple_at_least(value: int, counts: Sequence[int]) -> int:
-    from math import lcm
-
     step = lcm(*counts)
     return max(step, -(-value // step) * step)
 

@@ -28,6 +28,7 @@ names one unit of work.
 from __future__ import annotations
 
 import enum
+import os
 import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
@@ -378,8 +379,6 @@ def _parse_placement(text: str | None, programs: Sequence[Sequence[Action]]) -> 
 
 
 def dump(schedule: Schedule, path: str) -> None:
-    import os
-
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(dumps(schedule))

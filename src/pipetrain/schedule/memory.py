@@ -23,6 +23,7 @@ from typing import Collection, Sequence
 
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.ir import Kind, Schedule, halves
+from pipetrain.schedule.pattern import pattern_of
 from pipetrain.schedule.recompute import recompute_stages
 
 __all__ = ["StageMemory", "memory_by_rank", "StageSizes", "bytes_by_rank"]
@@ -50,8 +51,6 @@ def memory_by_rank(schedule: Schedule, *, recompute: bool | str | Collection[int
 
     A long schedule's pattern repeats what is held: its peaks are its check sample's (the head,
     the body met by bodies on both sides, the tail), computed without walking the whole run."""
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None:
         return memory_by_rank(pattern.check_sample, recompute=recompute)
@@ -82,8 +81,6 @@ def bytes_by_rank(schedule: Schedule, sizes: Sequence[StageSizes], *,
     from F until its W) and their ``total``. ``sizes[s]``: stage s's :class:`StageSizes`."""
     if len(sizes) != schedule.num_stages:
         raise ValueError(f"bytes_by_rank: {len(sizes)} stage sizes for {schedule.num_stages} stages")
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     sample = pattern.check_sample if pattern is not None else schedule
     again = recompute_stages(recompute, schedule.num_stages)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipetrain.schedule.ir import Kind, Schedule
+from pipetrain.schedule.pattern import ShiftedEnds, pattern_of
 
 __all__ = ["Messages"]
 
@@ -17,8 +18,6 @@ class Messages:
     """
 
     def __init__(self, schedule: Schedule) -> None:
-        from pipetrain.schedule.pattern import ShiftedEnds, pattern_of
-
         self.sent_at: dict[tuple, tuple[int, int]] = {}
         self.received_at: dict[tuple, tuple[int, int]] = {}
         pattern = pattern_of(schedule)

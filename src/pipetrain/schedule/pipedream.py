@@ -12,6 +12,7 @@ each update. 2BW runs the same order over batches of m microbatches and updates 
 
 from __future__ import annotations
 
+from math import lcm
 from typing import Sequence
 
 from pipetrain.errors import ScheduleError, option
@@ -49,8 +50,6 @@ def asynchronous_programs(
 
 
 def _check_divisible(total: int, counts: Sequence[int], what: str, name: str) -> None:
-    from math import lcm
-
     step = lcm(*counts)
     if total % step:
         fixed = max(step, -(-total // step) * step)

@@ -33,10 +33,10 @@ _DIGIT_WIDTH = 0.64  # of the font size: a digit of matplotlib's default font, w
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # slow to import: only when a figure is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the backend, which must come first
 
     return plt
 
@@ -94,7 +94,7 @@ def _axis_points(ax) -> float:
 
 def _legend(fig, kinds: set, bottom: float = 0.0) -> None:
     """The colours' legend along the bottom of ``fig``, ``bottom`` (a fraction of its height) up."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # with matplotlib, only when drawing (see _pyplot)
 
     order = [k for k in COLOURS if k in kinds]
     handles = [Patch(facecolor=COLOURS[k], label=_LABELS[k]) for k in order]

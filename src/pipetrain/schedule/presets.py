@@ -50,6 +50,7 @@ from pipetrain.schedule.interleaved import interleaved
 from pipetrain.schedule.interleaved_zb import interleaved_zero_bubble
 from pipetrain.schedule.ir import Schedule
 from pipetrain.schedule.lower import add_communication
+from pipetrain.schedule.pattern import period_units, periodic
 from pipetrain.schedule.pb import pb
 from pipetrain.schedule.pipedream import pipedream, two_bw
 from pipetrain.schedule.versions import POLICIES, assign_versions
@@ -186,8 +187,6 @@ def _as_pattern(name: str, stages: int, microbatches: int, steps: int, chunks: i
                 replicas: Sequence[int] | None, policy: str | None, update_every: int,
                 costs: Costs | None = None, memory_limit: int | None = None) -> Schedule | None:
     """The schedule as a pattern (see :func:`build`), or None if it is short or does not repeat."""
-    from pipetrain.schedule.pattern import period_units, periodic
-
     name = resolve_name(name)
     if name in ("pipedream", "pb"):
         if steps != 1 or microbatches < 1 or update_every < 1:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import re
 from typing import Sequence
 
@@ -289,8 +290,6 @@ def _torch_action(action: Action) -> str:
 
 def dump(schedule: Schedule, path: str) -> None:
     """Write :func:`dumps` of ``schedule`` to ``path``."""
-    import os
-
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="") as handle:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.ir import Action, Kind, Schedule, halves
+from pipetrain.schedule.pattern import PeriodicProgram, pattern_of
 
 __all__ = ["POLICIES", "assign_versions", "staleness", "units_per_update"]
 
@@ -105,8 +106,6 @@ def staleness(schedule: Schedule) -> list[int]:
     version its gradient is applied to (0 for flushing schedules, W_s for PipeDream, 1 for 2BW,
     2(S-1-s) for PB). Delay compensation (SC's D, LWP's T) defaults to it. A long schedule's
     pattern repeats its delays: they are its sample's."""
-    from pipetrain.schedule.pattern import pattern_of
-
     pattern = pattern_of(schedule)
     if pattern is not None:
         return staleness(pattern.check_sample)
@@ -133,8 +132,6 @@ def staleness(schedule: Schedule) -> list[int]:
 
 def units_per_update(schedule: Schedule) -> list[float]:
     """Per stage, the microbatches whose gradients one update applies (all replicas together)."""
-    from pipetrain.schedule.pattern import PeriodicProgram
-
     result = []
     for stage, ranks in enumerate(schedule.stage_ranks):
         program = schedule.programs[ranks[0]]

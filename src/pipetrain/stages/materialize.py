@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError, option
+from pipetrain.weights import WeightsDir, check_against, tensor_names
 
 __all__ = ["Init", "assign", "load_weights", "has_meta", "materialize", "first_names", "resolve_init", "seed_for"]
 
@@ -105,8 +106,6 @@ def resolve_init(init: Any) -> Init | None:
     if isinstance(init, (str, os.PathLike)):
         if os.fspath(init) == "reset":
             return Init("reset")
-        from pipetrain.weights import WeightsDir
-
         return Init("weights", weights=WeightsDir(init))
     raise ConfigError(f"init must be 'reset', a function (module, name) or a weights directory, not "
                       f"{type(init).__name__}")
@@ -168,8 +167,6 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     A model built under ``torch.device("meta")`` gets real tensors (tied ones stay tied); any other
     keeps its tensors, on their device and dtype, with the stored values copied in.
     """
-    from pipetrain.weights import WeightsDir, check_against, tensor_names
-
     weights = WeightsDir(path)
     check_against(weights, model)
     values = {}
@@ -248,8 +245,6 @@ def materialize(model: nn.Module, part: nn.Module, init: Init | None, *, seed: i
 def _stored_values(weights: Any, model: nn.Module, old: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """The values of the meta tensors ``old`` read from ``weights`` (by any of their names),
     checked against their shapes; non-persistent buffers (no name) are left out."""
-    from pipetrain.weights import tensor_names
-
     names = tensor_names(model)
     values: dict[int, torch.Tensor] = {}
     for tid, tensor in old.items():

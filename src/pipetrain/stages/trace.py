@@ -32,6 +32,7 @@ from torch.nn.modules.transformer import _detect_is_causal_mask, _get_seq_len
 
 from pipetrain.errors import ConfigError, PipetrainError, option
 from pipetrain.stages.nodes import recomputed
+from pipetrain.usercode import user_frame
 
 __all__ = ["default_concrete_args", "resolve_leaf_modules", "trace_model"]
 
@@ -188,8 +189,6 @@ def resolve_leaf_modules(model: nn.Module, leaf_modules: Sequence[str | type]) -
 def _user_frame(error: BaseException) -> str:
     """`` at file:line `code``` of the innermost traceback frame in the user's code
     (:func:`pipetrain.usercode.user_frame`), or ""."""
-    from pipetrain.usercode import user_frame
-
     frame = user_frame(error)
     if frame is None:
         return ""

@@ -1,0 +1,36 @@
+"""A spawned worker's own process settings, made first, before PyTorch is imported: die with the
+launcher, and run on the cores the launcher gave it.
+
+The command that starts a worker (:func:`pipetrain.runtime.launch.launch`) runs :func:`settle`
+before it imports :mod:`pipetrain.runtime.launch` and with it PyTorch, so that the threads PyTorch
+starts find the worker's cores already set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+__all__ = ["settle", "die_with_parent"]
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process (SIGKILL) when its parent ``parent`` dies (PR_SET_PDEATHSIG, Linux): a
+    worker must not outlive the launcher or the torchrun agent that watches it, or a lost
+    launcher leaves it training alone to the end."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent and os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def settle() -> None:
+    """Die with the launcher (``PIPETRAIN_PARENT``) and pin to the cores ``PIPETRAIN_CPUS`` names."""
+    die_with_parent(int(os.environ.get("PIPETRAIN_PARENT", "0")))
+    cpus = os.environ.get("PIPETRAIN_CPUS")
+    if cpus:
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
