@@ -52,7 +52,7 @@ def test_numbers_stay_inside_their_bars_and_apart_on_a_shared_axis():
 
 
 def test_the_measured_picture_says_why_it_is_longer(tmp_path, monkeypatch):
-    import pipetrain.schedule.plot as plot
+    import pipetrain.training.timelines as plot  # the module that draws: it holds plot_comparison
 
     captions = []
     drawn = plot.plot_comparison
@@ -68,7 +68,7 @@ def test_the_measured_picture_says_why_it_is_longer(tmp_path, monkeypatch):
 
 
 def test_a_calibrated_picture_says_what_is_and_is_not_modelled(tmp_path, monkeypatch):
-    import pipetrain.schedule.plot as plot
+    import pipetrain.training.timelines as plot  # the module that draws: it holds plot_comparison
 
     captions = []
     drawn = plot.plot_comparison
