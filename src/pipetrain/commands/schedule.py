@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pipetrain.schedule import check, dump, simulate
     from pipetrain.schedule import torch_csv
-    from pipetrain.schedule.report import format_summary, summarize
+    from pipetrain.schedule.summary import format_summary, summarize
 
     gc.disable()  # a short-lived command over 10^5..10^6 small tuples that cannot form cycles
     from pipetrain.paths import IMAGE, JSON, TEXT, check_outputs
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         if args.programs:
             _write_programs(schedules[0], args.programs)
     if args.trace:
-        from pipetrain.schedule.trace import write_trace
+        from pipetrain.schedule.chrome_trace import write_trace
 
         write_trace(args.trace, *timelines, names=[s.name for s in schedules])
     if args.plot:
