@@ -20,8 +20,8 @@ from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "HELP"]
 
-#: Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
-#: that `pipetrain --help` and the checks of options and output paths answer without them.
+# Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
+# that `pipetrain --help` and the checks of options and output paths answer without them.
 
 HELP = "partition a profiled model into stages and replicas (PipeDream's optimizer)"
 

@@ -11,8 +11,8 @@ from pipetrain.errors import ScheduleError
 
 __all__ = ["add_arguments", "run"]
 
-#: Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
-#: that `pipetrain --help` and the checks of options and output paths answer without them.
+# Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
+# that `pipetrain --help` and the checks of options and output paths answer without them.
 
 _int_list = number_list(int, "3,1")
 
