@@ -19,7 +19,7 @@ from pathlib import Path
 from pipetrain.errors import PipetrainError
 from pipetrain.plan.graph import build_cuts
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 
 PROFILES = Path(__file__).resolve().parents[1] / "tests" / "data" / "pipedream-profiles"
 CASES = [("vgg16", 16, "pipedream"), ("resnet50", 16, "pipedream"), ("vgg16", 64, "gpipe"), ("vgg16", 256, "1f1b"),

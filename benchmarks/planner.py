@@ -34,7 +34,7 @@ import numpy as np
 
 from pipetrain.plan.graph import build_cuts
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.profile import LayerProfile, Profile
 from pipetrain.plan.topology import Topology
 

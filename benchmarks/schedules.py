@@ -33,7 +33,7 @@ def command_seconds(name: str, stages: int, microbatches: int, repeat: int) -> f
 
 def phases(name: str, stages: int, microbatches: int) -> dict[str, float]:
     from pipetrain.schedule import Costs, build, problems, simulate
-    from pipetrain.schedule.report import summarize
+    from pipetrain.schedule.summary import summarize
 
     start = time.perf_counter()
     schedule = build(name, stages, microbatches, chunks=2 if name == "interleaved" else 1)

@@ -3,7 +3,7 @@
 import torch
 import torch.nn as nn
 
-from pipetrain.emulate.transport import Mailboxes, all_reduce_sum
+from pipetrain.emulate.in_process import Mailboxes, all_reduce_sum
 from pipetrain.execution import StageExecutor
 from pipetrain.execution.interpreter import WAIT
 from pipetrain.optim import SGD

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from pipetrain.emulate import Emulator
-from pipetrain.emulate.transport import Mailboxes
+from pipetrain.emulate.in_process import Mailboxes
 from pipetrain.errors import PipetrainError
 from pipetrain.execution import StageExecutor, UnitData, UnitLayout
 from pipetrain.execution.interpreter import Interpreter

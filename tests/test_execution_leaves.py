@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pipetrain.execution.leaves import ForwardLeaves
-from pipetrain.execution.versions import VersionStore
+from pipetrain.execution.version_store import VersionStore
 from pipetrain.optim import SGD
 
 

@@ -8,7 +8,7 @@ import torch
 
 from pipetrain.errors import NonFiniteError, PipetrainError
 from pipetrain.execution.nonfinite import SKIP_LIMIT, NonFiniteGuard, finite_loss, nonfinite_kind, nonfinite_names
-from pipetrain.execution.versions import VersionStore
+from pipetrain.execution.version_store import VersionStore
 
 NAN, INF = float("nan"), float("inf")
 

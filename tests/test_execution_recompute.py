@@ -97,10 +97,10 @@ def test_recomputing_some_stages_trains_bitwise_like_keeping_the_activations(nam
 def test_the_forms_of_recompute_and_their_errors(capsys, tmp_path):
     from pipetrain.cli import main
     from pipetrain.errors import ConfigError
-    from pipetrain.schedule.recompute import format_recompute, parse_recompute, recompute_stages
+    from pipetrain.schedule.recompute_stages import format_recompute, parse_recompute, recompute_stages
     from pipetrain.training.validate import RECOMPUTE
 
-    from pipetrain.schedule.recompute import RECOMPUTE as WORDS
+    from pipetrain.schedule.recompute_stages import RECOMPUTE as WORDS
 
     assert RECOMPUTE == WORDS
     assert parse_recompute("none") is False and parse_recompute("stage") is True

@@ -61,7 +61,7 @@ def test_a_batchnorm_stage_restored_with_a_microbatch_in_flight_continues_as_the
 def test_a_microbatch_in_flight_is_kept_as_what_runs_its_forward_again():
     from pipetrain.execution.inflight import InFlight
     from pipetrain.execution.snapshot import in_flight_state, replay_arguments
-    from pipetrain.execution.versions import VersionStore
+    from pipetrain.execution.version_store import VersionStore
     from pipetrain.structure import flatten
 
     x, mask, ids = torch.ones(2, requires_grad=True), torch.ones(2), torch.tensor([3])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pipetrain.execution.update import updated_weights
-from pipetrain.execution.versions import VersionStore
+from pipetrain.execution.version_store import VersionStore
 from pipetrain.optim import SGD
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule import Kind, build, check, order, pb_delays, warmup_depths
-from pipetrain.schedule.report import versions_read
+from pipetrain.schedule.summary import versions_read
 from pipetrain.schedule.memory import memory_by_rank
 
 

@@ -90,7 +90,7 @@ def test_a_microbatch_is_sized_from_what_autograd_saves():
 
 
 def test_the_report_predicts_bytes_from_the_parameters_and_the_optimizer():
-    from pipetrain.training.memory import predicted_bytes
+    from pipetrain.training.memory_report import predicted_bytes
 
     run = _prepared()
     ranks = predicted_bytes(run)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pipetrain.errors import ConfigError
 from pipetrain.plan.baselines import BASELINES, baseline, block_partition
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.profile import LayerProfile, Profile
 from pipetrain.plan.topology import Topology
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetrain.plan.memory import SCHEDULES
+from pipetrain.plan.stage_memory import SCHEDULES
 from pipetrain.cli import main
 
 PROFILES = Path(__file__).parent / "data" / "pipedream-profiles"

@@ -13,7 +13,7 @@ from pipetrain.errors import PipetrainError
 from pipetrain.plan import effort
 from pipetrain.plan.effort import LIMIT_BYTES, LIMIT_SECONDS, Effort
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 
 PROFILES = Path(__file__).parent / "data" / "pipedream-profiles"
 VGG = PROFILES / "vgg16.txt"

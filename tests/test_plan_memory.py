@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipetrain.errors import ConfigError
-from pipetrain.plan.memory import (check_schedule, in_flight, parse_bytes, stage_memory,
+from pipetrain.plan.stage_memory import (check_schedule, in_flight, parse_bytes, stage_memory,
                                    weight_versions)
 
 

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 from pipetrain.errors import PipetrainError
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.memory import stage_memory
+from pipetrain.plan.stage_memory import stage_memory
 from pipetrain.plan import level as dp_level
 from pipetrain.plan import mirror as dp_mirror
 from pipetrain.plan import solver as dp_solver
 from pipetrain.plan.graph import build_cuts
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.profile import LayerProfile, Profile
 from pipetrain.plan.topology import Topology
 from pipetrain.plan.window import nested_ranges

@@ -8,7 +8,7 @@ import pytest
 
 from pipetrain.errors import PipetrainError
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.memory import SCHEDULES
+from pipetrain.plan.stage_memory import SCHEDULES
 from pipetrain.plan.planner import compare_baselines, make_plan
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.topology import Topology

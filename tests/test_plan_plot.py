@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pipetrain.plan.baselines import baseline
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.plot import plot_plan
 
 PROFILES = Path(__file__).parent / "data" / "pipedream-profiles"

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.profiler import profile_model
 
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ from torch import nn
 from pipetrain.cli import main
 from pipetrain.errors import ConfigError
 from pipetrain.plan.choose import CANDIDATES, choose_schedule, parse_auto
-from pipetrain.plan.memory import CHUNKED, in_flight, order_memory
+from pipetrain.plan.stage_memory import CHUNKED, in_flight, order_memory
 from pipetrain.plan.planner import make_plan
 from pipetrain.plan.profile import LayerProfile, Profile
 from pipetrain.plan.profile_files import save_profile

@@ -8,7 +8,7 @@ import pytest
 
 from pipetrain.errors import PipetrainError
 from pipetrain.plan.graphtxt import parse_graph_txt
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.profile import LayerProfile, Profile
 from pipetrain.plan.search import search, simulate_plan
 from pipetrain.plan.topology import Topology

@@ -1,4 +1,4 @@
-"""The runtime's transport (pipetrain.runtime.transport) between two real gloo processes: what one
+"""The runtime's transport (pipetrain.runtime.distributed_transport) between two real gloo processes: what one
 stage sends is what the next receives, structure, labels and gradient gaps included, whether
 receives are posted ahead of need or on demand."""
 
@@ -9,7 +9,7 @@ import torch
 
 from pipetrain.runtime.launch import init_distributed, launch
 from pipetrain.runtime.p2p import Messenger
-from pipetrain.runtime.transport import DistributedTransport, _unmask
+from pipetrain.runtime.distributed_transport import DistributedTransport, _unmask
 from pipetrain.schedule.ir import Kind
 from pipetrain.schedule.messages import Messages
 from pipetrain.schedule.presets import build

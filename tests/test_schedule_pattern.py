@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from pipetrain.errors import ConfigError
-from pipetrain.execution.versions import version_release_points
+from pipetrain.execution.version_store import version_release_points
 from pipetrain.schedule.cuts import cuts, feed_cuts, in_flight
 from pipetrain.schedule.messages import Messages
 from pipetrain.runtime.sends import on_demand_is_safe

@@ -3,7 +3,7 @@
 import pytest
 
 from pipetrain.schedule import Costs, build, simulate
-from pipetrain.schedule.report import summarize
+from pipetrain.schedule.summary import summarize
 
 
 def test_reference_1f1b_s4_m8():

@@ -9,7 +9,7 @@ import torch
 
 from pipetrain.cli import main
 from pipetrain.schedule import memory_by_rank
-from pipetrain.training.memory import MemoryProbe
+from pipetrain.training.memory_report import MemoryProbe
 
 SMALL = ["--model", "mlp:depth=3,width=16", "--data", "synthetic:features=8,classes=3,samples=64",
          "--batch-size", "8", "--steps", "4", "--no-progress", "--quiet", "--executor", "emulate"]

@@ -4,6 +4,9 @@ The public face: :class:`Pipeline` (train a model with any schedule in one proce
 :func:`load_weights` (a weights directory written by ``save=DIR`` into the unsplit model),
 :mod:`pipetrain.schedule` (the schedule IR, generators, validation and simulation) and the
 `pipetrain` command.
+
+The public names load on first use (``__getattr__`` below), on purpose: ``import pipetrain`` and the
+command line's option checks then run without PyTorch.
 """
 
 from pipetrain.errors import PipetrainError

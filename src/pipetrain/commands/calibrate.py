@@ -21,6 +21,9 @@ from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "HELP", "format_figures"]
 
+# Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
+# that `pipetrain --help` and the checks of options and output paths answer without them.
+
 HELP = "measure message, all-reduce, optimizer-step and per-action costs here (a costs file for the simulator)"
 
 

@@ -11,6 +11,9 @@ from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
 
+# Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
+# that `pipetrain --help` and the checks of options and output paths answer without them.
+
 _floats = number_list(float, "0.5,1,2")
 _ints = number_list(int, "4,8,16")
 

@@ -20,6 +20,9 @@ from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "HELP"]
 
+# Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
+# that `pipetrain --help` and the checks of options and output paths answer without them.
+
 HELP = "partition a profiled model into stages and replicas (PipeDream's optimizer)"
 
 
@@ -74,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipetrain.plan.graph import build_cuts
-    from pipetrain.plan.memory import parse_bytes
+    from pipetrain.plan.stage_memory import parse_bytes
     from pipetrain.plan.planner import compare_baselines, make_plan, training_hints
     from pipetrain.plan.profile_files import load_profile
     from pipetrain.plan.topology import Topology
@@ -148,7 +151,7 @@ def _span(names: list[str]) -> str:
 
 
 def format_table(plan, baselines, source: str) -> str:
-    from pipetrain.plan.memory import format_bytes
+    from pipetrain.plan.stage_memory import format_bytes
 
     lines = [f"plan for {source}: {plan.topology}, cost model {plan.cost_model}, "
              f"schedule {plan.schedule}"
@@ -184,7 +187,7 @@ def format_table(plan, baselines, source: str) -> str:
         table = [("schedule", "m", "replicas", "simulated s", "peak memory", "fits")]
         for c in candidates:
             if "error" in c:
-                from pipetrain.plan.memory import smallest_fitting
+                from pipetrain.plan.stage_memory import smallest_fitting
 
                 need = smallest_fitting([c["error"]])
                 why = f"no (needs {need[1]})" if need else "no: " + c["error"].split(";")[0][:60]

@@ -16,6 +16,9 @@ from pipetrain.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "HELP"]
 
+# Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
+# that `pipetrain --help` and the checks of options and output paths answer without them.
+
 HELP = "measure per-layer times and sizes of a model (input to pipetrain plan)"
 
 

@@ -11,6 +11,9 @@ from pipetrain.errors import ScheduleError
 
 __all__ = ["add_arguments", "run"]
 
+# Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
+# that `pipetrain --help` and the checks of options and output paths answer without them.
+
 _int_list = number_list(int, "3,1")
 
 
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pipetrain.schedule import check, dump, simulate
     from pipetrain.schedule import torch_csv
-    from pipetrain.schedule.report import format_summary, summarize
+    from pipetrain.schedule.summary import format_summary, summarize
 
     gc.disable()  # a short-lived command over 10^5..10^6 small tuples that cannot form cycles
     from pipetrain.paths import IMAGE, JSON, TEXT, check_outputs
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         if args.programs:
             _write_programs(schedules[0], args.programs)
     if args.trace:
-        from pipetrain.schedule.trace import write_trace
+        from pipetrain.schedule.chrome_trace import write_trace
 
         write_trace(args.trace, *timelines, names=[s.name for s in schedules])
     if args.plot:

@@ -6,6 +6,9 @@ import argparse
 
 __all__ = ["add_arguments", "run", "config_from_args", "speed"]
 
+# Imports inside functions are deliberate here: PyTorch and the library load when the command runs, so
+# that `pipetrain --help` and the checks of options and output paths answer without them.
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of every option declared in :class:`~pipetrain.training.config.TrainConfig`, by group."""

@@ -1,5 +1,5 @@
 """The single-process emulator: any schedule of the IR on real modules, deterministically."""
 
-from pipetrain.emulate.executor import Emulator, all_reduce_sum
+from pipetrain.emulate.emulator import Emulator, all_reduce_sum
 
 __all__ = ["Emulator", "all_reduce_sum"]

@@ -3,7 +3,7 @@ with the version an action names, and the mapping from pipeline units to trainin
 
 from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.stage import StageExecutor
-from pipetrain.execution.tied import TiedGradients
-from pipetrain.execution.versions import VersionStore, version_release_points
+from pipetrain.execution.tied_gradients import TiedGradients
+from pipetrain.execution.version_store import VersionStore, version_release_points
 
 __all__ = ["StageExecutor", "TiedGradients", "VersionStore", "version_release_points", "UnitData", "UnitLayout"]

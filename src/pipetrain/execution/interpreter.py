@@ -31,7 +31,7 @@ from pipetrain.execution.losses import UnitLosses
 from pipetrain.execution.failures import StageNames, located
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.timing import ActionTimes, window_lengths
-from pipetrain.execution.versions import version_release_points
+from pipetrain.execution.version_store import version_release_points
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action, halves
 from pipetrain.structure import flatten
 

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from torch import Tensor
 
-from pipetrain.execution.versions import VersionStore
+from pipetrain.execution.version_store import VersionStore
 
 __all__ = ["ForwardLeaves"]
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from pipetrain.errors import NonFiniteError, PipetrainError, option
 from pipetrain.execution.failures import PLAIN, StageNames
-from pipetrain.execution.versions import VersionStore
+from pipetrain.execution.version_store import VersionStore
 
 __all__ = ["NONFINITE", "SKIP_LIMIT", "NonFiniteGuard", "all_finite", "nonfinite_kind", "nonfinite_names",
            "advice", "finite_loss"]

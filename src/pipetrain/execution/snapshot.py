@@ -17,7 +17,7 @@ from torch import Tensor
 
 from pipetrain.execution.device import to_device
 from pipetrain.execution.inflight import InFlight
-from pipetrain.execution.versions import VersionStore
+from pipetrain.execution.version_store import VersionStore
 from pipetrain.structure import Structure
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from pipetrain.execution.snapshot import restore_stage, stage_snapshot
 from pipetrain.execution.split_backward import input_half
 from pipetrain.execution.update import apply_update
 from pipetrain.execution.update_in_backward import fused_update
-from pipetrain.execution.versions import VersionStore
+from pipetrain.execution.version_store import VersionStore
 from pipetrain.structure import flatten
 
 __all__ = ["StageExecutor"]

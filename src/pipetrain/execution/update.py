@@ -2,7 +2,7 @@
 
 An update writes into the current version's own tensors when the schedule releases that version
 with the update (in place; nothing reads it any more), else into those of released versions
-(:meth:`~pipetrain.execution.versions.VersionStore.spares`), so that a stage never holds more
+(:meth:`~pipetrain.execution.version_store.VersionStore.spares`), so that a stage never holds more
 versions than its schedule says, and in steady state allocates none. A skipped update (a gradient
 that is not finite, or float16's overflow) makes a version equal to the last: the same tensors
 when the last is released, else a copy, so that both stay immutable.
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from pipetrain.errors import PipetrainError
-from pipetrain.execution.versions import VersionStore
+from pipetrain.execution.version_store import VersionStore
 
 if TYPE_CHECKING:
     from pipetrain.execution.stage import StageExecutor

@@ -20,7 +20,7 @@ under eager attention as GPT-2 computes with ``use_cache=False``).
 
 The output head of both reuses the input embedding's weight (tied weights): cut into stages, the
 first and the last stage hold it, and the synchronous schedules sum its gradient
-(:mod:`pipetrain.execution.tied`). The encoder-decoders T5 and BART are cut at every layer of both
+(:mod:`pipetrain.execution.tied_gradients`). The encoder-decoders T5 and BART are cut at every layer of both
 stacks (:mod:`pipetrain.models.hf_seq2seq`); their embedding is shared by the encoder, the decoder
 and the LM head.
 

@@ -12,7 +12,7 @@ from typing import Any
 from pipetrain.plan.baselines import BASELINES, baseline
 from pipetrain.plan.choose import choose_schedule
 from pipetrain.plan.cost_model import COST_MODELS
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.planner import compare_baselines, make_plan
 from pipetrain.plan.profile import LayerProfile, Profile
 from pipetrain.plan.profile_files import load_profile, save_profile

@@ -21,8 +21,8 @@ import numpy as np
 from pipetrain.errors import ConfigError
 from pipetrain.plan.cost_model import COST_MODELS, data_parallel_time, stage_time, transfer_in, transfer_out
 from pipetrain.plan.graph import Cuts, build_cuts
-from pipetrain.plan.memory import check_schedule
-from pipetrain.plan.pipedream import attach_inputs_and_memory
+from pipetrain.plan.stage_memory import check_schedule
+from pipetrain.plan.optimizer import attach_inputs_and_memory
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
 from pipetrain.plan.topology import Topology

@@ -1,7 +1,7 @@
 """The two cost models of PipeDream's optimizer: one stage's time, its transfers, data parallelism.
 
 ``pipedream-code`` adds the all-reduce to the compute (the public optimizer); ``paper`` overlaps
-them (``max``). The formulas are in :mod:`pipetrain.plan.pipedream`'s docstring; the DP
+them (``max``). The formulas are in :mod:`pipetrain.plan.optimizer`'s docstring; the DP
 (:mod:`pipetrain.plan.level`), the plan's description and the baselines price stages with them.
 """
 

@@ -1,6 +1,6 @@
 """One topology level's DP table of PipeDream's optimizer, with the formulas it is built from.
 
-The recurrence and the cost models are in :mod:`pipetrain.plan.pipedream`'s docstring; the levels
+The recurrence and the cost models are in :mod:`pipetrain.plan.optimizer`'s docstring; the levels
 are solved inner first by :class:`pipetrain.plan.solver.Solver`, which is a :class:`Problem`.
 """
 
@@ -16,7 +16,7 @@ from pipetrain.errors import PipetrainError
 from pipetrain.plan.cost_model import stage_time
 from pipetrain.plan.effort import Effort
 from pipetrain.plan.graph import Cuts
-from pipetrain.plan.memory import stage_memory
+from pipetrain.plan.stage_memory import stage_memory
 from pipetrain.plan.sweep import best_split, build_ranges, solve_table
 from pipetrain.plan.topology import Topology
 from pipetrain.plan.window import fewest, prefix_fewest, suffix_fewest, threshold, upper_bound
@@ -28,7 +28,7 @@ WINDOW_MACHINES = 64  # last levels with this many machines or more are solved i
 
 @dataclass
 class MemoryBudget:
-    """What the memory model of a stage needs (:func:`pipetrain.plan.memory.stage_memory`) and
+    """What the memory model of a stage needs (:func:`pipetrain.plan.stage_memory.stage_memory`) and
     the limit it must fit (None: no limit)."""
 
     limit: float | None
@@ -203,7 +203,7 @@ class Level:
         as it is (``which="plain"``), recomputing (``"again"``), or either (``"any"``).
 
         A worker's memory grows only with its stage's depth ``ceil(workers from here / m)``
-        (:mod:`pipetrain.plan.memory`), so each pair has a deepest depth that fits, found once.
+        (:mod:`pipetrain.plan.stage_memory`), so each pair has a deepest depth that fits, found once.
         """
         m = np.asarray(m)
         depth = (self.memory.workers - machines + 2 * m - 1) // m

@@ -2,7 +2,7 @@
 
 Under a memory limit with idle workers allowed, a stage's memory depends on the workers from it to
 the end; :class:`Mirror` solves the reversed model so one table holds the best plan on exactly
-``n`` workers for every ``n`` (see :mod:`pipetrain.plan.pipedream`).
+``n`` workers for every ``n`` (see :mod:`pipetrain.plan.optimizer`).
 """
 
 from __future__ import annotations

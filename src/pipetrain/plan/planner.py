@@ -6,8 +6,8 @@ import time
 
 from pipetrain.plan.baselines import BASELINES, baseline
 from pipetrain.plan.graph import Cuts, build_cuts
-from pipetrain.plan.memory import CHUNKED, check_schedule
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.stage_memory import CHUNKED, check_schedule
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.search import search
@@ -28,7 +28,7 @@ def make_plan(profile: Profile | Cuts, topology: Topology, *, schedule: str = "p
     (only ``microbatches`` if given), scores each plan with the timeline simulator and keeps the
     fastest that fits ``memory_limit``. Otherwise ``microbatches`` defaults to the worker count
     for the schedules that use microbatches. ``progress``: see
-    :func:`~pipetrain.plan.pipedream.optimize`. ``recompute``: under ``memory_limit``, a stage
+    :func:`~pipetrain.plan.optimizer.optimize`. ``recompute``: under ``memory_limit``, a stage
     that would not fit may keep only its inputs and recompute its forward in the backward, its
     time including that forward (one-level topologies; not under zb-h1). The chunked schedules
     (interleaved, bfs, interleaved-zb, zb-v, v-half, v-min, dualpipev) are planned by that search

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipetrain.plan.memory import is_flush
+from pipetrain.plan.stage_memory import is_flush
 
 __all__ = ["Stage", "Plan"]
 

@@ -1,7 +1,7 @@
 """Choosing the schedule and the microbatch count under a memory limit, scored by simulation.
 
 For every candidate schedule and microbatch count, PipeDream's optimizer partitions the model
-under that schedule's memory model (:mod:`pipetrain.plan.memory`); the plan is then turned into a
+under that schedule's memory model (:mod:`pipetrain.plan.stage_memory`); the plan is then turned into a
 schedule IR (``pipetrain.schedule.build``) and run through the timeline simulator with the
 profile's per-stage forward and backward times, the all-reduce of each replicated stage and the
 activation transfers at the bandwidth of the level each cut crosses. The score is the simulated
@@ -10,21 +10,21 @@ count), bubbles, stalls and all-reduce waits included. Peak memory per worker is
 the simulated programs (``memory_by_rank``): weight versions and in-flight microbatches actually
 held. Candidates that do not fit are dropped; the fastest that fits wins.
 
-The chunked schedules (:data:`~pipetrain.plan.memory.CHUNKED`: interleaved, bfs and interleaved-zb
+The chunked schedules (:data:`~pipetrain.plan.stage_memory.CHUNKED`: interleaved, bfs and interleaved-zb
 with 2 chunks per rank, and the V schedules zb-v, v-half, v-min and dualpipev) cut the model into
 2W stages for W workers: a balanced block partition of the layers by compute time
 (:func:`~pipetrain.plan.baselines.block_partition`), no replicas, each message at the slowest
 bandwidth of the topology (on a V, the hand-off at its turn stays on its rank and costs nothing).
 The schedule is built over W ranks and simulated with the 2W stages' costs; a worker's peak memory
-is the sum over the chunks it holds (:func:`~pipetrain.plan.memory.order_memory`), and every stage
+is the sum over the chunks it holds (:func:`~pipetrain.plan.stage_memory.order_memory`), and every stage
 of the plan reports its worker's. zb-h2 is planned like zb-h1 (straight, no replicas).
 
 Modelling choices: a microbatch costs ``1/m`` of the minibatch's forward, backward and activation
-bytes; the zero-bubble schedules (:data:`~pipetrain.plan.memory.SPLIT`) split each backward into
+bytes; the zero-bubble schedules (:data:`~pipetrain.plan.stage_memory.SPLIT`) split each backward into
 equal input- and weight-gradient halves; zb-h1 and zb-h2 run without replication (their generators
 have none); the optimizer step costs nothing. With ``recompute`` the
 optimizer may let a stage that does not fit recompute its activations (see
-:func:`~pipetrain.plan.pipedream.optimize`): the simulation then runs that stage's forward once
+:func:`~pipetrain.plan.optimizer.optimize`): the simulation then runs that stage's forward once
 more before each backward, and its memory counts the inputs it keeps and the graphs it holds.
 """
 
@@ -39,9 +39,9 @@ from pipetrain.errors import PipetrainError, ScheduleError, option
 from pipetrain.plan.baselines import block_partition, evaluate_straight
 from pipetrain.plan.cost_model import data_parallel_time
 from pipetrain.plan.graph import Cuts, build_cuts
-from pipetrain.plan.memory import (CHUNKED, SCHEDULES, SPLIT, check_schedule, chunks_of, format_bytes, order_memory,
+from pipetrain.plan.stage_memory import (CHUNKED, SCHEDULES, SPLIT, check_schedule, chunks_of, format_bytes, order_memory,
                                    smallest_fitting)
-from pipetrain.plan.pipedream import optimize
+from pipetrain.plan.optimizer import optimize
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology

@@ -2,7 +2,7 @@
 
 A topology of several levels is solved only in the band of stages a plan within a bound can have
 (:meth:`Solver._band`), widening the bound until the band's plan is inside it; the plan is traced
-back from the tables (:meth:`Solver.stages`). See :mod:`pipetrain.plan.pipedream`.
+back from the tables (:meth:`Solver.stages`). See :mod:`pipetrain.plan.optimizer`.
 """
 
 from __future__ import annotations

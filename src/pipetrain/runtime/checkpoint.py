@@ -11,7 +11,7 @@ file                           owns
 ``runtime/checkpoint_read``    reading: :class:`Checkpoint`, opened only where its manifest vouches
 ``runtime/checkpoint``         this module: the newest complete checkpoint, ``--resume``, pruning,
                                the fingerprint and the check that a resume matches, RNG states
-``runtime/executor``           a rank's file: its stages' states and RNG (``RankRunner.snapshot``)
+``runtime/rank_runner``        a rank's file: its stages' states and RNG (``RankRunner.snapshot``)
 ``execution/snapshot``         a stage's state (versions, optimizer, microbatches in flight)
 ``training/checkpoints``       when a run saves, where it resumes from, what the manifest records
 ``training/recut``             resuming a synchronous checkpoint on another cut of the model

@@ -288,7 +288,7 @@ def in_flight(program: Sequence, positions: Sequence[int]) -> list[list]:
     A resumed run replays them, so the checkpoint holds their inputs and the versions they read.
     Under the ``latest`` policy (Pipelined Backpropagation) a forward's version is released as soon
     as the forward is done, since the backward reads the current weights; a rank that checkpoints
-    keeps such versions up to the cut (:meth:`~pipetrain.runtime.executor.RankRunner.keep_for_cuts`).
+    keeps such versions up to the cut (:meth:`~pipetrain.runtime.rank_runner.RankRunner.keep_for_cuts`).
     """
     if isinstance(program, PeriodicProgram) and program.pattern is not None:  # the sample's, shifted
         pattern, rank = program.pattern, program.rank

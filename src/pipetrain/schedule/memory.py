@@ -24,7 +24,7 @@ from typing import Collection, Sequence
 from pipetrain.schedule._gc import gc_paused
 from pipetrain.schedule.ir import Kind, Schedule, halves
 from pipetrain.schedule.pattern import pattern_of
-from pipetrain.schedule.recompute import recompute_stages
+from pipetrain.schedule.recompute_stages import recompute_stages
 
 __all__ = ["StageMemory", "memory_by_rank", "StageSizes", "bytes_by_rank"]
 

@@ -221,7 +221,7 @@ class ShiftedEnds:
 
 class ShiftedReleases:
     """Position -> ``[(stage, version)]`` released there in one rank's long program (see
-    :func:`~pipetrain.execution.versions.version_release_points`), read off the sample's, with
+    :func:`~pipetrain.execution.version_store.version_release_points`), read off the sample's, with
     the changes a rank makes to keep versions for its checkpoints on top."""
 
     def __init__(self, program: PeriodicProgram, sample: dict[int, list[tuple[int, int]]]) -> None:

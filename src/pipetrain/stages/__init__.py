@@ -1,7 +1,7 @@
 """Cutting models into pipeline stages and mapping stage state dicts back to the whole model."""
 
 from pipetrain.stages.balance import StageChoice, unit_names, unit_pieces
-from pipetrain.stages.costs import measure_node_costs
+from pipetrain.stages.node_times import measure_node_costs
 from pipetrain.stages.partition import balance_by_params, check_balance, parameter_counts, partition_min_max
 from pipetrain.stages.points import Plan, normalize_plan
 from pipetrain.stages.split import balance_from_split_at, from_stages, split_model

@@ -12,7 +12,7 @@ across machines::
 
 Every worker prepares the same run (:func:`~pipetrain.training.setup.prepare`), builds executors
 for its own stages (:class:`RankSetup`), runs its program
-(:class:`~pipetrain.runtime.executor.RankRunner`) and sends its results to rank 0, which writes
+(:class:`~pipetrain.runtime.rank_runner.RankRunner`) and sends its results to rank 0, which writes
 the outputs and reports. Where a run checkpoints and what it resumes from is
 :mod:`pipetrain.training.checkpoints`'s; after a failure, ``--max-restarts N`` has the launcher
 start every worker again (torchrun's own ``--max-restarts`` under torchrun), and they resume from
@@ -40,7 +40,7 @@ from pipetrain.execution.timing import measured_timeline
 from pipetrain.models.metrics import Metrics
 from pipetrain.paths import is_weights_dir
 from pipetrain.runtime.errors import collective
-from pipetrain.runtime.executor import RankRunner, sync_groups
+from pipetrain.runtime.rank_runner import RankRunner, sync_groups
 from pipetrain.runtime.launch import detect, init_distributed, launch, launch_script
 from pipetrain.runtime.liveness import Liveness, new_prefix
 from pipetrain.runtime.lock import RUN_ID, new_run_identity
@@ -54,7 +54,7 @@ from pipetrain.training.checkpoints import Checkpoints, chain, claim_directory
 from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.files import write_outputs
-from pipetrain.training.memory import MemoryProbe, memory_report
+from pipetrain.training.memory_report import MemoryProbe, memory_report
 from pipetrain.training.outputs import (Progress, UpdateLosses, commit_rank_shard, describe_run, discard_rank_shard,
                                         eval_batches, evaluation_line, say, write_rank_shard, write_weights_index)
 from pipetrain.training.result import TrainResult, loss_scale_report, result_of, scale_payload

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pipetrain.emulate.executor import Emulator
+from pipetrain.emulate.emulator import Emulator
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.timing import measured_timeline
 from pipetrain.training.collector import setup_heap_frozen
 from pipetrain.training.evaluate import evaluate_chain
-from pipetrain.training.memory import MemoryProbe, memory_report
+from pipetrain.training.memory_report import MemoryProbe, memory_report
 from pipetrain.training.outputs import Progress, UpdateLosses, describe_run, eval_batches, evaluation_line, say
 from pipetrain.training.result import TrainResult, loss_scale_report, result_of, scale_payload
 from pipetrain.training.setup import Run

@@ -9,7 +9,7 @@ from typing import Iterator
 
 from pipetrain.errors import PipetrainError, option
 from pipetrain.paths import is_weights_dir
-from pipetrain.schedule.trace import write_trace
+from pipetrain.schedule.chrome_trace import write_trace
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.outputs import save_state_dict, save_weights_here, weights_kept
 from pipetrain.training.prediction import load_calibration, simulation_costs

@@ -1,7 +1,7 @@
 """Resuming a synchronous run's checkpoint with another cut: other stages, stage count, replicas.
 
 A checkpoint holds one file per rank with the state of its stages under the stages' own names
-(:meth:`~pipetrain.runtime.executor.RankRunner.snapshot`). On a synchronous schedule (one weight
+(:meth:`~pipetrain.runtime.rank_runner.RankRunner.snapshot`). On a synchronous schedule (one weight
 version, a flush after every update) a checkpoint lies between two updates: no microbatch is in
 flight, no gradient is accumulated, and every stage holds the same version of its part of the
 model. That state is a function of the unsplit model's tensors alone, so it can be cut again:

@@ -26,7 +26,7 @@ from pipetrain.models import refuse_batchnorm
 from pipetrain.plan.choose import is_auto
 from pipetrain.schedule import resolve_name, staleness, units_per_update
 from pipetrain.schedule.presets import LOOPED, check_chunks, chunks_per_rank
-from pipetrain.schedule.recompute import format_recompute, recompute_stages
+from pipetrain.schedule.recompute_stages import format_recompute, recompute_stages
 from pipetrain.schedule.vshape import V_SCHEDULES, check_v_parameters
 from pipetrain.stages import StageChoice
 from pipetrain.stages.materialize import Init, has_meta, materialize, resolve_init

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipetrain.emulate.executor import Emulator
+from pipetrain.emulate.emulator import Emulator
 from pipetrain.errors import ConfigError
 from pipetrain.execution.data import UnitLayout
 from pipetrain.models.metrics import Metrics
@@ -27,7 +27,7 @@ from pipetrain.structure import cast_floating, first_tensor, rows
 from pipetrain.training.distributed import RankSetup
 from pipetrain.training.emulated import chain_forward, emulated_result
 from pipetrain.training.evaluate import evaluate_chain
-from pipetrain.training.memory import MemoryProbe
+from pipetrain.training.memory_report import MemoryProbe
 from pipetrain.training.outputs import UpdateLosses
 from pipetrain.training.result import TrainResult
 

@@ -21,7 +21,7 @@ from pipetrain.optim.spec import parse_optimizer_spec
 from pipetrain.paths import IMAGE, JSON, WEIGHTS_INDEX, WEIGHTS_SINGLE, check_outputs, check_save, is_weights_dir
 from pipetrain.plan.choose import is_auto, parse_auto
 from pipetrain.schedule import POLICIES, resolve_name
-from pipetrain.schedule.recompute import parse_recompute
+from pipetrain.schedule.recompute_stages import parse_recompute
 from pipetrain.spec import parse_spec
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.options import declared, declared_check, one_of
@@ -39,7 +39,7 @@ NONFINITE = ("stop", "skip", "off")
 #: ``pipetrain.training.cutting.BALANCE_BY`` (a test keeps them equal)
 BALANCE_BY = ("auto", "time", "params")
 #: ``--recompute``: keep every activation (none), or only each stage's inputs (stage; ``stage:0,2``
-#: for those stages): ``pipetrain.schedule.recompute.RECOMPUTE`` (a test keeps them equal)
+#: for those stages): ``pipetrain.schedule.recompute_stages.RECOMPUTE`` (a test keeps them equal)
 RECOMPUTE = ("none", "stage")
 #: ``pipetrain.execution.device.DEVICES`` (a test keeps them equal)
 DEVICES = ("auto", "cpu", "cuda")

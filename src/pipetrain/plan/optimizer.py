@@ -21,7 +21,7 @@ solves all ranges; the last solves only the whole model. Two cost models:
 
 Options: ``straight`` (no replication), ``fewer_machines`` (a plan may leave workers idle: with it,
 more workers never give a worse plan), and a memory limit per worker for a single-level topology
-(see :mod:`pipetrain.plan.memory`; stage ``s`` of PipeDream holds ``ceil(workers from s / r_s)``
+(see :mod:`pipetrain.plan.stage_memory`; stage ``s`` of PipeDream holds ``ceil(workers from s / r_s)``
 weight versions and minibatches of activations). Under a memory limit, ``recompute`` lets a stage
 that does not fit keep only its inputs and run its forward again in its backward: priced ``T`` of
 ``compute + forward`` instead of ``compute`` (the forward once more per minibatch), and chosen
@@ -55,7 +55,7 @@ from pipetrain.errors import ConfigError, PipetrainError, name_options, option
 from pipetrain.plan.cost_model import COST_MODELS, data_parallel_time, stage_time, transfer_in
 from pipetrain.plan.graph import Cuts, build_cuts
 from pipetrain.plan.level import MemoryBudget
-from pipetrain.plan.memory import CHUNKED, RECOMPUTES, check_schedule, format_bytes, stage_memory
+from pipetrain.plan.stage_memory import CHUNKED, RECOMPUTES, check_schedule, format_bytes, stage_memory
 from pipetrain.plan.mirror import Mirror
 from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan, Stage
@@ -77,7 +77,7 @@ def optimize(profile: Profile | Cuts, topology: Topology | int, *,
     ``topology`` is a :class:`Topology` or a worker count (one level at 1e9 B/s). Returns a
     :class:`Plan` whose ``predicted_time_per_minibatch`` is the slowest stage's time.
     ``recompute``: under ``memory_limit`` on a one-level topology, a stage that would not fit
-    may recompute its activations (:data:`~pipetrain.plan.memory.RECOMPUTES` schedules), paying
+    may recompute its activations (:data:`~pipetrain.plan.stage_memory.RECOMPUTES` schedules), paying
     its forward once more per minibatch; the plan's stages say which do.
     ``progress``: show the progress of tables that take more than a few seconds (a bar on a
     terminal, one line on stderr otherwise). A size that would not finish here is refused with

@@ -1,14 +1,14 @@
 """The runtime's transport: one rank's messages and collectives over torch.distributed.
 
 It is the :class:`~pipetrain.execution.interpreter.Transport` of a
-:class:`~pipetrain.runtime.executor.RankRunner`'s interpreter. Activations travel with the
+:class:`~pipetrain.runtime.rank_runner.RankRunner`'s interpreter. Activations travel with the
 labels of their microbatch appended (one message per boundary, not two) and the count of inputs
 needing no gradient in the message's info; gradients travel without their None entries, a mask in
 the info saying where they were. Every message goes through the
 :class:`~pipetrain.runtime.p2p.Messenger` (one channel per receiving stage and direction, bounded
 waits, the failure report naming the action); sends are completed by a
 :class:`~pipetrain.runtime.sends.SendLedger`. Receives are posted on demand or ahead of need (see
-:mod:`pipetrain.runtime.executor`). Every wait blocks: this transport never answers
+:mod:`pipetrain.runtime.rank_runner`). Every wait blocks: this transport never answers
 :data:`~pipetrain.execution.interpreter.WAIT`.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from pipetrain.execution.stage import StageExecutor
-from pipetrain.execution.tied import TiedGradients, gradient_of
+from pipetrain.execution.tied_gradients import TiedGradients, gradient_of
 from pipetrain.runtime.p2p import Messenger, RecvHandle
 from pipetrain.runtime.sends import SendLedger, on_demand_is_safe
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
@@ -54,7 +54,7 @@ class DistributedTransport:
     Args:
         executors: ``{stage: StageExecutor}`` of this rank (SYNC and shared parameters read them).
         messenger: point-to-point messages; ``groups``: the process groups of
-            :func:`~pipetrain.runtime.executor.sync_groups`.
+            :func:`~pipetrain.runtime.rank_runner.sync_groups`.
         messages: the schedule's :class:`~pipetrain.schedule.messages.Messages`.
         tied: where the stages sharing a parameter sum its gradient.
     """

@@ -16,7 +16,7 @@ import torch
 
 from pipetrain.execution.interpreter import WAIT
 from pipetrain.execution.stage import StageExecutor
-from pipetrain.execution.tied import TiedGradients, gradient_of
+from pipetrain.execution.tied_gradients import TiedGradients, gradient_of
 from pipetrain.schedule.ir import Action, Schedule
 
 __all__ = ["InProcessTransport", "Mailboxes", "all_reduce_sum"]

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from pipetrain.schedule.memory import StageSizes, bytes_by_rank, memory_by_rank
-from pipetrain.schedule.recompute import format_recompute
+from pipetrain.schedule.recompute_stages import format_recompute
 from pipetrain.schedule.timeline import positions
 from pipetrain.training.prediction import load_calibration
 from pipetrain.training.run import Run

@@ -16,7 +16,7 @@ Where a rank sums: at the first STEP of step n of any holder stage it holds (tha
 gradient is final there, and so is every other holder stage's on that rank: checked). The
 emulator meets the other holders there (a rendezvous); the runtime broadcasts each holder's
 gradient from its first replica's rank in a process group of the ranks that hold the parameter
-(every rank creates the groups in the same order, :func:`pipetrain.runtime.executor.sync_groups`),
+(every rank creates the groups in the same order, :func:`pipetrain.runtime.rank_runner.sync_groups`),
 and every rank adds the parts in the same order, as the emulator does, so both give the same bits.
 
 Schedules with several weight versions per stage (pipedream, 2bw, pb, any policy but ``flush``)

@@ -2,7 +2,7 @@
 
 Every rank's program runs on the one interpreter of the IR
 (:class:`~pipetrain.execution.interpreter.Interpreter`, the runtime's too) over the in-process
-transport (:mod:`pipetrain.emulate.transport`). Ranks take turns: each runs its program until it
+transport (:mod:`pipetrain.emulate.in_process`). Ranks take turns: each runs its program until it
 needs a message that has not been sent, or a SYNC its replicas have not reached, and the ranks it
 was waiting for wake it when they get there. Every stage replica's state is touched only by its
 own rank's actions, and messages carry exact tensors, so the result does not depend on the
@@ -16,13 +16,13 @@ import time
 from collections import deque
 from typing import Callable, MutableMapping, Sequence
 
-from pipetrain.emulate.transport import Mailboxes, all_reduce_sum
+from pipetrain.emulate.in_process import Mailboxes, all_reduce_sum
 from pipetrain.errors import DeadlockError
 from pipetrain.execution.data import UnitData
 from pipetrain.execution.interpreter import Interpreter
 from pipetrain.execution.losses import UnitLosses
 from pipetrain.execution.stage import StageExecutor
-from pipetrain.execution.tied import TiedGradients
+from pipetrain.execution.tied_gradients import TiedGradients
 from pipetrain.execution.timing import window_lengths
 from pipetrain.schedule.ir import Schedule, format_action
 
@@ -36,7 +36,7 @@ class Emulator:
         schedule: a validated schedule with versions assigned.
         executors: ``executors[rank][stage]``, the replica of ``stage`` held by ``rank``.
         data: the samples of each unit (microbatch); stage 0 reads inputs, the last stage targets.
-        tied: where the stages sharing a parameter sum its gradient (:mod:`pipetrain.execution.tied`).
+        tied: where the stages sharing a parameter sum its gradient (:mod:`pipetrain.execution.tied_gradients`).
     """
 
     def __init__(

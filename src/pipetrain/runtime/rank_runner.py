@@ -1,7 +1,7 @@
 """Running one rank's program over torch.distributed.
 
 The program runs on the emulator's interpreter (:class:`~pipetrain.execution.interpreter.Interpreter`:
-the same dispatch to the same stage executors) over :class:`~pipetrain.runtime.transport.DistributedTransport`,
+the same dispatch to the same stage executors) over :class:`~pipetrain.runtime.distributed_transport.DistributedTransport`,
 which moves tensors between ranks. Activations and gradients travel as point-to-point messages;
 the labels of a microbatch ride along with its activations to the last stage (one message per
 boundary, not two). All travel through a :class:`~pipetrain.runtime.p2p.Messenger`, one channel
@@ -44,12 +44,12 @@ from pipetrain.execution.data import UnitData, UnitLayout
 from pipetrain.execution.interpreter import Interpreter
 from pipetrain.execution.losses import UnitLosses
 from pipetrain.execution.stage import StageExecutor
-from pipetrain.execution.tied import TiedGradients
+from pipetrain.execution.tied_gradients import TiedGradients
 from pipetrain.runtime.checkpoint import capture_rng, restore_rng
 from pipetrain.runtime.errors import CheckpointMismatchError, CommunicationError, DataWorkerLost
 from pipetrain.runtime.liveness import Liveness
 from pipetrain.runtime.p2p import Messenger
-from pipetrain.runtime.transport import DistributedTransport
+from pipetrain.runtime.distributed_transport import DistributedTransport
 from pipetrain.schedule.cuts import in_flight
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action, halves
 from pipetrain.schedule.messages import Messages
@@ -86,7 +86,7 @@ class RankRunner:
         status: an optional status board (recent actions, current wait).
         receives: ``"auto"``, ``"on-demand"`` or ``"ahead"`` (see the module docstring).
         messages: the schedule's :class:`~pipetrain.schedule.messages.Messages`, if already built.
-        tied: where the stages sharing a parameter sum its gradient (:mod:`pipetrain.execution.tied`;
+        tied: where the stages sharing a parameter sum its gradient (:mod:`pipetrain.execution.tied_gradients`;
             its groups come from :func:`sync_groups`).
         liveness: an optional :class:`~pipetrain.runtime.liveness.Liveness`: evaluations then wait
             on their peers for as long as those are heard from, and give every rank the metrics.

@@ -14,7 +14,7 @@ from typing import Any, Collection
 
 from pipetrain.schedule.ir import Kind, Schedule, halves
 from pipetrain.schedule.memory import memory_by_rank
-from pipetrain.schedule.recompute import format_recompute, recompute_stages
+from pipetrain.schedule.recompute_stages import format_recompute, recompute_stages
 from pipetrain.schedule.timeline import Timeline, positions
 
 __all__ = ["summarize", "versions_read", "format_summary"]
