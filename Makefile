@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/pipetrain train --schedule pipedream --stages 2 --model mlp:depth=2,width=128 --data digits \
 		--epochs 10 --batch-size 32 --optimizer sgd:lr=0.02,momentum=0.9 --eval-every 90 \
-		--plot demo-out/timeline.png --report-json demo-out/report.json
+		--calibrate --costs-file demo-out/calibration.json --plot demo-out/timeline.png --report-json demo-out/report.json
 	$(VENV)/bin/pipetrain schedule --compare gpipe,1f1b,zb-h1,pipedream --stages 4 --microbatches 8 --steps 2 \
 		--costs F=1,B=1,W=1 --plot demo-out/compare.png
 

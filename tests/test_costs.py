@@ -119,3 +119,23 @@ def test_with_a_quantum_a_message_leaves_when_its_sender_waits_or_the_quantum_en
 def test_bandwidth_may_differ_per_stage_boundary():
     resolved = Costs(bandwidth=[1e3, 1e6], bytes=[2e3, 2e3]).resolve(2, 2, 1)
     assert resolved.transfer == [2.0, 0.002]
+
+
+def test_a_full_backward_may_cost_other_than_its_halves():
+    """An order that runs some backwards whole and splits others (dualpipev) is priced per kind: B
+    actions ``full``, I actions ``B``, W actions ``W`` (measured medians of each)."""
+    resolved = Costs(F=1, B=2, W=3, full=4).resolve(2, 2, 1)
+    assert resolved.full_backward == [4.0, 4.0] and resolved.backward == [2.0, 2.0]
+    assert Costs(F=1, B=2, W=3).resolve(2, 2, 1).full_backward == [5.0, 5.0]
+
+
+def test_measured_costs_keep_a_whole_backward_apart_from_its_halves():
+    from pipetrain.schedule import build, simulate
+    from pipetrain.training.timelines import measured_costs
+
+    measured = simulate(build("dualpipev", 2, 4), Costs(F=[1] * 4, B=[2] * 4, W=[3] * 4, full=[4] * 4))
+    costs = measured_costs(measured)
+    assert costs.W == [3.0] * 4 and costs.B == [2.0] * 4
+    # a stage with whole backwards keeps their time; stage 0's run only inside pairs (measured
+    # whole, with their forward), so its full backward is priced by its halves
+    assert costs.full == [5.0, 4.0, 4.0, 4.0]

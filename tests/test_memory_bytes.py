@@ -110,3 +110,15 @@ def test_an_emulated_run_reports_predicted_bytes_beside_the_measured():
     memory = train_emulated(run).extra["memory"]
     assert all(stage["predicted_bytes"] == stage["predicted_parts"]["total"] > 0 for stage in memory["stages"])
     assert memory["predicted_bytes"] == sum(stage["predicted_bytes"] for stage in memory["stages"])
+
+
+def test_an_update_made_during_the_backward_holds_one_gradient_at_a_time():
+    """One microbatch per update on one version: each parameter is updated as its gradient is made
+    (pipetrain.execution.update_in_backward), so the stage holds its largest parameter's gradient."""
+    from pipetrain.training.memory_report import predicted_bytes
+
+    run = _prepared(microbatches=1)
+    for stage, parts in zip(run.staged.stages, predicted_bytes(run)):
+        assert parts["gradients"] == max(p.numel() * 4 for p in stage.parameters())
+    assert predicted_bytes(_prepared(microbatches=2))[0]["gradients"] == \
+        sum(p.numel() * 4 for p in run.staged.stages[0].parameters())

@@ -1,7 +1,8 @@
 """Costs that the timeline simulator charges for each action.
 
 Per stage: forward ``F``, input-gradient backward ``B`` and weight-gradient backward ``W`` (a full
-backward costs ``B + W``; give ``W = 0`` when the backward is not split), optimizer ``step`` and
+backward costs ``B + W``, or ``full`` where given: a measured order that runs some backwards whole
+and splits others, DualPipe's, has both; give ``W = 0`` when the backward is not split), optimizer ``step`` and
 gradient all-reduce ``sync`` among replicas. Per message: ``latency + bytes / bandwidth`` in
 flight, where ``bytes`` is the stage's output activation size (the gradient that flows back has
 the same size); the sender is busy ``send + bytes * send_per_byte`` (packing it, handing it to the
@@ -61,6 +62,8 @@ class Costs:
     F: PerStage = 1.0
     B: PerStage = 2.0
     W: PerStage = 0.0
+    #: a full backward's own time per stage, where it is not B + W (None: B + W)
+    full: PerStage | None = None
     step: PerStage = 0.0
     sync: PerStage = 0.0
     bytes: PerStage = 0.0
@@ -97,10 +100,13 @@ class Costs:
         if min(values["bandwidth"]) <= 0:
             raise ScheduleError(f"bandwidth must be positive, got {self.bandwidth}")
         transfer = [self.latency + b / w if b else self.latency for b, w in zip(values["bytes"], values["bandwidth"])]
+        whole = None if self.full is None else _expand("full", self.full, num_stages, num_positions, chunks,
+                                                       position_of)
         return StageCosts(
             forward=values["F"],
             backward=values["B"],
             weight=values["W"],
+            whole=whole,
             step=values["step"],
             sync=values["sync"],
             transfer=transfer,
@@ -129,10 +135,13 @@ class StageCosts:
     receiving: list[float] = field(default_factory=list)
     overhead: float = 0.0
     quantum: float = 0.0
+    #: a full backward's time per stage where not ``backward + weight``
+    whole: list[float] | None = None
     full_backward: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.full_backward = [b + w for b, w in zip(self.backward, self.weight)]
+        self.full_backward = list(self.whole) if self.whole is not None else \
+            [b + w for b, w in zip(self.backward, self.weight)]
         self.sending = self.sending or [0.0] * len(self.transfer)
         self.receiving = self.receiving or [0.0] * len(self.transfer)
 

@@ -70,6 +70,9 @@ class StageSizes:
     optimizer: int
     held: int
     inputs: int = 0
+    #: the gradient sums' bytes when not one per parameter (an update made during the backward,
+    #: parameter by parameter, holds one parameter's gradient at a time)
+    gradients: int | None = None
 
 
 def bytes_by_rank(schedule: Schedule, sizes: Sequence[StageSizes], *,
@@ -89,7 +92,7 @@ def bytes_by_rank(schedule: Schedule, sizes: Sequence[StageSizes], *,
     for rank, stages in enumerate(schedule.rank_stages()):
         held = set(stages)
         parts = {
-            "gradients": sum(sizes[s].parameters for s in held),
+            "gradients": sum(sizes[s].parameters if sizes[s].gradients is None else sizes[s].gradients for s in held),
             "optimizer": sum(sizes[s].optimizer for s in held),
             "versions": sum((counts[rank].peak_versions.get(s, 1) - 1) * sizes[s].parameters for s in held),
             "activations": _peak_activation_bytes(sample.programs[rank], sizes, again),

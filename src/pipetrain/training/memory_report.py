@@ -30,12 +30,14 @@ from typing import Any, Sequence
 
 import torch
 
+from pipetrain.execution.update_in_backward import can_update_in_backward
 from pipetrain.schedule.memory import StageSizes, bytes_by_rank, memory_by_rank
 from pipetrain.schedule.recompute_stages import format_recompute
 from pipetrain.schedule.timeline import positions
 from pipetrain.training.prediction import load_calibration
 from pipetrain.training.run import Run
 from pipetrain.training.shapes import microbatch_bytes
+from pipetrain.training.validate import loss_scale_of
 
 __all__ = ["MemoryProbe", "memory_report", "predicted_bytes"]
 
@@ -179,8 +181,13 @@ def predicted_bytes(run: Run, recompute: frozenset[int] = frozenset()) -> list[d
     if held is None:
         return None
     sizes = []
+    fusing = loss_scale_of(run.config) is None and run.config.on_nonfinite != "skip"
     for index, (module, microbatch) in enumerate(zip(stages, held)):
-        parameters = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        slots = getattr(run.stage_optimizer(index), "state_slots", 0) or 0
-        sizes.append(StageSizes(parameters, slots * parameters, microbatch.held, microbatch.inputs))
+        trainable = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
+        optimizer = run.stage_optimizer(index)
+        slots = getattr(optimizer, "state_slots", 0) or 0
+        # an update made during the backward frees each gradient once read (one at a time)
+        fused = fusing and run.updates_in_backward(index) and can_update_in_backward(optimizer)
+        sizes.append(StageSizes(sum(trainable), slots * sum(trainable), microbatch.held, microbatch.inputs,
+                                gradients=max(trainable, default=0) if fused else None))
     return bytes_by_rank(run.schedule, sizes, recompute=recompute)

@@ -167,11 +167,11 @@ class Run:
             scaler=loss_scale_of(self.config),
             units_per_update=self.layout.units_per_update,
             own_weights=own,
-            update_in_backward=self._updates_in_backward(stage),
+            update_in_backward=self.updates_in_backward(stage),
             names=StageNames.of(self.schedule),
         )
 
-    def _updates_in_backward(self, stage: int) -> bool:
+    def updates_in_backward(self, stage: int) -> bool:
         """Whether ``stage`` may make each update during its backward (one microbatch per update on
         one weight version, no replicas, no parameter shared with another stage:
         :mod:`pipetrain.execution.update_in_backward`)."""

@@ -31,10 +31,17 @@ def measured_costs(measured: Timeline) -> Costs:
 
     backward = per_stage(Kind.B)
     inputs = per_stage(Kind.I)
+    weight = per_stage(Kind.W)
+    split = [(Kind.I, s) in durations for s in range(schedule.num_stages)]
+    whole = [(Kind.B, s) in durations for s in range(schedule.num_stages)]
+    # an order that runs some backwards whole and splits others (DualPipe's) has both: each its own
+    full = [b if w else i + wt for b, i, wt, w in zip(backward, inputs, weight, whole)] \
+        if any(c and w for c, w in zip(split, whole)) else None
     return Costs(
         F=per_stage(Kind.F),
-        B=[b if b else i for b, i in zip(backward, inputs)],
-        W=per_stage(Kind.W),
+        B=[i if cut else b for b, i, cut in zip(backward, inputs, split)],
+        W=weight,
+        full=full,
         step=per_stage(Kind.STEP),
     )
 
