@@ -2,16 +2,8 @@
 
 The timing itself runs the units as stage executors run them: :mod:`pipetrain.execution.unit_timing`.
 
-Parameter counts say little about time: an attention layer's cost grows with the sequence and has
-no parameters, a classifier head to many classes is mostly parameters and little work. So an
-automatic split can time the model instead: cut it at every place an automatic split may cut (its
-pipeline units, see :mod:`pipetrain.stages.points`), run each piece as a stage executor runs a
-stage (forward with the loss on the last piece, then backward) on one microbatch, a warm-up and a
-few timed rounds, and take each piece's fastest forward + backward seconds as its cost (CPU
-time of the thread with one torch thread, as a worker runs; other work on the machine only ever
-adds time, so the minimum is the steadiest estimate). The split
-then minimises the slowest stage's summed cost (:func:`~pipetrain.stages.split_model` with
-``costs=``). That costs a few forward/backward passes of the model on one microbatch.
+Why time rather than parameter counts, and how: that module's docstring. The split then minimises
+the slowest stage's summed cost (:func:`~pipetrain.stages.split_model` with ``costs=``).
 
 Times vary from run to run, and so may the chosen cut: it is recorded (:class:`StageChoice`,
 printed and in the run's report) with the measurements, which reproduce it.
