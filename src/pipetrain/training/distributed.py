@@ -233,7 +233,7 @@ class RankSetup:
 
     def payload(self, seconds: float, evaluations: list) -> dict[str, Any]:
         """This rank's results for rank 0: losses, timings, and the trained weights of its first
-        replicas where rank 0 gathers them (:attr:`~pipetrain.training.setup.Run.gathers_weights`)."""
+        replicas where rank 0 gathers them (:attr:`~pipetrain.training.run.Run.gathers_weights`)."""
         rank, executors, runner = self.rank, self.executors, self.runner
         modules = self.write_back()
         return {
