@@ -84,13 +84,17 @@ def test_calibrate_refuses_bad_options(capsys):
 def test_train_calibrates_first_when_asked_and_reports_against_it(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     report = tmp_path / "report.json"
-    assert main(["train", "--model", "mlp:depth=2,width=8", "--data", "synthetic:features=6,classes=2,samples=64",
-                 "--batch-size", "8", "--microbatches", "2", "--stages", "2", "--steps", "6",
-                 "--calibrate", "--report-json", str(report), "--quiet", "--no-progress"]) == 0
-    data = json.loads((tmp_path / "calibration.json").read_text())  # the default place
+    small = ["train", "--model", "mlp:depth=2,width=8", "--data", "synthetic:features=6,classes=2,samples=64",
+             "--batch-size", "8", "--microbatches", "2", "--stages", "2", "--steps", "6", "--quiet", "--no-progress"]
+    # the costs file is the calibration's output: a directory that does not exist yet is made
+    assert main([*small, "--calibrate", "--costs-file", "out/costs.json", "--report-json", str(report)]) == 0
+    data = json.loads((tmp_path / "out" / "costs.json").read_text())
     assert data["overhead"] > 0 and data["measured_on"]["transport"] == "gloo"
     written = json.loads(report.read_text())
-    assert written["calibrated"] is True and written["calibration"]["file"] == "calibration.json"
+    assert written["calibrated"] is True and written["calibration"]["file"] == "out/costs.json"
+    # a costs file that is no JSON output is refused before measuring
+    assert main([*small, "--calibrate", "--costs-file", "costs.txt"]) == 2
+    assert "--costs-file 'costs.txt'" in capsys.readouterr()[1] and not (tmp_path / "costs.txt").exists()
 
 
 def test_a_torchrun_worker_reads_the_calibration_its_launcher_wrote(tmp_path, monkeypatch):

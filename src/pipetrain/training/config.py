@@ -17,7 +17,10 @@ from pipetrain.schedule.costs import load_costs
 from pipetrain.training.options import (Flag, at_least, declared, entries_at_least, flag_of, int_list, key_values,
                                         keyword_of, name_list, one_of, option, whole_number)
 
-__all__ = ["TrainConfig", "init_flags"]
+__all__ = ["TrainConfig", "init_flags", "CALIBRATION"]
+
+#: where ``calibrate`` writes its costs file when no ``costs_file`` is named
+CALIBRATION = "calibration.json"
 
 
 def init_flags(init: str | None, init_from: str | None) -> tuple[bool, str | None]:

@@ -13,12 +13,11 @@ from typing import Any
 import torch
 
 from pipetrain.errors import PipetrainError, option
-from pipetrain.paths import JSON, check_outputs
 from pipetrain.runtime.launch import detect
 from pipetrain.training import distributed
 from pipetrain.training.calibration import calibrate
 from pipetrain.training.callbacks import Callbacks
-from pipetrain.training.config import TrainConfig
+from pipetrain.training.config import CALIBRATION, TrainConfig
 from pipetrain.training.emulated import train_emulated
 from pipetrain.training.files import write_outputs
 from pipetrain.training.parts import RunParts
@@ -73,19 +72,13 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     return result
 
 
-#: where ``calibrate`` writes its costs file when no ``costs_file`` is named
-CALIBRATION = "calibration.json"
-
-
 def _calibrated(config: TrainConfig, parts: RunParts | None) -> TrainConfig:
     """``config`` with the costs file that ``calibrate`` asked for: measured here
     (:func:`pipetrain.training.calibration.calibrate`) after the other options passed their checks,
     unless this process is a worker of a started run (the process that started it measured)."""
     path = config.costs_file or CALIBRATION
-    config = replace(config, costs_file=None, calibrate=False)
     if detect() is None:
         check_config(config, specs=parts is None)  # nothing measured for a run that would be refused
-        check_outputs(files={option("costs_file"): path}, formats={option("costs_file"): JSON})
         if not config.quiet:
             print(f"calibrating this machine for the simulator (about 10 s; {option('costs_file', path)})")
         cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
@@ -95,4 +88,4 @@ def _calibrated(config: TrainConfig, parts: RunParts | None) -> TrainConfig:
         raise PipetrainError(f"{option('calibrate')} in a worker of a run started by torchrun: no {path} here to "
                              f"read; run `pipetrain calibrate --out {path}` before the run and pass "
                              f"{option('costs_file', path)} instead")
-    return replace(config, costs_file=path)
+    return replace(config, costs_file=path, calibrate=False)

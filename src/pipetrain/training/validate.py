@@ -23,7 +23,7 @@ from pipetrain.plan.choose import is_auto, parse_auto
 from pipetrain.schedule import POLICIES, resolve_name
 from pipetrain.schedule.recompute_stages import parse_recompute
 from pipetrain.spec import parse_spec
-from pipetrain.training.config import TrainConfig
+from pipetrain.training.config import CALIBRATION, TrainConfig
 from pipetrain.training.options import declared, declared_check, one_of
 
 __all__ = ["check_config", "check_execution", "check_optimizer_specs", "read_plan", "DEVICES", "BALANCE_BY", "MODEL_NAMES", "DATA_NAMES", "EXECUTORS", "NONFINITE", "RECOMPUTE",
@@ -68,11 +68,12 @@ def check_config(config: TrainConfig, *, rank: int | None = None, specs: bool = 
         check_save(config.save, option("save"))
     sharded = bool(config.save) and is_weights_dir(config.save)  # every rank writes a shard of a directory
     files = {option("save"): None if sharded else config.save, option("report_json"): config.report_json,
-             option("trace"): config.trace, option("plot"): config.plot}
+             option("trace"): config.trace, option("plot"): config.plot,
+             option("costs_file"): (config.costs_file or CALIBRATION) if config.calibrate else None}
     check_outputs(
         files=files if rank == 0 else {},
         directories={option("checkpoint_dir"): config.checkpoint_dir, option("save"): config.save if sharded else None},
-        formats={option("report_json"): JSON, option("trace"): JSON, option("plot"): IMAGE},
+        formats={option("report_json"): JSON, option("trace"): JSON, option("plot"): IMAGE, option("costs_file"): JSON},
     )
 
 
@@ -80,6 +81,8 @@ def _check_options(config: TrainConfig) -> None:
     """Each option's own check (declared with it), on the values that are given."""
     for field, declaration in declared(TrainConfig):
         value = getattr(config, field.name)
+        if field.name == "costs_file" and config.calibrate:
+            continue  # the calibration's output, checked as one below
         if declaration.check is not None and value is not None:
             declaration.check(field.name, value)
 
