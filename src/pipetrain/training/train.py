@@ -80,7 +80,7 @@ def _calibrated(config: TrainConfig, parts: RunParts | None) -> TrainConfig:
     if detect() is None:
         check_config(config, specs=parts is None)  # nothing measured for a run that would be refused
         if not config.quiet:
-            print(f"calibrating this machine for the simulator (about 10 s; {option('costs_file', path)})")
+            print(f"calibrating this machine for the simulator (about 10 s), into {path}")
         cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         data, _ = calibrate("cuda" if cuda else "cpu")
         write_json_atomic(path, data)
