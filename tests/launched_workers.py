@@ -4,6 +4,7 @@ benchmarks/fault_times.py stop or kill one of them)."""
 from __future__ import annotations
 
 import os
+import signal
 
 
 def workers(launcher: int) -> dict[int, int]:
@@ -24,3 +25,13 @@ def workers(launcher: int) -> dict[int, int]:
             if b"RANK" in variables:
                 found[int(variables[b"RANK"])] = pid
     return found
+
+
+def kill_stopped(pid: int | None) -> None:
+    """SIGKILL a worker a test stopped, unless it is gone already (the run's own verdict killed it)."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -15,7 +15,7 @@ import torch
 
 from pipetrain.schedule.cuts import cut
 from pipetrain.training import TrainConfig, prepare
-from launched_workers import workers
+from launched_workers import kill_stopped, workers
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "restart_script.py")
 BASE = ["--executor", "distributed", "--model", "mlp:depth=5,width=16",
@@ -188,11 +188,7 @@ def test_a_stopped_worker_ends_the_run_within_the_timeout_and_two_seconds(tmp_pa
         elapsed = time.monotonic() - started
     finally:
         process.kill()
-        if stopped is not None:
-            try:
-                os.kill(stopped, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_stopped(stopped)
     assert process.returncode == 3, stderr
     assert elapsed < timeout + 2, (elapsed, stderr)
     last = stderr.strip().splitlines()[-1]

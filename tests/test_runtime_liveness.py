@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pipetrain.runtime.errors import PeerTimeoutError
 from pipetrain.runtime.liveness import Liveness
 from pipetrain.runtime.status import StatusBoard
-from launched_workers import workers
+from launched_workers import kill_stopped, workers
 
 
 def _client(port: int):
@@ -160,11 +160,7 @@ def test_a_worker_stopped_during_an_evaluation_ends_the_run_within_the_timeout_a
         err = "".join(lines) + process.communicate(timeout=60)[1]
     finally:
         process.kill()
-        if stopped is not None:
-            try:
-                os.kill(stopped, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_stopped(stopped)
     assert process.returncode == 3, err
     assert elapsed < timeout + 2, (elapsed, err)
     last = err.strip().splitlines()[-1]
