@@ -118,9 +118,8 @@ def choose_schedule(unit_costs: Sequence[float], ranks: int, microbatches: int, 
         split = name in _SPLIT
         costs = Costs(F=[t / 3 for t in stage], B=[t / 3 if split else 2 * t / 3 for t in stage],
                       W=[t / 3 for t in stage] if split else 0.0)
-        if calibration is not None:
-            for scalar in ("latency", "send", "recv", "quantum", "overhead"):
-                setattr(costs, scalar, getattr(calibration, scalar))
+        if calibration is not None:  # no message sizes here: the per-byte parts charge nothing
+            costs.charging(calibration)
         try:
             looped = chunks if name in LOOPED else 1
             spans = [simulate(build(name, ranks, microbatches, steps=steps, chunks=looped), costs).makespan

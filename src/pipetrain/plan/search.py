@@ -96,8 +96,7 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology, calibration:
                   W=[b / m / 2 for b in bwd] if split else 0.0, sync=sync, bytes=message,
                   bandwidth=bandwidth)
     if calibration is not None:
-        for name in ("latency", "send", "send_per_byte", "recv", "recv_per_byte", "quantum", "overhead"):
-            setattr(costs, name, getattr(calibration, name))
+        costs.charging(calibration)
         costs.step = [calibration.step_per_byte * stage.parameter_bytes for stage in stages]
     if plan.chunks > 1:
         return _simulate_chunked(plan, costs, fwd, bwd)

@@ -41,6 +41,8 @@ PerStage = Union[Number, Sequence[Number]]
 _PER_STAGE = ("F", "B", "W", "step", "sync", "bytes")
 _SCALAR = ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "quantum", "overhead",
            "sync_per_byte", "step_per_byte", "worker_bytes")
+#: what a calibration adds to costs built elsewhere (:meth:`Costs.charging`): per message and per action
+CHARGED = ("latency", "send", "send_per_byte", "recv", "recv_per_byte", "quantum", "overhead")
 #: per-stage figures that a rank's chunks do not share out (a time is split among them)
 _NOT_SHARED = ("bytes", "bandwidth")
 #: what a calibration file says about where it was measured (not costs): checked, not charged
@@ -87,6 +89,14 @@ class Costs:
     worker_bytes: float = 0.0
     #: where a calibration measured these (machine, torch, transport), None for given costs
     measured_on: dict | None = None
+
+    def charging(self, calibration: "Costs") -> "Costs":
+        """These costs with ``calibration``'s per-message and per-action scalars (busy times,
+        latency, quantum, overhead; ``pipetrain calibrate``'s), set in place; the bandwidth, the
+        sizes and the compute stay these costs' own."""
+        for name in CHARGED:
+            setattr(self, name, getattr(calibration, name))
+        return self
 
     def resolve(self, num_stages: int, num_positions: int, chunks: int,
                 position_of: Sequence[int] | None = None) -> "StageCosts":

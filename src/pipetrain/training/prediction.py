@@ -34,13 +34,11 @@ def calibrated_costs(compute: Costs, calibration: Costs, message_bytes: Sequence
     if parameter_bytes is not None and isinstance(calibration.sync, (int, float)):
         sync = [calibration.sync + calibration.sync_per_byte * p for p in parameter_bytes]
     costs = Costs(
-        F=compute.F, B=compute.B, W=compute.W, step=compute.step, sync=sync,
-        bytes=list(message_bytes) if message_bytes is not None else 0.0,
+        F=compute.F, B=compute.B, W=compute.W, full=compute.full, step=compute.step, sync=sync,
+        bytes=list(message_bytes) if message_bytes is not None else 0.0, bandwidth=calibration.bandwidth,
+        measured_on=calibration.measured_on,
     )
-    for name in ("latency", "bandwidth", "send", "send_per_byte", "recv", "recv_per_byte", "quantum", "overhead"):
-        setattr(costs, name, getattr(calibration, name))
-    costs.measured_on = calibration.measured_on
-    return costs
+    return costs.charging(calibration)
 
 
 def _parameter_bytes(run: Any) -> list[int]:
