@@ -41,7 +41,6 @@ class SendLedger:
         self._messages = Messages(schedule) if messages is None else messages
         self._program = schedule.programs[rank]
         self._pending: dict[int, list[tuple[int, Any]]] = {}  # peer -> [(receive position, handle)]
-        self._next_receive: dict[int, tuple[int, int]] = {}  # peer -> (our RECV's position, its send's)
 
     def sent(self, position: int, peer: int, handle: Any) -> None:
         """Our SEND at ``position`` is under way."""
@@ -70,9 +69,6 @@ class SendLedger:
         """Where in ``peer``'s program the message of our next RECV from it after ``position`` is
         sent; infinity (wait for every open send, the rule of old) when there is none within
         :data:`_LOOKAHEAD` actions, so that a long program is never read far ahead."""
-        found = self._next_receive.get(peer)  # receives come in program order: the last answer often holds
-        if found is not None and found[0] > position:
-            return found[1]
         program = self._program
         for later in range(position + 1, min(position + 1 + _LOOKAHEAD, len(program))):
             action = program[later]
@@ -80,7 +76,6 @@ class SendLedger:
             if key is not None:
                 sender, at = self._messages.sent_at[key]
                 if sender == peer:
-                    self._next_receive[peer] = (later, at)
                     return at
         return math.inf
 

@@ -116,7 +116,7 @@ class Costs:
             forward=values["F"],
             backward=values["B"],
             weight=values["W"],
-            whole=whole,
+            full_backward=whole,
             step=values["step"],
             sync=values["sync"],
             transfer=transfer,
@@ -145,13 +145,12 @@ class StageCosts:
     receiving: list[float] = field(default_factory=list)
     overhead: float = 0.0
     quantum: float = 0.0
-    #: a full backward's time per stage where not ``backward + weight``
-    whole: list[float] | None = None
-    full_backward: list[float] = field(init=False)
+    #: a full backward's time per stage (default ``backward + weight``)
+    full_backward: list[float] | None = None
 
     def __post_init__(self) -> None:
-        self.full_backward = list(self.whole) if self.whole is not None else \
-            [b + w for b, w in zip(self.backward, self.weight)]
+        if self.full_backward is None:
+            self.full_backward = [b + w for b, w in zip(self.backward, self.weight)]
         self.sending = self.sending or [0.0] * len(self.transfer)
         self.receiving = self.receiving or [0.0] * len(self.transfer)
 

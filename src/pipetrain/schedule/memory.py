@@ -87,14 +87,14 @@ def bytes_by_rank(schedule: Schedule, sizes: Sequence[StageSizes], *,
     pattern = pattern_of(schedule)
     sample = pattern.check_sample if pattern is not None else schedule
     again = recompute_stages(recompute, schedule.num_stages)
-    counts = memory_by_rank(sample, recompute=again)
     out = []
     for rank, stages in enumerate(schedule.rank_stages()):
         held = set(stages)
+        versions = _peak_versions(sample.programs[rank], again)
         parts = {
             "gradients": sum(sizes[s].parameters if sizes[s].gradients is None else sizes[s].gradients for s in held),
             "optimizer": sum(sizes[s].optimizer for s in held),
-            "versions": sum((counts[rank].peak_versions.get(s, 1) - 1) * sizes[s].parameters for s in held),
+            "versions": sum((versions.get(s, 1) - 1) * sizes[s].parameters for s in held),
             "activations": _peak_activation_bytes(sample.programs[rank], sizes, again),
         }
         parts["total"] = sum(parts.values())

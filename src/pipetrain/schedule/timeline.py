@@ -109,17 +109,21 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
     #: per rank, messages sent but not yet left (with a quantum): [due, key, time in flight]
     unsent: list[list[list]] = [[] for _ in range(n)]
 
+    def deliver(key: int, at: float) -> None:
+        """The message ``key`` arrives at ``at``: its receiver, if it waits for it, goes on."""
+        arrivals[key] = at
+        waiter = waiting.pop(key, None)
+        if waiter is not None and not queued[waiter]:
+            queued[waiter] = True
+            ready.append(waiter)
+
     def depart(rank: int, now: float, everything: bool) -> None:
         """The rank's unsent messages leave: those due by ``now``, or all (the rank waits)."""
         kept = []
         for message in unsent[rank]:
             due, key, flight = message
             if everything or due <= now:
-                arrivals[key] = min(due, now) + flight
-                waiter = waiting.pop(key, None)
-                if waiter is not None and not queued[waiter]:
-                    queued[waiter] = True
-                    ready.append(waiter)
+                deliver(key, min(due, now) + flight)
             else:
                 kept.append(message)
         unsent[rank] = kept
@@ -172,16 +176,12 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                 if quantum:
                     unsent[rank].append([t + quantum, key, transfer[boundary]])
                 else:
-                    arrivals[key] = t + transfer[boundary]
-                    waiter = waiting.pop(key, None)
-                    if waiter is not None and not queued[waiter]:
-                        queued[waiter] = True
-                        ready.append(waiter)
+                    deliver(key, t + transfer[boundary])
             elif kind is RECV_F or kind is RECV_B:
                 key = (action[2] * num_stages + stage) << 1
                 if kind is RECV_B:
                     key |= 1
-                if unsent[rank]:  # the rank enters the transport: its own messages go
+                if quantum and unsent[rank]:  # the rank enters the transport: its own messages go
                     depart(rank, t, True)
                 arrival = arrivals.get(key)
                 if arrival is None:
@@ -193,7 +193,7 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                     t = arrival
                 t += receiving[stage - 1 if kind is RECV_F else stage]
             elif kind is SYNC:
-                if unsent[rank]:
+                if quantum and unsent[rank]:
                     depart(rank, t, True)
                 index = sync_seen[rank].get(stage, 0)
                 state = syncs.get((stage, index))
@@ -221,7 +221,7 @@ def _simulate(schedule: Schedule, costs: Costs | StageCosts | None) -> Timeline:
                 work += step[stage]
             en[pc] = t
             pc += 1
-            if unsent[rank]:
+            if quantum and unsent[rank]:
                 depart(rank, t, pc == length)
         pcs[rank] = pc
         clocks[rank] = t
