@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                           "graph until the weight gradient; docs/planner.md): use another --schedule, or auto")
     calibration = None
     if args.costs_file:
-        from pipetrain.training.prediction import load_calibration
+        from pipetrain.schedule.costs import load_calibration
 
         calibration = load_calibration(args.costs_file)
     profile = load_profile(args.profile)

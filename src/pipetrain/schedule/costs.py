@@ -33,7 +33,7 @@ from typing import Sequence, Union
 
 from pipetrain.errors import ScheduleError, option
 
-__all__ = ["Costs", "StageCosts", "parse_costs", "load_costs", "machine_facts"]
+__all__ = ["Costs", "StageCosts", "parse_costs", "load_costs", "load_calibration", "machine_facts"]
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
@@ -237,6 +237,16 @@ def load_costs(path: str) -> Costs:
         _warn_if_elsewhere(path, costs.measured_on)
     return costs
 
+
+
+def load_calibration(path: str | None) -> Costs | None:
+    """A run's ``costs_file`` (None: none), warning each time it is read if it was measured
+    elsewhere (Python would show a warning from one place only once per process)."""
+    if not path:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        return load_costs(path)
 
 def machine_facts() -> dict[str, str | int]:
     """What a calibration says about where it ran: host, processor, cores and torch's version

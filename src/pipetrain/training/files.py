@@ -4,7 +4,6 @@ atomically, and a write that fails said in one line."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Iterator
 
 from pipetrain.errors import PipetrainError, option
@@ -12,7 +11,7 @@ from pipetrain.paths import is_weights_dir
 from pipetrain.schedule.chrome_trace import write_trace
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.outputs import save_state_dict, save_weights_here, weights_kept
-from pipetrain.training.prediction import load_calibration, simulation_costs
+from pipetrain.training.prediction import simulation_costs
 from pipetrain.training.result import TrainResult
 from pipetrain.training.timelines import plot_measured_and_simulated, simulated_counterpart
 
@@ -38,9 +37,7 @@ def write_outputs(config: TrainConfig, result: TrainResult, run, state_dict=None
             result.write_report(config.report_json)
     costs = None
     if (config.trace or config.plot) and result.timeline is not None and config.costs_file:
-        with warnings.catch_warnings():  # the report's figures warned already
-            warnings.simplefilter("ignore")
-            costs = simulation_costs(run, result.timeline, load_calibration(config.costs_file))
+        costs = simulation_costs(run, result.timeline, run.calibration)  # read once per run
     if config.trace and result.timeline is not None:
 
         with _writing("trace", config.trace):

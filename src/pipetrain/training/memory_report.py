@@ -34,7 +34,6 @@ from pipetrain.execution.update_in_backward import can_update_in_backward
 from pipetrain.schedule.memory import StageSizes, bytes_by_rank, memory_by_rank
 from pipetrain.schedule.recompute_stages import format_recompute
 from pipetrain.schedule.timeline import positions
-from pipetrain.training.prediction import load_calibration
 from pipetrain.training.run import Run
 from pipetrain.training.shapes import microbatch_bytes
 from pipetrain.training.validate import loss_scale_of
@@ -166,7 +165,7 @@ def memory_report(run: Any, measured: Sequence[dict[str, Any]], *, per_rank: boo
 
 def _worker_bytes(run: Run) -> int:
     """The calibration's ``worker_bytes`` (0 without one)."""
-    calibration = load_calibration(getattr(run.config, "costs_file", None))
+    calibration = run.calibration
     return int(calibration.worker_bytes) if calibration is not None else 0
 
 

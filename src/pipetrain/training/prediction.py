@@ -15,10 +15,9 @@ resists evaluations and other pauses).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Sequence
 
-from pipetrain.schedule.costs import Costs, load_costs
+from pipetrain.schedule.costs import Costs, load_calibration
 from pipetrain.schedule.timeline import Timeline, simulate
 from pipetrain.training.shapes import stage_output_bytes
 from pipetrain.training.timelines import measured_costs, seconds_per_update, update_ends
@@ -57,20 +56,11 @@ def simulation_costs(run: Any, measured: Timeline, calibration: Costs | None = N
     return calibrated_costs(compute, calibration, sizes, params)
 
 
-def load_calibration(path: str | None) -> Costs | None:
-    """The ``--costs-file`` calibration, warning once if it was measured elsewhere."""
-    if not path:
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        return load_costs(path)
-
-
 def prediction(run: Any, measured: Timeline, ends: Sequence[float]) -> dict[str, Any]:
     """The report's figures: ``measured_seconds_per_update`` (from ``ends``, the run's
     ``update_seconds``), ``simulated_seconds_per_update`` (with the run's calibration, if any),
     ``simulated_compute_only_seconds_per_update``, ``calibrated``, ``measured_over_simulated``."""
-    calibration = load_calibration(run.config.costs_file)
+    calibration = run.calibration
     compute_only = seconds_per_update(update_ends(simulate(measured.schedule, measured_costs(measured))))
     simulated = compute_only
     if calibration is not None:

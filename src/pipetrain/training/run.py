@@ -19,6 +19,7 @@ from pipetrain.optim import build_stage_optimizer
 from pipetrain.paths import is_weights_dir
 from pipetrain.plan.choose import AutoChoice
 from pipetrain.schedule import Schedule
+from pipetrain.schedule.costs import Costs, load_calibration
 from pipetrain.schedule.cuts import Cut, cuts
 from pipetrain.schedule.messages import Messages
 from pipetrain.stages import StageChoice, StagedModel
@@ -63,6 +64,10 @@ class Run:
     init: Init | None = None  # first values of the stages of a model built on meta
     meta: bool = False  # the model was built on the meta device: each rank materialises its own stages
     schedule_choice: AutoChoice | None = None  # how schedule "auto" chose (None: named)
+    _calibration: tuple[str | None, Costs | None] = field(default=(None, None), repr=False)  # see calibration
+    #: (the stages sized, each one's bytes of one microbatch): kept by
+    #: :func:`pipetrain.training.shapes.microbatch_bytes`, which sizes them once
+    microbatch_sizes: tuple[tuple[int, ...], list[Any]] | None = field(default=None, repr=False)
 
     @property
     def gathers_weights(self) -> bool:
@@ -100,6 +105,14 @@ class Run:
             for step, found in zip(missing, cuts(self.schedule, [s * units for s in missing], self.messages)):
                 self._cuts[step] = found
         return [self._cuts[step] for step in steps]
+
+    @property
+    def calibration(self) -> Costs | None:
+        """The ``costs_file`` calibration (None without one), read once per file."""
+        path, costs = self._calibration
+        if path != self.config.costs_file:
+            self._calibration = path, costs = self.config.costs_file, load_calibration(self.config.costs_file)
+        return costs
 
     @property
     def messages(self) -> Messages:

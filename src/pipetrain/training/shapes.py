@@ -160,12 +160,20 @@ def stage_output_bytes(run: Run) -> list[int] | None:
 
 def microbatch_bytes(run: Run) -> list[MicrobatchBytes] | None:
     """Each stage's :class:`MicrobatchBytes` for the run's first training microbatch, run through
-    the stages with gradients on the meta device as :func:`check_data` runs it; None where the data
-    or the meta device cannot tell (a ``DataLoader``, a step fed by the caller, an operation with
-    no meta kernel)."""
+    the stages with gradients on the meta device as :func:`check_data` runs it, once per run; None
+    where the data or the meta device cannot tell (a ``DataLoader``, a step fed by the caller, an
+    operation with no meta kernel)."""
+    stages = tuple(map(id, run.staged.stages))  # sized again only if the stages were replaced
+    if run.microbatch_sizes is None or run.microbatch_sizes[0] != stages:
+        run.microbatch_sizes = (stages, _sized(run))
+    return run.microbatch_sizes[1] or None
+
+
+def _sized(run: Run) -> list[MicrobatchBytes]:
+    """:func:`microbatch_bytes`, measured ([] where it cannot be)."""
     train_set = run.train_set
     if isinstance(train_set, DataLoader) or getattr(train_set, "fed_by_step", False):
-        return None
+        return []
     try:
         with torch.random.fork_rng(devices=[]):
             x, _ = first_microbatch(run.config, run.layout.units_per_update, train_set, run.dtype)
@@ -185,7 +193,7 @@ def microbatch_bytes(run: Run) -> list[MicrobatchBytes] | None:
                 sizes.append(MicrobatchBytes(sum(output.values()), sum(held.values()), sum(inputs.values())))
                 value = map_values(value, lambda t: t.detach())
     except Exception:  # noqa: BLE001 - no verdict here: the run checked its data, this only sizes memory
-        return None
+        return []
     return sizes
 
 
