@@ -107,9 +107,9 @@ def test_a_torchrun_worker_reads_the_calibration_its_launcher_wrote(tmp_path, mo
         monkeypatch.setenv(name, value)
     config = TrainConfig(calibrate=True, costs_file="mine.json")
     with pytest.raises(PipetrainError, match="pipetrain calibrate --out mine.json"):
-        _calibrated(config, None)
+        _calibrated(config)
     (tmp_path / "mine.json").write_text(json.dumps({"overhead": 1e-5}))
-    assert _calibrated(config, None).costs_file == "mine.json"
+    assert _calibrated(config).costs_file == "mine.json"
 
 
 def test_profile_calibrates_for_plan(tmp_path, capsys):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pipetrain.errors import PipetrainError, option
+from pipetrain.execution.device import resolve_device
 from pipetrain.runtime.launch import detect
 from pipetrain.training import distributed
 from pipetrain.training.calibration import calibrate
@@ -38,9 +39,9 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     workers is raised as :class:`SystemExit` here: the workers ran the script, this process only
     watched them.
     """
-    if config.calibrate:
-        config = _calibrated(config, parts)
     check_config(config, specs=parts is None)  # options and output paths, before any work
+    if config.calibrate:  # measured only for a run that passed its checks
+        config = _calibrated(config)
 
     callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks or ())
     if config.executor == "emulate":  # check_config refused checkpoint options here
@@ -72,17 +73,15 @@ def train(config: TrainConfig, parts: RunParts | None = None, callbacks: Any = N
     return result
 
 
-def _calibrated(config: TrainConfig, parts: RunParts | None) -> TrainConfig:
+def _calibrated(config: TrainConfig) -> TrainConfig:
     """``config`` with the costs file that ``calibrate`` asked for: measured here
-    (:func:`pipetrain.training.calibration.calibrate`) after the other options passed their checks,
-    unless this process is a worker of a started run (the process that started it measured)."""
+    (:func:`pipetrain.training.calibration.calibrate`), unless this process is a worker of a
+    started run (the process that started it measured)."""
     path = config.costs_file or CALIBRATION
     if detect() is None:
-        check_config(config, specs=parts is None)  # nothing measured for a run that would be refused
         if not config.quiet:
             print(f"calibrating this machine for the simulator (about 10 s), into {path}")
-        cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        data, _ = calibrate("cuda" if cuda else "cpu")
+        data, _ = calibrate(resolve_device(config.device).type)
         write_json_atomic(path, data)
     elif not os.path.exists(path):
         raise PipetrainError(f"{option('calibrate')} in a worker of a run started by torchrun: no {path} here to "
