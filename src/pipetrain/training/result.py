@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from pipetrain.errors import PipetrainError
-from pipetrain.schedule.ir import Kind
 from pipetrain.training.prediction import prediction
+from pipetrain.training.timelines import update_ends
 
 __all__ = ["TrainResult", "result_of", "write_json_atomic", "scale_payload", "loss_scale_report"]
 
@@ -167,10 +167,7 @@ def _last_stage_updates(timeline: Any) -> Sequence[float]:
     """End times of the last stage's updates (its first replica's STEP actions)."""
     if getattr(timeline, "update_ends", None) is not None:  # a window of a long run: the whole run's
         return timeline.update_ends  # an array of floats (8 bytes an update), listed in the report
-    schedule = timeline.schedule
-    last = schedule.num_stages - 1
-    rank = schedule.stage_ranks[last][0]
-    return [end for action, _, end in timeline.spans(rank) if action.kind is Kind.STEP and action.stage == last]
+    return update_ends(timeline)
 
 
 def _steady_rate(run: Any, ends: Sequence[float], skip: float = 0.25) -> float | None:
