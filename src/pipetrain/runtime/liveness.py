@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from pipetrain.errors import option
 from pipetrain.runtime.errors import PeerLostError, PeerTimeoutError
-from pipetrain.runtime.status import env_store
+from pipetrain.runtime.status import env_store, error_key, record_key
 
 __all__ = ["Liveness", "new_prefix"]
 
@@ -119,7 +119,7 @@ class Liveness:
         """Seconds since ``rank``'s status record last changed, as far as this rank has seen (since
         the first reading, when it has not seen it change yet)."""
         now = time.monotonic()
-        key = f"{self.status_prefix}/{rank}"  # StatusBoard's key of the rank's record
+        key = record_key(self.status_prefix, rank)
         record = self.store.get(key) if self.store.check([key]) else None
         seen = self._heard.get(rank)
         if seen is None or seen[0] != record:
@@ -131,7 +131,7 @@ class Liveness:
         """Whether ``rank`` stopped on an error of its own and left it for the launcher
         (:func:`~pipetrain.runtime.status.publish_error`): it will not be heard from again, and
         its peers need not wait out its silence."""
-        return bool(self.store.check([f"{self.status_prefix}/error/{rank}"]))  # publish_error's key
+        return bool(self.store.check([error_key(self.status_prefix, rank)]))
 
     def wait_until(self, ready: Callable[[], bool], awaited: Callable[[], list[int]], what: str) -> None:
         """Poll ``ready`` (quickly at first, then every 50 ms) until it holds; raise

@@ -23,8 +23,14 @@ __all__ = [
 _PREFIX = "status"
 
 
-def _key(prefix: str, rank: int) -> str:
+def record_key(prefix: str, rank: int) -> str:
+    """The store key of ``rank``'s status record."""
     return f"{prefix}/{rank}"
+
+
+def error_key(prefix: str, rank: int) -> str:
+    """The store key of the error ``rank`` left for the launcher (:func:`publish_error`)."""
+    return f"{prefix}/error/{rank}"
 
 
 def default_prefix() -> str:
@@ -161,7 +167,7 @@ class StatusBoard:
         try:
             data = json.dumps(self.record())
             with self._lock:
-                self.store.set(_key(self.prefix, self.rank), data)
+                self.store.set(record_key(self.prefix, self.rank), data)
             self._failures = 0
             return True
         except Exception:
@@ -194,7 +200,7 @@ def publish_error(store: Any, rank: int, message: str, *, prefix: str | None = N
     where the launcher reports it as the run's one message and its peers see that they only lost
     the rank that failed. False if the store did not take it."""
     try:
-        store.set(f"{prefix if prefix is not None else default_prefix()}/error/{rank}", message)
+        store.set(error_key(prefix if prefix is not None else default_prefix(), rank), message)
         return True
     except Exception:
         return False
@@ -208,7 +214,7 @@ def read_errors(store: Any, world_size: int, *, prefix: str | None = None, timeo
     def read() -> None:
         try:
             for rank in range(world_size):
-                key = f"{prefix}/error/{rank}"
+                key = error_key(prefix, rank)
                 if store.check([key]):
                     found[rank] = store.get(key).decode("utf-8", "replace")
         except Exception:
@@ -245,7 +251,7 @@ def read_status(
     def read() -> None:
         try:
             for rank in range(world_size):
-                key = _key(prefix, rank)
+                key = record_key(prefix, rank)
                 if lock is not None:
                     with lock:
                         present = store.check([key])
