@@ -35,7 +35,7 @@ from pipetrain.optim.torch_optim import SchedulerLR, TorchOptimizer, as_spec, is
 from pipetrain.plan.choose import choose_schedule, is_auto, parse_auto
 from pipetrain.runtime.launch import detect
 from pipetrain.schedule import resolve_name
-from pipetrain.schedule.presets import chunks_per_rank
+from pipetrain.schedule.presets import LOOPED, chunks_per_rank
 from pipetrain.stages import StageChoice, split_model, unit_names, unit_pieces
 from pipetrain.training import distributed
 from pipetrain.training.api_types import checked_value
@@ -410,7 +410,7 @@ def _choose_auto(config: TrainConfig, model: Any, leaf_modules: Any, concrete_ar
     costs = [float(sum(p.numel() for p in stage.parameters())) for stage in units.stages]
     choice = choose_schedule(costs, ranks, config.microbatches, memory=parse_auto(config.schedule))
     choice.priced_by = "unit parameter counts"
-    chunks = choice.chunks if choice.schedule in ("interleaved", "bfs", "interleaved-zb") else 1
+    chunks = choice.chunks if choice.schedule in LOOPED else 1
     return dataclasses.replace(config, schedule=choice.schedule, chunks=chunks, stages=ranks), choice
 
 

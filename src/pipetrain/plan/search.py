@@ -46,6 +46,7 @@ from pipetrain.plan.profile import Profile
 from pipetrain.plan.result import Plan
 from pipetrain.plan.topology import Topology
 from pipetrain.schedule import Costs, build, memory_by_rank, simulate
+from pipetrain.schedule.presets import LOOPED
 
 __all__ = ["search", "simulate_plan", "Simulated", "DEFAULT_MICROBATCHES"]
 
@@ -133,7 +134,7 @@ def simulate_plan(plan: Plan, profile: Profile, topology: Topology, calibration:
 def _simulate_chunked(plan: Plan, costs, fwd: list[float], bwd: list[float]) -> Simulated:
     """:func:`simulate_plan` for a plan whose workers hold ``plan.chunks`` stages each."""
     ranks, m = len(plan.stages) // plan.chunks, plan.microbatches
-    looped = plan.chunks if plan.schedule in ("interleaved", "bfs", "interleaved-zb") else 1
+    looped = plan.chunks if plan.schedule in LOOPED else 1
     spans = [simulate(build(plan.schedule, ranks, m, steps=steps, chunks=looped), costs).makespan
              for steps in (2, 4)]
     slope = (spans[1] - spans[0]) / 2

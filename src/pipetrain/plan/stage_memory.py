@@ -58,6 +58,7 @@ import numpy as np
 
 from pipetrain.errors import ConfigError
 from pipetrain.schedule import build, memory_by_rank
+from pipetrain.schedule.presets import LOOPED
 
 __all__ = ["SCHEDULES", "CHUNKED", "LOOPED_CHUNKS", "SPLIT", "RECOMPUTES", "check_schedule", "is_flush",
            "in_flight", "weight_versions", "stage_memory", "order_memory", "chunks_of", "parse_bytes",
@@ -168,7 +169,7 @@ def smallest_fitting(messages: list[str]) -> tuple[float, str] | None:
 
 def chunks_of(schedule: str) -> int:
     """Stages each rank holds when the planner plans ``schedule``."""
-    return LOOPED_CHUNKS if schedule in ("interleaved", "bfs", "interleaved-zb") else \
+    return LOOPED_CHUNKS if schedule in LOOPED else \
         2 if schedule in CHUNKED else 1
 
 
@@ -179,7 +180,7 @@ def order_memory(schedule: str, ranks: int, microbatches: int) -> tuple:
     count of microbatches held over all its stages, read off the generated order (module
     docstring). Raises :class:`~pipetrain.errors.ScheduleError` where the generator refuses."""
     built = build(schedule, ranks, microbatches, chunks=chunks_of(schedule) if schedule in
-                  ("interleaved", "bfs", "interleaved-zb") else 1, communication=False)
+                  LOOPED else 1, communication=False)
     out = []
     for rank, stages in zip(memory_by_rank(built), built.rank_stages()):
         held = tuple(rank.peak_activations.get(s, 0) for s in stages)
