@@ -45,10 +45,13 @@ def test_an_option_with_a_value_is_written_as_the_user_would_set_it():
 def test_an_option_the_command_line_sets_with_another_flag_is_written_as_each_side_sets_it():
     import pipetrain.training.config  # noqa: F401
 
-    error = ConfigError(f"{option('init', 'reset', cli_field='meta', cli='meta')} cannot give it values")
+    error = ConfigError(f"{option('init', 'reset', flag='--init', cli='meta')} cannot give it values")
+    directory = ConfigError(f"{option('init', 'w')} holds no weights")
     assert str(error) == "init='reset' cannot give it values" and error.options == ("init",)
+    assert str(directory) == "init='w' holds no weights"
     with naming_options_as("flag"):
         assert str(error) == "--init meta cannot give it values"
+        assert str(directory) == "--init-from w holds no weights"  # the field's first flag
 
 
 def _raises(below_the_command_line: bool = False):

@@ -17,7 +17,7 @@ import pipetrain
 #: docs/design.md's table, lowest first (``__init__`` is the package's face: the top)
 LAYERS = [
     {"errors", "paths", "spec", "structure", "usercode"},
-    {"schedule", "optim", "weights"},
+    {"schedule", "optim", "weights", "initialiser"},
     {"stages"},
     {"data", "models"},
     {"execution"},

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from pipetrain.commands.train import add_arguments, config_from_args
+from pipetrain.errors import ConfigError
+from pipetrain.initialiser import Init
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.options import GROUPS, declared, flag_name
 
@@ -48,10 +50,27 @@ def test_flags_set_their_fields():
     config = config_from_args(_parser().parse_args(
         ["--batch-size", "8", "--balance", "2,1", "--no-shuffle", "--init-from", "weights", "--resume",
          "--concrete-args", "use_cache=false"]))
-    assert (config.batch_size, config.balance, config.shuffle, config.meta, config.init, config.resume,
-            config.concrete_args) == (8, [2, 1], False, True, "weights", True, {"use_cache": False})
-    assert config_from_args(_parser().parse_args(["--init", "meta"])).init == "reset"
-    assert config_from_args(_parser().parse_args(["--init", "eager", "--init-from", "w"])).meta is False
+    assert (config.batch_size, config.balance, config.shuffle, config.init, config.resume,
+            config.concrete_args) == (8, [2, 1], False, Init("weights", path="weights"), True, {"use_cache": False})
+
+
+@pytest.mark.parametrize("flags, init", [
+    ([], None),
+    (["--init", "eager"], None),
+    (["--init", "meta"], Init("reset")),
+    (["--init-from", "w"], Init("weights", path="w")),
+    (["--init", "meta", "--init-from", "w"], Init("weights", path="w")),
+    (["--init", "eager", "--init-from", "w"], Init("weights", path="w", on_meta=False)),
+])
+def test_the_init_flags_read_together_give_one_init(flags, init):
+    assert config_from_args(_parser().parse_args(flags)).init == init
+
+
+def test_a_python_value_of_init_becomes_its_init_when_the_configuration_is_made():
+    assert TrainConfig(init="reset").init == Init("reset")
+    assert dataclasses.replace(TrainConfig(init="w"), seed=1).init == Init("weights", path="w")
+    with pytest.raises(ConfigError, match="init must be"):
+        TrainConfig(init=3)
 
 
 def test_the_fingerprint_holds_the_declared_fields_when_they_apply():

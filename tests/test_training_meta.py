@@ -42,7 +42,7 @@ def initial(tmp_path_factory):
 def test_a_meta_model_from_the_initial_weights_trains_like_the_eager_one(tmp_path, initial, schedule):
     options = {**BASE, **SCHEDULES[schedule], "schedule": schedule, "stages": 2, "executor": "emulate"}
     eager = TrainConfig(**options, save=str(tmp_path / "eager.pt"))
-    meta = TrainConfig(**options, meta=True, init=initial, save=str(tmp_path / "meta.pt"))
+    meta = TrainConfig(**options, init=initial, save=str(tmp_path / "meta.pt"))
     train(eager)
     train(meta)
     a, b = torch.load(eager.save), torch.load(meta.save)
@@ -50,10 +50,10 @@ def test_a_meta_model_from_the_initial_weights_trains_like_the_eager_one(tmp_pat
 
 
 def test_the_runtime_equals_the_emulator_and_writes_the_same_weights_directory(tmp_path, initial):
-    configs = [TrainConfig(**{**BASE, **extra}, schedule=schedule, stages=2, executor="distributed", meta=True,
+    configs = [TrainConfig(**{**BASE, **extra}, schedule=schedule, stages=2, executor="distributed",
                            init=init, save=str(tmp_path / f"{schedule}-{init == 'reset'}-distributed.pt"))
                for schedule, extra in SCHEDULES.items() for init in (initial, "reset")]
-    configs.append(TrainConfig(**BASE, schedule="1f1b", microbatches=1, stages=2, executor="distributed", meta=True,
+    configs.append(TrainConfig(**BASE, schedule="1f1b", microbatches=1, stages=2, executor="distributed",
                                init="reset", save=str(tmp_path / "update-in-backward-distributed.pt")))
     assert_distributed_equals_emulated(configs, workers=2, timeout=240)
     common = ["--model", MODEL, "--data", DATA, "--steps", "3", "--batch-size", "8", "--stages", "2", "--init", "meta",

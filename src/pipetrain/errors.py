@@ -21,21 +21,22 @@ __all__ = ["PipetrainError", "ScheduleError", "DeadlockError", "ConfigError", "A
 
 _MARK, _VALUE, _CLI = "\x1f", "\x1e", "\x1d"
 _NAME = r"([A-Za-z_][A-Za-z0-9_]*)"
-_FIELD = re.compile(_MARK + _NAME + "(?:" + _CLI + _NAME + ")?(?:" + _VALUE + "([^\x1d\x1e\x1f]*)" + _VALUE
+_FIELD = re.compile(_MARK + _NAME + "(?:" + _CLI + "(--[A-Za-z0-9-]+))?(?:" + _VALUE + "([^\x1d\x1e\x1f]*)" + _VALUE
                     + "([^\x1d\x1e\x1f]*))?" + _MARK)
 _STYLE = "PIPETRAIN_OPTION_NAMES"  # flag or keyword: how this process and its workers name options
 _NAMES: dict[str, dict[str, str]] = {"flag": {}, "keyword": {}}
 _NO_VALUE = object()
 
 
-def option(field: str, value: Any = _NO_VALUE, *, cli: str | None = None, cli_field: str | None = None) -> str:
+def option(field: str, value: Any = _NO_VALUE, *, cli: str | None = None, flag: str | None = None) -> str:
     """The option ``field`` in a message: ``--field-name`` on the command line, its keyword in
     Python. With ``value``, the option set to it, as the user would write it there:
     ``--steps 12`` (a list comma-separated: ``--balance 2,3``) or ``steps=12``. Where the command
     line says it otherwise: ``cli``, its text of the value (``--recompute auto`` for
-    ``recompute=True``), and ``cli_field``, the field whose flag it uses (``init='reset'`` is
-    ``--init meta``: ``option("init", "reset", cli_field="meta", cli="meta")``)."""
-    head = field if cli_field is None else f"{field}{_CLI}{cli_field}"
+    ``recompute=True``), and ``flag``, its flag where the field has several (``init='reset'`` is
+    ``--init meta`` while ``init='DIR'`` is ``--init-from DIR``:
+    ``option("init", "reset", flag="--init", cli="meta")``)."""
+    head = field if flag is None else f"{field}{_CLI}{flag}"
     if value is _NO_VALUE:
         return f"{_MARK}{head}{_MARK}"
     if cli is None:
@@ -83,9 +84,9 @@ def written(text: str) -> str:
     names = _NAMES.get(style, _NAMES["keyword"])
 
     def one(match: re.Match) -> str:
-        field, cli_field, cli, python = match[1], match[2] or match[1], match[3], match[4]
+        field, given_flag, cli, python = match[1], match[2], match[3], match[4]
         if style == "flag":
-            flag = names.get(cli_field) or "--" + cli_field.replace("_", "-")
+            flag = given_flag or names.get(field) or "--" + field.replace("_", "-")
             return flag if cli is None else f"{flag} {cli}"
         keyword = names.get(field) or field
         return keyword if python is None else f"{keyword}={python}"

@@ -64,10 +64,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pipetrain.data import dataset_info, get_batch, load_dataset
+    from pipetrain.initialiser import init_from_flags
     from pipetrain.models import build_model
     from pipetrain.plan.profile_files import save_profile
     from pipetrain.plan.profiler import profile_model
-    from pipetrain.training.config import init_flags
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     dataset = load_dataset(args.data)
     info = dataset_info(dataset)
-    meta, first_values = init_flags(args.init, args.init_from)  # as `pipetrain train` reads them
+    init = init_from_flags(args.init, args.init_from)  # as `pipetrain train` reads them
+    meta = init is not None and init.on_meta
     model = build_model(args.model, input_shape=info.input_shape, num_classes=info.num_classes,
                         seed=args.seed, meta=meta)
     count = len(dataset)
@@ -88,11 +89,11 @@ def run(args: argparse.Namespace) -> int:
     if meta:
         from pipetrain.models.loss import loss_for
         from pipetrain.plan.profiler import profile_by_unit
-        from pipetrain.stages.materialize import resolve_init
+        from pipetrain.stages.materialize import opened
 
         if args.device != "cpu":
             raise ConfigError("--init meta profiles on the CPU (each unit materialised there): drop --device")
-        profile = profile_by_unit(model, batch, loss_for(model), init=resolve_init(first_values),
+        profile = profile_by_unit(model, batch, loss_for(model), init=opened(init),
                                   seed=args.seed, iterations=args.iterations, warmup=args.warmup,
                                   optimizer_states=args.optimizer_states, statistic=args.statistic, meta=described)
     else:

@@ -29,6 +29,7 @@ from torch import nn
 
 from pipetrain.errors import ConfigError, PipetrainError
 from pipetrain.execution.stage import StageExecutor
+from pipetrain.initialiser import Init
 from pipetrain.stages.balance import (StageChoice, cost_order, cut_between_children, startable, unit_names,
                                       unit_pieces, unit_positions)
 from pipetrain.stages.materialize import has_meta, materialize
@@ -54,7 +55,7 @@ def measure_unit_costs(
     budget: float = 0.3,
     most: int = 30,
     units: Sequence[str] | None = None,
-    init: Any = None,
+    init: Init | None = None,
     seed: int = 0,
 ) -> dict[str, float]:
     """Fastest forward + backward seconds of each piece of ``model`` cut at every unit
@@ -125,7 +126,7 @@ def measure_unit_costs(
 
 
 def _measure_one_at_a_time(model: nn.Module, names: Sequence[str], pieces: StagedModel, inputs: Any,
-                           target: torch.Tensor, loss_fn: Callable, init: Any, seed: int,
+                           target: torch.Tensor, loss_fn: Callable, init: Init | None, seed: int,
                            rounds: dict[str, Any]) -> dict[str, float]:
     """:func:`measure_unit_costs` of a model built on meta: one materialised piece at a time."""
     last = len(pieces) - 1
@@ -149,7 +150,7 @@ def _measure_one_at_a_time(model: nn.Module, names: Sequence[str], pieces: Stage
     return costs
 
 
-def each_piece_alone(model: nn.Module, pieces: StagedModel, inputs: Any, init: Any,
+def each_piece_alone(model: nn.Module, pieces: StagedModel, inputs: Any, init: Init | None,
                      seed: int) -> Iterator[tuple[int, nn.Module, list[Any]]]:
     """Each piece of a model built on meta, materialised alone (``init`` under ``seed``) while the
     caller times it, then put back on meta: ``(s, piece, values)``, ``values[s]`` its input.
@@ -202,7 +203,7 @@ def split_by_time(
     concrete_args: Mapping[str, Any] | None = None,
     costs: Mapping[str, float] | None = None,
     repeats: int = 5,
-    init: Any = None,
+    init: Init | None = None,
     seed: int = 0,
 ) -> tuple[StagedModel, StageChoice]:
     """``model`` cut into ``stages`` stages of near-equal measured time, and the record of it.

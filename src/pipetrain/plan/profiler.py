@@ -30,6 +30,7 @@ from torch import nn
 
 from pipetrain.errors import ConfigError
 from pipetrain.execution.unit_timing import each_piece_alone
+from pipetrain.initialiser import Init
 from pipetrain.plan.profile import LayerProfile, Profile
 from pipetrain.stages import unit_pieces
 from pipetrain.stages.staged import call_stage
@@ -311,7 +312,7 @@ def _one_iteration(model: nn.Module, units: Sequence[_Unit], output_of: Callable
 
 
 def profile_by_unit(model: nn.Module, example: tuple[Any, torch.Tensor],
-                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *, init: Any = None,
+                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None, *, init: Init | None = None,
                     seed: int = 0, iterations: int = 10, warmup: int = 3, optimizer_states: float = 1.0,
                     meta: dict[str, Any] | None = None, statistic: str = "median",
                     clock: Callable[[], float] = time.perf_counter) -> Profile:

@@ -5,7 +5,7 @@ A model built under ``torch.device("meta")`` has the shapes of its parameters an
 costs no memory, so every rank can build the whole model, cut it (tracing needs no values) and then
 *materialise* only the stages it runs (:func:`materialize`). Each tensor is allocated on the CPU,
 given its first values by the run's initialiser, and moved to the stage's device by the executor,
-so no rank ever holds more than its stages. The initialisers (:func:`resolve_init`):
+so no rank ever holds more than its stages. The initialisers (:class:`pipetrain.initialiser.Init`):
 
 * ``"reset"``: each module's own ``reset_parameters()`` (``nn.MultiheadAttention``'s
   ``_reset_parameters()``), children before parents as a constructor runs them, each under a
@@ -31,7 +31,7 @@ import contextlib
 import hashlib
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -39,12 +39,14 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError, option
+from pipetrain.initialiser import Init, resolve_init
 from pipetrain.weights import WeightsDir, check_against, tensor_names
 
-__all__ = ["Init", "assign", "load_weights", "has_meta", "materialize", "first_names", "resolve_init", "seed_for"]
+__all__ = ["Init", "assign", "load_weights", "has_meta", "materialize", "first_names", "opened", "resolve_init",
+           "seed_for"]
 
-#: init="reset" in a message: `--init meta` on the command line (it implies the reset)
-_RESET = option("init", "reset", cli_field="meta", cli="meta")
+#: init="reset" in a message: `--init meta` on the command line (the field's first flag is --init-from)
+_RESET = option("init", "reset", flag="--init", cli="meta")
 
 #: torch.nn modules whose constructor initialises them through a private method
 _PRIVATE_RESETS = {nn.MultiheadAttention: "_reset_parameters"}
@@ -80,35 +82,12 @@ def _seeded(seed: int, name: str) -> Iterator[None]:
         yield
 
 
-@dataclass
-class Init:
-    """A resolved initialiser: ``kind`` is ``"reset"``, ``"function"`` or ``"weights"``."""
-
-    kind: str
-    function: Callable[[nn.Module, str], Any] | None = None
-    weights: Any = None  # pipetrain.weights.WeightsDir
-
-    def describe(self) -> str:
-        if self.kind == "weights":
-            return f"weights from {self.weights.path}"
-        if self.kind == "function":
-            return f"init function {getattr(self.function, '__qualname__', type(self.function).__name__)}"
-        return "reset_parameters() under per-module seeds"
-
-
-def resolve_init(init: Any) -> Init | None:
-    """``None``, ``"reset"``, a function ``(module, name)`` or a weights directory's path, resolved
-    (a directory's index is read now, so that a wrong path fails before any work)."""
-    if init is None or isinstance(init, Init):
+def opened(init: Init | None) -> Init | None:
+    """``init`` with its weights directory opened (its index read), once for a run: a wrong or
+    incomplete directory fails here, before any work, and every stage then reads from it."""
+    if init is None or init.kind != "weights" or init.weights is not None:
         return init
-    if callable(init):
-        return Init("function", function=init)
-    if isinstance(init, (str, os.PathLike)):
-        if os.fspath(init) == "reset":
-            return Init("reset")
-        return Init("weights", weights=WeightsDir(init))
-    raise ConfigError(f"init must be 'reset', a function (module, name) or a weights directory, not "
-                      f"{type(init).__name__}")
+    return replace(init, weights=WeightsDir(init.path))
 
 
 # -- slots: every place that holds a tensor ------------------------------------------------------
@@ -218,7 +197,7 @@ def materialize(model: nn.Module, part: nn.Module, init: Init | None, *, seed: i
                 f"in Python init=function(module, name)"
             )
         return done
-    stored = _stored_values(init.weights, model, tensors) if init.kind == "weights" else {}
+    stored = _stored_values(opened(init).weights, model, tensors) if init.kind == "weights" else {}
     slots = _slots([model, part])
     made: dict[int, torch.Tensor] = {}  # id of the meta tensor -> its real one
     for tid, tensor in old.items():

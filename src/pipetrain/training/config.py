@@ -8,35 +8,24 @@ import argparse
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pipetrain.errors import ConfigError, PipetrainError, name_options
 from pipetrain.errors import option as option_name
+from pipetrain.initialiser import Init, init_from_flags, resolve_init
 from pipetrain.optim import parse_optimizer_spec, translate_hyperparameters
 from pipetrain.schedule.costs import load_costs
 from pipetrain.training.options import (Flag, at_least, declared, entries_at_least, flag_of, int_list, key_values,
                                         keyword_of, name_list, one_of, option, whole_number)
 
-__all__ = ["TrainConfig", "init_flags", "CALIBRATION"]
+__all__ = ["TrainConfig", "CALIBRATION"]
 
 #: where ``calibrate`` writes its costs file when no ``costs_file`` is named
 CALIBRATION = "calibration.json"
 
 
-def init_flags(init: str | None, init_from: str | None) -> tuple[bool, str | None]:
-    """``--init`` and ``--init-from`` read together (`pipetrain train` and `pipetrain profile`):
-    whether the model is built on the meta device (``--init meta``, or ``--init-from`` without
-    ``--init eager``), and its first values: the weights directory, ``"reset"`` on meta, else None."""
-    meta = init == "meta" or (init is None and init_from is not None)
-    return meta, init_from or ("reset" if meta else None)
-
-
-def _meta(args: argparse.Namespace) -> bool:
-    return init_flags(args.init, args.init_from)[0]
-
-
-def _init(args: argparse.Namespace) -> str | None:
-    return init_flags(args.init, args.init_from)[1]
+def _init(args: argparse.Namespace) -> Init | None:
+    return init_from_flags(args.init, args.init_from)
 
 
 def _calibration(field: str, path: str) -> None:
@@ -114,20 +103,17 @@ class TrainConfig:
              "(default 1; two-tensor and batch() data sets are read by index on a thread)")
     pin_memory: bool = option(
         False, group=_DATA, action="store_true", help="page-locked batches, with an accelerator (default off)")
-    meta: bool = option(
-        False, group=_DATA, from_cli=_meta,
-        help="build the model on PyTorch's meta device (no values); set by --init meta",
-        flags=(Flag("--init", "meta: build the model on PyTorch's meta device (shapes, no memory); each worker "
-                    "materialises only its own stages, initialised by each module's reset_parameters() under "
-                    "--seed, or from --init-from (default: eager, unless --init-from is given)",
-                    {"choices": ["eager", "meta"], "default": None}),))
-    init: str | Callable[[Any, str], Any] | None = option(
+    init: Init | None = option(
         None, group=_DATA, from_cli=_init, api="pipeline", api_type="str | Callable[[nn.Module, str], Any] | None",
         help="first values of a model built on meta: \"reset\", a weights directory (--init-from), or the "
              "Python API's init function (module, name); None: the model's own values",
         flags=(Flag("--init-from", "start from the weights in DIR (written by --save DIR, or a HuggingFace "
                     "save_pretrained directory): each worker reads only its stages' tensors; implies --init meta "
-                    "unless --init eager (default: none)", {"metavar": "DIR"}),))
+                    "unless --init eager (default: none)", {"metavar": "DIR"}),
+               Flag("--init", "meta: build the model on PyTorch's meta device (shapes, no memory); each worker "
+                    "materialises only its own stages, initialised by each module's reset_parameters() under "
+                    "--seed, or from --init-from (default: eager, unless --init-from is given)",
+                    {"choices": ["eager", "meta"], "default": None})))
     # -- pipeline ----------------------------------------------------------------------------
     schedule: str | None = option(
         None, group=_PIPELINE, fingerprint=True, api="pipeline",
@@ -337,6 +323,11 @@ class TrainConfig:
     extra: dict[str, str] = option(flag=False, default_factory=dict, help="free-form notes of the run")
     drain_at: tuple[int, ...] = option(
         (), flag=False, help="updates after which the pipeline drains (--extend sets them from the checkpoint)")
+
+    def __post_init__(self) -> None:
+        # the one place a Python value of init ("reset", a path, a function) becomes its Init; the
+        # command line's flags give one already (--init eager --init-from DIR has no Python spelling)
+        self.init = resolve_init(self.init)
 
     def fingerprint(self) -> dict[str, object]:
         """What a checkpoint must agree on to be resumed by this run: the options declared

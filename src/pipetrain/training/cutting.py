@@ -27,7 +27,7 @@ from pipetrain.schedule.costs import load_costs
 from pipetrain.schedule.presets import LOOPED
 from pipetrain.stages import StageChoice, StagedModel, split_model, unit_names, unit_pieces
 from pipetrain.stages.balance import cost_order
-from pipetrain.stages.materialize import Init
+from pipetrain.initialiser import Init
 from pipetrain.stages.split import declared_units
 from pipetrain.structure import cast_floating, rows
 from pipetrain.training.checkpoints import resumed_checkpoint

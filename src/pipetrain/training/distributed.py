@@ -459,7 +459,7 @@ def _assemble(run, gathered: list[dict], resumed: int = 0) -> TrainResult:
     for payload in gathered:
         losses.update(payload["losses"])
         states.update(payload["states"])
-    if not run.meta:  # the unsplit model gets every stage's weights (a model built on meta holds its own)
+    if not run.on_meta:  # the unsplit model gets every stage's weights (a model built on meta holds its own)
         for stage, state in states.items():
             run.staged.stages[stage].load_state_dict(state)
     timeline = measured_timeline(run.schedule, gathered)

@@ -62,7 +62,7 @@ def parts_from_config(config: TrainConfig) -> RunParts:
     class count (initialised under ``--seed``, or on the meta device with ``--init meta``), its loss."""
     train_set, test_set, info, note = load_data(config.data, config.test_data, config.holdout)
     model = build_model(config.model, input_shape=info.input_shape, num_classes=info.num_classes, seed=config.seed,
-                        meta=config.meta)
+                        meta=config.init is not None and config.init.on_meta)
     return RunParts(model=model, train_set=train_set, test_set=test_set, loss_fn=loss_for(model), data_note=note)
 
 

@@ -23,7 +23,8 @@ from pipetrain.schedule.costs import Costs, load_calibration
 from pipetrain.schedule.cuts import Cut, cuts
 from pipetrain.schedule.messages import Messages
 from pipetrain.stages import StageChoice, StagedModel
-from pipetrain.stages.materialize import Init, Materialized, materialize
+from pipetrain.initialiser import Init
+from pipetrain.stages.materialize import Materialized, materialize
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.parts import OptimizerFactory
 from pipetrain.training.validate import loss_scale_of
@@ -62,7 +63,7 @@ class Run:
     recompute: frozenset[int] = frozenset()  # the stages that recompute their activations (--recompute, the plan)
     drains: tuple[int, ...] = ()  # updates after which the pipeline drains and fills again (--extend)
     init: Init | None = None  # first values of the stages of a model built on meta
-    meta: bool = False  # the model was built on the meta device: each rank materialises its own stages
+    on_meta: bool = False  # the model was built on the meta device: each rank materialises its own stages
     schedule_choice: AutoChoice | None = None  # how schedule "auto" chose (None: named)
     _calibration: tuple[str | None, Costs | None] = field(default=(None, None), repr=False)  # see calibration
     #: (the stages sized, each one's bytes of one microbatch): kept by
@@ -74,7 +75,7 @@ class Run:
         """Whether rank 0 gathers every stage's trained weights at the end: for a model every rank
         holds whole anyway, or for a one-file ``--save``; a model built on meta is never gathered
         otherwise (each rank's model holds its own stages, ``--save DIR`` is written by stage)."""
-        return not self.meta or bool(self.config.save and not is_weights_dir(self.config.save))
+        return not self.on_meta or bool(self.config.save and not is_weights_dir(self.config.save))
 
     @property
     def num_stages(self) -> int:

@@ -29,7 +29,8 @@ from pipetrain.schedule.presets import LOOPED, check_chunks, chunks_per_rank
 from pipetrain.schedule.recompute_stages import format_recompute, recompute_stages
 from pipetrain.schedule.vshape import V_SCHEDULES, check_v_parameters
 from pipetrain.stages import StageChoice
-from pipetrain.stages.materialize import Init, has_meta, materialize, resolve_init
+from pipetrain.initialiser import Init
+from pipetrain.stages.materialize import has_meta, materialize, opened
 from pipetrain.training import scheduling
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.cutting import check_auto, choose_auto, cut, unit_names_of
@@ -106,7 +107,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
         raise ConfigError(f"{option('precision', config.precision)} autocasts a float32 model (its master weights), "
                           f"not a {str(dtype).replace('torch.', '')} one: use a float32 model or "
                           f"{option('precision', 'fp32')}")
-    init, meta = _initialiser(model, config.init)  # resolved here, once: the Init every stage materialises with
+    init, on_meta = _initialiser(model, config.init)  # its weights opened here, once, for every stage
     choice = parts.schedule_choice
     if auto:
         config, choice, stage_costs = choose_auto(config, model, stages, units, train_set, dtype, parts.loss_fn, init,
@@ -175,7 +176,7 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
         config=config, train_set=train_set, test_set=test_set, model=model, staged=staged, schedule=schedule,
         layout=layout, sampler=sampler, loss_fn=parts.loss_fn, delays=delays, grad_scales=grad_scales,
         updates=updates, dtype=dtype, optimizer_factory=parts.optimizer, tied=tied if tied else None,
-        stage_choice=stage_choice, stage_costs=stage_costs, schedule_choice=choice, device=device, recompute=recompute, init=init, meta=meta,
+        stage_choice=stage_choice, stage_costs=stage_costs, schedule_choice=choice, device=device, recompute=recompute, init=init, on_meta=on_meta,
         data_note="; ".join(filter(None, [
             "data: batches fed by step()" if getattr(train_set, "fed_by_step", False)
             else f"data: {_samples(train_set)}, read {reading}", parts.data_note, extension])),
@@ -186,26 +187,26 @@ def prepare(config: TrainConfig, parts: RunParts | None = None, *, stage_costs: 
     return run
 
 
-def _initialiser(model: nn.Module, init: Any) -> tuple[Init | None, bool]:
+def _initialiser(model: nn.Module, init: Init | None) -> tuple[Init | None, bool]:
     """``(Init or None, whether the model is on meta)``: the run's initialiser, checked against the model
     (a meta model needs one; reset and functions initialise meta models only; a weights
-    directory must hold every tensor of the model, with its shape: its index and headers are read)."""
-    resolved = resolve_init(init)
-    meta = has_meta(model)
-    if resolved is None:
-        if meta:
+    directory is opened here, once, and must hold every tensor of the model, with its shape)."""
+    on_meta = has_meta(model)
+    if init is None:
+        if on_meta:
             materialize(model, model, None, seed=0)  # raises the message that says what to give
         return None, False
-    if resolved.kind == "weights":
-        check_against(resolved.weights, model)
-    elif not meta:
+    if init.kind == "weights":
+        init = opened(init)
+        check_against(init.weights, model)
+    elif not on_meta:
         raise ConfigError(
-            f"{option('init', init if isinstance(init, str) else resolved.describe())} gives the first values of a "
+            f"{option('init', init.given)} gives the first values of a "
             f"model built on the meta device, but this model has values already: build it under "
             f"torch.device('meta') (on the command line: `pipetrain train --init meta`), or drop {option('init')} to "
             f"train it as it is"
         )
-    return resolved, meta
+    return init, on_meta
 
 
 def _check_batch_size(config: TrainConfig, train_set: Any) -> None:

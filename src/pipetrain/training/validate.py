@@ -200,9 +200,9 @@ def _check_plan(config: TrainConfig) -> None:
 
 def _check_init(config: TrainConfig) -> None:
     """``--init-from DIR`` names a weights directory (its index is read once PyTorch is there)."""
-    path = config.init
-    if not isinstance(path, str) or not path or path == "reset":  # a function is the Python API's own
+    if config.init is None or config.init.kind != "weights":
         return
+    path = config.init.path
     if os.path.isfile(path) and path.endswith(".safetensors"):
         return
     if not os.path.isdir(path):
