@@ -158,7 +158,8 @@ def test_bad_arguments():
 def test_a_meta_model_is_profiled_unit_by_unit_and_stays_on_meta():
     from pipetrain.models.gpt import GPT
     from pipetrain.plan.profiler import profile_by_unit
-    from pipetrain.stages.materialize import has_meta, resolve_init
+    from pipetrain.initialiser import resolve_init
+    from pipetrain.stages.materialize import has_meta
 
     with torch.device("meta"):
         model = GPT(20, 8, n_layer=2, n_head=2, n_embd=16)

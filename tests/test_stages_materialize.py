@@ -9,7 +9,8 @@ from torch import nn
 from pipetrain.errors import ConfigError
 from pipetrain.models.gpt import GPT
 from pipetrain.stages import split_model
-from pipetrain.stages.materialize import has_meta, materialize, resolve_init, seed_for
+from pipetrain.initialiser import resolve_init
+from pipetrain.stages.materialize import has_meta, materialize, seed_for
 from pipetrain.weights import save_weights
 
 

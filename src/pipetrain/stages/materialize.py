@@ -39,11 +39,10 @@ import torch
 from torch import nn
 
 from pipetrain.errors import ConfigError, option
-from pipetrain.initialiser import Init, resolve_init
+from pipetrain.initialiser import Init
 from pipetrain.weights import WeightsDir, check_against, tensor_names
 
-__all__ = ["Init", "assign", "load_weights", "has_meta", "materialize", "first_names", "opened", "resolve_init",
-           "seed_for"]
+__all__ = ["assign", "load_weights", "has_meta", "materialize", "first_names", "opened", "seed_for"]
 
 #: init="reset" in a message: `--init meta` on the command line (the field's first flag is --init-from)
 _RESET = option("init", "reset", flag="--init", cli="meta")
