@@ -2,7 +2,8 @@
 
 Given the same initial weights (a weights directory), a model built on meta trains bitwise like
 the eagerly built one, on a synchronous and an asynchronous schedule, on the emulator and on the
-runtime; ``--save DIR`` written stage by stage by the workers equals the emulator's.
+runtime, and so does an eagerly built one given the directory's values (``--init eager --init-from``);
+``--save DIR`` written stage by stage by the workers equals the emulator's.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from distributed_parity import assert_distributed_equals_emulated
 
 from pipetrain import Pipeline, load_weights
 from pipetrain.errors import ConfigError
+from pipetrain.initialiser import Init
+from pipetrain.stages.materialize import has_meta
 from pipetrain.models import build_model
 from pipetrain.models.gpt import GPT
 from pipetrain.training import TrainConfig
+from pipetrain.training.parts import parts_from_config
 from pipetrain.training.train import train
 from pipetrain.weights import save_weights
 
@@ -43,11 +47,22 @@ def test_a_meta_model_from_the_initial_weights_trains_like_the_eager_one(tmp_pat
     options = {**BASE, **SCHEDULES[schedule], "schedule": schedule, "stages": 2, "executor": "emulate"}
     eager = TrainConfig(**options, save=str(tmp_path / "eager.pt"))
     meta = TrainConfig(**options, init=initial, save=str(tmp_path / "meta.pt"))
+    assert not has_meta(parts_from_config(eager).model) and has_meta(parts_from_config(meta).model)
     train(eager)
     train(meta)
     a, b = torch.load(eager.save), torch.load(meta.save)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+
+def test_an_eagerly_built_model_started_from_the_directory_trains_like_the_meta_one(tmp_path, initial):
+    """``--init eager --init-from DIR``: the model is built with values, which the directory's replace."""
+    options = {**BASE, "schedule": "1f1b", "microbatches": 2, "stages": 2, "executor": "emulate", "seed": 5}
+    eager = TrainConfig(**options, init=Init("weights", path=initial, on_meta=False), save=str(tmp_path / "eager.pt"))
+    meta = TrainConfig(**options, init=initial, save=str(tmp_path / "meta.pt"))
+    train(eager)
+    train(meta)
+    a, b = torch.load(eager.save), torch.load(meta.save)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 def test_the_runtime_equals_the_emulator_and_writes_the_same_weights_directory(tmp_path, initial):
     configs = [TrainConfig(**{**BASE, **extra}, schedule=schedule, stages=2, executor="distributed",
