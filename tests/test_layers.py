@@ -16,7 +16,7 @@ import pipetrain
 
 #: docs/design.md's table, lowest first (``__init__`` is the package's face: the top)
 LAYERS = [
-    {"errors", "paths", "spec", "structure", "usercode"},
+    {"errors", "paths", "spec", "structure", "usercode", "collector"},
     {"schedule", "optim", "weights", "initialiser"},
     {"stages"},
     {"data", "models"},

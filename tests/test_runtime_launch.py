@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -54,6 +55,7 @@ def _env_worker():
         "cpus": sorted(os.sched_getaffinity(0)),
         "world": torch.distributed.get_world_size(),
         "listening": _listening(os.getpid()) + _listening(os.getppid()),  # the worker's and the launcher's
+        "collector": (gc.isenabled(), gc.get_freeze_count() > 0),  # paused to load, then on, the modules frozen
     }
 
 
@@ -67,7 +69,7 @@ def test_workers_get_ranks_threads_and_disjoint_cores():
     envs = [r["env"] for r in result.results]
     assert [e.rank for e in envs] == [0, 1] and [e.local_rank for e in envs] == [0, 1]
     assert all(e.world_size == 2 and e.launcher == "pipetrain" for e in envs)
-    assert all(r["threads"] == 1 and r["world"] == 2 for r in result.results)
+    assert all(r["threads"] == 1 and r["world"] == 2 and r["collector"] == (True, True) for r in result.results)
     if len(os.sched_getaffinity(0)) >= 2:
         cpus = [r["cpus"] for r in result.results]
         assert len(cpus[0]) == 1 and len(cpus[1]) == 1 and cpus[0] != cpus[1]

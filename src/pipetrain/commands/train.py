@@ -44,8 +44,11 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     check_config(config)  # choices, specs, plan and output paths, before PyTorch is imported
-    from pipetrain.training.outputs import metrics_text
-    from pipetrain.training.train import train
+    from pipetrain.collector import loading
+
+    with loading():  # PyTorch and the training modules, without the collections that find nothing in them
+        from pipetrain.training.outputs import metrics_text
+        from pipetrain.training.train import train
 
     result = train(config)
     if result is None or not result.is_main:  # a worker process of the distributed runtime: rank 0 reports

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from pipetrain.collector import loaded
 from pipetrain.data.worker_deaths import lost_data_worker
 from pipetrain.errors import PipetrainError
 from pipetrain.runtime.errors import CommunicationError, DataWorkerLost, JoinError, LaunchError
@@ -365,7 +366,8 @@ def _worker_main() -> None:
             os.remove(result)
         _load_main()
         with open(entry, "rb") as f:
-            fn, args = pickle.load(f)
+            fn, args = pickle.load(f)  # imports the modules fn needs
+        loaded()  # what settle() paused: the collector runs again, blind to the loaded modules
         value = fn(*args)
         if value is not None:
             tmp = os.path.join(os.path.dirname(entry), f".result-{rank}.tmp")
@@ -383,6 +385,7 @@ def _script_main() -> None:
     _threads()
 
     kind, target, arguments = json.loads(os.environ["PIPETRAIN_SCRIPT"])
+    loaded()  # what settle() paused; the script's own imports are the script's
 
     def run() -> None:
         if kind == "module":

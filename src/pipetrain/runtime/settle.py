@@ -1,5 +1,7 @@
 """A spawned worker's own process settings, made first, before PyTorch is imported: die with the
-launcher, and run on the cores the launcher gave it.
+launcher, run on the cores the launcher gave it, and load its libraries without the garbage
+collector (:mod:`pipetrain.collector`; the worker's entry calls ``loaded`` once its function is
+unpickled).
 
 The command that starts a worker (:func:`pipetrain.runtime.launch.launch`) runs :func:`settle`
 before it imports :mod:`pipetrain.runtime.launch` and with it PyTorch, so that the threads PyTorch
@@ -11,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+
+from pipetrain.collector import pause_for_loading
 
 __all__ = ["settle", "die_with_parent"]
 
@@ -29,7 +33,9 @@ def die_with_parent(parent: int) -> None:
 
 
 def settle() -> None:
-    """Die with the launcher (``PIPETRAIN_PARENT``) and pin to the cores ``PIPETRAIN_CPUS`` names."""
+    """Die with the launcher (``PIPETRAIN_PARENT``), pin to the cores ``PIPETRAIN_CPUS`` names, and
+    pause the collector while PyTorch and the worker's modules load."""
+    pause_for_loading()
     die_with_parent(int(os.environ.get("PIPETRAIN_PARENT", "0")))
     cpus = os.environ.get("PIPETRAIN_CPUS")
     if cpus:

@@ -11,7 +11,7 @@ STEP. Then a dry run of all ranks together finds deadlocks (:func:`~pipetrain.sc
 from __future__ import annotations
 
 from pipetrain.errors import ScheduleError
-from pipetrain.schedule._gc import gc_paused
+from pipetrain.collector import gc_paused
 from pipetrain.schedule.ir import Kind, Schedule, format_action, halves
 from pipetrain.schedule.pattern import pattern_of
 from pipetrain.schedule.timeline import dry_run

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipetrain.schedule._gc import gc_paused
+from pipetrain.collector import gc_paused
 from pipetrain.schedule.ir import Action, Kind, Schedule, halves
 
 __all__ = ["add_communication", "strip_communication"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
-from pipetrain.schedule._gc import gc_paused
+from pipetrain.collector import gc_paused
 from pipetrain.schedule.ir import Kind, Schedule, halves
 from pipetrain.schedule.pattern import pattern_of
 from pipetrain.schedule.recompute_stages import recompute_stages

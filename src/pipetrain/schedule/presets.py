@@ -40,7 +40,7 @@ import difflib
 from typing import Callable, Sequence
 
 from pipetrain.errors import ScheduleError, option
-from pipetrain.schedule._gc import gc_paused
+from pipetrain.collector import gc_paused
 from pipetrain.schedule.auto import zb_auto
 from pipetrain.schedule.bfs import looped_bfs
 from pipetrain.schedule.costs import Costs

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pipetrain.errors import DeadlockError
-from pipetrain.schedule._gc import gc_paused
+from pipetrain.collector import gc_paused
 from pipetrain.schedule.costs import Costs, StageCosts
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 

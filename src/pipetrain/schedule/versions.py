@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipetrain.errors import ScheduleError
-from pipetrain.schedule._gc import gc_paused
+from pipetrain.collector import gc_paused
 from pipetrain.schedule.ir import Action, Kind, Schedule, halves
 from pipetrain.schedule.pattern import PeriodicProgram, pattern_of
 

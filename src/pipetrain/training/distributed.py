@@ -51,7 +51,7 @@ from pipetrain.schedule.ir import Kind, halves
 from pipetrain.schedule.pattern import pattern_of
 from pipetrain.stages.tied import check_tied_copies
 from pipetrain.training.checkpoints import Checkpoints, chain, claim_directory
-from pipetrain.training.collector import setup_heap_frozen
+from pipetrain.collector import setup_heap_frozen
 from pipetrain.training.config import TrainConfig
 from pipetrain.training.files import write_outputs
 from pipetrain.training.memory_report import MemoryProbe, memory_report

@@ -8,7 +8,7 @@ from typing import Any
 from pipetrain.emulate.emulator import Emulator
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.timing import measured_timeline
-from pipetrain.training.collector import setup_heap_frozen
+from pipetrain.collector import setup_heap_frozen
 from pipetrain.training.evaluate import evaluate_chain
 from pipetrain.training.memory_report import MemoryProbe, memory_report
 from pipetrain.training.outputs import Progress, UpdateLosses, describe_run, eval_batches, evaluation_line, say
