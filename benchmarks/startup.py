@@ -45,7 +45,7 @@ def _whole_run(src: str, workdir: str) -> float:
 
 def _paired(name: str, ours: list[float], theirs: list[float]) -> None:
     ratios = [a / b for a, b in zip(ours, theirs)]
-    print(f"{name:<28} {statistics.median(theirs):9.3f} {statistics.median(ours):9.3f} "
+    print(f"{name:<34} {statistics.median(theirs):9.3f} {statistics.median(ours):9.3f} "
           f"{statistics.median(ratios):7.3f}  ({min(ratios):.3f}-{max(ratios):.3f})")
 
 
@@ -57,7 +57,7 @@ def main() -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"{args.rounds} paired rounds")
-    print(f"{'what':<28} {'baseline s':>9} {'ours s':>9} {'ratio':>7}  (range)")
+    print(f"{'what':<34} {'baseline s':>9} {'ours s':>9} {'ratio':>7}  (range)")
     _imports(False)  # warm the file cache
     plain, paused = [], []
     for _ in range(args.rounds):
