@@ -9,8 +9,8 @@ places pay it for nothing:
   them under :func:`loading` (or :func:`pause_for_loading` ... :func:`loaded` where the loading
   spans two functions: a spawned worker pauses in :func:`pipetrain.runtime.settle.settle` and
   resumes once its function is unpickled) skips them, and freezes what it loaded out of the
-  collector's sight. `pipetrain train --steps 3 --stages 2` ran in 0.85 of the time (median of
-  8 paired runs, benchmarks/RESULTS.md).
+  collector's sight. The embedded default run (`pipetrain train --steps 3 --stages 2`) takes
+  0.83 of the time it took without (benchmarks/RESULTS.md section 20).
 * **Building a schedule** (:func:`gc_paused`): actions are tuples of ints and enum members and
   cannot form cycles; building 10^5..10^6 of them otherwise spends most of its time in repeated
   collections.
