@@ -101,14 +101,17 @@ def _generate(name: str, args: argparse.Namespace, costs=None, *, comparing: boo
 
 
 def run(args: argparse.Namespace) -> int:
-    import gc
+    from pipetrain.collector import gc_paused
 
+    with gc_paused():  # a command over 10^5..10^6 small tuples that cannot form cycles
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from pipetrain.schedule import check, dump, simulate
     from pipetrain.schedule import torch_csv
-    from pipetrain.schedule.summary import format_summary, summarize
-
-    gc.disable()  # a short-lived command over 10^5..10^6 small tuples that cannot form cycles
     from pipetrain.paths import IMAGE, JSON, TEXT, check_outputs
+    from pipetrain.schedule.summary import format_summary, summarize
 
     check_outputs(files={"--plot": args.plot, "--trace": args.trace, "--csv": args.csv, "--programs": args.programs},
                   formats={"--plot": IMAGE, "--trace": JSON, "--csv": TEXT, "--programs": JSON})
