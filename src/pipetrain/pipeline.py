@@ -32,15 +32,15 @@ from pipetrain.errors import ArgumentError, ConfigError, option
 from pipetrain.models.loss import loss_for
 from pipetrain.optim import build_stage_optimizer, parse_compensation
 from pipetrain.optim.torch_optim import SchedulerLR, TorchOptimizer, as_spec, is_torch_optimizer
-from pipetrain.plan.choose import choose_schedule, is_auto, parse_auto
+from pipetrain.plan.choose import is_auto
 from pipetrain.runtime.launch import detect
 from pipetrain.schedule import resolve_name
-from pipetrain.schedule.presets import LOOPED, chunks_per_rank
-from pipetrain.stages import StageChoice, split_model, unit_names, unit_pieces
+from pipetrain.schedule.presets import chunks_per_rank
+from pipetrain.stages import StageChoice, split_model
 from pipetrain.training import distributed
 from pipetrain.training.api_types import checked_value
 from pipetrain.training.config import TrainConfig
-from pipetrain.training.cutting import check_auto, unit_names_of
+from pipetrain.training.cutting import check_auto, choose_by_parameters, unit_names_of
 from pipetrain.training.options import api_signature, api_values
 from pipetrain.training.outputs import HeldOut
 from pipetrain.training.parts import OptimizerFactory, RunParts, describe_data, describe_model
@@ -392,7 +392,7 @@ class _Unread(torch.utils.data.Dataset):
         raise ConfigError("a run begun with start() reads only the batches handed to step()")
 
 
-def _choose_auto(config: TrainConfig, model: Any, leaf_modules: Any, concrete_args: Any):
+def _choose_auto(config: TrainConfig, model: Any, leaf_modules: Any, concrete_args: Any) -> tuple[TrainConfig, Any]:
     """``(config naming the chosen schedule, AutoChoice)`` for ``schedule="auto"``: the schedule
     that simulates fastest over ``stages`` ranks (:mod:`pipetrain.plan.choose`), each unit priced by
     its parameter count, as the Pipeline cuts the model (here, before any data to time it on)."""
@@ -405,13 +405,8 @@ def _choose_auto(config: TrainConfig, model: Any, leaf_modules: Any, concrete_ar
                           f"{option('microbatches')}")
     ranks = config.stages or 2
     trace = dict(leaf_modules=list(leaf_modules or ()), concrete_args=concrete_args)
-    pieces = 2 * ranks if len(unit_names(model, 2 * ranks, **trace)) >= 2 * ranks else ranks
-    _, units = unit_pieces(model, pieces, **trace)
-    costs = [float(sum(p.numel() for p in stage.parameters())) for stage in units.stages]
-    choice = choose_schedule(costs, ranks, config.microbatches, memory=parse_auto(config.schedule))
-    choice.priced_by = "unit parameter counts"
-    chunks = choice.chunks if choice.schedule in LOOPED else 1
-    return dataclasses.replace(config, schedule=choice.schedule, chunks=chunks, stages=ranks), choice
+    config, choice = choose_by_parameters(config, model, ranks, config.microbatches, trace)
+    return dataclasses.replace(config, stages=ranks), choice
 
 
 def _check_model(model: Any) -> None:

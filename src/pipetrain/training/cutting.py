@@ -33,7 +33,8 @@ from pipetrain.structure import cast_floating, rows
 from pipetrain.training.checkpoints import resumed_checkpoint
 from pipetrain.training.config import TrainConfig
 
-__all__ = ["BALANCE_BY", "cut", "balance_by", "first_microbatch", "unit_names_of", "check_auto", "choose_auto"]
+__all__ = ["BALANCE_BY", "cut", "balance_by", "first_microbatch", "unit_names_of", "check_auto", "choose_auto",
+           "choose_by_parameters"]
 
 BALANCE_BY = ("auto", "time", "params")
 
@@ -49,7 +50,7 @@ def cut(config: TrainConfig, model: nn.Module, name: str, pieces: int, units: in
     the units are timed on). ``costs``: unit times measured before (by the launcher, so that worker
     processes cut alike; or by the run being resumed), used instead of timing. A model built on
     meta is timed one unit at a time, each materialised with ``init`` and freed."""
-    trace = dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
+    trace = _trace(config)
     if config.balance:
         staged = split_model(model, balance=config.balance, **trace)
         return staged, StageChoice.of(staged, "--plan" if config.plan else "--balance", unit_names_of(model)), None
@@ -103,8 +104,7 @@ def _ties_fixed_by_any_cut(config: TrainConfig, model: nn.Module, pieces: int) -
     """Whether every shared parameter is used by the first unit and the last only (an input
     embedding and the LM head reusing it): every cut then gives it to the first and the last stage,
     which sum its gradient in the same order."""
-    names, units = unit_pieces(model, pieces, leaf_modules=list(config.leaf_modules or ()),
-                               concrete_args=config.concrete_args)
+    names, units = unit_pieces(model, pieces, **_trace(config))
     return all(set(t.stages) <= {0, len(names) - 1} for t in units.tied)
 
 
@@ -198,20 +198,45 @@ def choose_auto(config: TrainConfig, model: nn.Module, ranks: int, units: int, t
     (each unit timed once; the cut then reuses those times, and the launcher hands them to the
     workers, which choose alike), else by parameter count. With measured times, a calibration
     (``costs_file``) charges every action and message too. The looped schedules get 2 chunks."""
-    trace = dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
-    pieces = 2 * ranks if len(unit_names(model, 2 * ranks, **trace)) >= 2 * ranks else ranks
+    trace = _trace(config)
+    pieces = _auto_pieces(model, ranks, trace)
     by, _ = balance_by(config, "1f1b", model, pieces)
-    if by == "time" and pieces > 1:
-        _, _, costs = cut(config, model, "1f1b", pieces, units, train_set, dtype, loss_fn, init, costs)
-        assert costs is not None  # a cut by time returns its unit times
-        values = [costs[unit] for unit in cost_order(model, costs, trace)]
-        how = "measured unit times"
-    else:
-        _, pieced = unit_pieces(model, pieces, **trace)
-        values = [float(sum(p.numel() for p in stage.parameters())) for stage in pieced.stages]
-        how = "unit parameter counts"
-    calibration = load_costs(config.costs_file) if how == "measured unit times" and config.costs_file else None
+    if by != "time" or pieces == 1:
+        config, choice = choose_by_parameters(config, model, ranks, units, trace)
+        return config, choice, costs
+    _, _, costs = cut(config, model, "1f1b", pieces, units, train_set, dtype, loss_fn, init, costs)
+    assert costs is not None  # a cut by time returns its unit times
+    values = [costs[unit] for unit in cost_order(model, costs, trace)]
+    calibration = load_costs(config.costs_file) if config.costs_file else None
     choice = choose_schedule(values, ranks, units, memory=parse_auto(config.schedule), calibration=calibration)
-    choice.priced_by = how + (" and the calibration's per-action and message costs" if calibration else "")
-    chunks = choice.chunks if choice.schedule in LOOPED else 1
-    return replace(config, schedule=choice.schedule, chunks=chunks), choice, costs
+    choice.priced_by = "measured unit times" + (" and the calibration's per-action and message costs"
+                                                if calibration else "")
+    return _naming(config, choice), choice, costs
+
+
+def choose_by_parameters(config: TrainConfig, model: nn.Module, ranks: int, units: int, trace: dict[str, Any],
+                         ) -> tuple[TrainConfig, AutoChoice]:
+    """``schedule="auto"`` with each unit priced by its parameter count, over the units the tracer
+    finds with ``trace`` (``leaf_modules``, ``concrete_args``): no data is needed to time them (the
+    Python API chooses so when it is made, and so does a run not cut by time)."""
+    _, pieced = unit_pieces(model, _auto_pieces(model, ranks, trace), **trace)
+    values = [float(sum(p.numel() for p in stage.parameters())) for stage in pieced.stages]
+    choice = choose_schedule(values, ranks, units, memory=parse_auto(config.schedule))
+    choice.priced_by = "unit parameter counts"
+    return _naming(config, choice), choice
+
+
+def _trace(config: TrainConfig) -> dict[str, Any]:
+    """What the tracer is told for a model torch.fx splits (``leaf_modules``, ``concrete_args``)."""
+    return dict(leaf_modules=list(config.leaf_modules or ()), concrete_args=config.concrete_args)
+
+
+def _auto_pieces(model: nn.Module, ranks: int, trace: dict[str, Any]) -> int:
+    """The units ``auto`` prices: two per rank where the model has them (the looped schedules'
+    chunks), else one."""
+    return 2 * ranks if len(unit_names(model, 2 * ranks, **trace)) >= 2 * ranks else ranks
+
+
+def _naming(config: TrainConfig, choice: AutoChoice) -> TrainConfig:
+    """``config`` naming the chosen schedule (the looped ones with their chunks)."""
+    return replace(config, schedule=choice.schedule, chunks=choice.chunks if choice.schedule in LOOPED else 1)
