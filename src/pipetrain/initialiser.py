@@ -1,9 +1,10 @@
 """How the stages of a model built on the meta device get their first values: one typed value
 (:class:`Init`), read once where the user gives it (``--init``/``--init-from`` on the command line,
-``init=`` in Python) and handed unchanged to :func:`pipetrain.stages.materialize.materialize`.
+``init=`` in Python) and handed to :func:`pipetrain.stages.materialize.materialize`.
 
 This module imports no PyTorch, so the command line reads and checks its options before PyTorch
-loads; the weights directory is opened below (:func:`pipetrain.stages.materialize.opened`).
+loads; a run's weights directory is opened once, by its set-up, below
+(:func:`pipetrain.stages.materialize.opened`).
 """
 
 from __future__ import annotations
