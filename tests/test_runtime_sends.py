@@ -1,12 +1,16 @@
-"""When receives may be posted on demand: the dry run of on_demand_is_safe."""
+"""When receives may be posted on demand: the dry run of on_demand_is_safe, and auto's choice."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
 from pipetrain.schedule.cuts import cut
 from pipetrain.schedule.messages import Messages
-from pipetrain.runtime.sends import on_demand_is_safe
+from pipetrain.runtime.sends import on_demand_is_safe, splits_backward
 from pipetrain.schedule import build, dry_run
 from pipetrain.schedule.ir import Action, Kind, Schedule
 
@@ -23,6 +27,28 @@ def test_the_usual_schedules_may_receive_on_demand(name, extra, stages):
 @pytest.mark.parametrize("name, extra", [("1f1b", {"steps": 2}), ("pipedream", {})])
 def test_replicated_stages_may_receive_on_demand(name, extra):
     assert on_demand_is_safe(build(name, stages=2, microbatches=8, replicas=[2, 1], **extra))
+
+
+@pytest.mark.parametrize("name, extra, split", [
+    ("1f1b", {"steps": 2}, False), ("gpipe", {"steps": 2}, False), ("pipedream", {}, False),
+    ("zb-h1", {"steps": 2}, True), ("zb-h2", {"steps": 2}, True),
+    ("interleaved-zb", {"steps": 2, "chunks": 2, "microbatches": 4}, True),
+    ("zb-h1", {"steps": 400, "pattern": True}, True),  # a long run's pattern: its sample is read
+])
+def test_a_split_backward_is_found_in_the_programs(name, extra, split):
+    schedule = build(name, stages=2, **{"microbatches": 8, **extra})
+    assert splits_backward(schedule) is split
+
+
+def test_auto_posts_a_split_backwards_receives_ahead_and_1f1bs_on_demand(tmp_path):
+    for schedule, expected in (("zb-h1", "ahead"), ("1f1b", "on-demand")):
+        report = tmp_path / f"{schedule}.json"
+        done = subprocess.run([sys.executable, "-m", "pipetrain.cli", "train", "--schedule", schedule, "--stages", "2",
+                               "--steps", "2", "--microbatches", "4", "--report-json", str(report), "--quiet",
+                               "--no-progress", "--eval-samples", "16"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(report.read_text())["receives"] == [expected] * 2
 
 
 def test_interleaved_keeps_its_receives_posted_ahead():

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from pipetrain.execution.stage import StageExecutor
 from pipetrain.execution.tied_gradients import TiedGradients, gradient_of
 from pipetrain.runtime.p2p import Messenger, RecvHandle
-from pipetrain.runtime.sends import SendLedger, on_demand_is_safe
+from pipetrain.runtime.sends import SendLedger, on_demand_is_safe, splits_backward
 from pipetrain.schedule.ir import Action, Kind, Schedule, format_action
 from pipetrain.schedule.messages import Messages
 from pipetrain.schedule.pattern import PeriodicProgram
@@ -114,18 +114,19 @@ class DistributedTransport:
     # -- receives posted ahead of need ----------------------------------------------------------
 
     def choose_receives(self, receives: str, hooks: dict, start: int, resumed_cut: Any) -> None:
-        """On demand when asked, or under ``auto`` when the dry run proves it safe for this run:
-        from the start or the resumed cut, with these pauses. A hook that is not one of the pauses
-        (all ranks stopping together at a cut) could block this rank while a peer waits for it to
-        take a send: it keeps the receives posted ahead."""
+        """On demand when asked, or under ``auto`` when the dry run proves it safe for this run
+        (from the start or the resumed cut, with these pauses) and the schedule does not split its
+        backwards (:func:`~pipetrain.runtime.sends.splits_backward`: measured slower on demand). A
+        hook that is not one of the pauses (all ranks stopping together at a cut) could block this
+        rank while a peer waits for it to take a send: it keeps the receives posted ahead."""
         if receives == "on-demand":
             self.on_demand = True
         elif receives == "auto":
             wanted = set(hooks)
             known = {pause[self.rank] for pause in self._pauses if pause[self.rank] in wanted}
-            self.on_demand = all(position in known for position in hooks) and on_demand_is_safe(
-                self.schedule, self.messages, self._pauses, start=resumed_cut
-            )
+            self.on_demand = (not splits_backward(self.schedule)
+                              and all(position in known for position in hooks)
+                              and on_demand_is_safe(self.schedule, self.messages, self._pauses, start=resumed_cut))
         if not self.on_demand:
             self._plan_receives(start)
 

@@ -27,7 +27,7 @@ from pipetrain.schedule.ir import Kind, Schedule
 from pipetrain.schedule.messages import Messages
 from pipetrain.schedule.pattern import pattern_of
 
-__all__ = ["SendLedger", "on_demand_is_safe"]
+__all__ = ["SendLedger", "on_demand_is_safe", "splits_backward"]
 
 _RECEIVES = (Kind.RECV_F, Kind.RECV_B)
 #: actions read ahead for the next receive from a peer (:meth:`SendLedger.received_on_demand`)
@@ -94,6 +94,16 @@ class SendLedger:
             else:
                 still.append((receive_position, handle))
         self._pending[peer] = still
+
+
+def splits_backward(schedule: Schedule) -> bool:
+    """Whether the schedule splits backwards into I and W (the zero-bubble family). ``auto`` keeps
+    such a schedule's receives posted ahead: on demand, its W work between receives delays each
+    receive its peer's message waits for, and on a CPU it ran 1.27-1.42x slower (zb-h1, zb-h2 and
+    interleaved-zb at 2 workers, overhead-bound: benchmarks/RESULTS.md section 21)."""
+    pattern = pattern_of(schedule)
+    programs = pattern.sample.programs if pattern is not None else schedule.programs
+    return any(action.kind is Kind.W for program in programs for action in program)
 
 
 def on_demand_is_safe(

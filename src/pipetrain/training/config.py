@@ -252,7 +252,8 @@ class TrainConfig:
     receives: str = option(
         "auto", group=_EXECUTION, choices=["auto", "on-demand", "ahead"], api="pipeline",
         help="distributed: post each receive when it is reached (on-demand), keep every channel's "
-             "next receive posted (ahead), or on-demand where provably deadlock-free (auto) (default auto)")
+             "next receive posted (ahead), or on-demand where provably deadlock-free and the backward is not "
+             "split (auto) (default auto)")
     timeout: float = option(
         60.0, check=at_least(0, strict=True), group=_EXECUTION, type=float, api="pipeline",
         help="seconds any blocking wait may take, joining the run included (default 60)")
