@@ -34,7 +34,7 @@ from pipetrain.execution.scaling import LossScale, StageScale
 from pipetrain.execution.snapshot import restore_stage, stage_snapshot
 from pipetrain.execution.split_backward import input_half
 from pipetrain.execution.update import apply_update
-from pipetrain.execution.update_in_backward import fused_update
+from pipetrain.execution.update_in_backward import fused_update, update_wanted
 from pipetrain.execution.version_store import VersionStore
 from pipetrain.structure import flatten
 
@@ -143,8 +143,7 @@ class StageExecutor:
         self.last_constants = 0
         self.saved = SavedParameters()
         self.leaves = ForwardLeaves(self.trainable)
-        wanted = update_in_backward and units_per_update == 1 and scaler is None and nonfinite != "skip"
-        self.fused = fused_update(optimizer, wanted)
+        self.fused = fused_update(optimizer, update_wanted(update_in_backward, units_per_update, scaler, nonfinite))
         warm_up_autograd()
 
     @property

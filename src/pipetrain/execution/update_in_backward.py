@@ -25,13 +25,20 @@ from torch import Tensor
 
 from pipetrain.optim.base import StageOptimizer
 
-__all__ = ["UpdateInBackward", "can_update_in_backward", "fused_update"]
+__all__ = ["UpdateInBackward", "can_update_in_backward", "fused_update", "update_wanted"]
 
 
 def can_update_in_backward(optimizer: Any) -> bool:
     """Whether ``optimizer`` updates each parameter alone, as its ``step`` would (pipetrain's own
     optimizers, unless a subclass changes what ``step`` does)."""
     return isinstance(optimizer, StageOptimizer) and type(optimizer).step is StageOptimizer.step
+
+
+def update_wanted(allowed: bool, units_per_update: int, scaler: Any, nonfinite: str) -> bool:
+    """Whether a stage wants its update made during the backward: ``allowed`` by the run (one
+    weight version, no replicas, no shared parameter), one microbatch per update, and nothing that
+    must see the whole gradient first (a loss scale's overflow check, ``nonfinite="skip"``)."""
+    return allowed and units_per_update == 1 and scaler is None and nonfinite != "skip"
 
 
 def fused_update(optimizer: Any, wanted: bool) -> UpdateInBackward | None:

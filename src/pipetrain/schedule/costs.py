@@ -238,7 +238,6 @@ def load_costs(path: str) -> Costs:
     return costs
 
 
-
 def load_calibration(path: str | None) -> Costs | None:
     """A run's ``costs_file`` (None: none), warning each time it is read if it was measured
     elsewhere (Python would show a warning from one place only once per process)."""
@@ -247,6 +246,7 @@ def load_calibration(path: str | None) -> Costs | None:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         return load_costs(path)
+
 
 def machine_facts() -> dict[str, str | int]:
     """What a calibration says about where it ran: host, processor, cores and torch's version

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pipetrain.execution.update_in_backward import can_update_in_backward
+from pipetrain.execution.update_in_backward import can_update_in_backward, update_wanted
 from pipetrain.schedule.memory import StageSizes, bytes_by_rank, memory_by_rank
 from pipetrain.schedule.recompute_stages import format_recompute
 from pipetrain.schedule.timeline import positions
@@ -180,13 +180,14 @@ def predicted_bytes(run: Run, recompute: frozenset[int] = frozenset()) -> list[d
     if held is None:
         return None
     sizes = []
-    fusing = loss_scale_of(run.config) is None and run.config.on_nonfinite != "skip"
+    scaler, units = loss_scale_of(run.config), run.layout.units_per_update
     for index, (module, microbatch) in enumerate(zip(stages, held)):
         trainable = [p.numel() * p.element_size() for p in module.parameters() if p.requires_grad]
         optimizer = run.stage_optimizer(index)
         slots = getattr(optimizer, "state_slots", 0) or 0
         # an update made during the backward frees each gradient once read (one at a time)
-        fused = fusing and run.updates_in_backward(index) and can_update_in_backward(optimizer)
+        fused = can_update_in_backward(optimizer) and update_wanted(
+            run.updates_in_backward(index), units, scaler, run.config.on_nonfinite)
         sizes.append(StageSizes(sum(trainable), slots * sum(trainable), microbatch.held, microbatch.inputs,
                                 gradients=max(trainable, default=0) if fused else None))
     return bytes_by_rank(run.schedule, sizes, recompute=recompute)
